@@ -1,0 +1,24 @@
+"""The environment layer: worker processes, batching, wrappers, device tensors."""
+
+from batchrl.envs.batch import BatchEnv
+from batchrl.envs.errors import (EnvAttributeError, EnvCrashedError, EnvError,
+                                 EnvRaisedError, EnvTimeoutError)
+from batchrl.envs.external import ExternalProcess, RemoteAttribute
+from batchrl.envs.wrappers import (ClipAction, TimeLimit, convert_to_32bit, range_normalize,
+                                   wrap_env)
+
+__all__ = [
+    "BatchEnv", "ExternalProcess", "RemoteAttribute", "TensorBatchEnv",
+    "EnvError", "EnvRaisedError", "EnvAttributeError", "EnvCrashedError", "EnvTimeoutError",
+    "ClipAction", "TimeLimit", "convert_to_32bit", "range_normalize", "wrap_env",
+]
+
+
+def __getattr__(name: str):
+    # TensorBatchEnv needs torch. Importing it on first use keeps torch out of
+    # the env workers' fork server, which preloads batchrl.envs.external (and
+    # thereby this package): importing torch there costs seconds per run.
+    if name == "TensorBatchEnv":
+        from batchrl.envs.tensor_env import TensorBatchEnv
+        return TensorBatchEnv
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

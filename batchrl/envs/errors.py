@@ -1,0 +1,76 @@
+"""Errors raised by the environment layer.
+
+Every error names the env it came from (its label, and its index in a
+``BatchEnv`` when it has one) so that a failure among 30 workers can be traced.
+"""
+
+from __future__ import annotations
+
+
+class EnvError(RuntimeError):
+    """Base class for failures of an environment, local or in a worker process.
+
+    Attributes:
+      label: human-readable name of the env (constructor or Gymnasium id).
+      env_index: index in the enclosing ``BatchEnv``, or ``None``.
+      operation: what was being done (``"step"``, ``"reset"``, ``"construct"``...).
+    """
+
+    def __init__(self, label: str, operation: str, detail: str):
+        super().__init__(detail)
+        self.label = label
+        self.operation = operation
+        self.detail = detail
+        self.env_index: int | None = None
+
+    def __str__(self) -> str:
+        where = self.label if self.env_index is None else f"env {self.env_index} ({self.label})"
+        return f"{where} failed in {self.operation}(): {self.detail}"
+
+
+class EnvRaisedError(EnvError):
+    """The env raised an exception inside its worker process.
+
+    ``remote_type`` is the original exception's type name, ``remote_message``
+    its message and ``remote_traceback`` the worker's formatted traceback.
+    """
+
+    def __init__(self, label: str, operation: str, remote_type: str,
+                 remote_message: str, remote_traceback: str):
+        detail = (f"{remote_type}: {remote_message}\n\n"
+                  f"Traceback in the env worker:\n{remote_traceback.rstrip()}")
+        super().__init__(label, operation, detail)
+        self.remote_type = remote_type
+        self.remote_message = remote_message
+        self.remote_traceback = remote_traceback
+
+
+class EnvAttributeError(EnvRaisedError, AttributeError):
+    """The env in the worker has no such attribute (also an ``AttributeError``,
+    so ``hasattr`` and ``getattr(..., default)`` work on remote envs)."""
+
+
+class EnvCrashedError(EnvError):
+    """The worker process died (killed by a signal, crashed, or exited).
+
+    ``exitcode`` follows ``multiprocessing``: negative values are signal numbers.
+    """
+
+    def __init__(self, label: str, operation: str, exitcode: int | None, pid: int | None):
+        import signal
+        if exitcode is None:
+            how = "closed its connection"
+        elif exitcode < 0:
+            try:
+                how = f"was killed by signal {signal.Signals(-exitcode).name}"
+            except ValueError:
+                how = f"was killed by signal {-exitcode}"
+        else:
+            how = f"exited with code {exitcode}"
+        super().__init__(label, operation, f"the env worker process (pid {pid}) {how}")
+        self.exitcode = exitcode
+        self.pid = pid
+
+
+class EnvTimeoutError(EnvError):
+    """The worker did not answer within the configured timeout."""

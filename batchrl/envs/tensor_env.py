@@ -1,0 +1,158 @@
+"""A batch env whose state lives in torch tensors on a device.
+
+This is the PyTorch counterpart of TF Agents' ``InGraphBatchEnv``: the current
+batch of observations, last actions, rewards and done flags is kept in
+preallocated tensors that algorithms read directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from batchrl.envs.batch import BatchEnv
+
+
+class TensorBatchEnv:
+    """Wraps a ``BatchEnv`` and exposes its state as tensors on ``device``.
+
+    Attributes (all on ``device``, first dimension ``N = len(batch_env)``):
+      observ: ``(N, *obs_shape)`` float32, the latest observation of each env.
+      action: ``(N, *act_shape)``, the last action: float32 for Box action
+        spaces, int64 for discrete ones.
+      reward: ``(N,)`` float32, the last reward (0 after a reset).
+      done: ``(N,)`` float32, 1.0 where the last step ended the episode,
+        by termination or by truncation (time limit).
+      terminated: ``(N,)`` float32, 1.0 where the episode reached a true
+        terminal state; ``done - terminated`` marks truncations.
+      infos: the info dicts of the last step (a list, on the host).
+
+    ``step`` and ``reset`` update these buffers in place and return them (or
+    the reset rows); a caller that needs a value after the next step must
+    clone it. On CUDA, host staging buffers are pinned and copies are
+    ``non_blocking``. Envs are not reset automatically: ``simulate()`` resets
+    the ones that are done before it steps them again.
+    """
+
+    def __init__(self, batch_env: BatchEnv, device: str | torch.device = "cpu"):
+        self.batch_env = batch_env
+        self.device = torch.device(device)
+        obs_space, act_space = batch_env.observation_space, batch_env.action_space
+        n = len(batch_env)
+        self._discrete = not isinstance(act_space, gym.spaces.Box)
+        action_dtype = torch.int64 if self._discrete else torch.float32
+        cuda = self.device.type == "cuda"
+
+        def buffers(shape: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            device_buffer = torch.zeros(tuple(shape), dtype=dtype, device=self.device)
+            host = torch.zeros(tuple(shape), dtype=dtype, pin_memory=True) if cuda else device_buffer
+            return device_buffer, host
+
+        self.observ, self._host_observ = buffers((n, *obs_space.shape), torch.float32)
+        self.action, self._host_action = buffers((n, *act_space.shape), action_dtype)
+        self.reward, self._host_reward = buffers((n,), torch.float32)
+        self.done, self._host_done = buffers((n,), torch.float32)
+        self.terminated, self._host_terminated = buffers((n,), torch.float32)
+        self.infos: list[dict] = [{} for _ in range(n)]
+        # The host buffers may only be rewritten once the last upload finished.
+        self._uploaded = torch.cuda.Event() if cuda else None
+
+    @property
+    def observation_space(self) -> gym.Space:
+        return self.batch_env.observation_space
+
+    @property
+    def action_space(self) -> gym.Space:
+        return self.batch_env.action_space
+
+    def __len__(self) -> int:
+        return len(self.batch_env)
+
+    def _upload(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if self._uploaded is None:
+            return  # on the CPU the host buffers are the device buffers
+        for device_buffer, host in pairs:
+            device_buffer.copy_(host, non_blocking=True)
+        self._uploaded.record()
+
+    def _host_ready(self) -> None:
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+
+    def step(self, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step all envs.
+
+        Args:
+          action: ``(N, *act_shape)`` tensor on any device.
+        Returns:
+          ``(observ, reward, done)``, the updated buffers on ``device``.
+        """
+        action = action.detach()
+        if action.shape != self.action.shape:
+            raise ValueError(f"action must have shape {tuple(self.action.shape)} "
+                             f"(num_envs, *action_space.shape), got {tuple(action.shape)}")
+        if self._discrete and (action.is_floating_point() or action.is_complex()):
+            raise TypeError(f"actions for {self.action_space} must be integers, got "
+                            f"{action.dtype}")
+        self.action.copy_(action)
+        self._host_ready()
+        if self._uploaded is not None:
+            self._host_action.copy_(self.action, non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()
+        obs, reward, terminated, truncated, infos = self.batch_env.step(self._host_action.numpy())
+        self._host_observ.copy_(torch.from_numpy(np.asarray(obs)))
+        self._host_reward.copy_(torch.from_numpy(reward))
+        self._host_terminated.copy_(torch.from_numpy(terminated))
+        self._host_done.copy_(torch.from_numpy(terminated | truncated))
+        self.infos = infos
+        self._upload([(self.observ, self._host_observ), (self.reward, self._host_reward),
+                      (self.done, self._host_done),
+                      (self.terminated, self._host_terminated)])
+        return self.observ, self.reward, self.done
+
+    def reset(self, indices: torch.Tensor | Sequence[int] | None = None,
+              seed: int | Sequence[int] | None = None) -> torch.Tensor:
+        """Reset the envs at ``indices`` (all when ``None``).
+
+        Their observation rows are replaced, reward, done and terminated set
+        to zero. ``seed`` is passed to ``BatchEnv.reset``.
+
+        Returns:
+          ``(len(indices), *obs_shape)`` float32 tensor on ``device``.
+        """
+        if indices is None:
+            rows = np.arange(len(self))
+        elif isinstance(indices, torch.Tensor):
+            rows = indices.detach().cpu().numpy()
+        else:
+            rows = np.asarray(indices)
+        # Not cast to int first: BatchEnv rejects float or bool "indices" (such
+        # as a done mask) that a cast would silently turn into other env indices.
+        obs = self.batch_env.reset(rows, seed=seed)
+        rows = rows.astype(np.int64)
+        if rows.size == 0:
+            return self.observ[:0]
+        self._host_ready()
+        host_rows = torch.from_numpy(rows)
+        self._host_observ[host_rows] = torch.from_numpy(np.asarray(obs)).to(torch.float32)
+        for host in (self._host_reward, self._host_done, self._host_terminated):
+            host[host_rows] = 0.0
+        for row in rows:
+            self.infos[row] = {}
+        self._upload([(self.observ, self._host_observ), (self.reward, self._host_reward),
+                      (self.done, self._host_done),
+                      (self.terminated, self._host_terminated)])
+        return self.observ[host_rows.to(self.device)]
+
+    def close(self) -> None:
+        """Close the underlying batch env."""
+        self.batch_env.close()
+
+    def __enter__(self) -> "TensorBatchEnv":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

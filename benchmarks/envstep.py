@@ -1,0 +1,256 @@
+"""Environment steps per second: batchrl's BatchEnv against Gymnasium's vector envs.
+
+Measures how many env steps per second (batch steps x envs) HalfCheetah-v5 reaches
+with random actions, for several batch sizes, with
+
+  * ``batchrl``: ``BatchEnv`` over ``ExternalProcess`` workers, stepped in parallel
+    (``blocking=False``); finished envs are reset with ``batch_env.reset(indices)``;
+  * ``SyncVectorEnv``: ``gymnasium.vector.SyncVectorEnv``, all envs in this process;
+  * ``AsyncVectorEnv``: ``gymnasium.vector.AsyncVectorEnv(shared_memory=True)``;
+    the Gymnasium vector envs reset finished envs themselves (their default
+    next-step autoreset).
+
+Every measurement builds the backend, resets it with the same seed, takes a few
+warm-up steps and then times ``--steps`` batch steps with pre-generated random
+actions, the same ones for every backend; construction time is reported apart
+and is not part of the rate. Worker processes use the ``forkserver`` start
+method for both multi-process backends. The whole round (every backend at
+every batch size, backend order rotated each round) is repeated ``--repeats``
+times and the median rate is reported, so that machine noise hits all backends
+alike. As a reference, the "physical limit" is one in-process env's raw step
+rate times the number of usable cores, an upper bound no backend can beat.
+Other programs' CPU load is sampled before each round and reported, with a
+warning when the machine was busy (the rates are then noisy).
+
+Run it from the repository root (takes about 2-4 minutes on a 2-core machine):
+
+    python benchmarks/envstep.py
+    python benchmarks/envstep.py --envs 2 8 16 --steps 1500 --repeats 5 --json out.json
+
+It prints a markdown table, the physical limit and a one-line JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import psutil
+
+from batchrl.envs import BatchEnv, ExternalProcess
+
+BACKENDS = ("batchrl", "SyncVectorEnv", "AsyncVectorEnv")
+
+
+def usable_cores() -> int:
+    """Number of CPU cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def build(backend: str, env_id: str, num_envs: int) -> tuple[Any, list[int]]:
+    """Construct ``backend`` with ``num_envs`` envs.
+
+    Returns:
+      the env and the process ids of its workers (empty for in-process backends).
+    """
+    make = functools.partial(gym.make, env_id)
+    if backend == "single":
+        return make(), []
+    if backend == "batchrl":
+        env = BatchEnv([ExternalProcess(env_id) for _ in range(num_envs)], blocking=False)
+        return env, [worker.pid for worker in env.envs]
+    if backend == "SyncVectorEnv":
+        return gym.vector.SyncVectorEnv([make] * num_envs), []
+    if backend == "AsyncVectorEnv":
+        env = gym.vector.AsyncVectorEnv([make] * num_envs, shared_memory=True,
+                                        context="forkserver")
+        return env, [process.pid for process in env.processes]
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def step_all(env: Any, actions: np.ndarray) -> None:
+    """Take one step per row of ``actions`` (shape ``(T, num_envs, *act_shape)``),
+    resetting finished episodes the way each backend expects."""
+    if isinstance(env, BatchEnv):
+        for action in actions:
+            _, _, terminated, truncated, _ = env.step(action)
+            done = terminated | truncated
+            if done.any():
+                env.reset(np.flatnonzero(done))
+    elif isinstance(env, gym.vector.VectorEnv):
+        for action in actions:  # autoresets by itself
+            env.step(action)
+    else:  # a single in-process env
+        for action in actions:
+            _, _, terminated, truncated, _ = env.step(action[0])
+            if terminated or truncated:
+                env.reset()
+
+
+def measure(backend: str, env_id: str, actions: np.ndarray, warmup: int,
+            seed: int) -> dict[str, Any]:
+    """Build, seed-reset and warm up ``backend``, then time the remaining actions.
+
+    Args:
+      actions: ``(warmup + steps, num_envs, *act_shape)``; the batch size is
+        ``actions.shape[1]``.
+    Returns:
+      ``{"steps_per_s", "build_s", "pids"}``; the env is closed before returning.
+    """
+    num_envs = actions.shape[1]
+    start = time.perf_counter()
+    env, pids = build(backend, env_id, num_envs)
+    build_s = time.perf_counter() - start
+    try:
+        env.reset(seed=seed)
+        step_all(env, actions[:warmup])
+        start = time.perf_counter()
+        step_all(env, actions[warmup:])
+        elapsed = time.perf_counter() - start
+    finally:
+        env.close()
+    return {"steps_per_s": num_envs * (len(actions) - warmup) / elapsed,
+            "build_s": build_s, "pids": pids}
+
+
+def markdown_table(results: dict[int, dict[str, dict[str, Any]]]) -> str:
+    """Format median rates as a markdown table with ratios to Gymnasium's vector envs."""
+    lines = ["| envs | backend | steps/s | ratio vs SyncVectorEnv | ratio vs AsyncVectorEnv "
+             "| spread | build s |",
+             "|---:|---|---:|---:|---:|---:|---:|"]
+    for num_envs, rows in results.items():
+        for backend, row in rows.items():
+            rate = row["steps_per_s"]
+            lines.append(
+                f"| {num_envs} | {backend} | {rate:,.0f} "
+                f"| {rate / rows['SyncVectorEnv']['steps_per_s']:.2f} "
+                f"| {rate / rows['AsyncVectorEnv']['steps_per_s']:.2f} "
+                f"| ±{row['spread'] / 2:.0%} | {row['build_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def parse_args() -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--env-id", default="HalfCheetah-v5")
+    parser.add_argument("--envs", type=int, nargs="+", default=[2, 8, 16],
+                        help="batch sizes to measure (default: 2 8 16)")
+    parser.add_argument("--steps", type=int, default=1500,
+                        help="timed batch steps per measurement (default: 1500)")
+    parser.add_argument("--warmup", type=int, default=10,
+                        help="untimed batch steps after the reset (default: 10)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="rounds over all backends; the median is reported (default: 5)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="also write all results to PATH")
+    args = parser.parse_args()
+    if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or min(args.envs) < 1:
+        parser.error("--steps, --repeats and --envs must be positive, --warmup >= 0")
+    return args
+
+
+def main() -> int:
+    """Run every round, print the table and the JSON summary; returns the exit code."""
+    args = parse_args()
+    started = time.perf_counter()
+    cores = usable_cores()
+    probe = gym.make(args.env_id)
+    space = probe.action_space
+    probe.close()
+    rng = np.random.default_rng(args.seed)
+    actions = rng.uniform(space.low, space.high,
+                          size=(args.warmup + args.steps, max(args.envs), *space.shape)
+                          ).astype(space.dtype)
+    print(f"{args.env_id}, random actions, {args.steps} timed batch steps after "
+          f"{args.warmup} warm-up steps, median of {args.repeats} rounds, {cores} usable "
+          f"cores; Python {platform.python_version()}, gymnasium {gym.__version__}",
+          flush=True)
+
+    samples: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    single: list[float] = []
+    worker_pids: set[int] = set()
+    background: list[float] = []
+    for round_index in range(args.repeats):
+        # Nothing of ours runs now, so this is other programs' share of all cores.
+        background.append(psutil.cpu_percent(interval=0.5))
+        single.append(measure("single", args.env_id, actions[:, :1], args.warmup,
+                              args.seed)["steps_per_s"])
+        # Rotate the order so no backend always runs first or last. batchrl comes
+        # first in round 0 so the fork server starts with batchrl's preload
+        # (numpy, gymnasium, torch), which speeds up both multi-process backends.
+        shift = round_index % len(BACKENDS)
+        order = BACKENDS[shift:] + BACKENDS[:shift]
+        for num_envs in args.envs:
+            for backend in order:
+                sample = measure(backend, args.env_id, actions[:, :num_envs], args.warmup,
+                                 args.seed)
+                worker_pids.update(sample.pop("pids"))
+                samples.setdefault((num_envs, backend), []).append(sample)
+                print(f"  round {round_index + 1}/{args.repeats}: {num_envs:3d} envs "
+                      f"{backend:15s} {sample['steps_per_s']:10,.0f} steps/s  "
+                      f"(build {sample['build_s']:.2f} s)", file=sys.stderr, flush=True)
+
+    results: dict[int, dict[str, dict[str, Any]]] = {}
+    for num_envs in args.envs:
+        for backend in BACKENDS:
+            rates = [s["steps_per_s"] for s in samples[(num_envs, backend)]]
+            median = statistics.median(rates)
+            results.setdefault(num_envs, {})[backend] = {
+                "steps_per_s": median,
+                "spread": (max(rates) - min(rates)) / median,
+                "build_s": statistics.median(s["build_s"] for s in samples[(num_envs, backend)]),
+                "samples": rates,
+            }
+    single_rate = statistics.median(single)
+    limit = single_rate * cores
+
+    print()
+    print(markdown_table(results))
+    print()
+    print(f"Physical limit: one in-process env steps {single_rate:,.0f} steps/s x {cores} "
+          f"usable cores = {limit:,.0f} steps/s (upper bound; ignores the main process).")
+    print("spread: half the min-max range of the rounds, relative to the median; "
+          "build s: median construction time, not part of steps/s.")
+
+    print(f"Background CPU load before each round: "
+          f"{', '.join(f'{load:.0f}%' for load in background)} of all cores.")
+    if max(background) > 15:
+        print("WARNING: other programs were using the CPU; the rates are noisy and "
+              "lower than on an idle machine.")
+
+    leftover = [p.pid for p in psutil.Process().children(recursive=True)
+                if p.pid in worker_pids]
+    if leftover:
+        print(f"WARNING: env worker processes still running: {leftover}", file=sys.stderr)
+
+    summary = {
+        "env_id": args.env_id, "steps": args.steps, "repeats": args.repeats, "cores": cores,
+        "physical_limit": round(limit),
+        "max_background_cpu_percent": max(background),
+        "steps_per_s": {str(n): {b: round(r["steps_per_s"]) for b, r in rows.items()}
+                        for n, rows in results.items()},
+        "leftover_workers": len(leftover),
+    }
+    print(f"Total time {time.perf_counter() - started:.0f} s.")
+    print(json.dumps(summary))
+    if args.json:
+        full = dict(summary, warmup=args.warmup, seed=args.seed,
+                    single_env_steps_per_s=single, results=results)
+        with open(args.json, "w") as file:
+            json.dump(full, file, indent=2)
+    return 1 if leftover else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

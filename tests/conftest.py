@@ -1,0 +1,97 @@
+"""Shared fixtures for the env-layer tests.
+
+Every test is checked for leaked env worker processes: after it ends, no child
+of this process's multiprocessing fork server may still be running.
+"""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+
+from batchrl.envs import ExternalProcess
+
+
+def _running_workers() -> list[psutil.Process]:
+    """Env workers started by this test process that are still running.
+
+    ``ExternalProcess`` starts its workers through multiprocessing's fork
+    server, so they are the children of our fork-server child. Processes of
+    other Python interpreters that tests launch (and their own workers) are not
+    counted here; those tests check them themselves.
+    """
+    workers = []
+    for child in psutil.Process().children():
+        try:
+            if "multiprocessing.forkserver" in " ".join(child.cmdline()):
+                workers.extend(child.children())
+        except psutil.Error:
+            pass
+    running = []
+    for worker in workers:
+        try:
+            if worker.status() != psutil.STATUS_ZOMBIE:
+                running.append(worker)
+        except psutil.NoSuchProcess:
+            pass
+    return running
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_workers():
+    """Fail a test that leaves env worker processes behind (and kill them)."""
+    yield
+    deadline = time.monotonic() + 3.0
+    leaked = _running_workers()
+    while leaked and time.monotonic() < deadline:
+        time.sleep(0.05)
+        leaked = _running_workers()
+    if leaked:
+        for process in leaked:
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+        pytest.fail(f"env worker processes left running after the test: "
+                    f"{[p.pid for p in leaked]}")
+
+
+@pytest.fixture
+def external():
+    """``external(constructor, **kwargs)`` builds an ``ExternalProcess`` that is
+    closed when the test ends, whatever happens in it."""
+    created: list[ExternalProcess] = []
+
+    def make(constructor, **kwargs) -> ExternalProcess:
+        env = ExternalProcess(constructor, **kwargs)
+        created.append(env)
+        return env
+
+    yield make
+    for env in created:
+        env.close()
+
+
+def wait_until_gone(pids, timeout: float) -> list[int]:
+    """Poll until none of ``pids`` runs (zombies count as gone); return the
+    pids still running after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    running.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def gone():
+    """The ``wait_until_gone`` helper, as a fixture."""
+    return wait_until_gone

@@ -1,0 +1,143 @@
+"""wrap_env and its parts on real Gymnasium and MuJoCo envs."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from batchrl.envs import convert_to_32bit, range_normalize, wrap_env
+
+
+def wrapper_chain(env: gym.Env) -> list[str]:
+    names = []
+    while isinstance(env, gym.Wrapper):
+        names.append(type(env).__name__)
+        env = env.env
+    return names + [type(env).__name__]
+
+
+def test_pendulum_observations_are_normalized_to_unit_range():
+    raw, env = gym.make("Pendulum-v1"), wrap_env(gym.make("Pendulum-v1"))
+    assert env.observation_space == gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
+    low, high = raw.observation_space.low, raw.observation_space.high  # [-1 -1 -8], [1 1 8]
+    obs, _ = env.reset(seed=0)
+    raw_obs, _ = raw.reset(seed=0)
+    assert obs.dtype == np.float32
+    np.testing.assert_allclose(obs, 2 * (raw_obs - low) / (high - low) - 1, rtol=0, atol=1e-6)
+    # The angular velocity (bounds +-8) is divided by 8; cos and sin stay as they are.
+    np.testing.assert_allclose(obs, raw_obs / np.float32([1, 1, 8]), rtol=0, atol=1e-6)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        action = rng.uniform(-1, 1, 1).astype(np.float32)
+        obs, reward, terminated, truncated, _ = env.step(action)
+        raw_obs, raw_reward, *_ = raw.step(2 * action)  # [-1, 1] -> [-2, 2]
+        assert obs.dtype == np.float32 and env.observation_space.contains(obs)
+        assert type(reward) is np.float32
+        np.testing.assert_allclose(obs, raw_obs / np.float32([1, 1, 8]), rtol=0, atol=1e-6)
+        assert reward == pytest.approx(raw_reward, rel=1e-6)
+        assert not terminated and not truncated
+
+
+@pytest.mark.parametrize("action, raw_action", [
+    (0.25, 0.5), (-1.0, -2.0), (1.0, 2.0),
+    (1.7, 2.0), (5.0, 2.0), (-3.0, -2.0),  # clipped to [-1, 1] before rescaling
+])
+def test_pendulum_actions_are_rescaled_and_clipped(action, raw_action):
+    raw, env = gym.make("Pendulum-v1"), wrap_env(gym.make("Pendulum-v1"))
+    assert env.action_space.shape == (1,) and env.action_space.dtype == np.float32
+    env.reset(seed=1)
+    raw.reset(seed=1)
+    obs, reward, *_ = env.step(np.array([action], np.float32))
+    raw_obs, raw_reward, *_ = raw.step(np.array([raw_action], np.float32))
+    np.testing.assert_allclose(obs, raw_obs / np.float32([1, 1, 8]), rtol=0, atol=1e-6)
+    assert reward == pytest.approx(raw_reward, rel=1e-6)
+    # The torque mattered: without it the pendulum ends up elsewhere.
+    idle = gym.make("Pendulum-v1")
+    idle.reset(seed=1)
+    assert not np.allclose(obs, idle.step(np.zeros(1, np.float32))[0] / np.float32([1, 1, 8]))
+
+
+def test_halfcheetah_infinite_observations_are_left_alone():
+    raw, env = gym.make("HalfCheetah-v5"), wrap_env(gym.make("HalfCheetah-v5"))
+    space = env.observation_space
+    assert space.shape == (17,) and space.dtype == np.float32
+    assert np.isinf(space.low).all() and np.isinf(space.high).all()
+    assert "RescaleObservation" not in wrapper_chain(env)
+    obs, _ = env.reset(seed=2)
+    raw_obs, _ = raw.reset(seed=2)
+    assert raw_obs.dtype == np.float64 and obs.dtype == np.float32
+    np.testing.assert_array_equal(obs, raw_obs.astype(np.float32))
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        action = rng.uniform(-1, 1, 6).astype(np.float32)
+        obs, reward, terminated, truncated, _ = env.step(action)
+        raw_obs, raw_reward, *_ = raw.step(action)
+        np.testing.assert_allclose(obs, raw_obs.astype(np.float32), rtol=1e-5, atol=1e-5)
+        assert type(reward) is np.float32
+        assert reward == pytest.approx(raw_reward, rel=1e-5, abs=1e-5)
+
+
+def test_halfcheetah_actions_are_clipped():
+    raw, env = gym.make("HalfCheetah-v5"), wrap_env(gym.make("HalfCheetah-v5"))
+    env.reset(seed=3)
+    raw.reset(seed=3)
+    action = np.array([3.0, -3.0, 0.5, -0.25, 1.5, -7.0], np.float32)
+    obs, *_ = env.step(action)
+    raw_obs, *_ = raw.step(np.clip(action, -1, 1))
+    np.testing.assert_allclose(obs, raw_obs.astype(np.float32), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(raw.unwrapped.data.ctrl, np.clip(action, -1, 1))
+    np.testing.assert_allclose(env.unwrapped.data.ctrl, np.clip(action, -1, 1), atol=1e-6)
+
+
+@pytest.mark.parametrize("env_id", ["Pendulum-v1", "HalfCheetah-v5"])
+def test_time_limit_truncates_after_max_episode_steps(env_id):
+    env = wrap_env(gym.make(env_id), max_episode_steps=5)
+    for episode in range(2):
+        env.reset(seed=episode)
+        for step in range(1, 6):
+            _, _, terminated, truncated, _ = env.step(np.zeros(env.action_space.shape,
+                                                               np.float32))
+            assert not terminated
+            assert truncated == (step == 5), f"step {step}"
+
+
+def test_time_limit_on_cartpole_and_no_action_wrappers_for_discrete_actions():
+    env = wrap_env(gym.make("CartPole-v1"), max_episode_steps=3)
+    assert env.action_space == gym.spaces.Discrete(2)
+    assert env.observation_space == gym.make("CartPole-v1").observation_space  # inf bounds
+    assert wrapper_chain(env)[:2] == ["TransformReward", "TimeLimit"]
+    env.reset(seed=0)
+    results = [env.step(step % 2)[2:4] for step in range(3)]
+    assert results == [(False, False), (False, False), (False, True)]
+
+
+def test_wrappers_are_applied_in_batchppo_order():
+    assert wrapper_chain(wrap_env(gym.make("Pendulum-v1"), max_episode_steps=9))[:5] == [
+        "TransformReward", "ClipAction", "RescaleAction", "RescaleObservation", "TimeLimit"]
+    assert wrapper_chain(wrap_env(gym.make("HalfCheetah-v5")))[:4] == [
+        "TransformReward", "TransformObservation", "ClipAction", "RescaleAction"]
+    limited = wrap_env(gym.make("Pendulum-v1"), max_episode_steps=9)
+    assert limited.get_wrapper_attr("_max_episode_steps") == 9
+
+
+@pytest.mark.parametrize("steps", [0, -3])
+def test_non_positive_max_episode_steps_is_rejected(steps):
+    with pytest.raises(ValueError, match=f"max_episode_steps must be positive, got {steps}"):
+        wrap_env(gym.make("Pendulum-v1"), max_episode_steps=steps)
+
+
+def test_range_normalize_and_convert_to_32bit_on_their_own():
+    env = range_normalize(gym.make("Pendulum-v1"))
+    assert env.observation_space == gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
+    assert env.action_space == gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    cheetah = range_normalize(gym.make("HalfCheetah-v5"))
+    assert np.isinf(cheetah.observation_space.low).all()
+    assert cheetah.observation_space.dtype == np.float64
+    converted = convert_to_32bit(gym.make("HalfCheetah-v5"))
+    assert converted.observation_space.dtype == np.float32
+    assert np.isinf(converted.observation_space.high).all()
+    obs, _ = converted.reset(seed=0)
+    assert obs.dtype == np.float32
+    _, reward, *_ = converted.step(np.zeros(6, np.float32))
+    assert type(reward) is np.float32
