@@ -1,0 +1,107 @@
+"""The interface every algorithm implements to run under ``simulate()``."""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+
+Summary = dict[str, float]
+"""Scalars to log, by name. Empty when there is nothing to report."""
+
+
+class Algorithm(abc.ABC):
+    """A batch of agents, one per env of a ``TensorBatchEnv``.
+
+    ``simulate()`` calls the four methods below once per env step, in this
+    order, and merges the summaries they return:
+
+    1. ``begin_episodes(agent_indices)`` for the agents whose episode starts
+       now (their env was just reset): every agent on the first step and when
+       ``simulate(..., reset=True)``, afterwards the ones that were done on the
+       previous step.
+    2. ``perform(agent_indices, observ)`` for all agents; returns the actions.
+    3. ``experience(...)`` with the transition of all agents after the envs
+       were stepped.
+    4. ``end_episodes(agent_indices)`` for the agents whose episode just ended.
+
+    Conventions: ``agent_indices`` is a 1-D int64 tensor of indices into the
+    batch dimension, on the algorithm's ``device``; every other tensor has that
+    batch dimension first, is on ``device`` and is float32 unless stated.
+    Observations are the env's (already wrapped) observations converted to
+    float32; algorithms normalise them themselves if they want to.
+
+    ``done`` is 1.0 when the episode is over, for any reason: Gymnasium's
+    ``terminated or truncated``. ``terminated`` is 1.0 only for a true terminal
+    state (the value after it is zero); a step with ``done`` 1.0 and
+    ``terminated`` 0.0 was cut by a time limit, and ``next_observ`` is the real
+    observation there, so an algorithm can bootstrap from its value.
+
+    Training and evaluation: ``train()`` / ``eval()`` switch ``self.training``.
+    In evaluation an algorithm acts with its mean (mode) action and learns
+    nothing. ``state_dict()`` / ``load_state_dict()`` must cover everything
+    needed to resume training exactly (weights, optimisers, statistics).
+    """
+
+    def __init__(self, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self.training = True
+
+    def train(self, mode: bool = True) -> "Algorithm":
+        """Switch to training (sampled actions, learning) or, with ``False``, evaluation."""
+        self.training = mode
+        return self
+
+    def eval(self) -> "Algorithm":
+        """Switch to evaluation: mean actions, nothing learned."""
+        return self.train(False)
+
+    @abc.abstractmethod
+    def begin_episodes(self, agent_indices: torch.Tensor) -> Summary:
+        """The agents at ``agent_indices`` (shape ``(K,)``) start new episodes."""
+
+    @abc.abstractmethod
+    def perform(self, agent_indices: torch.Tensor,
+                observ: torch.Tensor) -> tuple[torch.Tensor, Summary]:
+        """Choose actions for a batch of agents.
+
+        Args:
+          agent_indices: ``(K,)`` int64.
+          observ: ``(K, *obs_shape)`` float32, the current observations.
+        Returns:
+          ``(action, summary)``: ``action`` is ``(K, *act_shape)``, float32 for
+          Box action spaces and int64 for discrete ones.
+        """
+
+    @abc.abstractmethod
+    def experience(self, agent_indices: torch.Tensor, observ: torch.Tensor,
+                   action: torch.Tensor, reward: torch.Tensor, done: torch.Tensor,
+                   next_observ: torch.Tensor, terminated: torch.Tensor) -> Summary:
+        """Receive the transition of a batch of agents after the envs stepped.
+
+        Args:
+          agent_indices: ``(K,)`` int64.
+          observ: ``(K, *obs_shape)`` the observations ``perform`` saw.
+          action: ``(K, *act_shape)`` the actions taken.
+          reward: ``(K,)`` float32 rewards.
+          done: ``(K,)`` float32, 1.0 where the episode ended (terminated or truncated).
+          next_observ: ``(K, *obs_shape)`` observations after the step.
+          terminated: ``(K,)`` float32, 1.0 where the episode reached a terminal state.
+        """
+
+    @abc.abstractmethod
+    def end_episodes(self, agent_indices: torch.Tensor) -> Summary:
+        """The agents at ``agent_indices`` (shape ``(K,)``) finished an episode.
+
+        Learning algorithms typically move those episodes into their update
+        memory here and update once enough were collected.
+        """
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: weights, optimisers, statistics, counters."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict()`` returned."""

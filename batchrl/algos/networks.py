@@ -1,0 +1,154 @@
+"""Policy and value networks of BatchPPO, written to compile with TorchScript.
+
+A policy is a body (MLP, or MLP followed by a GRU) and a head (Gaussian or
+categorical). All policies share one calling convention so that feed-forward
+and recurrent ones are trained by the same code:
+
+    policy(observ (B, T, *obs), state (B, H)) -> (param_a, param_b, state)
+
+For a Gaussian head ``param_a`` is the mean ``(B, T, A)`` and ``param_b`` the
+log standard deviation, broadcast to ``(B, T, A)``; for a categorical head
+``param_a`` holds the logits ``(B, T, n)`` and ``param_b`` is empty. Feed-forward
+bodies have ``H = 0``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+
+def mlp(in_size: int, layers: Sequence[int]) -> nn.Sequential:
+    """ReLU multi-layer perceptron; returns an empty Sequential for no layers."""
+    modules: list[nn.Module] = []
+    for size in layers:
+        modules += [nn.Linear(in_size, size), nn.ReLU()]
+        in_size = size
+    return nn.Sequential(*modules)
+
+
+class FeedForwardBody(nn.Module):
+    """MLP over the last dimension; carries an empty ``(B, 0)`` state."""
+
+    def __init__(self, obs_size: int, layers: Sequence[int]):
+        super().__init__()
+        self.net = mlp(obs_size, layers)
+        self.out_size = layers[-1] if layers else obs_size
+        self.state_size = 0
+
+    def forward(self, observ: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.net(observ), state
+
+
+class RecurrentBody(nn.Module):
+    """MLP followed by a single-layer GRU over the time dimension."""
+
+    def __init__(self, obs_size: int, layers: Sequence[int], gru_size: int):
+        super().__init__()
+        self.net = mlp(obs_size, layers)
+        self.gru = nn.GRU(layers[-1] if layers else obs_size, gru_size, batch_first=True)
+        self.out_size = gru_size
+        self.state_size = gru_size
+
+    def forward(self, observ: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features, final = self.gru(self.net(observ), state.unsqueeze(0).contiguous())
+        return features, final.squeeze(0)
+
+
+class GaussianHead(nn.Module):
+    """``tanh``-squashed mean and a learned state-independent log std.
+
+    The mean layer's initial weights are scaled by ``init_output_factor`` so the
+    first policy acts close to zero; the log std starts at ``log(init_std)``.
+    """
+
+    def __init__(self, in_size: int, action_size: int, init_std: float,
+                 init_output_factor: float):
+        super().__init__()
+        self.mean = nn.Linear(in_size, action_size)
+        with torch.no_grad():
+            self.mean.weight.mul_(init_output_factor)
+            self.mean.bias.zero_()
+        self.log_std = nn.Parameter(torch.full((action_size,), float(torch.tensor(init_std).log())))
+
+    def forward(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mean = torch.tanh(self.mean(features))
+        return mean, self.log_std.expand_as(mean)
+
+
+class CategoricalHead(nn.Module):
+    """Logits of a categorical distribution over ``n`` actions."""
+
+    def __init__(self, in_size: int, num_actions: int, init_output_factor: float):
+        super().__init__()
+        self.logits = nn.Linear(in_size, num_actions)
+        with torch.no_grad():
+            self.logits.weight.mul_(init_output_factor)
+            self.logits.bias.zero_()
+
+    def forward(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.logits(features)
+        return logits, logits.new_zeros(0)
+
+
+class Policy(nn.Module):
+    """Body + head, with the calling convention of this module's docstring."""
+
+    def __init__(self, body: nn.Module, head: nn.Module, discrete: bool):
+        super().__init__()
+        self.body = body
+        self.head = head
+        self.discrete = discrete
+        self.state_size: int = body.state_size
+
+    def forward(self, observ: torch.Tensor,
+                state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        features, state = self.body(observ, state)
+        param_a, param_b = self.head(features)
+        return param_a, param_b, state
+
+
+class Actor(nn.Module):
+    """One inference step of a ``Policy``: distribution parameters and an action.
+
+    ``forward(observ (B, *obs), state (B, H), deterministic)`` returns
+    ``(action, param_a, param_b, state)`` with parameters of shape ``(B, ...)``.
+    With ``deterministic`` the action is the mean (Gaussian) or the most likely
+    action (categorical); otherwise it is sampled with torch's global RNG, so
+    the same seed gives the same actions in eager and TorchScript modes.
+    """
+
+    def __init__(self, policy: Policy):
+        super().__init__()
+        self.policy = policy
+        self.discrete: bool = policy.discrete
+
+    def forward(self, observ: torch.Tensor, state: torch.Tensor,
+                deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        param_a, param_b, state = self.policy(observ.unsqueeze(1), state)
+        param_a = param_a.squeeze(1)
+        if not self.discrete:
+            param_b = param_b.squeeze(1)
+            if deterministic:
+                action = param_a
+            else:
+                action = param_a + param_b.exp() * torch.randn_like(param_a)
+        elif deterministic:
+            action = param_a.argmax(-1)
+        else:
+            action = torch.multinomial(torch.softmax(param_a, -1), 1).squeeze(-1)
+        return action, param_a, param_b, state
+
+
+class ValueNet(nn.Module):
+    """State value: MLP then a linear output, ``(..., obs) -> (...)``."""
+
+    def __init__(self, obs_size: int, layers: Sequence[int]):
+        super().__init__()
+        self.net = mlp(obs_size, layers)
+        self.out = nn.Linear(layers[-1] if layers else obs_size, 1)
+
+    def forward(self, observ: torch.Tensor) -> torch.Tensor:
+        return self.out(self.net(observ)).squeeze(-1)

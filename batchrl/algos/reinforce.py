@@ -1,0 +1,367 @@
+"""REINFORCE with a learned value baseline: the example of a new ``Algorithm``.
+
+Read this file to learn how to implement an algorithm for ``simulate()``. It
+uses only public API: ``torch``, ``batchrl.algos.base.Algorithm`` and the
+vectorised ``batchrl.parts.discounted_return``.
+
+How ``simulate()`` drives an algorithm (see ``Algorithm`` for the contract):
+every call steps all ``N`` envs once and calls, in this order,
+
+1. ``begin_episodes(agent_indices)``: these agents start a new episode, so we
+   forget whatever we recorded for them before;
+2. ``perform(agent_indices, observ)``: we return one action per agent;
+3. ``experience(...)``: we record the transition of every agent;
+4. ``end_episodes(agent_indices)``: these agents finished an episode, so we
+   move their episodes into the update memory and learn once it holds
+   ``update_every`` episodes.
+
+The central design choice is to keep all per-agent state in preallocated
+tensors whose first dimension is the agent index. Each method then reads and
+writes the rows ``agent_indices`` with one indexing operation, however many
+agents there are: no Python loop over agents, no host round trip on a GPU.
+
+The algorithm itself is the classic Monte-Carlo policy gradient: the policy
+takes a gradient step on ``log pi(a_t | s_t) * (G_t - V(s_t))``, where ``G_t``
+is the discounted return from step ``t`` and the value network ``V`` is
+trained to predict it, which lowers the variance of the gradient.
+
+Example (CartPole-v1: the greedy policy reaches returns near 500 after
+about 4000 calls, a few seconds on a CPU)::
+
+    import gymnasium as gym
+    from batchrl.algos import Reinforce
+    from batchrl.envs import BatchEnv, TensorBatchEnv, wrap_env
+    from batchrl.simulate import simulate
+
+    env = TensorBatchEnv(BatchEnv([wrap_env(gym.make("CartPole-v1")) for _ in range(8)]))
+    algo = Reinforce(env.observation_space, env.action_space, len(env), max_length=500)
+    for step in range(4000):
+        done, score, summary = simulate(env, algo, log=step % 500 == 499)
+        if "score" in summary:
+            print(step, summary["score"])  # mean return of the episodes since the last log
+    algo.eval()  # greedy actions, no learning; start fresh episodes:
+    done, score, summary = simulate(env, algo, reset=True)
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+import gymnasium as gym
+import torch
+from torch import nn
+
+from batchrl.algos.base import Algorithm, Summary
+from batchrl.parts import discounted_return
+
+__all__ = ["Reinforce"]
+
+
+def _mlp(inputs: int, hidden: Sequence[int], outputs: int) -> nn.Sequential:
+    """A tanh MLP ``inputs -> *hidden -> outputs`` with a linear output layer."""
+    layers: list[nn.Module] = []
+    for size in hidden:
+        layers += [nn.Linear(inputs, size), nn.Tanh()]
+        inputs = size
+    layers.append(nn.Linear(inputs, outputs))
+    return nn.Sequential(*layers)
+
+
+class Reinforce(Algorithm):
+    """REINFORCE with a value baseline for ``Discrete`` or ``Box`` action spaces.
+
+    The policy is categorical for ``Discrete`` actions and a diagonal Gaussian
+    with a learned, state-independent log standard deviation for ``Box``
+    actions (sampled actions are not clipped; ``wrap_env`` clips them in the
+    env). Observations must be a ``Box`` and are flattened; they are not
+    normalised.
+
+    In evaluation (``eval()``) it acts with the most likely action (Discrete)
+    or the mean (Box) and records nothing. Episodes are only recorded whole,
+    so after switching between ``train()`` and ``eval()`` start new episodes
+    with ``simulate(..., reset=True)``.
+
+    Args:
+      observation_space: the (wrapped) env's observation space, a ``Box``.
+      action_space: ``Discrete`` or ``Box``.
+      num_agents: ``N``, the number of envs in the batch.
+      max_length: the longest episode to expect, ``T``; ``experience`` raises
+        when an episode gets longer (wrap the env in a ``TimeLimit``). The
+        update uses a ``(T, T)`` discount matrix, fine up to a few thousand.
+      device: where the networks and all buffers live.
+      discount: the discount factor ``gamma`` of the returns.
+      learning_rate: Adam's learning rate, for both networks.
+      update_every: take one gradient step once this many episodes have ended.
+      hidden: hidden layer sizes of the policy and of the value network.
+      seed: seeds the network initialisation and the action sampling (with a
+        private generator, so the global torch RNG is left alone); ``None``
+        uses the global RNG for the weights and a random seed for sampling.
+    """
+
+    def __init__(self, observation_space: gym.Space, action_space: gym.Space,
+                 num_agents: int, max_length: int, device: str | torch.device = "cpu",
+                 discount: float = 0.99, learning_rate: float = 1e-2,
+                 update_every: int = 16, hidden: Sequence[int] = (64, 64),
+                 seed: int | None = None):
+        super().__init__(device)
+        if not isinstance(observation_space, gym.spaces.Box):
+            raise TypeError(f"Reinforce needs a Box observation space, got {observation_space}")
+        if isinstance(action_space, gym.spaces.Discrete):
+            self._discrete = True
+            # Discrete(n, start) has actions start, ..., start + n - 1.
+            self._action_start = int(action_space.start)
+            action_shape: tuple[int, ...] = ()
+            policy_outputs = int(action_space.n)  # one logit per action
+        elif isinstance(action_space, gym.spaces.Box):
+            self._discrete = False
+            action_shape = tuple(action_space.shape)
+            policy_outputs = int(torch.Size(action_shape).numel())  # the Gaussian's mean
+        else:
+            raise TypeError(f"Reinforce supports Discrete and Box action spaces, "
+                            f"got {action_space}")
+        if max_length < 1 or update_every < 1:
+            raise ValueError("max_length and update_every must be positive")
+        self.observation_shape = tuple(observation_space.shape)
+        self.action_shape = action_shape
+        self.num_agents = num_agents
+        self.max_length = max_length
+        self.discount = discount
+        self.update_every = update_every
+
+        # With a seed, build the networks under a forked RNG: ``seed`` fixes
+        # the initial weights and the caller's global RNG is left unchanged.
+        observ_size = int(torch.Size(self.observation_shape).numel())
+        with torch.random.fork_rng(devices=[], enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            self.policy = _mlp(observ_size, hidden, policy_outputs).to(self.device)
+            self.value = _mlp(observ_size, hidden, 1).to(self.device)
+        parameters = list(self.policy.parameters()) + list(self.value.parameters())
+        if not self._discrete:
+            # State-independent log std, one per action dimension; std starts at 1.
+            self.log_std = nn.Parameter(torch.zeros(policy_outputs, device=self.device))
+            parameters.append(self.log_std)
+        # One optimiser for both networks is fine: the policy loss only reaches
+        # the policy's weights and the value loss only the value's, and Adam
+        # scales each weight's step by its own gradient statistics.
+        self.optimizer = torch.optim.Adam(parameters, lr=learning_rate)
+        self._generator = torch.Generator(device=self.device)
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+        # Episodes in progress, one row per agent; step t of agent i's current
+        # episode is stored at [i, t]. ``final_observ`` and ``terminated`` hold
+        # the last transition's values, used to bootstrap truncated episodes.
+        n, t = num_agents, max_length
+        action_dtype = torch.int64 if self._discrete else torch.float32
+
+        def zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+        def episode_buffers(rows: int) -> dict[str, torch.Tensor]:
+            return {
+                "observ": zeros(rows, t, *self.observation_shape),  # (rows, T, *obs_shape)
+                "action": zeros(rows, t, *action_shape, dtype=action_dtype),  # (rows, T, *act)
+                "reward": zeros(rows, t),                            # (rows, T)
+                "length": zeros(rows, dtype=torch.int64),            # (rows,) steps recorded
+                "final_observ": zeros(rows, *self.observation_shape),  # (rows, *obs_shape)
+                "terminated": zeros(rows),                           # (rows,) 1.0 if terminal
+            }
+        self._episodes = episode_buffers(n)
+        # Finished episodes waiting for the next update. At most N episodes end
+        # per step and we update as soon as ``update_every`` are stored, so
+        # ``update_every + N - 1`` rows always suffice and no episode is dropped.
+        self._memory = episode_buffers(update_every + n - 1)
+        self._memory_size = 0  # rows of ``_memory`` in use, kept on the host
+
+    # ----------------------------------------------------------------- policy
+
+    def _distribution(self, observ: torch.Tensor) -> torch.distributions.Distribution:
+        """The policy's action distribution for ``observ`` of shape ``(B, *obs_shape)``.
+
+        Its batch shape is ``(B,)`` and ``log_prob`` returns ``(B,)``.
+        """
+        # (B, n) logits for Discrete, (B, action size) means for Box.
+        output = self.policy(observ.reshape(len(observ), -1))
+        if self._discrete:
+            return torch.distributions.Categorical(logits=output)
+        mean = output.view(-1, *self.action_shape)
+        std = self.log_std.exp().view(self.action_shape).expand_as(mean)
+        # Independent sums the log-probabilities over the action dimensions.
+        return torch.distributions.Independent(torch.distributions.Normal(mean, std),
+                                               len(self.action_shape))
+
+    def _value(self, observ: torch.Tensor) -> torch.Tensor:
+        """The baseline's estimate of the return, ``(B,)``, for ``observ`` ``(B, *obs_shape)``."""
+        return self.value(observ.reshape(len(observ), -1)).squeeze(1)
+
+    def _sample(self, distribution: torch.distributions.Distribution) -> torch.Tensor:
+        """Sample with our own generator (``Distribution.sample`` has no generator argument)."""
+        if self._discrete:
+            probs = distribution.probs  # (B, n)
+            return torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
+        noise = torch.randn(distribution.mean.shape, generator=self._generator,
+                            device=self.device)
+        return distribution.mean + distribution.stddev * noise
+
+    # ------------------------------------------------------ Algorithm methods
+
+    def begin_episodes(self, agent_indices: torch.Tensor) -> Summary:
+        """Forget the (finished or discontinued) previous episodes of these agents."""
+        self._episodes["length"][agent_indices] = 0
+        return {}
+
+    @torch.no_grad()
+    def perform(self, agent_indices: torch.Tensor,
+                observ: torch.Tensor) -> tuple[torch.Tensor, Summary]:
+        """Sample actions, or take the mode of the policy in evaluation.
+
+        Args:
+          agent_indices: ``(K,)`` int64 on ``device``.
+          observ: ``(K, *obs_shape)`` float32 on ``device``.
+        Returns:
+          ``(action, {})``; ``action`` is ``(K,)`` int64 for ``Discrete``,
+          ``(K, *act_shape)`` float32 for ``Box``.
+        """
+        distribution = self._distribution(observ)
+        if self.training:
+            action = self._sample(distribution)
+        elif self._discrete:
+            action = distribution.probs.argmax(-1)  # the most likely action
+        else:
+            action = distribution.mean
+        if self._discrete:
+            action = action + self._action_start
+        return action, {}
+
+    @torch.no_grad()
+    def experience(self, agent_indices: torch.Tensor, observ: torch.Tensor,
+                   action: torch.Tensor, reward: torch.Tensor, done: torch.Tensor,
+                   next_observ: torch.Tensor, terminated: torch.Tensor) -> Summary:
+        """Append one transition per agent to its episode in progress.
+
+        All tensors have first dimension ``K = len(agent_indices)`` and are on
+        ``device``. They may be the env's own buffers, which the next step
+        overwrites, so we copy them into ours rather than keep references.
+        """
+        if not self.training:
+            return {}  # evaluation learns nothing, so it records nothing
+        episodes = self._episodes
+        step = episodes["length"][agent_indices]  # (K,) where each agent writes now
+        # (Reading this flag back waits for the device; simulate() syncs every
+        # step anyway to find the finished episodes.)
+        if bool((step >= self.max_length).any()):
+            raise ValueError(f"an episode is longer than max_length={self.max_length}; "
+                             "raise max_length or limit the episodes with a TimeLimit")
+        episodes["observ"][agent_indices, step] = observ
+        if self._discrete:
+            action = action - self._action_start  # store the action's index in [0, n)
+        episodes["action"][agent_indices, step] = action
+        episodes["reward"][agent_indices, step] = reward
+        episodes["length"][agent_indices] = step + 1
+        # Overwritten on every step; only the values of the last step are used.
+        # ``done`` is not needed: ``end_episodes`` tells us which episodes ended.
+        episodes["final_observ"][agent_indices] = next_observ
+        episodes["terminated"][agent_indices] = terminated
+        return {}
+
+    def end_episodes(self, agent_indices: torch.Tensor) -> Summary:
+        """Move the finished episodes into the memory; update once it is full enough."""
+        if not self.training:
+            return {}
+        rows = slice(self._memory_size, self._memory_size + len(agent_indices))
+        for name, buffer in self._memory.items():
+            buffer[rows] = self._episodes[name][agent_indices]
+        self._memory_size += len(agent_indices)
+        if self._memory_size < self.update_every:
+            return {}
+        summary = self._update({name: buffer[:self._memory_size]
+                                for name, buffer in self._memory.items()})
+        self._memory_size = 0
+        return summary
+
+    # ----------------------------------------------------------------- update
+
+    def _update(self, batch: dict[str, torch.Tensor]) -> Summary:
+        """One gradient step on a batch of ``E`` finished episodes (rows of ``_memory``)."""
+        length = batch["length"]  # (E,)
+        # Cut the time axis to the longest episode: the steps after it are all
+        # padding, and early in training episodes are much shorter than T.
+        longest = int(length.max())
+        observ = batch["observ"][:, :longest]  # (E, T', *obs_shape), T' = longest
+        action = batch["action"][:, :longest]  # (E, T', *act_shape)
+        reward = batch["reward"][:, :longest]  # (E, T')
+        steps = torch.arange(longest, device=self.device)
+        mask = (steps[None, :] < length[:, None]).float()  # (E, T'), 1.0 on recorded steps
+
+        # Flatten (E, T') to one batch dimension for the networks; the padding
+        # steps past each episode's end are computed too but masked out.
+        flat_observ = observ.flatten(0, 1)  # (E * T', *obs_shape)
+        value = self._value(flat_observ).view(mask.shape)  # (E, T')
+        log_prob = self._distribution(flat_observ).log_prob(action.flatten(0, 1))
+        log_prob = log_prob.view(mask.shape)  # (E, T')
+
+        with torch.no_grad():
+            # A truncated episode (time limit, not a terminal state) would have
+            # gone on: bootstrap from the current value estimate of the
+            # observation after its last step. Terminated ones get zero.
+            bootstrap = (1.0 - batch["terminated"]) * self._value(batch["final_observ"])  # (E,)
+            returns = discounted_return(reward, length, self.discount, bootstrap)
+            # The baseline removes the part of the return the state predicts;
+            # normalising the advantages keeps the step size independent of
+            # the reward scale.
+            advantage = returns - value
+            count = mask.sum()
+            mean = (advantage * mask).sum() / count
+            std = (((advantage - mean) ** 2 * mask).sum() / count).sqrt()
+            advantage = (advantage - mean) / (std + 1e-8)
+
+        # Average over all recorded steps of all episodes.
+        policy_loss = -(log_prob * advantage * mask).sum() / count
+        value_loss = 0.5 * ((returns - value) ** 2 * mask).sum() / count
+        self.optimizer.zero_grad()
+        (policy_loss + value_loss).backward()
+        self.optimizer.step()
+        return {"reinforce/loss": policy_loss.item(),
+                "reinforce/value_loss": value_loss.item(),
+                "reinforce/episodes": float(len(length))}
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Weights, optimiser, sampling RNG and every buffer, to resume exactly.
+
+        The result is a snapshot (deep copy): training on does not change it.
+        """
+        state: dict[str, Any] = {
+            "policy": self.policy.state_dict(),
+            "value": self.value.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "generator": self._generator.get_state(),
+            "episodes": self._episodes,
+            "memory": self._memory,
+            "memory_size": self._memory_size,
+        }
+        if not self._discrete:
+            state["log_std"] = self.log_std.detach()
+        # state_dict()s return references to the live tensors; copy them.
+        return copy.deepcopy(state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s result into an instance built with the same arguments."""
+        self.policy.load_state_dict(state["policy"])
+        self.value.load_state_dict(state["value"])
+        if not self._discrete:
+            with torch.no_grad():
+                self.log_std.copy_(state["log_std"])
+        # Adam's load_state_dict keeps the given moment tensors instead of
+        # copying them; copy, so two instances loaded from one state never share.
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        self._generator.set_state(state["generator"])
+        for ours, theirs in ((self._episodes, state["episodes"]), (self._memory, state["memory"])):
+            for name, buffer in ours.items():
+                buffer.copy_(theirs[name])
+        self._memory_size = int(state["memory_size"])

@@ -1,0 +1,116 @@
+"""Episode buffers: one running episode per agent, and the episodes kept for an update."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+
+class EpisodeMemory:
+    """Preallocated tensors for the running episodes and the update memory.
+
+    Args:
+      num_agents: batch size N of the env.
+      capacity: episodes kept for one update (``update_every``).
+      max_length: longest possible episode T (the env's time limit).
+      step_fields: name -> ``(shape, dtype)`` of values stored every step.
+      episode_fields: name -> ``(shape, dtype)`` of values stored once per
+        episode (e.g. the observation after the last step).
+      device: where every buffer lives.
+
+    Running buffers are ``(N, T, *shape)``, the update memory
+    ``(capacity, T, *shape)``. Writes index by agent, never loop over agents.
+    """
+
+    def __init__(self, num_agents: int, capacity: int, max_length: int,
+                 step_fields: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                 episode_fields: Mapping[str, tuple[tuple[int, ...], torch.dtype]] = {},
+                 device: str | torch.device = "cpu"):
+        self.num_agents, self.capacity, self.max_length = num_agents, capacity, max_length
+        self.device = torch.device(device)
+
+        def alloc(rows: int, fields, per_step: bool) -> dict[str, torch.Tensor]:
+            time = (max_length,) if per_step else ()
+            return {name: torch.zeros((rows, *time, *shape), dtype=dtype, device=self.device)
+                    for name, (shape, dtype) in fields.items()}
+
+        self.running = alloc(num_agents, step_fields, True)
+        self.running.update(alloc(num_agents, episode_fields, False))
+        self.running_length = torch.zeros(num_agents, dtype=torch.int64, device=self.device)
+        self.stored = alloc(capacity, step_fields, True)
+        self.stored.update(alloc(capacity, episode_fields, False))
+        self.stored_length = torch.zeros(capacity, dtype=torch.int64, device=self.device)
+        self.count = 0
+        self._step_fields = set(step_fields)
+        self._episode_fields = set(episode_fields)
+
+    def append(self, agent_indices: torch.Tensor, **values: torch.Tensor) -> None:
+        """Store one step for each agent; every step field must be given, ``(K, *shape)``."""
+        if set(values) != self._step_fields:
+            raise KeyError(f"append needs exactly the step fields {sorted(self._step_fields)}, "
+                           f"got {sorted(values)}")
+        steps = self.running_length[agent_indices]
+        if bool((steps >= self.max_length).any()):
+            raise RuntimeError(
+                f"an episode ran longer than max_length={self.max_length} steps; set "
+                f"max_length to at least the env's time limit")
+        for name, value in values.items():
+            self.running[name][agent_indices, steps] = value.to(self.running[name].dtype)
+        self.running_length[agent_indices] = steps + 1
+
+    def set_episode(self, agent_indices: torch.Tensor, **values: torch.Tensor) -> None:
+        """Store per-episode values (``(K, *shape)``) for these agents' running episodes."""
+        for name, value in values.items():
+            if name not in self._episode_fields:
+                raise KeyError(f"{name!r} is not an episode field; known: "
+                               f"{sorted(self._episode_fields)}")
+            self.running[name][agent_indices] = value.to(self.running[name].dtype)
+
+    def discard(self, agent_indices: torch.Tensor) -> None:
+        """Forget the running episodes of these agents."""
+        self.running_length[agent_indices] = 0
+
+    def finish(self, agent_indices: torch.Tensor) -> int:
+        """Move these agents' episodes into the update memory, as far as it has
+        room (extra episodes are dropped), and clear their running buffers.
+
+        Returns the number of episodes stored."""
+        room = self.capacity - self.count
+        keep = agent_indices[:room]
+        stored = int(keep.numel())
+        if stored:
+            slots = slice(self.count, self.count + stored)
+            for name, buffer in self.running.items():
+                self.stored[name][slots] = buffer[keep]
+            self.stored_length[slots] = self.running_length[keep]
+            self.count += stored
+        self.discard(agent_indices)
+        return stored
+
+    @property
+    def full(self) -> bool:
+        return self.count >= self.capacity
+
+    def data(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The stored episodes: fields ``(count, T, ...)`` and lengths ``(count,)``."""
+        return ({name: value[:self.count] for name, value in self.stored.items()},
+                self.stored_length[:self.count])
+
+    def clear(self) -> None:
+        """Empty the update memory (running episodes are kept)."""
+        self.count = 0
+
+    def state_dict(self) -> dict[str, object]:
+        """Buffers and counters, for exact resumption mid-collection."""
+        return {"running": dict(self.running), "running_length": self.running_length,
+                "stored": dict(self.stored), "stored_length": self.stored_length,
+                "count": self.count}
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        for name in self.running:
+            self.running[name].copy_(state["running"][name])
+            self.stored[name].copy_(state["stored"][name])
+        self.running_length.copy_(state["running_length"])
+        self.stored_length.copy_(state["stored_length"])
+        self.count = int(state["count"])

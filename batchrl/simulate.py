@@ -1,0 +1,108 @@
+"""One fused step of a batch of envs and an algorithm (TF Agents' ``simulate`` op)."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from batchrl.algos.base import Algorithm, Summary
+from batchrl.envs.tensor_env import TensorBatchEnv
+
+
+@dataclass
+class _Tracker:
+    """Per-env bookkeeping that persists between ``simulate`` calls."""
+
+    score: torch.Tensor          # (N,) running return of the current episodes
+    length: torch.Tensor         # (N,) int64 running length
+    needs_reset: torch.Tensor    # (N,) bool, done on the previous step (or never started)
+    finished_score: torch.Tensor  # scalar sums of episodes finished since the last log
+    finished_length: torch.Tensor
+    finished_count: torch.Tensor
+
+
+_trackers: "weakref.WeakKeyDictionary[TensorBatchEnv, _Tracker]" = weakref.WeakKeyDictionary()
+
+
+def _tracker(env: TensorBatchEnv) -> _Tracker:
+    tracker = _trackers.get(env)
+    if tracker is None:
+        n, device = len(env), env.device
+        zero = torch.zeros((), device=device)
+        tracker = _Tracker(
+            score=torch.zeros(n, device=device),
+            length=torch.zeros(n, dtype=torch.int64, device=device),
+            needs_reset=torch.ones(n, dtype=torch.bool, device=device),
+            finished_score=zero.clone(), finished_length=zero.clone(),
+            finished_count=zero.clone())
+        _trackers[env] = tracker
+    return tracker
+
+
+def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
+             reset: bool = False) -> tuple[torch.Tensor, torch.Tensor, Summary]:
+    """Advance every env of ``env`` by one step with actions from ``algo``.
+
+    Agents whose episode ended on the previous step (all of them on the first
+    call, or when ``reset`` is true, which discontinues running episodes) are
+    reset and passed to ``algo.begin_episodes``. Then ``perform`` chooses the
+    actions, the envs step, ``experience`` sees the transition and
+    ``end_episodes`` gets the agents that just finished.
+
+    Args:
+      env: the batch env; its tensors live on ``env.device``, which should be
+        the algorithm's device.
+      algo: the algorithm acting for all ``N`` agents.
+      log: add ``score`` and ``length``, the means over the episodes finished
+        since the last call with ``log`` true, and ``episodes``, their number
+        (only when at least one finished).
+      reset: start new episodes for all agents first.
+    Returns:
+      ``(done, score, summary)``: ``done`` ``(N,)`` bool, agents whose episode
+      ended at this step; ``score`` ``(N,)`` float32, each agent's return so
+      far in its episode (the full return where ``done``); ``summary``, the
+      merged summaries of the algorithm's calls plus the logged means.
+    """
+    tracker = _tracker(env)
+    summary: Summary = {}
+    if reset:
+        tracker.needs_reset.fill_(True)
+    starting = tracker.needs_reset.nonzero().squeeze(1)
+    if starting.numel():
+        env.reset(starting)
+        tracker.score[starting] = 0.0
+        tracker.length[starting] = 0
+        tracker.needs_reset[starting] = False
+        summary.update(algo.begin_episodes(starting))
+
+    agents = torch.arange(len(env), device=env.device)
+    observ = env.observ.clone()  # the env overwrites its buffer when it steps
+    action, performed = algo.perform(agents, observ)
+    summary.update(performed)
+    next_observ, reward, done = env.step(action)
+    summary.update(algo.experience(agents, observ, env.action, reward, done, next_observ,
+                                   env.terminated))
+
+    tracker.score += reward
+    tracker.length += 1
+    finished = done.bool()
+    tracker.needs_reset.copy_(finished)
+    ended = finished.nonzero().squeeze(1)
+    score = tracker.score.clone()
+    if ended.numel():
+        summary.update(algo.end_episodes(ended))
+        tracker.finished_score += tracker.score[ended].sum()
+        tracker.finished_length += tracker.length[ended].sum()
+        tracker.finished_count += ended.numel()
+
+    if log:
+        count = int(tracker.finished_count.item())
+        if count:
+            summary["score"] = float(tracker.finished_score.item()) / count
+            summary["length"] = float(tracker.finished_length.item()) / count
+            summary["episodes"] = float(count)
+        for total in (tracker.finished_score, tracker.finished_length, tracker.finished_count):
+            total.zero_()
+    return finished, score, summary

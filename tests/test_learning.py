@@ -1,0 +1,58 @@
+"""BatchPPO learns CartPole-v1 and Pendulum-v1 (fixed seeds, CI-sized budgets).
+
+Each test trains with sampled actions through ``simulate()`` and then scores
+the mean action (evaluation mode) on fresh episodes of every agent.
+"""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import pytest
+import torch
+
+from batchrl.algos import BatchPPO, PPOConfig
+from batchrl.envs import BatchEnv, TensorBatchEnv, wrap_env
+from batchrl.simulate import simulate
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny networks: a second intra-op thread only adds synchronisation.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def train_and_evaluate(env_id: str, agents: int, steps: int, config: PPOConfig) -> list[float]:
+    """Train for ``steps`` env steps, then return one mean-action return per agent."""
+    torch.manual_seed(0)
+    env = TensorBatchEnv(BatchEnv([wrap_env(gym.make(env_id), config.max_length)
+                                   for _ in range(agents)]))
+    env.reset(seed=0)
+    algo = BatchPPO(env.observation_space, env.action_space, agents, config)
+    updates = 0
+    for _ in range(steps // agents):
+        _, _, summary = simulate(env, algo)
+        updates += "ppo/kl" in summary
+    assert updates >= 3, "the budget must allow several updates"
+    algo.eval()
+    returns = torch.full((agents,), float("nan"))
+    done, score, _ = simulate(env, algo, reset=True)
+    while True:
+        returns = torch.where(done & returns.isnan(), score, returns)
+        if not returns.isnan().any():
+            return returns.tolist()
+        done, score, _ = simulate(env, algo)
+
+
+def test_ppo_learns_cartpole():
+    config = PPOConfig(max_length=500, discount=0.99, update_every=20, policy_lr=3e-4)
+    returns = train_and_evaluate("CartPole-v1", 10, 60_000, config)
+    assert sum(returns) / len(returns) >= 450, returns
+
+
+def test_ppo_learns_pendulum():
+    config = PPOConfig(max_length=200, discount=0.95, update_every=20, policy_lr=3e-4)
+    returns = train_and_evaluate("Pendulum-v1", 10, 150_000, config)
+    assert sum(returns) / len(returns) >= -400, returns

@@ -1,0 +1,341 @@
+"""Returns, advantages, the streaming normaliser and the episode memory, against
+hand-computed numbers and plain numpy references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from batchrl.parts import (EpisodeMemory, StreamingNormalizer, discounted_return,
+                           generalized_advantage)
+
+
+def t64(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def lengths(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+# -- numpy references ---------------------------------------------------------------
+
+
+def np_discounted_return(reward, length, gamma, bootstrap=None):
+    """R_t = r_t + gamma * R_{t+1}, R_L = bootstrap; zero on padded steps."""
+    result = np.zeros_like(reward, dtype=np.float64)
+    for e, steps in enumerate(length):
+        running = 0.0 if bootstrap is None else float(bootstrap[e])
+        for t in reversed(range(steps)):
+            running = reward[e, t] + gamma * running
+            result[e, t] = running
+    return result
+
+
+def np_gae(reward, value, length, gamma, lam, bootstrap=None):
+    """A_t = delta_t + gamma * lam * A_{t+1}, delta_t = r_t + gamma V_{t+1} - V_t."""
+    result = np.zeros_like(reward, dtype=np.float64)
+    for e, steps in enumerate(length):
+        advantage = 0.0
+        next_value = 0.0 if bootstrap is None else float(bootstrap[e])
+        for t in reversed(range(steps)):
+            delta = reward[e, t] + gamma * next_value - value[e, t]
+            advantage = delta + gamma * lam * advantage
+            result[e, t] = advantage
+            next_value = value[e, t]
+    return result
+
+
+# -- discounted_return ------------------------------------------------------------------
+
+
+def test_discounted_return_by_hand():
+    reward = t64([[1.0, 2.0, 3.0]])
+    # R2 = 3, R1 = 2 + 0.5 * 3, R0 = 1 + 0.5 * 3.5
+    result = discounted_return(reward, lengths(3), 0.5)
+    assert result.tolist() == [[2.75, 3.5, 3.0]]
+    # Bootstrap 4 after the last step: R2 = 3 + 0.5 * 4 = 5, R1 = 4.5, R0 = 3.25.
+    result = discounted_return(reward, lengths(3), 0.5, bootstrap=t64([4.0]))
+    assert result.tolist() == [[3.25, 4.5, 5.0]]
+
+
+def test_discounted_return_padding_by_hand():
+    # Episode 0 has 3 steps, episode 1 two steps (then junk), episode 2 none.
+    reward = t64([[1.0, 2.0, 3.0],
+                  [4.0, 8.0, 100.0],
+                  [7.0, 7.0, 7.0]])
+    length = lengths(3, 2, 0)
+    result = discounted_return(reward, length, 0.5)
+    assert result.tolist() == [[2.75, 3.5, 3.0],
+                               [8.0, 8.0, 0.0],
+                               [0.0, 0.0, 0.0]]
+    # The bootstrap enters at each episode's own last step, never at padding,
+    # and an empty episode stays zero whatever its bootstrap.
+    result = discounted_return(reward, length, 0.5, bootstrap=t64([4.0, 2.0, 9.0]))
+    assert result.tolist() == [[3.25, 4.5, 5.0],
+                               [8.5, 9.0, 0.0],
+                               [0.0, 0.0, 0.0]]
+
+
+def test_discounted_return_ignores_nonfinite_padding():
+    reward = t64([[1.0, 2.0, float("nan")], [4.0, float("inf"), -float("inf")]])
+    result = discounted_return(reward, lengths(2, 1), 0.5, bootstrap=t64([2.0, 6.0]))
+    # Episode 0: R1 = 2 + 0.5 * 2 = 3, R0 = 1 + 1.5 = 2.5. Episode 1: R0 = 4 + 3 = 7.
+    assert result.tolist() == [[2.5, 3.0, 0.0], [7.0, 0.0, 0.0]]
+
+
+def test_discounted_return_keeps_dtype():
+    reward = torch.tensor([[1.0, 2.0, 3.0]], dtype=torch.float32)
+    result = discounted_return(reward, lengths(3), 0.5, torch.tensor([4.0]))
+    assert result.dtype == torch.float32
+    assert result.tolist() == [[3.25, 4.5, 5.0]]
+
+
+@pytest.mark.parametrize("with_bootstrap", [False, True])
+def test_discounted_return_matches_numpy_loop(with_bootstrap):
+    rng = np.random.default_rng(0)
+    episodes, steps = 7, 50
+    length = np.array([50, 1, 0, 17, 49, 33, 2])
+    reward = rng.normal(size=(episodes, steps))
+    bootstrap = rng.normal(size=episodes) if with_bootstrap else None
+    expected = np_discounted_return(reward, length, 0.99, bootstrap)
+    result = discounted_return(torch.from_numpy(reward), torch.from_numpy(length), 0.99,
+                               None if bootstrap is None else torch.from_numpy(bootstrap))
+    np.testing.assert_allclose(result.numpy(), expected, rtol=1e-10, atol=1e-10)
+    # Garbage in the padding must not change anything.
+    noisy = reward.copy()
+    noisy[np.arange(steps)[None] >= length[:, None]] = 1e6
+    result = discounted_return(torch.from_numpy(noisy), torch.from_numpy(length), 0.99,
+                               None if bootstrap is None else torch.from_numpy(bootstrap))
+    np.testing.assert_allclose(result.numpy(), expected, rtol=1e-10, atol=1e-10)
+
+
+# -- generalized_advantage -----------------------------------------------------------
+
+
+def test_generalized_advantage_by_hand():
+    reward = t64([[1.0, 2.0, 3.0]])
+    value = t64([[0.5, 1.0, 1.5]])
+    # gamma = lambda = 0.5, bootstrap 2:
+    # delta = [1 + 0.5 - 0.5, 2 + 0.75 - 1, 3 + 1 - 1.5] = [1, 1.75, 2.5]
+    # A2 = 2.5, A1 = 1.75 + 0.25 * 2.5 = 2.375, A0 = 1 + 0.25 * 2.375 = 1.59375
+    result = generalized_advantage(reward, value, lengths(3), 0.5, 0.5, t64([2.0]))
+    assert result.tolist() == [[1.59375, 2.375, 2.5]]
+    # Without bootstrap delta2 = 3 - 1.5 = 1.5: A = [1.53125, 2.125, 1.5].
+    result = generalized_advantage(reward, value, lengths(3), 0.5, 0.5)
+    assert result.tolist() == [[1.53125, 2.125, 1.5]]
+
+
+def test_generalized_advantage_padding_by_hand():
+    reward = t64([[1.0, 2.0, 3.0], [4.0, 8.0, 100.0]])
+    value = t64([[0.5, 1.0, 1.5], [1.0, 2.0, 50.0]])
+    # Episode 1 ends after two steps: its last next-value is the bootstrap
+    # (zero here), not value[2] = 50. delta = [4 + 1 - 1, 8 + 0 - 2] = [4, 6],
+    # A1 = 6, A0 = 4 + 0.25 * 6 = 5.5.
+    result = generalized_advantage(reward, value, lengths(3, 2), 0.5, 0.5,
+                                   bootstrap=t64([2.0, 0.0]))
+    assert result.tolist() == [[1.59375, 2.375, 2.5], [5.5, 6.0, 0.0]]
+    # Bootstrap 4 for episode 1: delta1 = 8 + 2 - 2 = 8, A0 = 4 + 2 = 6.
+    result = generalized_advantage(reward, value, lengths(3, 2), 0.5, 0.5,
+                                   bootstrap=t64([2.0, 4.0]))
+    assert result.tolist() == [[1.59375, 2.375, 2.5], [6.0, 8.0, 0.0]]
+    # Non-finite padding in rewards and values does not leak.
+    reward[1, 2] = float("nan")
+    value[1, 2] = float("inf")
+    result = generalized_advantage(reward, value, lengths(3, 2), 0.5, 0.5,
+                                   bootstrap=t64([2.0, 4.0]))
+    assert result.tolist() == [[1.59375, 2.375, 2.5], [6.0, 8.0, 0.0]]
+
+
+@pytest.mark.parametrize("with_bootstrap", [False, True])
+def test_generalized_advantage_matches_numpy_loop(with_bootstrap):
+    rng = np.random.default_rng(1)
+    episodes, steps = 7, 50
+    length = np.array([50, 1, 0, 17, 49, 33, 2])
+    reward = rng.normal(size=(episodes, steps))
+    value = rng.normal(size=(episodes, steps))
+    bootstrap = rng.normal(size=episodes) if with_bootstrap else None
+    expected = np_gae(reward, value, length, 0.99, 0.95, bootstrap)
+    pad = np.arange(steps)[None] >= length[:, None]
+    reward[pad], value[pad] = 1e6, -1e6  # must be ignored
+    result = generalized_advantage(
+        torch.from_numpy(reward), torch.from_numpy(value), torch.from_numpy(length), 0.99, 0.95,
+        None if bootstrap is None else torch.from_numpy(bootstrap))
+    np.testing.assert_allclose(result.numpy(), expected, rtol=1e-10, atol=1e-10)
+
+
+def test_generalized_advantage_with_lambda_one_is_return_minus_value():
+    rng = np.random.default_rng(2)
+    reward, value = rng.normal(size=(4, 20)), rng.normal(size=(4, 20))
+    length, bootstrap = torch.tensor([20, 5, 11, 1]), torch.from_numpy(rng.normal(size=4))
+    reward_t, value_t = torch.from_numpy(reward), torch.from_numpy(value)
+    advantage = generalized_advantage(reward_t, value_t, length, 0.9, 1.0, bootstrap)
+    returns = discounted_return(reward_t, length, 0.9, bootstrap)
+    valid = torch.arange(20)[None] < length[:, None]
+    expected = torch.where(valid, returns - value_t, torch.zeros(()))
+    torch.testing.assert_close(advantage, expected, rtol=1e-10, atol=1e-10)
+
+
+# -- StreamingNormalizer ------------------------------------------------------------
+
+
+def test_normalizer_statistics_match_numpy():
+    rng = np.random.default_rng(3)
+    normalizer = StreamingNormalizer((4,), center=True, scale=True, clip=None)
+    seen = []
+    for size in (1, 7, 2, 30, 0, 5):
+        batch = rng.normal(loc=[1.0, -3.0, 10.0, 0.0], scale=[1.0, 0.1, 5.0, 2.0], size=(size, 4))
+        normalizer.update(torch.from_numpy(batch).float())
+        seen.append(batch.astype(np.float32))
+    data = np.concatenate(seen).astype(np.float64)
+    assert float(normalizer.count) == 45
+    np.testing.assert_allclose(normalizer.mean.numpy(), data.mean(0), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(normalizer.variance.numpy(), data.var(0, ddof=1),
+                               rtol=1e-10)
+    values = rng.normal(size=(3, 4)).astype(np.float32)
+    expected = (values - data.mean(0)) / (data.std(0, ddof=1) + 1e-8)
+    result = normalizer.transform(torch.from_numpy(values))
+    assert result.dtype == torch.float32
+    np.testing.assert_allclose(result.numpy(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_normalizer_variance_is_one_before_two_values():
+    normalizer = StreamingNormalizer((2,))
+    assert normalizer.variance.tolist() == [1.0, 1.0]
+    normalizer.update(torch.tensor([[3.0, -1.0]]))
+    assert normalizer.variance.tolist() == [1.0, 1.0]
+    assert normalizer.mean.tolist() == [3.0, -1.0]
+    # Centred only: [5, 5] - [3, -1], scaled by 1 / (1 + eps).
+    np.testing.assert_allclose(normalizer.transform(torch.tensor([[5.0, 5.0]])).numpy(),
+                               [[2.0, 6.0]], rtol=1e-6)
+
+
+def test_normalizer_transform_center_scale_clip():
+    normalizer = StreamingNormalizer((2,), center=True, scale=True, clip=1.5)
+    normalizer.update(torch.tensor([[0.0, 10.0], [2.0, 10.0], [4.0, 16.0]]))
+    # mean [2, 12], var (ddof=1) [4, 12] -> std [2, sqrt(12)]
+    np.testing.assert_allclose(normalizer.variance.numpy(), [4.0, 12.0])
+    values = torch.tensor([[3.0, 12.0], [100.0, -100.0], [1.0, 12.0 + np.sqrt(12.0)]])
+    result = normalizer.transform(values)
+    np.testing.assert_allclose(result.numpy(), [[0.5, 0.0], [1.5, -1.5], [-0.5, 1.0]],
+                               rtol=1e-6, atol=1e-6)
+    # Scale only / centre only / neither.
+    normalizer.center = False
+    np.testing.assert_allclose(normalizer.transform(torch.tensor([[1.0, 0.0]])).numpy(),
+                               [[0.5, 0.0]], rtol=1e-6)
+    normalizer.center, normalizer.scale, normalizer.clip = True, False, None
+    np.testing.assert_allclose(normalizer.transform(torch.tensor([[1.0, 0.0]])).numpy(),
+                               [[-1.0, -12.0]])
+    normalizer.center = False
+    assert normalizer.transform(torch.tensor([[7.0, -9.0]])).tolist() == [[7.0, -9.0]]
+
+
+def test_reward_style_normalizer():
+    rng = np.random.default_rng(4)
+    normalizer = StreamingNormalizer((), center=False, scale=True, clip=10.0)
+    rewards = [rng.normal(loc=5.0, scale=0.5, size=size) for size in (3, 8, 1, 20)]
+    for batch in rewards:
+        normalizer.update(torch.from_numpy(batch).float())
+    data = np.concatenate(rewards).astype(np.float32).astype(np.float64)
+    assert normalizer.mean.shape == ()
+    np.testing.assert_allclose(float(normalizer.mean), data.mean(), rtol=1e-10)
+    np.testing.assert_allclose(float(normalizer.variance), data.var(ddof=1), rtol=1e-8)
+    std = data.std(ddof=1)
+    values = torch.tensor([5.0, -1.0, 0.0, 1000.0, -1000.0])
+    expected = np.clip(values.numpy() / (std + 1e-8), -10.0, 10.0)  # not centred
+    result = normalizer.transform(values)
+    np.testing.assert_allclose(result.numpy(), expected, rtol=1e-6)
+    assert result[3] == 10.0 and result[4] == -10.0
+    # Episode-shaped rewards (E, T) transform elementwise.
+    grid = torch.tensor([[0.1, 0.2], [0.3, 0.4]])
+    np.testing.assert_allclose(normalizer.transform(grid).numpy(), grid.numpy() / (std + 1e-8),
+                               rtol=1e-6)
+
+
+def test_normalizer_state_dict_round_trip():
+    rng = np.random.default_rng(5)
+    source = StreamingNormalizer((3,), center=True, scale=True, clip=5.0)
+    for size in (4, 9):
+        source.update(torch.from_numpy(rng.normal(size=(size, 3))).float())
+    target = StreamingNormalizer((3,), center=True, scale=True, clip=5.0)
+    target.load_state_dict(source.state_dict())
+    assert set(source.state_dict()) == {"count", "mean", "sum_sq"}
+    for name in ("count", "mean", "sum_sq"):
+        assert torch.equal(getattr(source, name), getattr(target, name))
+        assert getattr(target, name).dtype == torch.float64
+    values = torch.from_numpy(rng.normal(size=(6, 3))).float()
+    assert torch.equal(source.transform(values), target.transform(values))
+    # Both continue identically.
+    more = torch.from_numpy(rng.normal(size=(5, 3))).float()
+    source.update(more)
+    target.update(more)
+    assert torch.equal(source.transform(values), target.transform(values))
+    assert float(target.count) == 18
+
+
+# -- EpisodeMemory ---------------------------------------------------------------------
+
+
+def make_memory(num_agents=3, capacity=2, max_length=4):
+    return EpisodeMemory(num_agents, capacity, max_length,
+                         step_fields={"x": ((), torch.float32), "a": ((2,), torch.int64)},
+                         episode_fields={"last": ((), torch.float32)})
+
+
+def test_memory_append_finish_and_data():
+    memory = make_memory()
+    all_agents = torch.arange(3)
+    for step in range(3):
+        agents = all_agents if step < 2 else torch.tensor([0, 2])
+        memory.append(agents, x=agents.float() * 10 + step,
+                      a=torch.stack([agents, agents + step], 1))
+    memory.set_episode(torch.tensor([2]), last=torch.tensor([7.0]))
+    assert memory.finish(torch.tensor([2, 1])) == 2
+    assert memory.full
+    data, length = memory.data()
+    assert length.tolist() == [3, 2]
+    assert data["x"][0, :3].tolist() == [20.0, 21.0, 22.0]
+    assert data["x"][1, :2].tolist() == [10.0, 11.0]
+    assert data["a"][0, :3].tolist() == [[2, 2], [2, 3], [2, 4]]
+    assert data["last"].tolist() == [7.0, 0.0]
+    # Finished agents restart at step 0; agent 0 keeps running.
+    assert memory.running_length.tolist() == [3, 0, 0]
+    # No room left: extra episodes are dropped, but their running buffers reset.
+    assert memory.finish(torch.tensor([0])) == 0
+    assert memory.running_length.tolist() == [0, 0, 0]
+    assert memory.data()[1].tolist() == [3, 2]
+    memory.clear()
+    assert not memory.full and memory.data()[1].numel() == 0
+
+
+def test_memory_discard_and_errors():
+    memory = make_memory(max_length=2)
+    agents = torch.arange(3)
+    memory.append(agents, x=torch.ones(3), a=torch.zeros(3, 2, dtype=torch.int64))
+    memory.discard(torch.tensor([1]))
+    assert memory.running_length.tolist() == [1, 0, 1]
+    with pytest.raises(KeyError):
+        memory.append(agents, x=torch.ones(3))
+    with pytest.raises(KeyError):
+        memory.set_episode(agents, nope=torch.ones(3))
+    memory.append(agents, x=torch.ones(3), a=torch.zeros(3, 2, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="max_length"):
+        memory.append(agents, x=torch.ones(3), a=torch.zeros(3, 2, dtype=torch.int64))
+
+
+def test_memory_state_dict_round_trip():
+    memory = make_memory()
+    agents = torch.arange(3)
+    memory.append(agents, x=torch.tensor([1.0, 2.0, 3.0]),
+                  a=torch.arange(6).reshape(3, 2))
+    memory.finish(torch.tensor([1]))
+    memory.append(agents, x=torch.tensor([4.0, 5.0, 6.0]), a=torch.zeros(3, 2, dtype=torch.int64))
+    other = make_memory()
+    other.load_state_dict(memory.state_dict())
+    assert other.count == 1
+    assert other.running_length.tolist() == [2, 1, 2]
+    for name in ("x", "a", "last"):
+        assert torch.equal(other.running[name], memory.running[name])
+        assert torch.equal(other.stored[name], memory.stored[name])
+    assert torch.equal(other.stored_length, memory.stored_length)

@@ -1,0 +1,650 @@
+"""BatchPPO on synthetic data: the loss against a hand computation, the KL penalty
+and cutoff, masking of padded steps, inference modes, checkpoints, evaluation."""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from batchrl.algos import BatchPPO, KLPenalty, PPOConfig
+from batchrl.algos.networks import Actor
+from batchrl.algos.ppo import compile_actor
+
+OBS_SIZE = 3
+OBSERV = gym.spaces.Box(-np.inf, np.inf, (OBS_SIZE,), np.float32)
+BOX = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+DISCRETE = gym.spaces.Discrete(4)
+SPACES = {"box": BOX, "discrete": DISCRETE}
+
+
+def make(action_space=BOX, num_agents=3, seed=0, **overrides) -> BatchPPO:
+    config = dict(policy_layers=(16,), value_layers=(16,), gru_size=8, update_every=3,
+                  update_epochs=2, max_length=8, inference="eager")
+    config.update(overrides)
+    torch.manual_seed(seed)
+    return BatchPPO(OBSERV, action_space, num_agents, PPOConfig(**config))
+
+
+def valid_mask(length: torch.Tensor, steps: int) -> torch.Tensor:
+    return torch.arange(steps)[None] < length[:, None]
+
+
+def fill_memory(algo: BatchPPO, lengths, seed: int, mean_shift: float = 0.0,
+                log_std_shift: float = 0.0) -> dict[str, torch.Tensor]:
+    """Store ``len(lengths)`` synthetic episodes in the update memory through the
+    memory API, as experience() would. The behaviour ("old") policy is the
+    current policy, its parameters shifted by ``mean_shift`` / ``log_std_shift``
+    (categorical: logits plus ``mean_shift`` times noise); actions are sampled
+    from it. Uses its own generator, never the global RNG."""
+    episodes, steps = len(lengths), algo.config.max_length
+    generator = torch.Generator().manual_seed(seed)
+    length = torch.tensor(lengths)
+    observ = torch.randn(episodes, steps, OBS_SIZE, generator=generator)
+    reward = torch.randn(episodes, steps, generator=generator)
+    bootstrap_observ = torch.randn(episodes, OBS_SIZE, generator=generator)
+    terminated = (torch.arange(episodes) % 2).float()
+    state = torch.zeros(episodes, algo.state_size)
+    states, params_a, params_b = [], [], []
+    with torch.no_grad():
+        for t in range(steps):  # step by step, as perform() does
+            states.append(state)
+            param_a, param_b, state = algo.policy(observ[:, t:t + 1], state)
+            params_a.append(param_a[:, 0])
+            params_b.append(param_b if algo.discrete else param_b[:, 0])
+    state = torch.stack(states, 1)
+    param_a = torch.stack(params_a, 1)
+    if algo.discrete:
+        param_a = param_a + mean_shift * torch.randn(param_a.shape, generator=generator)
+        param_b = torch.zeros(episodes, steps, 0)
+        probs = torch.softmax(param_a, -1).reshape(-1, param_a.shape[-1])
+        action = torch.multinomial(probs, 1, generator=generator).reshape(episodes, steps)
+    else:
+        param_a = param_a + mean_shift
+        # The log std is a view of a parameter, so it requires grad even when made
+        # under no_grad; store it without autograd history, as experience() does.
+        param_b = torch.stack(params_b, 1).detach() + log_std_shift
+        action = param_a + param_b.exp() * torch.randn(param_a.shape, generator=generator)
+    for t in range(steps):
+        agents = torch.nonzero(length > t).squeeze(1)
+        if agents.numel():
+            algo.memory.append(agents, observ=observ[agents, t], action=action[agents, t],
+                               param_a=param_a[agents, t], param_b=param_b[agents, t],
+                               reward=reward[agents, t], state=state[agents, t])
+    agents = torch.arange(episodes)
+    algo.memory.set_episode(agents, bootstrap_observ=bootstrap_observ, terminated=terminated)
+    assert algo.memory.finish(agents) == episodes
+    return {"observ": observ, "reward": reward, "bootstrap_observ": bootstrap_observ,
+            "terminated": terminated, "state": state, "param_a": param_a, "param_b": param_b,
+            "action": action, "length": length}
+
+
+def scribble_padding(algo: BatchPPO, seed: int, scale: float = 1.0) -> None:
+    """Overwrite every stored step beyond its episode's length with noise."""
+    generator = torch.Generator().manual_seed(seed)
+    memory = algo.memory
+    for episode in range(memory.count):
+        start = int(memory.stored_length[episode])
+        for name in ("observ", "action", "param_a", "param_b", "reward", "state"):
+            pad = memory.stored[name][episode, start:]
+            if pad.numel() == 0:
+                continue
+            if pad.dtype == torch.int64:
+                pad.copy_(torch.randint(0, DISCRETE.n, pad.shape, generator=generator))
+            else:
+                pad.copy_(scale * torch.randn(pad.shape, generator=generator))
+
+
+def drive(algo: BatchPPO, steps: int, seed: int, episode_length: int = 3) -> list[dict]:
+    """Run the Algorithm protocol for ``steps`` steps on synthetic transitions;
+    every agent's episode ends every ``episode_length`` steps."""
+    generator = torch.Generator().manual_seed(seed)
+    agents = torch.arange(algo.num_agents)
+    summaries = []
+    algo.begin_episodes(agents)
+    for step in range(steps):
+        observ = 2.0 + 3.0 * torch.randn(algo.num_agents, OBS_SIZE, generator=generator)
+        action, _ = algo.perform(agents, observ)
+        reward = torch.randn(algo.num_agents, generator=generator)
+        done = torch.full((algo.num_agents,), float((step + 1) % episode_length == 0))
+        next_observ = torch.randn(algo.num_agents, OBS_SIZE, generator=generator)
+        terminated = done * (agents % 2).float()
+        algo.experience(agents, observ, action, reward, done, next_observ, terminated)
+        ended = agents[done.bool()]
+        if ended.numel():
+            summaries.append(algo.end_episodes(ended))
+            algo.begin_episodes(ended)
+    return summaries
+
+
+def params_of(algo: BatchPPO) -> dict[str, torch.Tensor]:
+    named = {f"policy.{k}": v for k, v in algo.policy.state_dict().items()}
+    named.update({f"value.{k}": v for k, v in algo.value.state_dict().items()})
+    return named
+
+
+# -- numpy references for the loss -----------------------------------------------------
+
+
+def np_log_prob(discrete, param_a, param_b, action):
+    if discrete:
+        logits = param_a - param_a.max(-1, keepdims=True)
+        log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        return np.take_along_axis(log_p, action[..., None], -1)[..., 0]
+    std = np.exp(param_b)
+    return (-0.5 * ((action - param_a) / std) ** 2 - param_b - 0.5 * np.log(2 * np.pi)).sum(-1)
+
+
+def np_kl(discrete, old_a, old_b, new_a, new_b):
+    """KL(old || new) per step, closed form."""
+    if discrete:
+        def log_softmax(x):
+            x = x - x.max(-1, keepdims=True)
+            return x - np.log(np.exp(x).sum(-1, keepdims=True))
+        old_log, new_log = log_softmax(old_a), log_softmax(new_a)
+        return (np.exp(old_log) * (old_log - new_log)).sum(-1)
+    old_var, new_var = np.exp(2 * old_b), np.exp(2 * new_b)
+    return (new_b - old_b + (old_var + (old_a - new_a) ** 2) / (2 * new_var) - 0.5).sum(-1)
+
+
+def np_returns(reward, length, gamma, bootstrap):
+    result = np.zeros_like(reward)
+    for e, steps in enumerate(length):
+        running = bootstrap[e]
+        for t in reversed(range(steps)):
+            running = reward[e, t] + gamma * running
+            result[e, t] = running
+    return result
+
+
+def expected_first_step(algo: BatchPPO, data: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The losses of the first gradient step of update(), recomputed in numpy
+    (float64) from the networks' outputs: plain discounted returns, raw
+    rewards (config.normalize_reward=False)."""
+    config = algo.config
+    length = data["length"].numpy()
+    valid = valid_mask(data["length"], config.max_length).numpy()
+    with torch.no_grad():
+        value = algo.value(data["observ"]).double().numpy()
+        bootstrap = algo.value(data["bootstrap_observ"]).double().numpy()
+        new_a, new_b, _ = algo.policy(data["observ"], data["state"][:, 0])
+    bootstrap = bootstrap * (1.0 - data["terminated"].double().numpy())
+    returns = np_returns(data["reward"].double().numpy(), length, config.discount, bootstrap)
+    advantage = (returns - value)[valid]
+    advantage = (advantage - advantage.mean()) / (advantage.std(ddof=1) + 1e-8)
+    new_a, new_b = new_a.detach().double().numpy()[valid], new_b.detach().double().numpy()
+    old_a, old_b = data["param_a"].double().numpy()[valid], data["param_b"].double().numpy()
+    if not algo.discrete:
+        new_b, old_b = new_b[valid], old_b[valid]
+    action = data["action"].numpy()[valid]
+    ratio = np.exp(np_log_prob(algo.discrete, new_a, new_b, action)
+                   - np_log_prob(algo.discrete, old_a, old_b, action))
+    surrogate = -(ratio * advantage).mean()
+    kl = np_kl(algo.discrete, old_a, old_b, new_a, new_b).mean()
+    cutoff = config.kl_cutoff_coef * max(0.0, kl - config.kl_cutoff_factor * config.kl_target) ** 2
+    value_loss = 0.5 * ((returns - value)[valid] ** 2).mean()
+    return {"surrogate": surrogate, "kl": kl, "cutoff": cutoff,
+            "policy_loss": surrogate + algo.penalty.value * kl + cutoff,
+            "value_loss": value_loss}
+
+
+# -- KLPenalty -------------------------------------------------------------------------
+
+
+def test_kl_penalty_adaptation():
+    penalty = KLPenalty(target=0.01, initial=2.0)
+    assert penalty.adapt(0.02) == pytest.approx(3.0)        # > 1.3 * target
+    assert penalty.adapt(0.0131) == pytest.approx(4.5)
+    assert penalty.adapt(0.001) == pytest.approx(3.0)       # < 0.7 * target
+    assert penalty.adapt(0.0) == pytest.approx(2.0)
+    assert penalty.adapt(0.0069) == pytest.approx(2.0 / 1.5)
+    penalty.value = 2.0
+    for kl in (0.7 * 0.01, 0.007, 0.008, 0.01, 0.012, 0.013, 1.3 * 0.01):  # dead band + edges
+        assert penalty.adapt(kl) == 2.0
+    assert penalty.value == 2.0
+
+
+def test_kl_penalty_compounds():
+    penalty = KLPenalty(target=1.0, initial=1.0)
+    for _ in range(4):
+        penalty.adapt(10.0)
+    assert penalty.value == pytest.approx(1.5 ** 4)
+    for _ in range(6):
+        penalty.adapt(0.1)
+    assert penalty.value == pytest.approx(1.5 ** -2)
+
+
+# -- the loss --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("space", ["box", "discrete"])
+def test_policy_terms_match_hand_computation(space):
+    algo = make(SPACES[space])
+    data = fill_memory(algo, [8, 5, 2], seed=1, mean_shift=0.3, log_std_shift=-0.2)
+    stored, length = algo.memory.data()
+    batch = dict(stored)
+    valid = valid_mask(length, 8)
+    advantage = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    batch["advantage"] = advantage * valid
+    surrogate, kl, entropy, log_ratio = algo._policy_terms(batch, valid.float())
+
+    with torch.no_grad():
+        new_a, new_b, _ = algo.policy(data["observ"], data["state"][:, 0])
+    mask = valid.numpy()
+    new_a, new_b = new_a.detach().double().numpy(), new_b.detach().double().numpy()
+    old_a, old_b = data["param_a"].double().numpy(), data["param_b"].double().numpy()
+    action = data["action"].numpy()
+    expected_log_ratio = (np_log_prob(algo.discrete, new_a, new_b, action)
+                          - np_log_prob(algo.discrete, old_a, old_b, action))
+    np.testing.assert_allclose(log_ratio.detach().numpy()[mask], expected_log_ratio[mask],
+                               rtol=1e-4, atol=1e-5)
+    expected_surrogate = -(np.exp(expected_log_ratio) * advantage.numpy())[mask].mean()
+    expected_kl = np_kl(algo.discrete, old_a, old_b, new_a, new_b)[mask].mean()
+    if algo.discrete:
+        log_p = np.log(torch.softmax(torch.from_numpy(new_a), -1).numpy())
+        expected_entropy = -(np.exp(log_p) * log_p).sum(-1)[mask].mean()
+    else:
+        expected_entropy = (0.5 * np.log(2 * np.pi * np.e) + new_b).sum(-1)[mask].mean()
+    surrogate, kl, entropy = (float(x.detach()) for x in (surrogate, kl, entropy))
+    assert surrogate == pytest.approx(expected_surrogate, rel=1e-4)
+    assert kl == pytest.approx(expected_kl, rel=1e-4)
+    assert kl > 0.01
+    assert entropy == pytest.approx(expected_entropy, rel=1e-4)
+
+
+@pytest.mark.parametrize("space", ["box", "discrete"])
+def test_first_update_step_matches_hand_computation_with_cutoff(space):
+    """A behaviour policy far from the current one: the cutoff is active and the
+    first gradient step's losses equal the formula of the paper."""
+    algo = make(SPACES[space], update_epochs=1, normalize_reward=False, kl_init_penalty=0.7,
+                discount=0.9)
+    data = fill_memory(algo, [8, 3, 6], seed=3, mean_shift=1.0, log_std_shift=0.5)
+    expected = expected_first_step(algo, data)
+    threshold = algo.config.kl_cutoff_factor * algo.config.kl_target
+    assert expected["kl"] > threshold + 0.1
+    assert expected["cutoff"] > 10.0
+    summary = algo.update()
+    assert summary["ppo/kl_cutoff"] == pytest.approx(expected["cutoff"], rel=1e-4)
+    assert summary["ppo/policy_loss"] == pytest.approx(expected["policy_loss"], rel=1e-4)
+    assert summary["ppo/value_loss"] == pytest.approx(expected["value_loss"], rel=1e-4)
+    assert summary["ppo/beta"] == 0.7
+    # The KL after the step is still far above 1.3 * target: beta grows.
+    assert summary["ppo/kl"] > 1.3 * algo.config.kl_target
+    assert summary["ppo/beta_next"] == pytest.approx(0.7 * 1.5)
+    assert algo.penalty.value == pytest.approx(0.7 * 1.5)
+    assert summary["ppo/updates"] == 1.0 and algo.updates == 1
+
+
+@pytest.mark.parametrize("space", ["box", "discrete"])
+def test_cutoff_is_exactly_zero_below_threshold(space):
+    """Behaviour policy == current policy: KL stays far below
+    kl_cutoff_factor * kl_target, so the cutoff contributes exactly nothing."""
+    algo = make(SPACES[space], update_epochs=3, normalize_reward=False, kl_init_penalty=0.7)
+    data = fill_memory(algo, [8, 3, 6], seed=4)
+    expected = expected_first_step(algo, data)
+    assert expected["kl"] < 1e-6 and expected["cutoff"] == 0.0
+    summary = algo.update()
+    assert summary["ppo/kl_cutoff"] == 0.0
+    assert 0.0 <= summary["ppo/kl"] < 0.7 * algo.config.kl_target
+    # Small KL: beta shrinks.
+    assert summary["ppo/beta"] == 0.7
+    assert algo.penalty.value == pytest.approx(0.7 / 1.5)
+    assert all(math.isfinite(v) for v in summary.values())
+
+
+def test_cutoff_coefficient_scales_the_term():
+    """Same data, same seeds, kl_cutoff_coef 1000 vs 0: the reported policy loss
+    differs exactly by the cutoff term."""
+    summaries = []
+    for coef in (1000.0, 0.0):
+        algo = make(BOX, update_epochs=1, kl_cutoff_coef=coef, normalize_reward=False)
+        fill_memory(algo, [8, 3, 6], seed=5, mean_shift=0.8)
+        torch.manual_seed(0)
+        summaries.append(algo.update())
+    with_cutoff, without = summaries
+    assert without["ppo/kl_cutoff"] == 0.0
+    assert with_cutoff["ppo/kl_cutoff"] > 1.0
+    assert with_cutoff["ppo/policy_loss"] - without["ppo/policy_loss"] == pytest.approx(
+        with_cutoff["ppo/kl_cutoff"], rel=1e-5)
+
+
+# -- masking of padded steps -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("space,network,extra", [
+    ("box", "feed_forward", {}),
+    ("discrete", "feed_forward", {"gae_lambda": 0.95}),
+    ("box", "feed_forward", {"batch_size": 2, "max_grad_norm": 0.5}),
+    ("box", "recurrent", {}),
+    ("discrete", "recurrent", {"chunk_length": 3, "batch_size": 2}),
+])
+def test_padding_does_not_change_the_update(space, network, extra):
+    algos, summaries = [], []
+    for scribble in (False, True):
+        algo = make(SPACES[space], seed=7, network=network, update_epochs=3, **extra)
+        fill_memory(algo, [8, 5, 2], seed=8, mean_shift=0.2)
+        if scribble:
+            scribble_padding(algo, seed=9, scale=3.0)
+        torch.manual_seed(10)
+        summaries.append(algo.update())
+        algos.append(algo)
+    clean, noisy = algos
+    # The padding really differed.
+    assert not torch.equal(clean.memory.stored["observ"], noisy.memory.stored["observ"])
+    assert summaries[0] == summaries[1]
+    assert all(math.isfinite(v) for v in summaries[0].values())
+    clean_params, noisy_params = params_of(clean), params_of(noisy)
+    for name, value in clean_params.items():
+        assert torch.equal(value, noisy_params[name]), name
+    # ... and the update did change the parameters.
+    torch.manual_seed(7)
+    fresh = make(SPACES[space], seed=7, network=network, update_epochs=3, **extra)
+    assert not torch.equal(params_of(fresh)["value.out.weight"], clean_params["value.out.weight"])
+
+
+# -- inference modes ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("space", ["box", "discrete"])
+@pytest.mark.parametrize("network", ["feed_forward", "recurrent"])
+def test_script_and_eager_actors_agree(space, network):
+    algo = make(SPACES[space], network=network)
+    eager = compile_actor(Actor(algo.policy), "eager")
+    script = compile_actor(Actor(algo.policy), "script")
+    assert isinstance(script, torch.jit.ScriptModule)
+    generator = torch.Generator().manual_seed(0)
+    observ = torch.randn(6, OBS_SIZE, generator=generator)
+    state = torch.randn(6, algo.state_size, generator=generator)
+
+    def both(deterministic, seed=11):
+        torch.manual_seed(seed)
+        out_script = script(observ, state, deterministic)
+        torch.manual_seed(seed)
+        out_eager = eager(observ, state, deterministic)
+        for a, b in zip(out_script, out_eager):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        return out_eager
+
+    sampled, param_a, param_b, new_state = both(False)
+    mean_action = both(True)[0]
+    assert new_state.shape == (6, algo.state_size)
+    if algo.discrete:
+        assert sampled.dtype == torch.int64 and sampled.shape == (6,)
+        assert torch.equal(mean_action, param_a.argmax(-1))
+        assert param_b.numel() == 0
+    else:
+        assert sampled.shape == (6, 2)
+        with torch.no_grad():
+            expected, _, _ = algo.policy(observ.unsqueeze(1), state)
+        assert torch.equal(mean_action, expected[:, 0])
+        assert bool((mean_action.abs() < 1).all())
+        assert not torch.equal(sampled, mean_action)
+    # A different seed gives different samples (so the equality above means something).
+    draws = torch.stack([both(False, seed)[0] for seed in range(12, 16)])
+    assert not all(torch.equal(draws[0], row) for row in draws[1:])
+    # The scripted actor shares the policy's parameters.
+    with torch.no_grad():
+        head = algo.policy.head
+        (head.logits if algo.discrete else head.mean).bias.add_(0.7)
+    both(False)
+    both(True)
+
+
+def test_algorithm_inference_modes_agree():
+    """BatchPPO(inference="script") and BatchPPO(inference="eager") built with the
+    same seed act identically for the same torch seed."""
+    actions = []
+    for inference in ("script", "eager"):
+        algo = make(DISCRETE, seed=3, inference=inference)
+        agents = torch.arange(3)
+        algo.begin_episodes(agents)
+        torch.manual_seed(4)
+        actions.append(torch.stack([algo.perform(agents, torch.full((3, OBS_SIZE), float(i)))[0]
+                                    for i in range(5)]))
+    assert torch.equal(actions[0], actions[1])
+
+
+def test_script_deprecation_warning_does_not_escape():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        algo = make(BOX, inference="script", network="recurrent")
+        algo.perform(torch.arange(3), torch.zeros(3, OBS_SIZE))
+    assert isinstance(algo.actor, torch.jit.ScriptModule)
+    leaked = [w for w in caught if issubclass(w.category, DeprecationWarning)
+              and "jit" in str(w.message)]
+    assert not leaked, [str(w.message) for w in leaked]
+    # Outside BatchPPO the warning is still shown (the filter is local).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.jit.script(Actor(algo.policy))
+    if any(issubclass(w.category, DeprecationWarning) for w in caught):
+        assert any("jit" in str(w.message) for w in caught)
+
+
+# -- checkpoints -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("space,network", [("box", "feed_forward"), ("discrete", "recurrent")])
+def test_state_dict_round_trip(space, network):
+    source = make(SPACES[space], num_agents=2, seed=1, network=network, update_every=2,
+                  update_epochs=3, max_length=5)
+    summaries = [s for s in drive(source, steps=7, seed=2) if s]
+    assert len(summaries) == 2 and source.updates == 2
+    assert source.penalty.value != 1.0
+    assert float(source.observ_normalizer.count) == 14
+
+    buffer = io.BytesIO()
+    torch.save(source.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer)
+
+    target = make(SPACES[space], num_agents=2, seed=99, network=network, update_every=2,
+                  update_epochs=3, max_length=5)
+    observ = torch.randn(2, OBS_SIZE, generator=torch.Generator().manual_seed(3))
+    agents = torch.arange(2)
+    source.eval(), target.eval()
+    source.begin_episodes(agents), target.begin_episodes(agents)
+    assert not torch.equal(source.perform(agents, observ)[0], target.perform(agents, observ)[0])
+
+    target.load_state_dict(state)
+    assert target.penalty.value == source.penalty.value
+    assert target.updates == 2
+    for name in ("count", "mean", "sum_sq"):
+        assert torch.equal(getattr(target.observ_normalizer, name),
+                           getattr(source.observ_normalizer, name))
+        assert torch.equal(getattr(target.reward_normalizer, name),
+                           getattr(source.reward_normalizer, name))
+    for name, value in params_of(source).items():
+        assert torch.equal(value, params_of(target)[name]), name
+    assert target.memory.count == source.memory.count == 0
+    # Saved one step into the third episode; source has since begun new episodes.
+    assert target.memory.running_length.tolist() == [1, 1]
+
+    for mode in ("eval", "train"):
+        getattr(source, mode)(), getattr(target, mode)()
+        source.begin_episodes(agents), target.begin_episodes(agents)
+        for step in range(3):  # recurrent: the state carries over steps
+            torch.manual_seed(20 + step)
+            action_source, _ = source.perform(agents, observ + step)
+            torch.manual_seed(20 + step)
+            action_target, _ = target.perform(agents, observ + step)
+            assert torch.equal(action_source, action_target), (mode, step)
+
+    # The optimisers were restored too: one more identical update gives identical weights.
+    for algo in (source, target):
+        algo.memory.clear()
+        fill_memory(algo, [5, 3], seed=4)
+        torch.manual_seed(5)
+        algo.update()
+    for name, value in params_of(source).items():
+        assert torch.equal(value, params_of(target)[name]), name
+
+
+# -- evaluation --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("space", ["box", "discrete"])
+def test_eval_mode_acts_with_the_mean_and_learns_nothing(space):
+    algo = make(SPACES[space], num_agents=3, update_every=3)
+    drive(algo, steps=2, seed=1)  # normaliser statistics are not trivial
+    agents = torch.arange(3)
+    algo.begin_episodes(agents)
+    algo.eval()
+    count = float(algo.observ_normalizer.count)
+    reward_count = float(algo.reward_normalizer.count)
+    running = {k: v.clone() for k, v in algo.memory.running.items()}
+    running_length = algo.memory.running_length.clone()
+    policy_before = {k: v.clone() for k, v in algo.policy.state_dict().items()}
+
+    observ = 2.0 + 3.0 * torch.randn(3, OBS_SIZE, generator=torch.Generator().manual_seed(6))
+    torch.manual_seed(0)
+    action, _ = algo.perform(agents, observ)
+    with torch.no_grad():
+        normalized = algo.observ_normalizer.transform(observ)
+        assert not torch.allclose(normalized, observ)
+        param_a, _, _ = algo.policy(normalized.unsqueeze(1), torch.zeros(3, 0))
+    expected = param_a[:, 0].argmax(-1) if algo.discrete else param_a[:, 0]
+    assert torch.equal(action, expected)
+    if not algo.discrete:
+        assert bool((action.abs() < 1).all())
+    torch.manual_seed(1)
+    assert torch.equal(algo.perform(agents, observ)[0], action)  # deterministic
+
+    for step in range(algo.config.max_length + 2):  # would overflow memory if stored
+        algo.perform(agents, observ)
+        done = torch.ones(3)
+        assert algo.experience(agents, observ, action, torch.ones(3), done, observ, done) == {}
+        assert algo.end_episodes(agents) == {}
+    assert float(algo.observ_normalizer.count) == count
+    assert float(algo.reward_normalizer.count) == reward_count
+    assert torch.equal(algo.memory.running_length, running_length)
+    assert algo.memory.count == 0 and algo.updates == 0
+    for name, value in algo.memory.running.items():
+        assert torch.equal(value, running[name]), name
+    for name, value in algo.policy.state_dict().items():
+        assert torch.equal(value, policy_before[name]), name
+
+    # Back in training mode the same calls are recorded.
+    algo.train()
+    torch.manual_seed(0)
+    sampled, _ = algo.perform(agents, observ)
+    if not algo.discrete:
+        assert not torch.equal(sampled, action)
+    algo.experience(agents, observ, sampled, torch.ones(3), torch.zeros(3), observ, torch.zeros(3))
+    assert algo.memory.running_length.tolist() == (running_length + 1).tolist()
+    assert float(algo.observ_normalizer.count) == count + 3
+
+
+# -- configuration -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value", [
+    ("network", "cnn"), ("inference", "fast"), ("discount", 1.5), ("discount", -0.1),
+    ("update_every", 0), ("update_epochs", 0), ("max_length", 0), ("gae_lambda", 1.5),
+    ("kl_target", 0.0), ("policy_lr", -1.0), ("batch_size", 0), ("chunk_length", 0),
+])
+def test_config_validation(field, value):
+    with pytest.raises(ValueError, match=field):
+        PPOConfig(**{field: value})
+
+
+def test_config_accepts_valid_values():
+    PPOConfig(network="recurrent", inference="compile", discount=1.0, gae_lambda=0.0,
+              update_every=1, batch_size=1, chunk_length=1)
+
+
+def test_constructor_rejects_unsupported_spaces():
+    with pytest.raises(TypeError):
+        BatchPPO(gym.spaces.Discrete(3), BOX, 2, PPOConfig(inference="eager"))
+    with pytest.raises(TypeError):
+        BatchPPO(OBSERV, gym.spaces.Box(-1, 1, (2, 2)), 2, PPOConfig(inference="eager"))
+    with pytest.raises(TypeError):
+        BatchPPO(OBSERV, gym.spaces.MultiDiscrete([2, 2]), 2, PPOConfig(inference="eager"))
+
+
+# -- recurrent policies ------------------------------------------------------------------
+
+
+def test_recurrent_state_reset_for_given_agents_only():
+    algo = make(BOX, num_agents=3, network="recurrent")
+    agents = torch.arange(3)
+    algo.begin_episodes(agents)
+    assert torch.equal(algo.recurrent_state, torch.zeros(3, 8))
+    observ = torch.randn(3, OBS_SIZE, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        action, _ = algo.perform(agents, observ)
+        algo.experience(agents, observ, action, torch.ones(3), torch.zeros(3), observ,
+                        torch.zeros(3))
+    before = algo.recurrent_state.clone()
+    assert bool((before != 0).all(1).all())
+    algo.begin_episodes(torch.tensor([1]))
+    assert torch.equal(algo.recurrent_state[1], torch.zeros(8))
+    assert torch.equal(algo.recurrent_state[[0, 2]], before[[0, 2]])
+    assert algo.memory.running_length.tolist() == [2, 0, 2]
+    # Agent 1 now acts from a zero state, the others from their carried state.
+    algo.eval()
+    action, _ = algo.perform(agents, observ)
+    with torch.no_grad():
+        state = before.clone()
+        state[1] = 0
+        mean, _, new_state = algo.policy(algo.observ_normalizer.transform(observ).unsqueeze(1),
+                                         state)
+    torch.testing.assert_close(action, mean[:, 0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(algo.recurrent_state, new_state, rtol=1e-6, atol=1e-6)
+
+
+def test_recurrent_chunks_match_whole_episodes():
+    algo = make(BOX, network="recurrent", chunk_length=3)
+    fill_memory(algo, [8, 5, 3], seed=12, mean_shift=0.2)
+    data, length = algo.memory.data()
+    data = dict(data)
+    valid = valid_mask(length, 8)
+    data["advantage"] = torch.randn(3, 8, generator=torch.Generator().manual_seed(1)) * valid
+    data["returns"] = torch.zeros(3, 8)
+    chunks, mask = algo._chunks(data, length)
+    # 8 steps -> chunks of 3 padded to 9; chunks holding no valid step are dropped:
+    # 3 + 2 + 1 chunks.
+    assert mask.shape == (6, 3)
+    assert mask.sum(1).tolist() == [3, 3, 2, 3, 2, 3]
+    assert chunks["observ"].shape == (6, 3, OBS_SIZE)
+    assert torch.equal(chunks["observ"][1], data["observ"][0, 3:6])
+    assert torch.equal(chunks["observ"][2, :2], data["observ"][0, 6:8])
+    assert torch.equal(chunks["state"][4], data["state"][1, 3:6])
+    # Every chunk starts from the state stored at its first step, so chunked and
+    # whole-episode evaluation of the policy agree.
+    with torch.no_grad():
+        by_chunk = algo._policy_terms(chunks, mask.float())
+        whole = algo._policy_terms(data, valid.float())
+    for a, b in zip(by_chunk[:3], whole[:3]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(by_chunk[3][mask], whole[3][valid], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_length", [None, 3])
+def test_recurrent_update_runs(chunk_length):
+    algo = make(DISCRETE, network="recurrent", chunk_length=chunk_length, update_epochs=3,
+                batch_size=2, gae_lambda=0.95)
+    fill_memory(algo, [8, 5, 3], seed=13, mean_shift=0.5)
+    before = params_of(algo)["policy.body.gru.weight_hh_l0"].clone()
+    summary = algo.update()
+    expected_keys = {"ppo/policy_loss", "ppo/value_loss", "ppo/grad_norm", "ppo/kl_cutoff",
+                     "ppo/total_loss", "ppo/kl", "ppo/beta", "ppo/beta_next", "ppo/entropy",
+                     "ppo/explained_variance", "ppo/updates"}
+    assert set(summary) == expected_keys
+    assert all(math.isfinite(v) for v in summary.values()), summary
+    assert summary["ppo/kl"] > 0 and summary["ppo/grad_norm"] > 0
+    assert not torch.equal(params_of(algo)["policy.body.gru.weight_hh_l0"], before)
+
+
+def test_update_happens_when_memory_is_full():
+    algo = make(BOX, num_agents=2, update_every=4, max_length=5)
+    summaries = drive(algo, steps=6, seed=0)
+    # Episodes of 3 steps, 2 agents: the 4 episodes are complete after 6 steps.
+    assert summaries[0] == {} and "ppo/kl" in summaries[1]
+    assert algo.updates == 1 and algo.memory.count == 0

@@ -1,0 +1,216 @@
+"""The call protocol and return values of ``simulate()``, against a hand-written script."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from gymnasium.wrappers import TimeLimit
+
+from batchrl.algos import Algorithm, Summary
+from batchrl.envs import BatchEnv, TensorBatchEnv
+from batchrl.simulate import simulate
+
+
+class CountdownEnv(gym.Env):
+    """Terminates after ``length`` steps; every step rewards ``reward``.
+
+    The observation is ``[ident, t, last_action]`` with ``t`` the steps taken
+    since the reset, so each transition can be checked exactly.
+    """
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (3,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, ident: int, length: int, reward: float):
+        self.ident, self.length, self.reward = ident, length, reward
+        self.t = 0
+        self.resets = 0
+
+    def _observ(self, action: int) -> np.ndarray:
+        return np.array([self.ident, self.t, action], np.float32)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        self.t = 0
+        self.resets += 1
+        return self._observ(-1), {}
+
+    def step(self, action):
+        assert self.t < self.length, "stepped after the episode terminated"
+        self.t += 1
+        return self._observ(int(action)), self.reward, self.t == self.length, False, {}
+
+
+class Recorder(Algorithm):
+    """Records every call with its arguments as Python lists; acts ``agent % 2``."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.calls: list[tuple[str, list[int]]] = []
+        self.transitions: list[dict[str, list]] = []
+        self.performed_observ: list[list[list[float]]] = []
+
+    def begin_episodes(self, agent_indices: torch.Tensor) -> Summary:
+        assert agent_indices.dtype == torch.int64
+        self.calls.append(("begin", agent_indices.tolist()))
+        return {"begun": float(len(agent_indices))}
+
+    def perform(self, agent_indices: torch.Tensor,
+                observ: torch.Tensor) -> tuple[torch.Tensor, Summary]:
+        assert agent_indices.dtype == torch.int64 and observ.dtype == torch.float32
+        self.calls.append(("perform", agent_indices.tolist()))
+        self.performed_observ.append(observ.tolist())
+        return agent_indices % 2, {"performed": 1.0}
+
+    def experience(self, agent_indices, observ, action, reward, done, next_observ,
+                   terminated) -> Summary:
+        self.calls.append(("experience", agent_indices.tolist()))
+        self.transitions.append(dict(
+            observ=observ.tolist(), action=action.tolist(), reward=reward.tolist(),
+            done=done.tolist(), next_observ=next_observ.tolist(),
+            terminated=terminated.tolist()))
+        return {}
+
+    def end_episodes(self, agent_indices: torch.Tensor) -> Summary:
+        self.calls.append(("end", agent_indices.tolist()))
+        return {"ended": float(len(agent_indices))}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+# Env i rewards i + 1 per step. Envs 0-2 terminate after 1, 2 and 3 steps;
+# env 3 would run for 100 steps but a TimeLimit truncates it after 2.
+LENGTHS = [1, 2, 3, 2]
+REWARDS = [1.0, 2.0, 3.0, 4.0]
+
+
+def make_env() -> TensorBatchEnv:
+    envs: list[gym.Env] = [CountdownEnv(i, LENGTHS[i], REWARDS[i]) for i in range(3)]
+    envs.append(TimeLimit(CountdownEnv(3, 100, REWARDS[3]), max_episode_steps=2))
+    return TensorBatchEnv(BatchEnv(envs))
+
+
+def test_call_script_scores_and_reset():
+    env, algo = make_env(), Recorder()
+    all_agents = [0, 1, 2, 3]
+    # (reset, begun, ended, scores): the agents passed to begin_episodes and
+    # end_episodes, and the returned running scores, step by step.
+    script = [
+        (False, all_agents, [0], [1, 2, 3, 4]),
+        (False, [0], [0, 1, 3], [1, 4, 6, 8]),         # env 3 truncated
+        (False, [0, 1, 3], [0, 2], [1, 2, 9, 4]),
+        (False, [0, 2], [0, 1, 3], [1, 4, 3, 8]),
+        # Reset discontinues env 2's episode after one step: every agent begins
+        # anew and env 2's unfinished episode never ends.
+        (True, all_agents, [0], [1, 2, 3, 4]),
+        (False, [0], [0, 1, 3], [1, 4, 6, 8]),
+        (False, [0, 1, 3], [0, 2], [1, 2, 9, 4]),
+    ]
+    for reset, begun, ended, scores in script:
+        algo.calls.clear()
+        done, score, summary = simulate(env, algo, reset=reset)
+        assert algo.calls == [("begin", begun), ("perform", all_agents),
+                              ("experience", all_agents), ("end", ended)]
+        assert done.dtype == torch.bool and done.tolist() == [i in ended for i in all_agents]
+        assert score.tolist() == scores
+        # The summaries of all calls are merged.
+        assert summary == {"begun": float(len(begun)), "performed": 1.0,
+                           "ended": float(len(ended))}
+    # Every env was reset exactly when its agent began an episode.
+    begins = [sum(i in begun for _, begun, _, _ in script) for i in all_agents]
+    assert [e.unwrapped.resets for e in env.batch_env.envs] == begins
+
+
+def test_no_calls_for_empty_index_sets():
+    # A single env that never ends within the test: no end_episodes at all,
+    # and begin_episodes only on the first step.
+    env = TensorBatchEnv(BatchEnv([CountdownEnv(0, 10, 1.0)]))
+    algo = Recorder()
+    for _ in range(3):
+        simulate(env, algo)
+    assert algo.calls == [("begin", [0]), ("perform", [0]), ("experience", [0]),
+                          ("perform", [0]), ("experience", [0]),
+                          ("perform", [0]), ("experience", [0])]
+
+
+def test_transitions_seen_by_perform_and_experience():
+    env, algo = make_env(), Recorder()
+    for _ in range(3):
+        simulate(env, algo)
+    actions = [0, 1, 0, 1]  # Recorder acts agent % 2
+    # Step 1: every env fresh from its reset (t = 0, last action -1).
+    first, second, third = algo.transitions
+    assert algo.performed_observ[0] == [[i, 0, -1] for i in range(4)]
+    assert first["observ"] == algo.performed_observ[0]
+    assert first["action"] == actions
+    assert first["reward"] == REWARDS
+    assert first["next_observ"] == [[i, 1, actions[i]] for i in range(4)]
+    assert first["done"] == [1, 0, 0, 0]
+    assert first["terminated"] == [1, 0, 0, 0]
+    # Step 2: env 0 was reset; env 1 terminates, env 3 is truncated by its
+    # TimeLimit: done but not terminated, with its real next observation.
+    assert second["observ"] == [[0, 0, -1], [1, 1, 1], [2, 1, 0], [3, 1, 1]]
+    assert second["next_observ"] == [[0, 1, 0], [1, 2, 1], [2, 2, 0], [3, 2, 1]]
+    assert second["done"] == [1, 1, 0, 1]
+    assert second["terminated"] == [1, 1, 0, 0]
+    # Step 3: envs 0, 1 and 3 were reset; env 2 terminates after its 3 steps.
+    assert third["observ"] == [[0, 0, -1], [1, 0, -1], [2, 2, 0], [3, 0, -1]]
+    assert third["observ"] == algo.performed_observ[2]
+    assert third["next_observ"] == [[0, 1, 0], [1, 1, 1], [2, 3, 0], [3, 1, 1]]
+    assert third["done"] == [1, 0, 1, 0]
+    assert third["terminated"] == [1, 0, 1, 0]
+
+
+def test_log_means_over_episodes_finished_since_last_log():
+    env, algo = make_env(), Recorder()
+    # Steps 1-3 finish (score, length): env 0 three times (1, 1), env 1
+    # (4, 2), env 3 (8, 2) and env 2 (9, 3).
+    simulate(env, algo)
+    simulate(env, algo)
+    _, _, summary = simulate(env, algo, log=True)
+    assert summary["episodes"] == 6
+    assert summary["score"] == pytest.approx((3 * 1 + 4 + 8 + 9) / 6)
+    assert summary["length"] == pytest.approx((3 * 1 + 2 + 2 + 3) / 6)
+    # The totals restart after a log: step 4 finishes env 0 (1, 1), env 1
+    # (4, 2) and env 3 (8, 2); the reset at step 5 discontinues env 2's
+    # episode, which is not counted, and step 5 finishes env 0 (1, 1).
+    simulate(env, algo)
+    _, _, summary = simulate(env, algo, log=True, reset=True)
+    assert summary["episodes"] == 4
+    assert summary["score"] == pytest.approx((1 + 4 + 8 + 1) / 4)
+    assert summary["length"] == pytest.approx((1 + 2 + 2 + 1) / 4)
+
+
+def test_log_without_finished_episodes_reports_no_means():
+    env, algo = TensorBatchEnv(BatchEnv([CountdownEnv(0, 2, 5.0)])), Recorder()
+    _, _, summary = simulate(env, algo, log=True)
+    assert "score" not in summary and "length" not in summary and "episodes" not in summary
+    done, score, summary = simulate(env, algo, log=True)
+    assert done.tolist() == [True] and score.tolist() == [10.0]
+    assert (summary["score"], summary["length"], summary["episodes"]) == (10.0, 2.0, 1.0)
+    # Logged episodes are not reported twice.
+    _, _, summary = simulate(env, algo, log=True)
+    assert "score" not in summary
+
+
+def test_envs_keep_separate_state():
+    # Two batch envs driven alternately: each has its own running episodes.
+    first, second = make_env(), make_env()
+    algo = Recorder()
+    simulate(first, algo)
+    algo.calls.clear()
+    _, score, _ = simulate(second, algo)
+    assert algo.calls[0] == ("begin", [0, 1, 2, 3])
+    assert score.tolist() == [1, 2, 3, 4]
+    algo.calls.clear()
+    _, score, _ = simulate(first, algo)
+    assert algo.calls[0] == ("begin", [0])
+    assert score.tolist() == [1, 4, 6, 8]
