@@ -41,6 +41,12 @@ def _tracker(env: TensorBatchEnv) -> _Tracker:
     return tracker
 
 
+def episode_length(env: TensorBatchEnv) -> torch.Tensor:
+    """``(N,)`` int64: steps of each agent's current episode (the full length
+    right after it finished), as tracked by ``simulate``."""
+    return _tracker(env).length
+
+
 def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
              reset: bool = False) -> tuple[torch.Tensor, torch.Tensor, Summary]:
     """Advance every env of ``env`` by one step with actions from ``algo``.

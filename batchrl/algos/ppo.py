@@ -272,7 +272,7 @@ class BatchPPO(Algorithm):
         mask = torch.arange(padded, device=self.device)[None] < length[:, None]
         result = {}
         for name, value in data.items():
-            if value.dim() < 2 or name == "bootstrap_observ":
+            if name in self.memory.episode_fields:
                 continue
             pad = value.new_zeros((value.shape[0], padded - steps, *value.shape[2:]))
             value = torch.cat([value, pad], 1)

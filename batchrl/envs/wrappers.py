@@ -46,19 +46,21 @@ def convert_to_32bit(env: gym.Env) -> gym.Env:
     return TransformReward(env, np.float32)
 
 
-def wrap_env(env: gym.Env, max_episode_steps: int | None = None) -> gym.Env:
+def wrap_env(env: gym.Env, max_episode_steps: int | None = None,
+             normalize_ranges: bool = True) -> gym.Env:
     """Apply the trainer's wrappers in BatchPPO's order.
 
     ``TimeLimit`` (when ``max_episode_steps`` is given), then
-    ``range_normalize``, ``ClipAction`` (Box actions only, so sampled Gaussian
-    actions outside the range are clipped by the env, not by the policy) and
-    ``convert_to_32bit``.
+    ``range_normalize`` (unless ``normalize_ranges`` is false), ``ClipAction``
+    (Box actions only, so sampled Gaussian actions outside the range are
+    clipped by the env, not by the policy) and ``convert_to_32bit``.
     """
     if max_episode_steps is not None:
         if max_episode_steps <= 0:
             raise ValueError(f"max_episode_steps must be positive, got {max_episode_steps}")
         env = TimeLimit(env, max_episode_steps)
-    env = range_normalize(env)
+    if normalize_ranges:
+        env = range_normalize(env)
     if isinstance(env.action_space, gym.spaces.Box):
         env = ClipAction(env)
     return convert_to_32bit(env)

@@ -42,13 +42,13 @@ class EpisodeMemory:
         self.stored.update(alloc(capacity, episode_fields, False))
         self.stored_length = torch.zeros(capacity, dtype=torch.int64, device=self.device)
         self.count = 0
-        self._step_fields = set(step_fields)
-        self._episode_fields = set(episode_fields)
+        self.step_fields = frozenset(step_fields)
+        self.episode_fields = frozenset(episode_fields)
 
     def append(self, agent_indices: torch.Tensor, **values: torch.Tensor) -> None:
         """Store one step for each agent; every step field must be given, ``(K, *shape)``."""
-        if set(values) != self._step_fields:
-            raise KeyError(f"append needs exactly the step fields {sorted(self._step_fields)}, "
+        if set(values) != self.step_fields:
+            raise KeyError(f"append needs exactly the step fields {sorted(self.step_fields)}, "
                            f"got {sorted(values)}")
         steps = self.running_length[agent_indices]
         if bool((steps >= self.max_length).any()):
@@ -62,9 +62,9 @@ class EpisodeMemory:
     def set_episode(self, agent_indices: torch.Tensor, **values: torch.Tensor) -> None:
         """Store per-episode values (``(K, *shape)``) for these agents' running episodes."""
         for name, value in values.items():
-            if name not in self._episode_fields:
+            if name not in self.episode_fields:
                 raise KeyError(f"{name!r} is not an episode field; known: "
-                               f"{sorted(self._episode_fields)}")
+                               f"{sorted(self.episode_fields)}")
             self.running[name][agent_indices] = value.to(self.running[name].dtype)
 
     def discard(self, agent_indices: torch.Tensor) -> None:
@@ -93,9 +93,16 @@ class EpisodeMemory:
         return self.count >= self.capacity
 
     def data(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The stored episodes: fields ``(count, T, ...)`` and lengths ``(count,)``."""
-        return ({name: value[:self.count] for name, value in self.stored.items()},
-                self.stored_length[:self.count])
+        """The stored episodes and their lengths ``(count,)``.
+
+        Step fields are ``(count, T', ...)`` with ``T'`` the longest stored
+        episode (later steps are padding in every row), episode fields
+        ``(count, ...)``.
+        """
+        length = self.stored_length[:self.count]
+        longest = int(length.max()) if self.count else 0
+        return ({name: value[:self.count, :longest] if name in self.step_fields
+                 else value[:self.count] for name, value in self.stored.items()}, length)
 
     def clear(self) -> None:
         """Empty the update memory (running episodes are kept)."""

@@ -1,0 +1,98 @@
+"""What a training run writes for people: metrics.jsonl, TensorBoard events, a plot."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+CURVE_FILE = "learning_curve.png"
+
+
+def read_metrics(logdir: Path) -> list[dict[str, Any]]:
+    """The records of ``metrics.jsonl`` (one per phase), oldest first."""
+    path = Path(logdir) / METRICS_FILE
+    if not path.exists():
+        return []
+    records = []
+    with open(path) as file:
+        for line in file:
+            line = line.strip()
+            if line:
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break  # a line cut by a crash; everything after it is lost too
+    return records
+
+
+class RunLog:
+    """Appends phase records to ``metrics.jsonl`` and scalars to TensorBoard.
+
+    On resume, ``truncate(step)`` first drops the records of phases after the
+    checkpoint the run restarts from, so that the resumed run neither repeats
+    nor loses a phase.
+    """
+
+    def __init__(self, logdir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.logdir = Path(logdir)
+        self.writer = SummaryWriter(str(self.logdir))
+
+    def truncate(self, step: int) -> None:
+        """Keep only the records with ``step`` at most ``step``."""
+        kept = [r for r in read_metrics(self.logdir) if r["step"] <= step]
+        path = self.logdir / METRICS_FILE
+        temporary = path.with_name(path.name + ".tmp")
+        with open(temporary, "w") as file:
+            file.writelines(json.dumps(record) + "\n" for record in kept)
+        os.replace(temporary, path)
+
+    def phase(self, record: dict[str, Any]) -> None:
+        """Append one phase's record and write its numbers to TensorBoard."""
+        with open(self.logdir / METRICS_FILE, "a") as file:
+            file.write(json.dumps(record) + "\n")
+            file.flush()
+        for key in ("score", "length", "steps_per_s"):
+            if record.get(key) is not None:
+                self.writer.add_scalar(f"{record['phase']}/{key}", record[key], record["step"])
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        """Write the summaries of ``simulate()`` and the algorithm."""
+        for name, value in values.items():
+            self.writer.add_scalar(name, value, step)
+
+    def plot(self) -> Path:
+        """Redraw the learning curve from ``metrics.jsonl``; returns the PNG's path."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        records = read_metrics(self.logdir)
+        figure, axis = plt.subplots(figsize=(7, 4), dpi=100)
+        for phase, label, color in (("train", "training (sampled actions)", "tab:red"),
+                                    ("eval", "evaluation (mean action)", "tab:blue")):
+            points = [(r["step"], r["score"]) for r in records
+                      if r["phase"] == phase and r.get("score") is not None]
+            if points:
+                steps, scores = zip(*points)
+                axis.plot(steps, scores, label=label, color=color,
+                          marker="o" if phase == "eval" else None, markersize=3)
+        axis.set_xlabel("env steps")
+        axis.set_ylabel("episode return")
+        axis.grid(alpha=0.3)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend()
+        figure.tight_layout()
+        path = self.logdir / CURVE_FILE
+        temporary = path.with_name("learning_curve.tmp.png")
+        figure.savefig(temporary)
+        plt.close(figure)
+        os.replace(temporary, path)
+        return path
+
+    def close(self) -> None:
+        self.writer.close()

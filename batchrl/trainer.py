@@ -1,0 +1,206 @@
+"""The training loop: alternate training and mean-action evaluation phases.
+
+As TF Agents' ``Loop``: a training phase collects ``ppo.update_every``
+episodes with sampled actions (the algorithm updates when the last one ends);
+every ``train.eval_every`` training phases an evaluation phase runs
+``train.eval_episodes`` episodes with mean actions and learns nothing. Each
+phase starts with ``simulate(..., reset=True)``, which discontinues the
+running episodes. Env resets at phase starts are seeded from the run's seed
+and the phase number, so a run resumed from a checkpoint (always written at
+a phase boundary) continues exactly as it would have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from batchrl.algos.ppo import BatchPPO
+from batchrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from batchrl.config import Config, ConfigError, build_config
+from batchrl.envs.factory import make_batch_env
+from batchrl.envs.tensor_env import TensorBatchEnv
+from batchrl.metrics import RunLog
+from batchrl.simulate import episode_length, simulate
+
+CONFIG_FILE = "config.json"
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` is CUDA when available, else the CPU; others are checked."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device={name!r} but CUDA is not available here; "
+                          f"use 'auto' or 'cpu'")
+    return device
+
+
+def save_config(config: Config, logdir: Path) -> None:
+    with open(Path(logdir) / CONFIG_FILE, "w") as file:
+        json.dump(config.to_dict(), file, indent=2)
+        file.write("\n")
+
+
+def load_saved_config(logdir: Path) -> Config:
+    """The config a run in ``logdir`` was started with."""
+    with open(Path(logdir) / CONFIG_FILE) as file:
+        values = json.load(file)
+    values.get("ppo", {}).pop("max_length", None)  # derived from env.max_length
+    return build_config(values)
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+            "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclasses.dataclass
+class Counters:
+    """Progress of a run, saved in every checkpoint."""
+
+    steps: int = 0          # training env steps
+    eval_steps: int = 0     # evaluation env steps
+    phases: int = 0         # phases started (training and evaluation)
+    train_phases: int = 0
+    wall_time: float = 0.0  # seconds spent in phases, over all sessions of the run
+
+
+class Trainer:
+    """Runs one training job in ``logdir``; see the module docstring.
+
+    Args:
+      config: the run's configuration.
+      logdir: where the config, metrics, events, plot and checkpoints go.
+      progress: show a console progress bar.
+    """
+
+    def __init__(self, config: Config, logdir: Path, progress: bool = True):
+        self.config = config
+        self.logdir = Path(logdir)
+        self.progress = progress
+        self.device = resolve_device(config.train.device)
+        self.counters = Counters()
+        self.last_scores: dict[str, float | None] = {"train": None, "eval": None}
+
+    def _phase(self, env: TensorBatchEnv, algo: BatchPPO, phase: str, episodes: int,
+               bar: Any) -> dict[str, Any]:
+        """Run one phase until ``episodes`` episodes finished; returns its record."""
+        config, counters = self.config, self.counters
+        training = phase == "train"
+        algo.train(training)
+        num_agents = len(env)
+        # Seeded resets make phases reproducible across resumes.
+        env.batch_env.reset(seed=config.train.seed * 1_000_003 + counters.phases * num_agents)
+        counters.phases += 1
+        scores: list[float] = []
+        lengths: list[float] = []
+        start, steps = time.perf_counter(), 0
+        reset = True
+        while len(scores) < episodes:
+            done, score, summary = simulate(env, algo, reset=reset)
+            reset = False
+            steps += num_agents
+            if training:
+                counters.steps += num_agents
+                if bar is not None:
+                    bar.update(num_agents)
+            if bool(done.any()):
+                ended = done.nonzero().squeeze(1)
+                scores += score[ended].tolist()
+                lengths += episode_length(env)[ended].tolist()
+            if summary and training:
+                self.log.scalars(summary, counters.steps)
+        elapsed = time.perf_counter() - start
+        counters.wall_time += elapsed
+        if training:
+            counters.train_phases += 1
+        else:
+            counters.eval_steps += steps
+        scores, lengths = scores[:episodes], lengths[:episodes]
+        return {"step": counters.steps, "phase": phase,
+                "score": float(np.mean(scores)), "score_std": float(np.std(scores)),
+                "length": float(np.mean(lengths)), "episodes": len(scores),
+                "wall_time": round(counters.wall_time, 3),
+                "steps_per_s": round(steps / elapsed, 1)}
+
+    def _state(self, algo: BatchPPO) -> dict[str, Any]:
+        return {"algorithm": algo.state_dict(), "counters": dataclasses.asdict(self.counters),
+                "rng": _rng_state(), "config": self.config.to_dict()}
+
+    def run(self) -> dict[str, Any]:
+        """Train until ``train.steps`` env steps; returns the last evaluation record."""
+        config = self.config
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        save_config(config, self.logdir)
+        torch.set_num_threads(config.train.threads)
+        random.seed(config.train.seed)
+        np.random.seed(config.train.seed)
+        torch.manual_seed(config.train.seed)
+
+        batch_env = make_batch_env(config.env.id, config.env.num_agents, config.env.max_length,
+                                   config.env.kwargs, config.env.external,
+                                   config.env.normalize_ranges)
+        self.log = RunLog(self.logdir)
+        bar = None
+        last_eval: dict[str, Any] = {}
+        try:
+            env = TensorBatchEnv(batch_env, self.device)
+            algo = BatchPPO(env.observation_space, env.action_space, len(env), config.ppo,
+                            self.device)
+            checkpoint = latest_checkpoint(self.logdir)
+            if checkpoint is not None:
+                state = load_checkpoint(checkpoint, self.device)
+                algo.load_state_dict(state["algorithm"])
+                self.counters = Counters(**state["counters"])
+                _set_rng_state(state["rng"])
+                self.log.truncate(self.counters.steps)
+                print(f"Resuming from {checkpoint} at step {self.counters.steps:,}")
+            if self.progress:
+                from tqdm import tqdm
+                bar = tqdm(total=config.train.steps, initial=self.counters.steps,
+                           unit="step", unit_scale=True, dynamic_ncols=True)
+            evals = 0
+            while self.counters.steps < config.train.steps:
+                record = self._phase(env, algo, "train", config.ppo.update_every, bar)
+                self._report(record, bar)
+                due = self.counters.train_phases % config.train.eval_every == 0
+                final = self.counters.steps >= config.train.steps
+                if config.train.eval_episodes and (due or final):
+                    last_eval = self._phase(env, algo, "eval", config.train.eval_episodes, None)
+                    self._report(last_eval, bar)
+                    self.log.plot()
+                    evals += 1
+                if final or (due and evals % config.train.checkpoint_every == 0):
+                    save_checkpoint(self.logdir, self.counters.steps, self._state(algo),
+                                    config.train.keep_checkpoints)
+        finally:
+            if bar is not None:
+                bar.close()
+            self.log.close()
+            batch_env.close()
+        return last_eval
+
+    def _report(self, record: dict[str, Any], bar: Any) -> None:
+        self.log.phase(record)
+        self.last_scores[record["phase"]] = record["score"]
+        if bar is not None:
+            bar.set_postfix({name: "-" if value is None else f"{value:.1f}"
+                             for name, value in self.last_scores.items()}, refresh=True)
