@@ -252,6 +252,7 @@ class ExternalProcess:
         self._closed = False
         self._spaces: tuple[gym.Space, gym.Space] | None = None
         self._spec_id: str | None = None
+        self._construct_error: EnvError | None = None
         ctx = _context()
         self._conn, child_conn = ctx.Pipe()
         self._process = ctx.Process(
@@ -292,10 +293,17 @@ class ExternalProcess:
     # -- spaces ------------------------------------------------------------
 
     def _ready(self) -> None:
-        if self._spaces is None:
+        if self._spaces is not None:
+            return
+        if self._construct_error is not None:
+            raise self._construct_error  # the env never existed: say so every time
+        try:
             obs_space, act_space, spec_id = self._receive("construct")
-            self._spaces = (obs_space, act_space)
-            self._spec_id = spec_id
+        except (EnvRaisedError, EnvCrashedError) as exc:
+            self._construct_error = exc
+            raise
+        self._spaces = (obs_space, act_space)
+        self._spec_id = spec_id
 
     @property
     def observation_space(self) -> gym.Space:
