@@ -89,6 +89,7 @@ def _check_range(obj: Any, name: str, minimum: int) -> None:
 
 
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+DERIVED_KEYS = {"ppo": {"max_length"}}  # set from other keys, not by users
 
 
 def available_configs() -> list[str]:
@@ -108,16 +109,16 @@ def _convert(key: str, value: Any, annotation: Any) -> Any:
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)
-        if value is None and type(None) in options:
+        # TOML has no null: the string "none" stands for None in optional keys.
+        if type(None) in options and (value is None or value == "none"):
             return None
-        errors = []
         for option in options:
             if option is type(None):
                 continue
             try:
                 return _convert(key, value, option)
-            except ConfigError as exc:
-                errors.append(exc)
+            except ConfigError:
+                pass
         raise ConfigError(f"{key}: expected {_type_name(annotation)}, got {value!r}")
     if origin is tuple:
         item_type = typing.get_args(annotation)[0]
@@ -144,8 +145,9 @@ def _build(section: str, factory: Any, values: dict[str, Any]) -> Any:
     fields = {f.name for f in dataclasses.fields(factory)}
     unknown = sorted(set(values) - fields)
     if unknown:
+        valid = sorted(fields - DERIVED_KEYS.get(section, set()))
         raise ConfigError(f"unknown key {section}.{unknown[0]}; valid keys of [{section}]: "
-                          f"{', '.join(sorted(fields))}")
+                          f"{', '.join(valid)}")
     converted = {name: _convert(f"{section}.{name}", value, hints[name])
                  for name, value in values.items()}
     try:
@@ -163,7 +165,7 @@ def build_config(values: dict[str, Any]) -> Config:
     if unknown:
         raise ConfigError(f"unknown section [{unknown[0]}]; valid sections: "
                           f"{', '.join(SECTIONS)}")
-    if "max_length" in values.get("ppo", {}):
+    if isinstance(values.get("ppo"), dict) and "max_length" in values["ppo"]:
         raise ConfigError("ppo.max_length follows env.max_length (the episode time limit); "
                           "set env.max_length instead")
     sections = {}
@@ -207,11 +209,15 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> Config:
     if not path.is_file():
         raise ConfigError(f"no config named {name_or_path!r}; available: "
                           f"{', '.join(available_configs())} (or a path to a .toml file)")
-    values = read_toml(path)
+    return build_config(apply_overrides(read_toml(path), overrides))
+
+
+def apply_overrides(values: dict[str, Any], overrides: list[str] = ()) -> dict[str, Any]:
+    """Set the ``section.key=value`` overrides in the nested dict ``values``."""
     for text in overrides:
         (section, key), value = parse_override(text)
         values.setdefault(section, {})
         if not isinstance(values[section], dict):
             raise ConfigError(f"[{section}] must be a table")
         values[section][key] = value
-    return build_config(values)
+    return values

@@ -36,11 +36,13 @@ class RunLog:
     nor loses a phase.
     """
 
-    def __init__(self, logdir: Path):
+    def __init__(self, logdir: Path, purge_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         self.logdir = Path(logdir)
-        self.writer = SummaryWriter(str(self.logdir))
+        # purge_step: TensorBoard hides the events of earlier sessions at steps
+        # from purge_step on (those after the checkpoint a resumed run restarts from).
+        self.writer = SummaryWriter(str(self.logdir), purge_step=purge_step)
 
     def truncate(self, step: int) -> None:
         """Keep only the records with ``step`` at most ``step``."""

@@ -24,7 +24,7 @@ import torch
 
 from batchrl.algos.ppo import BatchPPO
 from batchrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from batchrl.config import Config, ConfigError, build_config
+from batchrl.config import Config, ConfigError, apply_overrides, build_config
 from batchrl.envs.factory import make_batch_env
 from batchrl.envs.tensor_env import TensorBatchEnv
 from batchrl.metrics import RunLog
@@ -50,12 +50,18 @@ def save_config(config: Config, logdir: Path) -> None:
         file.write("\n")
 
 
-def load_saved_config(logdir: Path) -> Config:
-    """The config a run in ``logdir`` was started with."""
-    with open(Path(logdir) / CONFIG_FILE) as file:
-        values = json.load(file)
-    values.get("ppo", {}).pop("max_length", None)  # derived from env.max_length
-    return build_config(values)
+def load_saved_config(logdir: Path, overrides: list[str] = ()) -> Config:
+    """The config a run in ``logdir`` was started with, with ``section.key=value``
+    ``overrides`` applied (``train.py`` only allows ``train.steps`` on resume)."""
+    path = Path(logdir) / CONFIG_FILE
+    try:
+        with open(path) as file:
+            values = json.load(file)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read the saved config {path}: {exc}") from None
+    if isinstance(values.get("ppo"), dict):
+        values["ppo"].pop("max_length", None)  # derived from env.max_length
+    return build_config(apply_overrides(values, overrides))
 
 
 def _rng_state() -> dict[str, Any]:
@@ -148,20 +154,22 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Train until ``train.steps`` env steps; returns the last evaluation record."""
         config = self.config
-        self.logdir.mkdir(parents=True, exist_ok=True)
-        save_config(config, self.logdir)
         torch.set_num_threads(config.train.threads)
         random.seed(config.train.seed)
         np.random.seed(config.train.seed)
         torch.manual_seed(config.train.seed)
 
+        # The env first: a bad env id fails here, before anything is written to
+        # the log directory (a config.json there would make it a run to resume).
         batch_env = make_batch_env(config.env.id, config.env.num_agents, config.env.max_length,
                                    config.env.kwargs, config.env.external,
                                    config.env.normalize_ranges)
-        self.log = RunLog(self.logdir)
+        self.log = None
         bar = None
         last_eval: dict[str, Any] = {}
         try:
+            self.logdir.mkdir(parents=True, exist_ok=True)
+            save_config(config, self.logdir)
             env = TensorBatchEnv(batch_env, self.device)
             algo = BatchPPO(env.observation_space, env.action_space, len(env), config.ppo,
                             self.device)
@@ -171,13 +179,21 @@ class Trainer:
                 algo.load_state_dict(state["algorithm"])
                 self.counters = Counters(**state["counters"])
                 _set_rng_state(state["rng"])
-                self.log.truncate(self.counters.steps)
+            # Drop what earlier sessions logged after the checkpoint (everything when
+            # they stopped before the first one): records in metrics.jsonl, and
+            # TensorBoard hides their events from purge_step on.
+            self.log = RunLog(self.logdir, purge_step=self.counters.steps + 1)
+            self.log.truncate(self.counters.steps)
+            if checkpoint is not None:
                 print(f"Resuming from {checkpoint} at step {self.counters.steps:,}")
+                if self.counters.steps >= config.train.steps:
+                    print(f"The run already reached train.steps={config.train.steps:,}; "
+                          f"nothing to train (train.py --steps N extends its budget)")
             if self.progress:
                 from tqdm import tqdm
                 bar = tqdm(total=config.train.steps, initial=self.counters.steps,
                            unit="step", unit_scale=True, dynamic_ncols=True)
-            evals = 0
+            evals = self.counters.phases - self.counters.train_phases  # over all sessions
             while self.counters.steps < config.train.steps:
                 record = self._phase(env, algo, "train", config.ppo.update_every, bar)
                 self._report(record, bar)
@@ -189,12 +205,15 @@ class Trainer:
                     self.log.plot()
                     evals += 1
                 if final or (due and evals % config.train.checkpoint_every == 0):
+                    if not config.train.eval_episodes:
+                        self.log.plot()  # else redrawn after every evaluation
                     save_checkpoint(self.logdir, self.counters.steps, self._state(algo),
                                     config.train.keep_checkpoints)
         finally:
             if bar is not None:
                 bar.close()
-            self.log.close()
+            if self.log is not None:
+                self.log.close()
             batch_env.close()
         return last_eval
 

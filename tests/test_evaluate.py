@@ -1,0 +1,151 @@
+"""batchrl.evaluate: evaluate() in-process, the command line and --video."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from batchrl.checkpoint import list_checkpoints
+from batchrl.config import ConfigError, load_config
+from batchrl.evaluate import EvaluationError, evaluate, find_gl_backend, main, video_writer_problem
+from batchrl.trainer import Trainer
+
+RESULT_LINE = re.compile(r"^(-?\d+\.\d) ± (\d+\.\d) return over (\d+) episodes, "
+                         r"mean length (\d+\.\d)$", re.MULTILINE)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "batchrl.evaluate", *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def cartpole_run(tmp_path_factory) -> Path:
+    logdir = tmp_path_factory.mktemp("cartpole")
+    Trainer(load_config("cartpole", ["train.steps=2000", "env.num_agents=4",
+                                     "ppo.update_every=4", "train.eval_episodes=4"]),
+            logdir, progress=False).run()
+    return logdir
+
+
+def test_evaluate_returns_exact_episode_count_and_is_seeded(cartpole_run):
+    result = evaluate(cartpole_run, episodes=5, agents=2, device="cpu")
+    assert result["episodes"] == len(result["scores"]) == len(result["lengths"]) == 5
+    assert result["agents"] == 2
+    assert result["score"] == pytest.approx(np.mean(result["scores"]))
+    assert result["score_std"] == pytest.approx(np.std(result["scores"]))
+    # CartPole pays 1 per step: returns equal lengths.
+    assert result["scores"] == [float(n) for n in result["lengths"]]
+    assert 1 <= result["length"] <= 500
+    latest = list_checkpoints(cartpole_run)[-1]
+    assert result["checkpoint"] == str(latest)
+    assert result["step"] >= 2000 and result["video"] is None
+    assert evaluate(cartpole_run, episodes=5, agents=2, device="cpu")["scores"] == result["scores"]
+    # Default agents: min(episodes, env.num_agents); an older checkpoint on request.
+    oldest = list_checkpoints(cartpole_run)[0]
+    older = evaluate(cartpole_run, episodes=3, checkpoint=oldest, device="cpu")
+    assert older["agents"] == 3 and older["checkpoint"] == str(oldest)
+    assert older["step"] == int(oldest.stem.split("-")[1])
+
+
+def test_bad_arguments_and_unreadable_checkpoint(cartpole_run, tmp_path):
+    with pytest.raises(ConfigError, match="episodes"):
+        evaluate(cartpole_run, episodes=0)
+    with pytest.raises(ConfigError, match=r"\.mp4"):
+        evaluate(cartpole_run, episodes=1, video=tmp_path / "run.avi")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copy(cartpole_run / "config.json", broken)
+    (broken / "ckpt-000000000010.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(EvaluationError, match="cannot read checkpoint"):
+        evaluate(broken, episodes=1)
+
+
+def test_cli_prints_mean_std_and_length(cartpole_run):
+    process = run_cli(cartpole_run, "--episodes", "3", "--device", "cpu")
+    assert process.returncode == 0, process.stderr
+    match = RESULT_LINE.search(process.stdout)
+    assert match, process.stdout
+    mean, std, count, length = match.groups()
+    assert int(count) == 3 and float(std) >= 0 and 1 <= float(length) <= 500
+    assert "CartPole-v1" in process.stdout and "Traceback" not in process.stderr
+
+
+def test_cli_without_checkpoint_exits_2_with_listing(cartpole_run, tmp_path):
+    logdir = tmp_path / "fresh"
+    logdir.mkdir()
+    shutil.copy(cartpole_run / "config.json", logdir)
+    (logdir / "metrics.jsonl").write_text("")
+    process = run_cli(logdir, "--episodes", "3")
+    assert process.returncode == 2
+    assert "Traceback" not in process.stderr
+    assert process.stderr.startswith("error: ") and "no checkpoint" in process.stderr
+    assert "config.json, metrics.jsonl" in process.stderr
+
+
+def test_main_without_run_exits_2(tmp_path, capsys):
+    assert main([str(tmp_path / "missing")]) == 2
+    error = capsys.readouterr().err
+    assert "no config.json" in error and "does not exist" in error
+    assert main([str(tmp_path)]) == 2
+    assert "is empty" in capsys.readouterr().err
+
+
+def test_classic_control_video_needs_pygame_or_works(cartpole_run, tmp_path, monkeypatch):
+    problem = video_writer_problem()
+    if problem:
+        pytest.skip(problem)
+    # CartPole renders with pygame, not OpenGL: pin MUJOCO_GL (restored after
+    # the test) so that no backend is probed or set for this process.
+    monkeypatch.setenv("MUJOCO_GL", "egl")
+    path = tmp_path / "cartpole.mp4"
+    try:
+        import pygame  # noqa: F401
+    except ImportError:
+        with pytest.raises(EvaluationError, match="pygame"):
+            evaluate(cartpole_run, episodes=0, video=path)
+    else:
+        result = evaluate(cartpole_run, episodes=0, video=path)
+        assert result["video_frames"] >= 2 and path.stat().st_size > 1000
+
+
+def _video_skip_reason() -> str | None:
+    problem = video_writer_problem()
+    if problem:
+        return problem
+    backend, failures = find_gl_backend()
+    if backend is None:
+        tried = "; ".join(f"MUJOCO_GL={name}: {why}" for name, why in failures.items())
+        return f"no MuJoCo OpenGL backend renders here ({tried})"
+    return None
+
+
+def test_mujoco_video(tmp_path):
+    reason = _video_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    import imageio.v2 as imageio
+    import imageio_ffmpeg
+
+    logdir = tmp_path / "reacher"
+    Trainer(load_config("reacher", [
+        "env.external=false", "env.num_agents=2", "train.steps=100", "train.eval_episodes=2",
+        "ppo.update_every=2", "ppo.update_epochs=2", "ppo.policy_layers=[16]",
+        "ppo.value_layers=[16]", "ppo.inference=\"eager\""]), logdir, progress=False).run()
+    video = tmp_path / "out" / "reacher.mp4"
+    process = run_cli(logdir, "--episodes", "2", "--video", video, "--device", "cpu")
+    assert process.returncode == 0, process.stderr
+    assert RESULT_LINE.search(process.stdout), process.stdout
+    # Reacher-v5 never terminates: a 50-step episode is 51 frames with the reset one.
+    assert f"({50 + 1} frames)" in process.stdout
+    assert video.stat().st_size > 2000
+    frames, _ = imageio_ffmpeg.count_frames_and_secs(str(video))
+    assert frames == 51
+    first = imageio.get_reader(video).get_data(0)
+    assert first.ndim == 3 and first.shape[2] == 3 and first.std() > 5  # not a blank frame

@@ -1,0 +1,451 @@
+"""train.py and the Trainer end to end: the log directory, resume, exact resume, bad input.
+
+Budgets are tiny (a few hundred env steps) so the whole file runs in well under
+a minute on two CPU cores; learning itself is tested in test_learning.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchrl.checkpoint import list_checkpoints
+from batchrl.config import Config, load_config
+from batchrl.metrics import read_metrics
+from batchrl.trainer import Trainer, load_saved_config
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN_PY = REPO / "train.py"
+RECORD_KEYS = {"step", "phase", "score", "score_std", "length", "episodes", "wall_time",
+               "steps_per_s"}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+# CartPole in-process, 4 agents, an update every 4 episodes: a phase takes ~0.1 s.
+CARTPOLE = ["env.num_agents=4", "ppo.update_every=4", "train.eval_episodes=4",
+            "train.device=cpu"]
+CARTPOLE_STEPS = 600
+
+
+def train_py(*args: str, cwd: Path = REPO, timeout: float = 120,
+             env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TRAIN_PY), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def sets(*overrides: str) -> list[str]:
+    return [arg for override in overrides for arg in ("--set", override)]
+
+
+def scalar_events(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """TensorBoard's view of the run: (step, value) per scalar tag."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    accumulator = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+            for tag in accumulator.Tags()["scalars"]}
+
+
+def check_records(records: list[dict], config: Config, budgets: list[int]) -> None:
+    """Phases alternate as the loop promises: an evaluation after every
+    ``eval_every``-th training phase and after the last training phase of each
+    session (whose budgets are ``budgets``); no phase repeated or missing."""
+    assert records, "no records"
+    train_every, eval_every = config.ppo.update_every, config.train.eval_every
+    for record in records:
+        assert RECORD_KEYS <= set(record), record
+        assert record["phase"] in ("train", "eval")
+        assert record["episodes"] == (train_every if record["phase"] == "train"
+                                      else config.train.eval_episodes)
+        assert record["step"] % config.env.num_agents == 0
+        assert 1 <= record["length"] <= config.env.max_length
+        assert record["steps_per_s"] > 0
+    for phase in ("train", "eval"):
+        steps = [r["step"] for r in records if r["phase"] == phase]
+        assert all(a < b for a, b in zip(steps, steps[1:])), (phase, steps)
+    wall = [r["wall_time"] for r in records]
+    assert wall == sorted(wall)
+    train_phases, previous = 0, 0
+    for i, record in enumerate(records):
+        if record["phase"] == "eval":
+            assert i > 0 and records[i - 1]["phase"] == "train"
+            assert records[i - 1]["step"] == record["step"]
+            continue
+        train_phases += 1
+        final = any(previous < budget <= record["step"] for budget in budgets)
+        expect_eval = train_phases % eval_every == 0 or final
+        evaluated = i + 1 < len(records) and records[i + 1]["phase"] == "eval"
+        assert evaluated == expect_eval, (i, record, train_phases)
+        previous = record["step"]
+    train_steps = [r["step"] for r in records if r["phase"] == "train"]
+    assert train_steps[-1] >= budgets[-1] > (train_steps[-2] if len(train_steps) > 1 else 0)
+    assert records[-1]["phase"] == "eval"
+
+
+def check_logdir(logdir: Path, config: Config, budgets: list[int]) -> list[dict]:
+    """Everything a run writes; returns the records of metrics.jsonl."""
+    # config.json: valid JSON, the resolved config.
+    saved = json.loads((logdir / "config.json").read_text())
+    assert saved == json.loads(json.dumps(config.to_dict()))
+    assert load_saved_config(logdir) == config
+
+    # metrics.jsonl: one JSON object per line, one line per phase.
+    lines = (logdir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert all(isinstance(r, dict) for r in records)
+    assert records == read_metrics(logdir)
+    check_records(records, config, budgets)
+
+    # TensorBoard: the phase scalars at the records' steps, and the algorithm's.
+    assert list(logdir.glob("events.out.tfevents.*"))
+    events = scalar_events(logdir)
+    for tag in ("train/score", "train/length", "train/steps_per_s", "eval/score",
+                "eval/length", "ppo/kl", "ppo/beta", "ppo/policy_loss", "ppo/value_loss",
+                "ppo/entropy"):
+        assert tag in events, sorted(events)
+    for phase in ("train", "eval"):
+        logged = events[f"{phase}/score"]
+        expected = [(r["step"], r["score"]) for r in records if r["phase"] == phase]
+        assert [step for step, _ in logged] == [step for step, _ in expected]
+        assert [value for _, value in logged] == pytest.approx([v for _, v in expected])
+    kl_steps = [step for step, _ in events["ppo/kl"]]
+    assert kl_steps == sorted(set(kl_steps))  # one update per training phase, no repeats
+
+    # learning_curve.png: a real PNG of the figure's size.
+    png = logdir / "learning_curve.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    assert png.stat().st_size > 5_000
+    from PIL import Image
+    with Image.open(png) as image:
+        assert image.size == (700, 400)
+
+    # Checkpoints: complete files, the newest at the last record's step.
+    checkpoints = list_checkpoints(logdir)
+    assert 1 <= len(checkpoints) <= config.train.keep_checkpoints
+    assert not list(logdir.glob("*.tmp")) and not list(logdir.glob("*.tmp.png"))
+    state = torch.load(checkpoints[-1], map_location="cpu", weights_only=False)
+    assert {"algorithm", "counters", "rng", "config"} <= set(state)
+    assert state["counters"]["steps"] == records[-1]["step"]
+    assert checkpoints[-1].name == f"ckpt-{records[-1]['step']:012d}.pt"
+    assert state["counters"]["phases"] == len(records)
+    assert state["counters"]["train_phases"] == sum(r["phase"] == "train" for r in records)
+    assert state["config"] == config.to_dict()
+    assert {"policy", "value", "policy_optimizer", "memory"} <= set(state["algorithm"])
+    return records
+
+
+# --- train.py on CartPole, in a subprocess ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def cartpole_run(tmp_path_factory):
+    """One train.py run on CartPole: (logdir, its config, the process)."""
+    logdir = tmp_path_factory.mktemp("cartpole") / "run"
+    overrides = CARTPOLE + [f"train.steps={CARTPOLE_STEPS}", "train.eval_every=2"]
+    process = train_py("--config", "cartpole", "--logdir", str(logdir), "--no-progress",
+                       *sets(*overrides))
+    assert process.returncode == 0, process.stderr
+    return logdir, load_config("cartpole", overrides), process
+
+
+def test_train_py_writes_the_log_directory(cartpole_run):
+    logdir, config, process = cartpole_run
+    assert "Traceback" not in process.stderr
+    assert f"Training CartPole-v1 with 4 agents for {CARTPOLE_STEPS:,} steps" in process.stdout
+    assert "Final evaluation:" in process.stdout
+    records = check_logdir(logdir, config, [CARTPOLE_STEPS])
+    # eval_every=2: evaluations after the even training phases (and the last one).
+    assert records[:3] and [r["phase"] for r in records[:3]] == ["train", "train", "eval"]
+    assert f"{records[-1]['score']:.1f}" in process.stdout
+
+
+def test_train_py_resumes_and_extends_the_budget(cartpole_run, tmp_path):
+    logdir = tmp_path / "run"
+    shutil.copytree(cartpole_run[0], logdir)
+    config = cartpole_run[1]
+    before = read_metrics(logdir)
+    last = before[-1]["step"]
+
+    # Same logdir, nothing else: the finished run resumes and has nothing to do.
+    again = train_py("--config", "cartpole", "--logdir", str(logdir), "--no-progress")
+    assert again.returncode == 0, again.stderr
+    assert f"at step {last:,}" in again.stdout
+    assert "nothing to train" in again.stdout and "--steps" in again.stdout
+    assert read_metrics(logdir) == before
+
+    # --set on an existing run is refused: it resumes with the saved config.
+    refused = train_py("--config", "cartpole", "--logdir", str(logdir), "--no-progress",
+                       *sets("train.steps=5000"))
+    assert refused.returncode == 2
+    assert "saved config" in refused.stderr and "--steps" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert read_metrics(logdir) == before
+
+    # --steps raises the budget: the step counter continues from the checkpoint,
+    # twice in a row.
+    budgets = [CARTPOLE_STEPS]
+    for budget in (2 * CARTPOLE_STEPS, 3 * CARTPOLE_STEPS):
+        start = read_metrics(logdir)
+        process = train_py("--config", "cartpole", "--logdir", str(logdir), "--no-progress",
+                           "--steps", str(budget))
+        assert process.returncode == 0, process.stderr
+        assert "Traceback" not in process.stderr
+        assert f"Resuming from {list_checkpoints(logdir)[0].parent}" in process.stdout
+        assert f"at step {start[-1]['step']:,}" in process.stdout
+        budgets.append(budget)
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train,
+                                                                       steps=budget))
+        records = check_logdir(logdir, config, budgets)  # config.json holds the new budget
+        assert records[:len(start)] == start       # the earlier phases are kept as they were
+        assert records[len(start)]["step"] > start[-1]["step"]
+        assert records[len(start)]["wall_time"] >= start[-1]["wall_time"]
+
+    # Without --steps, the saved (extended) budget is used and is already reached.
+    again = train_py("--config", "cartpole", "--logdir", str(logdir), "--no-progress")
+    assert again.returncode == 0 and "nothing to train" in again.stdout
+    assert read_metrics(logdir) == records
+
+
+# --- the Trainer in-process on Pendulum, with worker processes ---------------------
+
+def test_trainer_on_pendulum_with_external_envs(tmp_path):
+    config = load_config("pendulum", [
+        "env.num_agents=2", "env.max_length=50", "env.external=true", "ppo.update_every=2",
+        "train.steps=400", "train.eval_episodes=2", "train.device=cpu",
+        "train.keep_checkpoints=2"])
+    trainer = Trainer(config, tmp_path / "run", progress=False)
+    result = trainer.run()
+    records = check_logdir(tmp_path / "run", config, [400])
+    assert all(r["length"] == 50 for r in records)  # Pendulum never terminates early
+    assert result == records[-1]
+    assert result["phase"] == "eval" and result["episodes"] == 2
+    assert trainer.counters.steps == records[-1]["step"] >= 400
+    assert trainer.counters.eval_steps == 2 * 50 * sum(r["phase"] == "eval" for r in records)
+    assert len(list_checkpoints(tmp_path / "run")) == 2
+
+
+# --- exact resume ----------------------------------------------------------------------
+
+def comparable(records: list[dict]) -> list[tuple]:
+    """What must not depend on where a run was interrupted (not its timings)."""
+    return [(r["step"], r["phase"], r["score"], r["score_std"], r["length"], r["episodes"])
+            for r in records]
+
+
+def test_resumed_run_equals_an_uninterrupted_one(tmp_path):
+    overrides = CARTPOLE + ["train.checkpoint_every=2", "train.keep_checkpoints=50"]
+    full = load_config("cartpole", overrides + [f"train.steps={2 * CARTPOLE_STEPS}"])
+    half = load_config("cartpole", overrides + [f"train.steps={CARTPOLE_STEPS}"])
+
+    straight = tmp_path / "straight"
+    Trainer(full, straight, progress=False).run()
+    expected = comparable(read_metrics(straight))
+    straight_state = torch.load(list_checkpoints(straight)[-1], weights_only=False)
+
+    resumed = tmp_path / "resumed"
+    Trainer(half, resumed, progress=False).run()
+    first = read_metrics(resumed)
+    assert comparable(first) == expected[:len(first)]
+    Trainer(full, resumed, progress=False).run()
+    assert comparable(read_metrics(resumed)) == expected
+    check_logdir(resumed, full, [CARTPOLE_STEPS, 2 * CARTPOLE_STEPS])
+
+    # The same model, and checkpoints at the same phases (checkpoint_every counts
+    # the evaluations of every session), plus the first session's final one.
+    resumed_state = torch.load(list_checkpoints(resumed)[-1], weights_only=False)
+    for name, tensor in straight_state["algorithm"]["policy"].items():
+        assert torch.equal(tensor, resumed_state["algorithm"]["policy"][name]), name
+    assert resumed_state["counters"] == {**straight_state["counters"],
+                                         "wall_time": resumed_state["counters"]["wall_time"]}
+    straight_steps = {p.name for p in list_checkpoints(straight)}
+    resumed_steps = {p.name for p in list_checkpoints(resumed)}
+    assert straight_steps <= resumed_steps
+    assert resumed_steps - straight_steps <= {f"ckpt-{first[-1]['step']:012d}.pt"}
+
+    # A crash after a checkpoint: the newest ones are lost, the run is repeated
+    # from the one before; neither metrics.jsonl nor TensorBoard repeat a phase.
+    for path in list_checkpoints(resumed)[-2:]:
+        path.unlink()
+    Trainer(full, resumed, progress=False).run()
+    assert comparable(read_metrics(resumed)) == expected
+    check_logdir(resumed, full, [CARTPOLE_STEPS, 2 * CARTPOLE_STEPS])
+
+    # A crash before the first checkpoint: the run starts over, cleanly.
+    for path in list_checkpoints(resumed):
+        path.unlink()
+    Trainer(full, resumed, progress=False).run()
+    assert comparable(read_metrics(resumed)) == expected
+    check_logdir(resumed, full, [2 * CARTPOLE_STEPS])
+
+
+# --- a custom env via train.py, from the current directory --------------------------
+
+ENV_MODULE = '''
+import gymnasium as gym
+import numpy as np
+
+
+class Steps(gym.Env):
+    """Episodes of `length` steps; reward 1 - |action|."""
+
+    def __init__(self, length):
+        self.length = length
+        self.observation_space = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
+        self.action_space = gym.spaces.Box(-2.0, 2.0, (1,), np.float32)
+        self.t = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self.observation_space.sample(), {}
+
+    def step(self, action):
+        self.t += 1
+        reward = 1.0 - abs(float(action[0]))
+        return self.observation_space.sample(), reward, self.t >= self.length, False, {}
+
+
+def make(length=4):
+    return Steps(length)
+'''
+
+
+def test_train_py_with_an_env_from_the_current_directory(tmp_path):
+    package = tmp_path / "myenvs"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "steps.py").write_text(textwrap.dedent(ENV_MODULE))
+    environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # Worker processes (env.external=true) import myenvs too.
+    process = train_py("--config", "pendulum", "--logdir", "run", "--no-progress",
+                       *sets("env.id=myenvs.steps:make", "env.kwargs={length = 6}",
+                             "env.num_agents=2", "env.max_length=20", "env.external=true",
+                             "ppo.update_every=2", "ppo.update_epochs=2",
+                             "train.steps=48", "train.eval_episodes=2"),
+                       cwd=tmp_path, env=environ)
+    assert process.returncode == 0, process.stderr
+    records = read_metrics(tmp_path / "run")
+    assert records and {r["length"] for r in records} == {6.0}
+    assert records[-1]["step"] >= 48
+
+
+# --- bad input --------------------------------------------------------------------------
+
+BAD_INPUT = {  # name: (arguments, what stderr must say)
+    "unknown config": (["--config", "nosuch"], ["no config named 'nosuch'", "cartpole",
+                                                "halfcheetah"]),
+    "unknown key": (["--config", "cartpole", *sets("ppo.bogus=1")],
+                    ["unknown key ppo.bogus", "policy_lr"]),
+    "bad type": (["--config", "cartpole", *sets("env.num_agents=2.5")],
+                 ["env.num_agents", "expected an integer"]),
+    "out of range": (["--config", "cartpole", *sets("ppo.discount=1.5")],
+                     ["ppo.discount must be in [0, 1]"]),
+    "bad env id": (["--config", "cartpole", *sets("env.id=NoSuchEnv-v0")],
+                   ["NoSuchEnv-v0", "package.module:function"]),
+}
+
+MORE_BAD_INPUT = {  # checked in-process through train.main()
+    "malformed --set": (["--config", "cartpole", "--set", "ppo.discount"],
+                        ["--set needs section.key=value"]),
+    "unknown section": (["--config", "cartpole", *sets("optim.lr=1")], ["[optim]"]),
+    "bad device": (["--config", "cartpole", *sets("train.device=tpu")], ["train.device",
+                                                                         "'cpu'"]),
+    "bad steps": (["--config", "cartpole", "--steps", "0"], ["train.steps must be >= 1"]),
+    "ppo.max_length": (["--config", "cartpole", *sets("ppo.max_length=9")],
+                       ["env.max_length"]),
+    "missing module": (["--config", "cartpole", *sets("env.id=no_such_mod_xyz:make")],
+                       ["cannot import module 'no_such_mod_xyz'"]),
+    "bad toml file": (["--config", "{tmp}/broken.toml"], ["not valid TOML"]),
+}
+
+
+def test_train_py_bad_input_exits_2_without_a_traceback(tmp_path):
+    # Started together: most of each one's time is importing torch.
+    running = {}
+    for name, (args, _) in BAD_INPUT.items():
+        logdir = tmp_path / name.replace(" ", "-")
+        running[name] = (logdir, subprocess.Popen(
+            [sys.executable, str(TRAIN_PY), *args, "--logdir", str(logdir), "--no-progress"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for name, (logdir, process) in running.items():
+        stdout, stderr = process.communicate(timeout=120)
+        assert process.returncode == 2, (name, stdout, stderr)
+        assert "Traceback" not in stderr, (name, stderr)
+        assert stderr.startswith("error: "), (name, stderr)
+        for text in BAD_INPUT[name][1]:
+            assert text in stderr, (name, text, stderr)
+        assert not (logdir / "config.json").exists(), name  # nothing that would resume
+
+
+@pytest.fixture
+def train_main(monkeypatch):
+    """train.py's main(), imported from the repository root."""
+    spec = importlib.util.spec_from_file_location("train_script", TRAIN_PY)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main() may add the cwd
+    return module.main
+
+
+@pytest.mark.parametrize("name", sorted(MORE_BAD_INPUT))
+def test_train_main_bad_input(name, train_main, tmp_path, capsys):
+    (tmp_path / "broken.toml").write_text("[env\n")
+    args, expected = MORE_BAD_INPUT[name]
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
+    assert train_main([*args, "--logdir", str(tmp_path / "run"), "--no-progress"]) == 2
+    stderr = capsys.readouterr().err
+    for text in expected:
+        assert text in stderr, stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_main_non_integer_steps_is_a_usage_error(train_main, capsys):
+    with pytest.raises(SystemExit) as info:
+        train_main(["--config", "cartpole", "--steps", "many"])
+    assert info.value.code == 2
+    assert "--steps" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_train_main_cuda_without_cuda(train_main, tmp_path, capsys):
+    args = ["--config", "cartpole", *sets("train.device=cuda"), "--logdir", str(tmp_path / "r")]
+    assert train_main(args) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_train_py_help_lists_the_config_keys():
+    process = train_py("--help")
+    assert process.returncode == 0, process.stderr
+    text = process.stdout
+    for option in ("--config", "--logdir", "--set", "--steps", "--no-progress"):
+        assert option in text
+    for name in ("cartpole", "pendulum", "halfcheetah"):
+        assert name in text
+    for section in dataclasses.fields(Config):
+        for field in dataclasses.fields(section.default_factory()):
+            key = f"{section.name}.{field.name}"
+            if key == "ppo.max_length":
+                assert f"{key} =" not in text  # derived from env.max_length
+            else:
+                assert f"  {key} = " in text, key
+    # Defaults are shown as --set takes them (TOML).
+    assert 'env.id = "CartPole-v1"' in text
+    assert "env.external = true" in text
+    assert "ppo.policy_layers = [200, 100]" in text
+
+
+def test_run_without_evaluations_still_plots_and_checkpoints(tmp_path):
+    config = load_config("cartpole", CARTPOLE + ["train.eval_episodes=0", "train.steps=100"])
+    assert Trainer(config, tmp_path / "run", progress=False).run() == {}
+    records = read_metrics(tmp_path / "run")
+    assert records and {r["phase"] for r in records} == {"train"}
+    assert (tmp_path / "run" / "learning_curve.png").read_bytes()[:8] == PNG_MAGIC
+    assert list_checkpoints(tmp_path / "run")[-1].name == f"ckpt-{records[-1]['step']:012d}.pt"
