@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -61,6 +62,7 @@ class PPOConfig:
     normalize_reward: bool = True
     max_length: int = 1000                    # longest episode (the env's time limit)
     inference: str = "script"                 # "script", "eager" or "compile"
+    update_threads: int | None = None         # torch threads in update(); None = all cores
 
     def __post_init__(self) -> None:
         if self.network not in NETWORKS:
@@ -77,10 +79,16 @@ class PPOConfig:
         for name in ("init_std", "policy_lr", "value_lr", "kl_target"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("batch_size", "chunk_length"):
+        for name in ("batch_size", "chunk_length", "update_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")
+
+
+def _usable_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 class KLPenalty:
@@ -300,7 +308,19 @@ class BatchPPO(Algorithm):
         return surrogate, kl, entropy, log_ratio
 
     def update(self) -> Summary:
-        """Learn from the episodes in memory; returns the update's summary."""
+        """Learn from the episodes in memory; returns the update's summary.
+
+        Runs with ``update_threads`` torch threads (all usable cores by
+        default): envs step in lockstep with the learner, so they are idle now.
+        """
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.config.update_threads or _usable_cores())
+        try:
+            return self._update()
+        finally:
+            torch.set_num_threads(threads)
+
+    def _update(self) -> Summary:
         config = self.config
         data, length = self.memory.data()
         data = dict(data)
