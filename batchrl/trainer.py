@@ -127,6 +127,8 @@ class Trainer:
             if training:
                 counters.steps += num_agents
                 if bar is not None:
+                    # The last phase may run past the budget: grow the bar with it.
+                    bar.total = max(bar.total, counters.steps)
                     bar.update(num_agents)
             if bool(done.any()):
                 ended = done.nonzero().squeeze(1)
