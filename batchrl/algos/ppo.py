@@ -16,7 +16,7 @@ import copy
 import math
 import os
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import gymnasium as gym

@@ -63,7 +63,6 @@ class BatchEnv:
                         f"all envs of a BatchEnv need equal {kind} spaces, but env {index} "
                         f"has {got} while env 0 has {expected}")
         self._envs = envs
-        self._blocking = blocking
         self._parallel = [isinstance(env, ExternalProcess) and not blocking for env in envs]
         self.observation_space: gym.Space = first.observation_space
         self.action_space: gym.Space = first.action_space
