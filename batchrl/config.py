@@ -23,6 +23,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from batchrl.algos.ppo import PPOConfig
+from batchrl.envs.factory import BACKENDS
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -39,12 +40,18 @@ class EnvConfig:
     kwargs: dict = field(default_factory=dict)  # keyword arguments for gymnasium.make / the function
     num_agents: int = 30          # envs stepped in lockstep (the paper's batch of agents)
     max_length: int = 1000        # time limit of an episode, in env steps
-    external: bool = True         # one worker process per env; False steps them in-process
+    backend: str = "workers"      # "workers" (processes, shared memory), "process" (one per env), "inline"
+    workers: int = 0              # processes of the "workers" backend (0: one per usable core)
+    share_main: bool = True       # "workers": the main process steps a share of the envs too
     normalize_ranges: bool = True  # rescale finite Box observation/action ranges to [-1, 1]
 
     def __post_init__(self) -> None:
         _check_range(self, "num_agents", 1)
         _check_range(self, "max_length", 1)
+        _check_range(self, "workers", 0)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"env.backend must be one of {', '.join(BACKENDS)}, "
+                             f"got {self.backend!r}")
 
 
 @dataclass

@@ -434,7 +434,7 @@ def evaluate(logdir: str | Path, episodes: int = 10, checkpoint: str | Path | No
     gl_failures = _select_gl_backend() if video_path is not None else {}
     try:
         batch_env = make_batch_env(config.env.id, num_agents, config.env.max_length,
-                                   config.env.kwargs, external=False,
+                                   config.env.kwargs, backend="inline",
                                    normalize_ranges=config.env.normalize_ranges)
     except Exception as exc:
         if not _from_opengl(exc):

@@ -164,8 +164,9 @@ class Trainer:
         # The env first: a bad env id fails here, before anything is written to
         # the log directory (a config.json there would make it a run to resume).
         batch_env = make_batch_env(config.env.id, config.env.num_agents, config.env.max_length,
-                                   config.env.kwargs, config.env.external,
-                                   config.env.normalize_ranges)
+                                   config.env.kwargs, config.env.backend, config.env.workers,
+                                   config.env.normalize_ranges,
+                                   share_main=config.env.share_main, infos=False)
         self.log = None
         bar = None
         last_eval: dict[str, Any] = {}

@@ -3,12 +3,23 @@
 Measures how many env steps per second (batch steps x envs) HalfCheetah-v5 reaches
 with random actions, for several batch sizes, with
 
-  * ``batchrl``: ``BatchEnv`` over ``ExternalProcess`` workers, stepped in parallel
-    (``blocking=False``); finished envs are reset with ``batch_env.reset(indices)``;
+  * ``batchrl``: ``make_batch_env``'s default layout: ``EnvWorker`` processes,
+    one per usable core but one, each pinned to its core and hosting its share
+    of the envs, with observations and actions in shared memory, while this
+    process steps the remaining share; finished envs are reset with
+    ``batch_env.reset(indices)``;
+  * ``batchrl-process``: ``BatchEnv`` over one ``ExternalProcess`` per env (the
+    BatchPPO paper's layout), stepped in parallel;
   * ``SyncVectorEnv``: ``gymnasium.vector.SyncVectorEnv``, all envs in this process;
   * ``AsyncVectorEnv``: ``gymnasium.vector.AsyncVectorEnv(shared_memory=True)``;
     the Gymnasium vector envs reset finished envs themselves (their default
-    next-step autoreset).
+    next-step autoreset);
+  * ``envpool``: EnvPool's C++ thread pool with its own MuJoCo port of the
+    task, when ``envpool`` is installed (``pip install envpool``): the ceiling
+    a Python env loop can approach.
+
+All backends build the plain ``gymnasium.make(env_id)`` env (no batchrl
+wrappers) and return the step infos.
 
 Every measurement builds the backend, resets it with the same seed, takes a few
 warm-up steps and then times ``--steps`` batch steps with pre-generated random
@@ -25,7 +36,7 @@ warning when the machine was busy (the rates are then noisy).
 Run it from the repository root (takes about 2-4 minutes on a 2-core machine):
 
     python benchmarks/envstep.py
-    python benchmarks/envstep.py --envs 2 8 16 --steps 1500 --repeats 5 --json out.json
+    python benchmarks/envstep.py --envs 2 8 32 --steps 1500 --repeats 5 --json out.json
 
 It prints a markdown table, the physical limit and a one-line JSON summary.
 """
@@ -47,15 +58,16 @@ import numpy as np
 import psutil
 
 from batchrl.envs import BatchEnv, ExternalProcess
+from batchrl.envs.factory import batch_env_from
+from batchrl.hardware import usable_cores
 
-BACKENDS = ("batchrl", "SyncVectorEnv", "AsyncVectorEnv")
+try:
+    import envpool
+except ImportError:  # optional: only adds a column
+    envpool = None
 
-
-def usable_cores() -> int:
-    """Number of CPU cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+BACKENDS = ("batchrl", "batchrl-process", "SyncVectorEnv", "AsyncVectorEnv") + (
+    ("envpool",) if envpool is not None else ())
 
 
 def build(backend: str, env_id: str, num_envs: int) -> tuple[Any, list[int]]:
@@ -68,8 +80,13 @@ def build(backend: str, env_id: str, num_envs: int) -> tuple[Any, list[int]]:
     if backend == "single":
         return make(), []
     if backend == "batchrl":
-        env = BatchEnv([ExternalProcess(env_id) for _ in range(num_envs)], blocking=False)
-        return env, [worker.pid for worker in env.envs]
+        env = batch_env_from(make, num_envs)  # make_batch_env's layout, without wrappers
+        return env, [worker.pid for worker in env.workers]
+    if backend == "batchrl-process":
+        env = BatchEnv([ExternalProcess(make) for _ in range(num_envs)], blocking=False)
+        return env, [worker.pid for worker in env.workers]
+    if backend == "envpool":
+        return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs), []
     if backend == "SyncVectorEnv":
         return gym.vector.SyncVectorEnv([make] * num_envs), []
     if backend == "AsyncVectorEnv":
@@ -88,8 +105,8 @@ def step_all(env: Any, actions: np.ndarray) -> None:
             done = terminated | truncated
             if done.any():
                 env.reset(np.flatnonzero(done))
-    elif isinstance(env, gym.vector.VectorEnv):
-        for action in actions:  # autoresets by itself
+    elif isinstance(env, gym.vector.VectorEnv) or hasattr(env, "config"):
+        for action in actions:  # autoresets by itself (Gymnasium and EnvPool)
             env.step(action)
     else:  # a single in-process env
         for action in actions:
@@ -126,17 +143,18 @@ def measure(backend: str, env_id: str, actions: np.ndarray, warmup: int,
 
 def markdown_table(results: dict[int, dict[str, dict[str, Any]]]) -> str:
     """Format median rates as a markdown table with ratios to Gymnasium's vector envs."""
-    lines = ["| envs | backend | steps/s | ratio vs SyncVectorEnv | ratio vs AsyncVectorEnv "
-             "| spread | build s |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+    references = [name for name in ("SyncVectorEnv", "AsyncVectorEnv", "envpool")
+                  if name in BACKENDS]
+    lines = ["| envs | backend | steps/s | " + " | ".join(f"vs {name}" for name in references)
+             + " | spread | build s |",
+             "|---:|---|---:|" + "---:|" * len(references) + "---:|---:|"]
     for num_envs, rows in results.items():
         for backend, row in rows.items():
             rate = row["steps_per_s"]
-            lines.append(
-                f"| {num_envs} | {backend} | {rate:,.0f} "
-                f"| {rate / rows['SyncVectorEnv']['steps_per_s']:.2f} "
-                f"| {rate / rows['AsyncVectorEnv']['steps_per_s']:.2f} "
-                f"| ±{row['spread'] / 2:.0%} | {row['build_s']:.2f} |")
+            ratios = " | ".join(f"{rate / rows[name]['steps_per_s']:.2f}x"
+                                for name in references)
+            lines.append(f"| {num_envs} | {backend} | {rate:,.0f} | {ratios} "
+                         f"| ±{row['spread'] / 2:.0%} | {row['build_s']:.2f} |")
     return "\n".join(lines)
 
 
@@ -144,8 +162,8 @@ def parse_args() -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--env-id", default="HalfCheetah-v5")
-    parser.add_argument("--envs", type=int, nargs="+", default=[2, 8, 16],
-                        help="batch sizes to measure (default: 2 8 16)")
+    parser.add_argument("--envs", type=int, nargs="+", default=[2, 8, 32],
+                        help="batch sizes to measure (default: 2 8 32)")
     parser.add_argument("--steps", type=int, default=1500,
                         help="timed batch steps per measurement (default: 1500)")
     parser.add_argument("--warmup", type=int, default=10,

@@ -122,7 +122,9 @@ def test_a_section_that_is_not_a_table(tmp_path):
     ("env.num_agents=2.5", "expected an integer"),
     ("train.steps=true", "expected an integer"),
     ("train.steps=1e5", "expected an integer"),
-    ("env.external=yes", "expected bool"),
+    ("env.share_main=yes", "expected bool"),
+    ("env.backend=threads", "env.backend must be one of"),
+    ("env.workers=-1", "workers must be >= 0"),
     ("env.id=3", "expected str"),
     ("env.kwargs=[1, 2]", "expected dict"),
     ("ppo.policy_layers=64", "expected a list of int"),
@@ -169,7 +171,7 @@ def test_errors_are_value_errors_for_callers():
 @pytest.mark.parametrize("text, path, value", [
     ("ppo.policy_lr=3e-4", ["ppo", "policy_lr"], 3e-4),
     ("train.steps=2_000", ["train", "steps"], 2000),
-    ("env.external=false", ["env", "external"], False),
+    ("env.share_main=false", ["env", "share_main"], False),
     ("ppo.policy_layers=[64, 64]", ["ppo", "policy_layers"], [64, 64]),
     ('env.id="Hopper-v5"', ["env", "id"], "Hopper-v5"),
     ("env.id=Hopper-v5", ["env", "id"], "Hopper-v5"),               # a bare word
@@ -300,7 +302,7 @@ def test_env_id_as_module_function(env_package):
     env = constructor()
     assert type(env).__name__ == "Countdown" and env.length == 3
     batch = make_batch_env(f"{env_package}.countdown:make_env", 2, 10, {"length": 3},
-                           external=False)
+                           backend="inline")
     try:
         assert len(batch) == 2
     finally:
@@ -310,7 +312,7 @@ def test_env_id_as_module_function(env_package):
 def test_env_id_as_module_function_trains_end_to_end(env_package, tmp_path):
     config = load_config("pendulum", [
         f'env.id="{env_package}.countdown:make_env"', "env.kwargs={length = 7, scale = 2.0}",
-        "env.num_agents=2", "env.max_length=20", "env.external=false",
+        "env.num_agents=2", "env.max_length=20", "env.backend=inline",
         "ppo.update_every=2", "ppo.update_epochs=2", "ppo.policy_layers=[16]",
         "ppo.value_layers=[16]", "train.steps=60", "train.eval_episodes=2",
         "train.device=cpu"])
@@ -337,7 +339,7 @@ def test_unknown_env_id_is_an_env_spec_error(env_id, expected):
     assert expected in str(info.value)
     assert env_id in str(info.value)
     with pytest.raises(EnvSpecError):
-        make_batch_env(env_id, 2, external=True)  # before any worker is started
+        make_batch_env(env_id, 2, backend="process")  # before any worker is started
 
 
 def test_module_attribute_that_is_not_callable(env_package):

@@ -135,7 +135,7 @@ def test_mujoco_video(tmp_path):
 
     logdir = tmp_path / "reacher"
     Trainer(load_config("reacher", [
-        "env.external=false", "env.num_agents=2", "train.steps=100", "train.eval_episodes=2",
+        "env.backend=inline", "env.num_agents=2", "train.steps=100", "train.eval_episodes=2",
         "ppo.update_every=2", "ppo.update_epochs=2", "ppo.policy_layers=[16]",
         "ppo.value_layers=[16]", "ppo.inference=\"eager\""]), logdir, progress=False).run()
     video = tmp_path / "out" / "reacher.mp4"

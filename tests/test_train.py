@@ -218,7 +218,7 @@ def test_train_py_resumes_and_extends_the_budget(cartpole_run, tmp_path):
 
 def test_trainer_on_pendulum_with_external_envs(tmp_path):
     config = load_config("pendulum", [
-        "env.num_agents=2", "env.max_length=50", "env.external=true", "ppo.update_every=2",
+        "env.num_agents=2", "env.max_length=50", "env.backend=workers", "ppo.update_every=2",
         "train.steps=400", "train.eval_episodes=2", "train.device=cpu",
         "train.keep_checkpoints=2"])
     trainer = Trainer(config, tmp_path / "run", progress=False)
@@ -324,10 +324,10 @@ def test_train_py_with_an_env_from_the_current_directory(tmp_path):
     (package / "__init__.py").write_text("")
     (package / "steps.py").write_text(textwrap.dedent(ENV_MODULE))
     environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    # Worker processes (env.external=true) import myenvs too.
+    # Worker processes (env.backend=workers) import myenvs too.
     process = train_py("--config", "pendulum", "--logdir", "run", "--no-progress",
                        *sets("env.id=myenvs.steps:make", "env.kwargs={length = 6}",
-                             "env.num_agents=2", "env.max_length=20", "env.external=true",
+                             "env.num_agents=2", "env.max_length=20", "env.backend=workers",
                              "ppo.update_every=2", "ppo.update_epochs=2",
                              "train.steps=48", "train.eval_episodes=2"),
                        cwd=tmp_path, env=environ)
@@ -438,7 +438,7 @@ def test_train_py_help_lists_the_config_keys():
                 assert f"  {key} = " in text, key
     # Defaults are shown as --set takes them (TOML).
     assert 'env.id = "CartPole-v1"' in text
-    assert "env.external = true" in text
+    assert "env.backend = \"workers\"" in text
     assert "ppo.policy_layers = [200, 100]" in text
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -27,6 +26,7 @@ from torch.distributions import Categorical, Distribution, Independent, Normal, 
 from batchrl.algos.base import Algorithm, Summary
 from batchrl.algos.networks import (Actor, CategoricalHead, FeedForwardBody, GaussianHead,
                                     Policy, RecurrentBody, ValueNet)
+from batchrl.hardware import usable_cores
 from batchrl.parts.memory import EpisodeMemory
 from batchrl.parts.normalize import StreamingNormalizer
 from batchrl.parts.returns import discounted_return, generalized_advantage
@@ -83,12 +83,6 @@ class PPOConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")
-
-
-def _usable_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 class KLPenalty:
@@ -184,6 +178,7 @@ class BatchPPO(Algorithm):
         self.penalty = KLPenalty(config.kl_target, config.kl_init_penalty)
         self.state_size = body.state_size
         self.recurrent_state = torch.zeros(num_agents, self.state_size, device=self.device)
+        self._no_state = torch.zeros(num_agents, 0, device=self.device)
         self.memory = EpisodeMemory(
             num_agents, config.update_every, config.max_length,
             step_fields={"observ": ((obs_size,), torch.float32),
@@ -225,9 +220,13 @@ class BatchPPO(Algorithm):
     def perform(self, agent_indices: torch.Tensor,
                 observ: torch.Tensor) -> tuple[torch.Tensor, Summary]:
         norm_observ = self._normalize(observ)
-        state = self.recurrent_state[agent_indices]
+        if self.state_size:
+            state = self.recurrent_state[agent_indices]
+        else:  # feed-forward: skip two indexing operations per step
+            state = self._no_state[:agent_indices.numel()]
         action, param_a, param_b, new_state = self.actor(norm_observ, state, not self.training)
-        self.recurrent_state[agent_indices] = new_state
+        if self.state_size:
+            self.recurrent_state[agent_indices] = new_state
         self._last = {"agents": agent_indices, "observ": norm_observ, "param_a": param_a,
                       "param_b": param_b, "state": state}
         return action, {}
@@ -314,7 +313,7 @@ class BatchPPO(Algorithm):
         default): envs step in lockstep with the learner, so they are idle now.
         """
         threads = torch.get_num_threads()
-        torch.set_num_threads(self.config.update_threads or _usable_cores())
+        torch.set_num_threads(self.config.update_threads or usable_cores())
         try:
             return self._update()
         finally:

@@ -4,11 +4,13 @@ from batchrl.envs.batch import BatchEnv
 from batchrl.envs.errors import (EnvAttributeError, EnvCrashedError, EnvError,
                                  EnvRaisedError, EnvTimeoutError)
 from batchrl.envs.external import ExternalProcess, RemoteAttribute
+from batchrl.envs.workers import EnvWorker, InfoList, WorkerEnv
 from batchrl.envs.wrappers import (ClipAction, TimeLimit, convert_to_32bit, range_normalize,
                                    wrap_env)
 
 __all__ = [
-    "BatchEnv", "ExternalProcess", "RemoteAttribute", "TensorBatchEnv",
+    "BatchEnv", "ExternalProcess", "EnvWorker", "WorkerEnv", "InfoList", "RemoteAttribute",
+    "TensorBatchEnv",
     "EnvError", "EnvRaisedError", "EnvAttributeError", "EnvCrashedError", "EnvTimeoutError",
     "ClipAction", "TimeLimit", "convert_to_32bit", "range_normalize", "wrap_env",
 ]

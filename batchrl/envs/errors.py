@@ -13,6 +13,8 @@ class EnvError(RuntimeError):
     Attributes:
       label: human-readable name of the env (constructor or Gymnasium id).
       env_index: index in the enclosing ``BatchEnv``, or ``None``.
+      env_indices: for a failure of a whole worker process that hosts several
+        envs, the range of their indices in the ``BatchEnv``.
       operation: what was being done (``"step"``, ``"reset"``, ``"construct"``...).
     """
 
@@ -22,9 +24,17 @@ class EnvError(RuntimeError):
         self.operation = operation
         self.detail = detail
         self.env_index: int | None = None
+        # For a worker process hosting several envs that failed as a whole.
+        self.env_indices: range | None = None
 
     def __str__(self) -> str:
-        where = self.label if self.env_index is None else f"env {self.env_index} ({self.label})"
+        if self.env_index is not None:
+            where = f"env {self.env_index} ({self.label})"
+        elif self.env_indices:
+            where = (f"envs {self.env_indices.start}-{self.env_indices.stop - 1} "
+                     f"({self.label}, one worker process)")
+        else:
+            where = self.label
         return f"{where} failed in {self.operation}(): {self.detail}"
 
 

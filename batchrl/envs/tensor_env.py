@@ -28,7 +28,8 @@ class TensorBatchEnv:
         by termination or by truncation (time limit).
       terminated: ``(N,)`` float32, 1.0 where the episode reached a true
         terminal state; ``done - terminated`` marks truncations.
-      infos: the info dicts of the last step (a list, on the host).
+      infos: the info dicts of the last ``step`` (a sequence, on the host;
+        ``reset`` leaves it alone).
 
     ``step`` and ``reset`` update these buffers in place and return them (or
     the reset rows); a caller that needs a value after the next step must
@@ -56,7 +57,7 @@ class TensorBatchEnv:
         self.reward, self._host_reward = buffers((n,), torch.float32)
         self.done, self._host_done = buffers((n,), torch.float32)
         self.terminated, self._host_terminated = buffers((n,), torch.float32)
-        self.infos: list[dict] = [{} for _ in range(n)]
+        self.infos: Sequence[dict] = [{} for _ in range(n)]
         # The host buffers may only be rewritten once the last upload finished.
         self._uploaded = torch.cuda.Event() if cuda else None
 
@@ -140,8 +141,6 @@ class TensorBatchEnv:
         self._host_observ[host_rows] = torch.from_numpy(np.asarray(obs)).to(torch.float32)
         for host in (self._host_reward, self._host_done, self._host_terminated):
             host[host_rows] = 0.0
-        for row in rows:
-            self.infos[row] = {}
         self._upload([(self.observ, self._host_observ), (self.reward, self._host_reward),
                       (self.done, self._host_done),
                       (self.terminated, self._host_terminated)])

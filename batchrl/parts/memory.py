@@ -56,7 +56,9 @@ class EpisodeMemory:
                 f"an episode ran longer than max_length={self.max_length} steps; set "
                 f"max_length to at least the env's time limit")
         for name, value in values.items():
-            self.running[name][agent_indices, steps] = value.to(self.running[name].dtype)
+            buffer = self.running[name]
+            if buffer.numel():  # zero-width fields (no recurrent state) cost nothing
+                buffer[agent_indices, steps] = value.to(buffer.dtype)
         self.running_length[agent_indices] = steps + 1
 
     def set_episode(self, agent_indices: torch.Tensor, **values: torch.Tensor) -> None:

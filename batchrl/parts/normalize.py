@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -11,6 +13,9 @@ class StreamingNormalizer(nn.Module):
 
     Statistics are merged batch by batch with Chan et al.'s parallel formula,
     kept in float64 buffers (so they are part of ``state_dict``).
+    ``transform`` computes in float32 with copies of the mean and of the
+    inverse standard deviation made after each update: it runs at every env
+    step, where each saved tensor operation counts.
 
     Args:
       shape: shape of one value (``()`` for rewards).
@@ -28,6 +33,19 @@ class StreamingNormalizer(nn.Module):
         self.register_buffer("count", torch.zeros((), dtype=torch.float64))
         self.register_buffer("mean", torch.zeros(self.shape, dtype=torch.float64))
         self.register_buffer("sum_sq", torch.zeros(self.shape, dtype=torch.float64))
+        # Derived, not saved: the count as a Python number, and float32 copies
+        # of the statistics for transform(), rebuilt when they are stale.
+        self._count = 0.0
+        self._derived: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "StreamingNormalizer":
+        self._derived = None  # .to(device) and friends
+        return super()._apply(fn, *args, **kwargs)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self._count = float(self.count)
+        self._derived = None
 
     @torch.no_grad()
     def update(self, values: torch.Tensor) -> None:
@@ -36,29 +54,34 @@ class StreamingNormalizer(nn.Module):
         n = values.shape[0]
         if n == 0:
             return
-        batch_mean = values.mean(0)
-        batch_sum_sq = ((values - batch_mean) ** 2).sum(0)
-        total = self.count + n
+        batch_var, batch_mean = torch.var_mean(values, 0, correction=0)
+        count = self._count
+        total = count + n
         delta = batch_mean - self.mean
-        self.mean += delta * (n / total)
-        self.sum_sq += batch_sum_sq + delta ** 2 * (self.count * n / total)
-        self.count.copy_(total)
+        self.mean.add_(delta, alpha=n / total)
+        self.sum_sq.add_(batch_var, alpha=n).add_(delta * delta, alpha=count * n / total)
+        self.count.fill_(total)
+        self._count = total
+        self._derived = None
 
     @property
     def variance(self) -> torch.Tensor:
         """Unbiased variance (ones until two values were seen), float64."""
-        if self.count < 2:
+        if self._count < 2:
             return torch.ones_like(self.sum_sq)
-        return self.sum_sq / (self.count - 1)
+        return self.sum_sq / (self._count - 1)
 
     def transform(self, values: torch.Tensor) -> torch.Tensor:
         """Normalise ``(..., *shape)`` values; returns the input's dtype."""
-        dtype = values.dtype
-        result = values.to(torch.float64)
+        if self._derived is None:
+            self._derived = (self.mean.to(torch.float32),
+                             (1.0 / (self.variance.sqrt() + self.eps)).to(torch.float32))
+        offset, inverse_std = self._derived
+        result = values.to(torch.float32)
         if self.center:
-            result = result - self.mean
+            result = result - offset
         if self.scale:
-            result = result / (self.variance.sqrt() + self.eps)
+            result = result * inverse_std
         if self.clip is not None:
             result = result.clamp(-self.clip, self.clip)
-        return result.to(dtype)
+        return result.to(values.dtype)

@@ -1,0 +1,105 @@
+"""Sampling speed: ``simulate()`` with BatchPPO acting, against the raw batch env.
+
+For each batch size, builds the trainer's env (``make_batch_env`` with its
+defaults: ``EnvWorker`` processes plus a share stepped in this process,
+batchrl's wrappers) and measures, round by round and interleaved:
+
+  * ``raw``: ``BatchEnv.step`` with pre-generated random actions, finished envs
+    reset with ``reset(indices)``: the env layer alone;
+  * ``simulate``: ``simulate(TensorBatchEnv(batch_env), BatchPPO)`` in training
+    mode (normalisers updated, transitions stored), the loop of
+    ``train.py``. Calls that ran a PPO update are left out of the time (this
+    measures sampling; updates are ``benchmarks/training.py``'s subject).
+
+The ratio ``simulate / raw`` is the share of the env rate that survives
+inference and bookkeeping (the target is >= 0.75). Learner threads: 1, as in
+the configs (``train.threads``).
+
+    python benchmarks/sampling.py                      # 8 and 32 envs
+    python benchmarks/sampling.py --envs 8 --steps 3000 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from batchrl.algos.ppo import BatchPPO, PPOConfig
+from batchrl.envs.factory import make_batch_env
+from batchrl.envs.tensor_env import TensorBatchEnv
+from batchrl.simulate import simulate
+
+
+def raw_rate(batch_env, actions: np.ndarray) -> float:
+    """Env steps per second of the bare batch env over ``actions`` ``(T, N, A)``."""
+    start = time.perf_counter()
+    for action in actions:
+        _, _, terminated, truncated, _ = batch_env.step(action)
+        done = terminated | truncated
+        if done.any():
+            batch_env.reset(np.flatnonzero(done))
+    return actions.shape[0] * actions.shape[1] / (time.perf_counter() - start)
+
+
+def simulate_rate(env: TensorBatchEnv, algo: BatchPPO, steps: int) -> float:
+    """Env steps per second of ``simulate``, leaving out calls that updated."""
+    elapsed = 0.0
+    counted = 0
+    for _ in range(steps):
+        updates = algo.updates
+        start = time.perf_counter()
+        simulate(env, algo)
+        took = time.perf_counter() - start
+        if algo.updates == updates:
+            elapsed += took
+            counted += 1
+    return counted * len(env) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--env-id", default="HalfCheetah-v5")
+    parser.add_argument("--envs", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--steps", type=int, default=2000, help="batch steps per measurement")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--inference", default="script", choices=["script", "eager", "compile"])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"{args.env_id}, {args.steps} batch steps per measurement, median of {args.rounds} "
+          f"rounds, torch {torch.__version__} with 1 thread, inference {args.inference}")
+    print("| envs | raw BatchEnv steps/s | simulate() steps/s | simulate / raw |")
+    print("|---:|---:|---:|---:|")
+    for num_envs in args.envs:
+        batch_env = make_batch_env(args.env_id, num_envs, 1000)
+        try:
+            env = TensorBatchEnv(batch_env)
+            torch.manual_seed(0)
+            algo = BatchPPO(env.observation_space, env.action_space, num_envs,
+                            PPOConfig(update_every=num_envs, max_length=1000,
+                                      inference=args.inference, update_threads=1))
+            # The wrapped action space is unbounded (ClipAction); the task's is [-1, 1].
+            shape = batch_env.action_space.shape
+            actions = np.random.default_rng(0).uniform(
+                -1.0, 1.0, (args.steps, num_envs, *shape)).astype(np.float32)
+            batch_env.reset(seed=0)
+            raw_rate(batch_env, actions[:50])  # warm-up
+            simulate(env, algo, reset=True)
+            simulate_rate(env, algo, 50)
+            raws, sims = [], []
+            for _ in range(args.rounds):
+                raws.append(raw_rate(batch_env, actions))
+                # The raw loop left envs mid-episode: start fresh episodes.
+                simulate(env, algo, reset=True)
+                sims.append(simulate_rate(env, algo, args.steps))
+        finally:
+            batch_env.close()
+        raw, sim = statistics.median(raws), statistics.median(sims)
+        print(f"| {num_envs} | {raw:,.0f} | {sim:,.0f} | {sim / raw:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
