@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import platform
 import statistics
 import sys
