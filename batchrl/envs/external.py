@@ -14,7 +14,7 @@ import cloudpickle
 import gymnasium as gym
 
 from batchrl.envs.errors import EnvCrashedError, EnvError, EnvRaisedError
-from batchrl.envs.process import (Channel, answer_attribute, constructor_label, error_message,
+from batchrl.envs.process import (Channel, WorkerHandle, answer_attribute, constructor_label, error_message,
                                   resolve, start_worker)
 
 Promise = Callable[[], Any]
@@ -92,7 +92,7 @@ class RemoteAttribute:
         return f"<remote {self._type_name} {self._path!r} of {self._env.label}>"
 
 
-class ExternalProcess:
+class ExternalProcess(WorkerHandle):
     """A Gymnasium env living in a child process.
 
     Args:
@@ -135,34 +135,6 @@ class ExternalProcess:
         self._channel = Channel(_worker, cloudpickle.dumps(constructor), self.label, timeout)
 
     # -- life cycle --------------------------------------------------------
-
-    @property
-    def pid(self) -> int | None:
-        """Process id of the worker."""
-        return self._channel.pid
-
-    @property
-    def timeout(self) -> float | None:
-        """Seconds to wait for an answer (``None``: as long as the worker lives)."""
-        return self._channel.timeout
-
-    @timeout.setter
-    def timeout(self, value: float | None) -> None:
-        self._channel.timeout = value
-
-    @property
-    def closed(self) -> bool:
-        return self._channel.closed
-
-    def close(self) -> None:
-        """Stop the worker process. Safe to call more than once."""
-        self._channel.close()
-
-    def __enter__(self) -> "ExternalProcess":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"ExternalProcess({self.label!r}, pid={self.pid})"

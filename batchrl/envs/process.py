@@ -325,3 +325,38 @@ class Channel:
             error.worker_env_index = env_index
             raise error
         return kind, value
+
+
+class WorkerHandle:
+    """The parent's side of a worker process, as seen by users: its pid,
+    timeout, ``close()`` and context-manager use, over ``self._channel``."""
+
+    _channel: Channel
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the worker."""
+        return self._channel.pid
+
+    @property
+    def timeout(self) -> float | None:
+        """Seconds to wait for an answer (``None``: as long as the worker lives)."""
+        return self._channel.timeout
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        self._channel.timeout = value
+
+    @property
+    def closed(self) -> bool:
+        return self._channel.closed
+
+    def close(self) -> None:
+        """Stop the worker process. Safe to call more than once."""
+        self._channel.close()
+
+    def __enter__(self):  # noqa: ANN204 - returns the subclass
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

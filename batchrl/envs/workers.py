@@ -38,7 +38,7 @@ import gymnasium as gym
 import numpy as np
 
 from batchrl.envs.errors import EnvError, EnvTimeoutError
-from batchrl.envs.process import (Channel, Frames, answer_attribute, constructor_label, error_message,
+from batchrl.envs.process import (Channel, Frames, WorkerHandle, answer_attribute, constructor_label, error_message,
                                   resolve, start_worker)
 
 _STEP = b"S"
@@ -249,7 +249,7 @@ def _serve(conn, payload: bytes, parent_pid: int) -> None:
         conn.close()
 
 
-class EnvWorker:
+class EnvWorker(WorkerHandle):
     """A child process hosting ``len(constructors)`` Gymnasium envs.
 
     Args:
@@ -309,26 +309,9 @@ class EnvWorker:
 
     # -- life cycle --------------------------------------------------------
 
-    @property
-    def pid(self) -> int | None:
-        """Process id of the worker."""
-        return self._channel.pid
-
-    @property
-    def timeout(self) -> float | None:
-        return self._channel.timeout
-
-    @timeout.setter
-    def timeout(self, value: float | None) -> None:
-        self._channel.timeout = value
-
-    @property
-    def closed(self) -> bool:
-        return self._channel.closed
-
     def close(self) -> None:
         """Stop the worker process and free the shared block. Idempotent."""
-        self._channel.close()
+        super().close()
         if self._block is not None:
             self._block.detach()
             self._block = None
@@ -336,12 +319,6 @@ class EnvWorker:
         if self._shm is not None:
             self._shm.close()
             self._shm = None
-
-    def __enter__(self) -> "EnvWorker":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def __len__(self) -> int:
         return self.num_envs
