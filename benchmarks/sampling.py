@@ -17,6 +17,7 @@ the configs (``train.threads``).
 
     python benchmarks/sampling.py                      # 8 and 32 envs
     python benchmarks/sampling.py --envs 8 --steps 3000 --rounds 5
+    python benchmarks/sampling.py --envs 8 --workers 2 --no-share-main   # all envs in workers
 """
 
 from __future__ import annotations
@@ -67,6 +68,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000, help="batch steps per measurement")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--inference", default="script", choices=["script", "eager", "compile"])
+    parser.add_argument("--workers", type=int, default=0,
+                        help="env worker processes (0: make_batch_env's default)")
+    parser.add_argument("--no-share-main", action="store_true",
+                        help="this process only infers; all envs step in workers")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"{args.env_id}, {args.steps} batch steps per measurement, median of {args.rounds} "
@@ -74,7 +79,8 @@ def main() -> None:
     print("| envs | raw BatchEnv steps/s | simulate() steps/s | simulate / raw |")
     print("|---:|---:|---:|---:|")
     for num_envs in args.envs:
-        batch_env = make_batch_env(args.env_id, num_envs, 1000)
+        batch_env = make_batch_env(args.env_id, num_envs, 1000, workers=args.workers,
+                                   share_main=not args.no_share_main)
         try:
             env = TensorBatchEnv(batch_env)
             torch.manual_seed(0)
