@@ -44,11 +44,19 @@ class EnvConfig:
     workers: int = 0              # processes of the "workers" backend (0: one per usable core)
     share_main: bool = True       # "workers": the main process steps a share of the envs too
     normalize_ranges: bool = True  # rescale finite Box observation/action ranges to [-1, 1]
+    timeout: float = 10.0         # seconds a worker may take for a step or reset (0: no limit)
+    restart_crashed_envs: bool = False  # replace a failed worker instead of stopping the run
+    max_restarts: int = 10        # with restart_crashed_envs: restarts allowed in the run
 
     def __post_init__(self) -> None:
         _check_range(self, "num_agents", 1)
         _check_range(self, "max_length", 1)
         _check_range(self, "workers", 0)
+        _check_range(self, "timeout", 0)
+        _check_range(self, "max_restarts", 1)
+        if self.restart_crashed_envs and self.backend == "inline":
+            raise ValueError("env.restart_crashed_envs needs envs in worker processes: set "
+                             "env.backend to 'workers' or 'process', not 'inline'")
         if self.backend not in BACKENDS:
             raise ValueError(f"env.backend must be one of {', '.join(BACKENDS)}, "
                              f"got {self.backend!r}")

@@ -41,6 +41,15 @@ def _tracker(env: TensorBatchEnv) -> _Tracker:
     return tracker
 
 
+def _begin(tracker: _Tracker, algo: Algorithm, agents: torch.Tensor,
+           summary: Summary) -> None:
+    """Start new episodes for ``agents`` (``(K,)`` int64, on the env's device)."""
+    tracker.score[agents] = 0.0
+    tracker.length[agents] = 0
+    tracker.needs_reset[agents] = False
+    summary.update(algo.begin_episodes(agents))
+
+
 def episode_length(env: TensorBatchEnv) -> torch.Tensor:
     """``(N,)`` int64: steps of each agent's current episode (the full length
     right after it finished), as tracked by ``simulate``."""
@@ -55,7 +64,9 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
     call, or when ``reset`` is true, which discontinues running episodes) are
     reset and passed to ``algo.begin_episodes``. Then ``perform`` chooses the
     actions, the envs step, ``experience`` sees the transition and
-    ``end_episodes`` gets the agents that just finished.
+    ``end_episodes`` gets the agents that just finished. Agents whose env was
+    restarted after a failure (``env.restarted``) get ``begin_episodes``
+    again: their unfinished episode never reaches ``end_episodes``.
 
     Args:
       env: the batch env; its tensors live on ``env.device``, which should be
@@ -78,10 +89,9 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
     starting = tracker.needs_reset.nonzero().squeeze(1)
     if starting.numel():
         env.reset(starting)
-        tracker.score[starting] = 0.0
-        tracker.length[starting] = 0
-        tracker.needs_reset[starting] = False
-        summary.update(algo.begin_episodes(starting))
+        _begin(tracker, algo, starting, summary)
+        if env.restarted is not None:  # a failed worker restarted other envs as well
+            _begin(tracker, algo, env.restarted, summary)
 
     agents = torch.arange(len(env), device=env.device)
     observ = env.observ.clone()  # the env overwrites its buffer when it steps
@@ -95,6 +105,10 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
     tracker.length += 1
     finished = done.bool()
     tracker.needs_reset.copy_(finished)
+    if env.restarted is not None:
+        # Envs of a failed worker were replaced and are in new episodes: drop
+        # what the algorithm collected of their old ones (this step included).
+        _begin(tracker, algo, env.restarted, summary)
     ended = finished.nonzero().squeeze(1)
     score = tracker.score.clone()
     if ended.numel():

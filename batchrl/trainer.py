@@ -87,6 +87,7 @@ class Counters:
     phases: int = 0         # phases started (training and evaluation)
     train_phases: int = 0
     wall_time: float = 0.0  # seconds spent in phases, over all sessions of the run
+    env_restarts: int = 0   # failed env workers replaced (env.restart_crashed_envs)
 
 
 class Trainer:
@@ -105,6 +106,7 @@ class Trainer:
         self.device = resolve_device(config.train.device)
         self.counters = Counters()
         self.last_scores: dict[str, float | None] = {"train": None, "eval": None}
+        self._restarts_seen = 0
 
     def _phase(self, env: TensorBatchEnv, algo: BatchPPO, phase: str, episodes: int,
                bar: Any) -> dict[str, Any]:
@@ -120,9 +122,12 @@ class Trainer:
         lengths: list[float] = []
         start, steps = time.perf_counter(), 0
         reset = True
+        batch_env = env.batch_env
         while len(scores) < episodes:
             done, score, summary = simulate(env, algo, reset=reset)
             reset = False
+            if batch_env.restarts != self._restarts_seen:
+                self._report_restarts(batch_env, bar)
             steps += num_agents
             if training:
                 counters.steps += num_agents
@@ -149,6 +154,20 @@ class Trainer:
                 "wall_time": round(counters.wall_time, 3),
                 "steps_per_s": round(steps / elapsed, 1)}
 
+    def _report_restarts(self, batch_env: Any, bar: Any) -> None:
+        """Print the new restarts and log their count (``env/restarts``)."""
+        for event in batch_env.restart_events[self._restarts_seen:]:
+            self.counters.env_restarts += 1
+            message = (f"step {self.counters.steps:,}: {event} [{self.counters.env_restarts} "
+                       f"of at most {self.config.env.max_restarts} in this run]")
+            if bar is not None:
+                bar.write(message)
+            else:
+                print(message, flush=True)
+        self._restarts_seen = batch_env.restarts
+        self.log.scalars({"env/restarts": float(self.counters.env_restarts)},
+                         self.counters.steps)
+
     def _state(self, algo: BatchPPO) -> dict[str, Any]:
         return {"algorithm": algo.state_dict(), "counters": dataclasses.asdict(self.counters),
                 "rng": _rng_state(), "config": self.config.to_dict()}
@@ -166,7 +185,10 @@ class Trainer:
         batch_env = make_batch_env(config.env.id, config.env.num_agents, config.env.max_length,
                                    config.env.kwargs, config.env.backend, config.env.workers,
                                    config.env.normalize_ranges,
-                                   share_main=config.env.share_main, infos=False)
+                                   share_main=config.env.share_main, infos=False,
+                                   timeout=config.env.timeout or None,
+                                   max_restarts=(config.env.max_restarts
+                                                 if config.env.restart_crashed_envs else 0))
         self.log = None
         bar = None
         last_eval: dict[str, Any] = {}
@@ -182,6 +204,9 @@ class Trainer:
                 algo.load_state_dict(state["algorithm"])
                 self.counters = Counters(**state["counters"])
                 _set_rng_state(state["rng"])
+                if batch_env.max_restarts:  # the bound is per run, over all its sessions
+                    batch_env.max_restarts = max(
+                        0, config.env.max_restarts - self.counters.env_restarts)
             # Drop what earlier sessions logged after the checkpoint (everything when
             # they stopped before the first one): records in metrics.jsonl, and
             # TensorBoard hides their events from purge_step on.

@@ -29,7 +29,7 @@ import pytest
 from batchrl.envs import (BatchEnv, EnvAttributeError, EnvCrashedError, EnvRaisedError,
                           EnvTimeoutError, EnvWorker, ExternalProcess, InfoList,
                           RemoteAttribute, WorkerEnv)
-from batchrl.envs.factory import EnvSpecError, batch_env_from, split_evenly
+from batchrl.envs.factory import DEFAULT_TIMEOUT, EnvSpecError, batch_env_from, split_evenly
 
 # Ship this module's env classes and constructors to the workers by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -714,7 +714,7 @@ def test_factory_workers_share_main(closing):
     assert [type(w) for w in workers] == [EnvWorker, EnvWorker]
     assert [w.num_envs for w in workers] == sizes[1:]
     assert len({w.pid for w in workers}) == 2 and os.getpid() not in {w.pid for w in workers}
-    assert all(w.label == "cartpole" and w.infos and w.timeout is None for w in workers)
+    assert all(w.label == "cartpole" and w.infos and w.timeout == DEFAULT_TIMEOUT for w in workers)
     assert batch.reset(seed=0).shape == (5, 4)
     assert batch.step(np.ones(5, np.int64))[1].tolist() == [1.0] * 5
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import traceback
 from typing import Any, Callable, Sequence
 
 import gymnasium as gym
 import numpy as np
 
-from batchrl.envs.errors import EnvError
+from batchrl.envs.errors import EnvError, EnvNonFiniteError, EnvRaisedError
 from batchrl.envs.external import ExternalProcess
 from batchrl.envs.workers import EnvWorker, InfoList
 
@@ -38,16 +40,40 @@ class _LocalEnvs:
         return [(env.observation_space, env.action_space) for env in self.envs]
 
     def step(self, actions: np.ndarray, blocking: bool) -> Any:
-        results = [env.step(action) for env, action in zip(self.envs, actions)]
+        results = []
+        try:
+            for env, action in zip(self.envs, actions):
+                results.append(env.step(action))
+        except Exception as exc:
+            raise self._error(exc, "step", len(results)) from exc
         obs, rewards, terminated, truncated, infos = zip(*results)
         return (np.stack(obs), np.array(rewards, np.float64), np.array(terminated, bool),
                 np.array(truncated, bool), list(infos))
 
     def reset(self, indices: list[int], seeds: list, options: dict | None,
               blocking: bool) -> Any:
-        results = [self.envs[index].reset(seed=seed, options=options)
-                   for index, seed in zip(indices, seeds)]
+        results = []
+        for index, seed in zip(indices, seeds):
+            try:
+                results.append(self.envs[index].reset(seed=seed, options=options))
+            except Exception as exc:
+                raise self._error(exc, "reset", index) from exc
         return np.stack([obs for obs, _ in results]), [info for _, info in results]
+
+    def label(self, index: int) -> str:
+        """The name of env ``index`` in error messages."""
+        env = self.envs[index]
+        return env.spec.id if getattr(env, "spec", None) else type(env.unwrapped).__name__
+
+    def _error(self, exc: Exception, operation: str, index: int) -> EnvRaisedError:
+        """The exception of env ``index`` as the ``EnvError`` a worker would send."""
+        error = EnvRaisedError(self.label(index), operation, type(exc).__name__, str(exc),
+                               "".join(traceback.format_exception(exc)))
+        error.worker_env_index = index
+        return error
+
+    def restart(self) -> None:
+        raise RuntimeError("envs stepped in this process cannot be restarted")
 
     def handles(self) -> list:
         return list(self.envs)
@@ -88,6 +114,10 @@ class _ProcessEnv:
     def handles(self) -> list:
         return [self.env]
 
+    def restart(self) -> None:
+        """Replace the worker process by a fresh one with the same envs."""
+        self.env = self.env.restarted()
+
     def close(self) -> None:
         self.env.close()
 
@@ -115,6 +145,22 @@ class _Workers(_ProcessEnv):
         return [self.env.env(i) for i in range(self.num_envs)]
 
 
+@dataclasses.dataclass(frozen=True)
+class RestartEvent:
+    """One restart of a worker: the batch indices of its envs, the error that
+    caused it, and the run's restart count after it."""
+
+    env_indices: range
+    error: str
+    number: int
+
+    def __str__(self) -> str:
+        envs = (f"env {self.env_indices.start}" if len(self.env_indices) == 1 else
+                f"envs {self.env_indices.start}-{self.env_indices.stop - 1}")
+        reason = self.error.splitlines()[0] if self.error else "?"
+        return f"restarted {envs} (restart {self.number}) after: {reason}"
+
+
 def _as_batch(result: tuple) -> tuple:
     obs, reward, terminated, truncated, info = result
     return (np.asarray(obs)[None], np.array([reward], np.float64),
@@ -133,6 +179,10 @@ class BatchEnv:
       blocking: with ``False`` (the default) the child processes are stepped
         in parallel: every request is sent before any result is received.
         With ``True`` they are stepped one after the other.
+      max_restarts: how many times in this env's life a failed worker process
+        (an env that raised, a crash, a timeout, or a NaN/inf observation or
+        reward) is replaced by a fresh one instead of raising. 0 (the
+        default) raises every failure. In-process envs are never restarted.
 
     ``step(actions)`` returns Gymnasium's 5-tuple batched: observations of
     shape ``(N, *obs_shape)``, rewards ``(N,)`` float64, terminated and
@@ -141,10 +191,20 @@ class BatchEnv:
     automatically: reset the finished ones with ``reset(indices)`` before
     stepping them again. All modes give the same trajectories for the same
     seeds and actions.
+
+    Failures raise an ``EnvError`` naming the env's batch index (or the
+    index range of a worker process that died), what happened and the env's
+    label. Observations and rewards that are NaN or infinite raise
+    ``EnvNonFiniteError`` with the env and its step in the episode. With
+    ``max_restarts``, the worker of a failed env is replaced instead and all
+    its envs start new episodes (unseeded): ``step`` returns their first
+    observations with zero rewards and false flags, and ``restarted`` lists
+    them, so that the caller can discard their unfinished episodes.
+    ``restart_events`` records every restart.
     """
 
     def __init__(self, envs: Sequence[gym.Env | ExternalProcess | EnvWorker],
-                 blocking: bool = False):
+                 blocking: bool = False, max_restarts: int = 0):
         members: list[Any] = []
         for env in envs:
             if isinstance(env, EnvWorker):
@@ -184,6 +244,17 @@ class BatchEnv:
                         f"{index} has {got} while env 0 has {expected}")
         self.observation_space: gym.Space = observation_space
         self.action_space: gym.Space = action_space
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        self.max_restarts = max_restarts
+        self.restart_events: list[RestartEvent] = []
+        self._check_finite = observation_space.dtype.kind == "f"
+        # Steps of each env's running episode, to say where a NaN appeared.
+        self._episode_steps = np.zeros(self._num_envs, np.int64)
+        self._all = np.arange(self._num_envs)
+        self._no_restarts = (np.zeros(0, np.int64),
+                             np.zeros((0, *observation_space.shape), observation_space.dtype))
+        self._restarted = self._no_restarts
 
     def __len__(self) -> int:
         return self._num_envs
@@ -208,6 +279,19 @@ class BatchEnv:
         """The child processes: ``ExternalProcess`` and ``EnvWorker`` members."""
         return [member.env for member in self._members if member.parallel]
 
+    @property
+    def restarts(self) -> int:
+        """Worker restarts so far (at most ``max_restarts``)."""
+        return len(self.restart_events)
+
+    @property
+    def restarted(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(indices, observations)`` of the envs restarted by the last
+        ``step`` or ``reset``: int64 ``(K,)`` and ``(K, *obs_shape)``. A
+        restarted env is in a new episode; after ``reset`` it may be one that
+        was not asked for (all envs of a failed worker restart together)."""
+        return self._restarted
+
     def _locate(self, exc: EnvError, position: int) -> None:
         """Set the batch index (or range) of the env(s) behind ``exc``."""
         start, count = self._starts[position], self._members[position].num_envs
@@ -217,16 +301,18 @@ class BatchEnv:
         else:
             exc.env_indices = range(start, start + count)
 
-    def _gather(self, positions: Sequence[int],
-                call: Callable[[int, Any, bool], Any]) -> list[Any]:
+    def _gather(self, positions: Sequence[int], call: Callable[[int, Any, bool], Any],
+                recover: Callable[[int, np.ndarray], Any]) -> list[Any]:
         """Run ``call(position, member, blocking)`` on the members at
         ``positions``; parallel members first get all requests, then all
         answers are received. Every answer is received even when one member
-        fails, so no stale reply is left in a pipe; the first failure is
-        raised with its env index."""
+        fails, so no stale reply is left in a pipe. A failed member is
+        restarted when restarts are left, and its result is then
+        ``recover(position, observ)`` with the fresh envs' first observations;
+        otherwise the first failure is raised with its env index."""
         results: list[Any] = [None] * len(positions)
         promises: list[tuple[int, int, Callable[[], Any]]] = []
-        error: EnvError | None = None
+        failures: list[tuple[int, int, EnvError]] = []
         # Requests to child processes go out first, so that they work while
         # this process steps its own envs (if any) and waits.
         order = sorted(range(len(positions)), key=lambda slot: not self._parallel[positions[slot]])
@@ -239,17 +325,69 @@ class BatchEnv:
                 else:
                     results[slot] = call(position, member, True)
             except EnvError as exc:
-                self._locate(exc, position)
-                error = error or exc
+                failures.append((slot, position, exc))
         for slot, position, promise in reversed(promises):
             try:
                 results[slot] = promise()
             except EnvError as exc:
-                self._locate(exc, position)
-                error = error or exc
-        if error is not None:
-            raise error
+                failures.append((slot, position, exc))
+        for slot, position, exc in failures:
+            self._locate(exc, position)
+        for slot, position, exc in failures:
+            results[slot] = recover(position, self._restart(position, exc))
         return results
+
+    def _restart(self, position: int, exc: EnvError) -> np.ndarray:
+        """Replace the failed member at ``position`` and reset all its envs;
+        returns their observations. Raises ``exc`` when that is not allowed."""
+        member = self._members[position]
+        if not member.parallel or self.restarts >= self.max_restarts:
+            if self.max_restarts and member.parallel:
+                exc.detail += (f"\n(not restarted: this run used all its "
+                               f"max_restarts={self.max_restarts} restarts)")
+            raise exc
+        count = member.num_envs
+        start = self._starts[position]
+        indices = range(start, start + count)
+        while True:
+            member.restart()
+            self.restart_events.append(RestartEvent(indices, str(exc), self.restarts + 1))
+            try:
+                observ, _ = member.reset(list(range(count)), [None] * count, None, True)
+                self._episode_steps[start:start + count] = 0
+                self._check_observ(observ, np.arange(start, start + count), "reset")
+            except EnvError as again:  # the fresh worker failed too: counts as another
+                self._locate(again, position)
+                if self.restarts >= self.max_restarts:
+                    again.detail += (f"\n(not restarted: this run used all its "
+                                     f"max_restarts={self.max_restarts} restarts)")
+                    raise again from exc
+                exc = again
+                continue
+            rows, old = self._restarted
+            self._restarted = (np.concatenate([rows, np.arange(start, start + count)]),
+                               np.concatenate([old, observ]))
+            return observ
+
+    def _check_observ(self, observ: np.ndarray, indices: np.ndarray, operation: str,
+                      rewards: np.ndarray | None = None) -> None:
+        """Raise ``EnvNonFiniteError`` for the first env (row ``i`` is batch
+        env ``indices[i]``) with a NaN or infinite observation or reward."""
+        if self._check_finite and not np.isfinite(observ).all():
+            what, row = "observation", int(np.flatnonzero(
+                ~np.isfinite(observ.reshape(len(observ), -1)).all(axis=1))[0])
+        elif rewards is not None and not np.isfinite(rewards).all():
+            what, row = "reward", int(np.flatnonzero(~np.isfinite(rewards))[0])
+        else:
+            return
+        index = int(indices[row])
+        position = int(self._member_of[index])
+        member = self._members[position]
+        label = (member.env.label if member.parallel
+                 else member.label(int(self._local_of[index])))
+        error = EnvNonFiniteError(label, operation, what, int(self._episode_steps[index]))
+        error.env_index = index
+        raise error
 
     def _check_actions(self, actions: Any) -> np.ndarray:
         space = self.action_space
@@ -295,13 +433,43 @@ class BatchEnv:
         """
         actions = self._check_actions(actions)
         starts = self._starts
+        self._restarted = self._no_restarts
+        self._episode_steps += 1  # before the step: a restart sets its envs' counts to 0
         results = self._gather(
             range(len(self._members)),
             lambda position, member, blocking: member.step(
-                actions[starts[position]:starts[position] + member.num_envs], blocking))
+                actions[starts[position]:starts[position] + member.num_envs], blocking),
+            self._fresh_step)
+        batch = self._join(results)
+        try:
+            self._check_observ(batch[0], self._all, "step", batch[1])
+        except EnvNonFiniteError:
+            # Rare: find every member with bad values, restart it (or raise).
+            batch = self._join([self._replace_non_finite(position, result)
+                                for position, result in enumerate(results)])
+        return batch
+
+    @staticmethod
+    def _join(results: Sequence[tuple]) -> tuple:
         obs, rewards, terminated, truncated, infos = zip(*results)
         return (np.concatenate(obs), np.concatenate(rewards), np.concatenate(terminated),
                 np.concatenate(truncated), InfoList.join(infos))
+
+    @staticmethod
+    def _fresh_step(position: int, observ: np.ndarray) -> tuple:
+        """The step result of envs that were restarted instead of stepped."""
+        count = len(observ)
+        return (observ, np.zeros(count), np.zeros(count, bool), np.zeros(count, bool),
+                [{} for _ in range(count)])
+
+    def _replace_non_finite(self, position: int, result: tuple) -> tuple:
+        start = self._starts[position]
+        try:
+            self._check_observ(result[0], np.arange(start, start + len(result[0])), "step",
+                               result[1])
+        except EnvNonFiniteError as exc:
+            return self._fresh_step(position, self._restart(position, exc))
+        return result
 
     def reset(self, indices: Sequence[int] | np.ndarray | None = None,
               seed: int | Sequence[int] | None = None,
@@ -339,11 +507,29 @@ class BatchEnv:
             local.append(int(self._local_of[index]))
             local_seeds.append(seeds[slot])
         positions = list(groups)
+        self._restarted = self._no_restarts
+        # A restarted member's envs were all reset: keep the rows asked for.
         results = self._gather(
             positions, lambda position, member, blocking: member.reset(
-                groups[position][1], groups[position][2], options, blocking))
+                groups[position][1], groups[position][2], options, blocking),
+            lambda position, observ: (observ[groups[position][1]], None))
+        observ = self._place(positions, groups, results, len(indices))
+        self._episode_steps[indices] = 0
+        rows = np.asarray(indices)
+        while True:
+            try:
+                self._check_observ(observ, rows, "reset")
+                return observ
+            except EnvNonFiniteError as exc:
+                position = int(self._member_of[exc.env_index])
+                fresh = self._restart(position, exc)
+                observ[groups[position][0]] = fresh[groups[position][1]]
+
+    @staticmethod
+    def _place(positions: list[int], groups: dict, results: list, count: int) -> np.ndarray:
+        """The members' reset observations in the order the envs were asked for."""
         first = results[0][0]
-        observ = np.empty((len(indices), *first.shape[1:]), first.dtype)
+        observ = np.empty((count, *first.shape[1:]), first.dtype)
         for position, (obs, _) in zip(positions, results):
             observ[groups[position][0]] = obs
         return observ

@@ -84,3 +84,21 @@ class EnvCrashedError(EnvError):
 
 class EnvTimeoutError(EnvError):
     """The worker did not answer within the configured timeout."""
+
+
+class EnvNonFiniteError(EnvError):
+    """An env returned a NaN or infinite observation or reward.
+
+    ``episode_step`` is the env's step within its episode (1 for the first
+    ``step`` after a reset, 0 for ``reset`` itself) and ``what`` is
+    ``"observation"`` or ``"reward"``.
+    """
+
+    def __init__(self, label: str, operation: str, what: str, episode_step: int):
+        where = (f"at step {episode_step} of its episode" if episode_step
+                 else "as its first observation")
+        super().__init__(label, operation,
+                         f"returned a NaN or infinite {what} {where}; batchrl never "
+                         f"trains on non-finite data")
+        self.what = what
+        self.episode_step = episode_step

@@ -105,6 +105,8 @@ class ExternalProcess(WorkerHandle):
         ``EnvTimeoutError``; ``None`` waits as long as the worker is alive.
         The late answer to a request that timed out is dropped when it comes;
         a timed-out construction is waited for again on the next request.
+      construct_timeout: the limit for building the env instead (``None``:
+        ``timeout``).
 
     ``step``/``reset`` behave like the env's own. With ``blocking=False`` they
     return a promise: call it to receive the result. Only one request may be
@@ -120,7 +122,7 @@ class ExternalProcess(WorkerHandle):
     """
 
     def __init__(self, constructor: Callable[[], gym.Env] | str, label: str | None = None,
-                 timeout: float | None = None):
+                 timeout: float | None = None, construct_timeout: float | None = None):
         if isinstance(constructor, str):
             env_id = constructor
             constructor = lambda: gym.make(env_id)  # noqa: E731
@@ -132,9 +134,18 @@ class ExternalProcess(WorkerHandle):
         self._spaces: tuple[gym.Space, gym.Space] | None = None
         self._spec_id: str | None = None
         self._construct_error: EnvError | None = None
-        self._channel = Channel(_worker, cloudpickle.dumps(constructor), self.label, timeout)
+        self._constructor = constructor
+        self._channel = Channel(_worker, cloudpickle.dumps(constructor), self.label, timeout,
+                                construct_timeout)
 
     # -- life cycle --------------------------------------------------------
+
+    def restarted(self) -> "ExternalProcess":
+        """Close this process (killing it if it hangs) and return a fresh
+        ``ExternalProcess`` with the same constructor, label and timeout."""
+        self._discard()
+        return ExternalProcess(self._constructor, self.label, self.timeout,
+                               self._channel.construct_timeout)
 
     def __repr__(self) -> str:
         return f"ExternalProcess({self.label!r}, pid={self.pid})"

@@ -51,6 +51,12 @@ def resolve_constructor(env_id: str, kwargs: dict[str, Any] | None = None
 
 
 BACKENDS = ("workers", "process", "inline")
+# Seconds a worker may take to answer a step or reset: far above any real
+# env's step (MuJoCo's take microseconds), low enough that a hung env is
+# reported within seconds. Building envs (imports, model compilation) takes
+# longer, more so when many workers start at once on few cores.
+DEFAULT_TIMEOUT = 10.0
+CONSTRUCT_TIMEOUT = 120.0
 
 
 def split_evenly(num_envs: int, parts: int) -> list[int]:
@@ -64,7 +70,8 @@ def split_evenly(num_envs: int, parts: int) -> list[int]:
 def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
                    backend: str = "workers", workers: int = 0, share_main: bool = True,
                    pin_workers: bool = True, infos: bool = True,
-                   timeout: float | None = None, label: str | None = None) -> BatchEnv:
+                   timeout: float | None = DEFAULT_TIMEOUT, max_restarts: int = 0,
+                   label: str | None = None) -> BatchEnv:
     """``num_envs`` envs built by ``constructor``, as one ``BatchEnv``.
 
     Args:
@@ -77,18 +84,27 @@ def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
       share_main: with ``"workers"``, this process steps an equal share of
         the envs itself while the workers step theirs, instead of sleeping;
         on small machines that is worth 15-20% of the step rate. Its envs are
-        not isolated: a crash in their native code ends this process.
+        not isolated: a crash in their native code ends this process, so
+        with ``max_restarts`` this process steps no envs.
       pin_workers: pin each worker process to its own usable core (Linux).
       infos: ship the step infos from ``"workers"`` processes (else empty dicts).
-      timeout: seconds a child process may take to answer before
-        ``EnvTimeoutError`` (``None``: no limit).
+      timeout: seconds a child process may take to answer a step or reset
+        before ``EnvTimeoutError`` (``None``: no limit).
+      max_restarts: replace a failed worker process up to this many times in
+        the batch env's life (``BatchEnv``'s ``max_restarts``); needs
+        ``"workers"`` or ``"process"``.
       label: names the envs in error messages.
     """
     if backend not in BACKENDS:
         raise EnvSpecError(f"unknown env backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if workers < 0:
         raise EnvSpecError(f"workers must be >= 0 (0: one per usable core), got {workers}")
+    if max_restarts and backend == "inline":
+        raise EnvSpecError("restarting crashed envs needs envs in worker processes: use "
+                           "backend 'workers' or 'process', not 'inline'")
+    share_main = share_main and not max_restarts
     members: list[Any] = []
+    construct_timeout = None if timeout is None else max(timeout, CONSTRUCT_TIMEOUT)
     try:
         if backend == "workers":
             cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -100,13 +116,15 @@ def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
                 # Leave the first core to this process when it steps envs too.
                 cpu = cores[(index + share_main) % len(cores)] if pin_workers and cores else None
                 members.append(EnvWorker([constructor] * size, label=label, timeout=timeout,
-                                         infos=infos, cpu=cpu))
+                                         infos=infos, cpu=cpu,
+                                         construct_timeout=construct_timeout))
         elif backend == "process":
-            members = [ExternalProcess(constructor, label=label, timeout=timeout)
+            members = [ExternalProcess(constructor, label=label, timeout=timeout,
+                                       construct_timeout=construct_timeout)
                        for _ in range(num_envs)]
         else:
             members = [constructor() for _ in range(num_envs)]
-        return BatchEnv(members)
+        return BatchEnv(members, max_restarts=max_restarts)
     except BaseException:
         for member in members:
             member.close()
@@ -122,7 +140,7 @@ def make_batch_env(env_id: str, num_envs: int, max_length: int | None = None,
     Wrappers: ``wrap_env`` (time limit ``max_length``, range normalisation
     when ``normalize_ranges``, action clipping, 32-bit floats). ``backend``,
     ``workers`` and ``options`` (``share_main``, ``pin_workers``, ``infos``,
-    ``timeout``) are ``batch_env_from``'s.
+    ``timeout``, ``max_restarts``) are ``batch_env_from``'s.
     """
     raw = resolve_constructor(env_id, kwargs)
 

@@ -228,15 +228,18 @@ class Channel:
         ``EnvTimeoutError``; ``None`` waits as long as the worker is alive.
         The late answer to a request that timed out is dropped when it comes;
         a timed-out construction is waited for again on the next request.
+      construct_timeout: the limit for the construction instead (building
+        envs can take much longer than a step); ``None``: ``timeout``.
 
     The child's first message answers the pending ``"construct"`` request.
     Only one request may be in flight at a time.
     """
 
     def __init__(self, target: Callable, payload: bytes, label: str,
-                 timeout: float | None = None):
+                 timeout: float | None = None, construct_timeout: float | None = None):
         self.label = label
         self.timeout = timeout
+        self.construct_timeout = construct_timeout
         self.pending: str | None = None
         self._stale = 0  # answers still due to requests that timed out
         self.closed = False
@@ -259,12 +262,17 @@ class Channel:
     def pid(self) -> int | None:
         return self._pid
 
-    def close(self) -> None:
-        """Stop the worker process. Safe to call more than once."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker process. Safe to call more than once. With
+        ``wait=False`` it is terminated at once instead of asked to close
+        (for a worker that failed, which may hang)."""
         if self.closed:
             return
         self.closed = True
-        self._finalizer()
+        if wait:
+            self._finalizer()
+        elif self._finalizer.detach() is not None:
+            _shutdown(self.process, self.conn, 0.0)
 
     def send(self, command: str, message: bytes) -> None:
         """Send a request (already pickled, or raw bytes the worker understands)."""
@@ -303,7 +311,10 @@ class Channel:
             while not self._poller.poll(_POLL_SECONDS * 1000):
                 if not self.process.is_alive():
                     raise self.crashed(operation)
-                if self.timeout is not None and time.monotonic() - start > self.timeout:
+                limit = self.timeout
+                if operation == "construct" and self.construct_timeout is not None:
+                    limit = self.construct_timeout
+                if limit is not None and time.monotonic() - start > limit:
                     if operation != "construct":  # construct stays pending: wait again later
                         # The worker still answers this request when it is done; that
                         # late answer must be dropped, not handed to the next request.
@@ -311,7 +322,7 @@ class Channel:
                         self._stale += 1
                     raise EnvTimeoutError(
                         self.label, operation,
-                        f"no answer from the env worker (pid {self.pid}) within {self.timeout} s")
+                        f"no answer from the env worker (pid {self.pid}) within {limit} s")
             try:
                 frames.fill()
             except (EOFError, ConnectionError, OSError):
@@ -354,6 +365,10 @@ class WorkerHandle:
     def close(self) -> None:
         """Stop the worker process. Safe to call more than once."""
         self._channel.close()
+
+    def _discard(self) -> None:
+        """Close after a failure: terminate the process without waiting."""
+        self._channel.close(wait=False)
 
     def __enter__(self):  # noqa: ANN204 - returns the subclass
         return self

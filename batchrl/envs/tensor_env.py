@@ -30,6 +30,11 @@ class TensorBatchEnv:
         terminal state; ``done - terminated`` marks truncations.
       infos: the info dicts of the last ``step`` (a sequence, on the host;
         ``reset`` leaves it alone).
+      restarted: ``None``, or the ``(K,)`` int64 indices of the envs whose
+        worker the last ``step`` or ``reset`` restarted after a failure (see
+        ``BatchEnv``'s ``max_restarts``): they are in new episodes, their
+        ``observ`` rows hold the first observations, and what an algorithm
+        collected of their old episodes should be discarded.
 
     ``step`` and ``reset`` update these buffers in place and return them (or
     the reset rows); a caller that needs a value after the next step must
@@ -58,6 +63,7 @@ class TensorBatchEnv:
         self.done, self._host_done = buffers((n,), torch.float32)
         self.terminated, self._host_terminated = buffers((n,), torch.float32)
         self.infos: Sequence[dict] = [{} for _ in range(n)]
+        self.restarted: torch.Tensor | None = None
         # The host buffers may only be rewritten once the last upload finished.
         self._uploaded = torch.cuda.Event() if cuda else None
 
@@ -109,6 +115,7 @@ class TensorBatchEnv:
         self._host_terminated.copy_(torch.from_numpy(terminated))
         self._host_done.copy_(torch.from_numpy(terminated | truncated))
         self.infos = infos
+        self._note_restarts()
         self._upload([(self.observ, self._host_observ), (self.reward, self._host_reward),
                       (self.done, self._host_done),
                       (self.terminated, self._host_terminated)])
@@ -138,13 +145,29 @@ class TensorBatchEnv:
             return self.observ[:0]
         self._host_ready()
         host_rows = torch.from_numpy(rows)
-        self._host_observ[host_rows] = torch.from_numpy(np.asarray(obs)).to(torch.float32)
-        for host in (self._host_reward, self._host_done, self._host_terminated):
-            host[host_rows] = 0.0
+        self._set_rows(host_rows, obs)
+        self._note_restarts()
         self._upload([(self.observ, self._host_observ), (self.reward, self._host_reward),
                       (self.done, self._host_done),
                       (self.terminated, self._host_terminated)])
         return self.observ[host_rows.to(self.device)]
+
+    def _set_rows(self, host_rows: torch.Tensor, obs: np.ndarray) -> None:
+        """Fresh episodes in these rows: observations set, the rest zeroed."""
+        self._host_observ[host_rows] = torch.from_numpy(np.asarray(obs)).to(torch.float32)
+        for host in (self._host_reward, self._host_done, self._host_terminated):
+            host[host_rows] = 0.0
+
+    def _note_restarts(self) -> None:
+        """Take over the envs that the batch env restarted in its last call
+        (before the upload of the host buffers)."""
+        rows, obs = self.batch_env.restarted
+        if not len(rows):
+            self.restarted = None
+            return
+        host_rows = torch.from_numpy(rows)
+        self._set_rows(host_rows, obs)  # after reset(): also rows not asked for
+        self.restarted = host_rows.to(self.device)
 
     def close(self) -> None:
         """Close the underlying batch env."""

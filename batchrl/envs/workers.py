@@ -264,6 +264,8 @@ class EnvWorker(WorkerHandle):
       infos: send the info dicts of ``step`` and ``reset`` to the parent;
         with ``False`` they are empty dicts (pickling MuJoCo's infos costs
         about 5 µs per env step).
+      construct_timeout: the limit for building the envs instead of
+        ``timeout`` (``None``: ``timeout``).
       cpu: pin the worker to this core (Linux). With one worker per core
         this keeps the scheduler from stacking two busy workers on one core
         for a whole step, which costs up to 20% of the step rate on small
@@ -285,7 +287,8 @@ class EnvWorker(WorkerHandle):
 
     def __init__(self, constructors: Sequence[Callable[[], gym.Env] | str],
                  label: str | None = None, timeout: float | None = None,
-                 prefetch_reset: bool = True, infos: bool = True, cpu: int | None = None):
+                 prefetch_reset: bool = True, infos: bool = True, cpu: int | None = None,
+                 construct_timeout: float | None = None):
         constructors = list(constructors)
         if not constructors:
             raise ValueError("EnvWorker needs at least one env constructor")
@@ -298,8 +301,10 @@ class EnvWorker(WorkerHandle):
         self.prefetch_reset = prefetch_reset
         calls = [_make_by_id(c) if isinstance(c, str) else c for c in constructors]
         self.infos = infos
+        self._options = (constructors, self.label, prefetch_reset, infos, cpu,
+                         construct_timeout)
         self._channel = Channel(_serve, cloudpickle.dumps((calls, prefetch_reset, infos, cpu)),
-                                self.label, timeout)
+                                self.label, timeout, construct_timeout)
         self._spaces: tuple[gym.Space, gym.Space] | None = None
         self._construct_error: EnvError | None = None
         self._shm: shared_memory.SharedMemory | None = None
@@ -319,6 +324,15 @@ class EnvWorker(WorkerHandle):
         if self._shm is not None:
             self._shm.close()
             self._shm = None
+
+    def restarted(self) -> "EnvWorker":
+        """Close this worker (killing it if it hangs) and return a fresh
+        ``EnvWorker`` with the same constructors and options."""
+        self._discard()
+        self.close()  # frees the shared block
+        constructors, label, prefetch_reset, infos, cpu, construct_timeout = self._options
+        return EnvWorker(constructors, label, self.timeout, prefetch_reset, infos, cpu,
+                         construct_timeout)
 
     def __len__(self) -> int:
         return self.num_envs

@@ -1,0 +1,122 @@
+"""A deliberately faulty env, to test how a run survives env failures.
+
+``FaultyEnv`` wraps any Gymnasium env and, on a chosen step or at random,
+raises, aborts the process, segfaults, exits, hangs, or returns a NaN
+observation or an infinite reward. The test suite and
+``benchmarks/soak.py`` use it; users can point a config at it to check their
+own set-up (``env.id = "batchrl.envs.faults:make"``, see ``make``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import gymnasium as gym
+import numpy as np
+
+FAULTS = ("raise", "abort", "segfault", "exit", "hang", "nan_observ", "inf_reward")
+
+
+class FaultyEnv(gym.Wrapper):
+    """Injects one of ``FAULTS`` into ``step`` (or ``reset``).
+
+    Args:
+      env: the env to wrap.
+      fault: what to do, one of ``FAULTS``; with ``every`` a sequence of them,
+        one drawn at random each time.
+      at_step: inject in this ``step`` call, counted over the wrapper's
+        lifetime (1-based; resets do not restart the count).
+      every: instead of ``at_step``, inject at random with probability
+        ``1 / every`` per step (``seed`` seeds the draw; ``None`` mixes in the
+        process id, so a restarted worker draws a different schedule).
+      in_reset: inject in the ``at_step``-th ``reset`` call instead.
+      once_file: inject only if this file can be created (it did not exist):
+        a fault that fires once among all envs sharing the path, and that a
+        restarted env does not repeat.
+      hang_seconds: how long ``"hang"`` sleeps.
+    """
+
+    def __init__(self, env: gym.Env, fault: str | Sequence[str] = "raise",
+                 at_step: int | None = None, every: int | None = None,
+                 in_reset: bool = False, once_file: str | None = None,
+                 seed: int | None = None, hang_seconds: float = 3600.0):
+        super().__init__(env)
+        faults = [fault] if isinstance(fault, str) else list(fault)
+        unknown = [name for name in faults if name not in FAULTS]
+        if unknown or not faults:
+            raise ValueError(f"unknown fault {unknown or fault!r}; valid: {', '.join(FAULTS)}")
+        if (at_step is None) == (every is None):
+            raise ValueError("give exactly one of at_step (a step number) and every "
+                             "(a mean interval in steps)")
+        self.faults = faults
+        self.at_step = at_step
+        self.every = every
+        self.in_reset = in_reset
+        self.once_file = Path(once_file) if once_file else None
+        self.hang_seconds = hang_seconds
+        self.rng = np.random.default_rng(seed if seed is not None else [os.getpid(), time.time_ns()])
+        self.steps = 0
+        self.resets = 0
+
+    def _due(self, count: int) -> str | None:
+        if self.every is not None:
+            due = self.rng.random() < 1.0 / self.every
+        else:
+            due = count == self.at_step
+        if not due:
+            return None
+        if self.once_file is not None:
+            try:  # atomic: of several envs due at once, only one fires
+                os.close(os.open(self.once_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return None
+        return self.faults[int(self.rng.integers(len(self.faults)))]
+
+    def _inject(self, fault: str, where: str) -> None:
+        if fault == "raise":
+            raise RuntimeError(f"injected fault in {where}")
+        if fault == "abort":
+            os.abort()
+        if fault == "segfault":
+            ctypes.string_at(0)  # reads address 0: SIGSEGV, as a bug in native code would
+        if fault == "exit":
+            os._exit(3)
+        if fault == "hang":
+            time.sleep(self.hang_seconds)
+
+    def step(self, action: Any) -> tuple:
+        self.steps += 1
+        fault = None if self.in_reset else self._due(self.steps)
+        if fault is not None:
+            self._inject(fault, f"step {self.steps}")
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        if fault == "nan_observ":
+            obs = np.full_like(obs, np.nan)
+        elif fault == "inf_reward":
+            reward = float("inf")
+        return obs, reward, terminated, truncated, info
+
+    def reset(self, **kwargs: Any) -> tuple:
+        self.resets += 1
+        fault = self._due(self.resets) if self.in_reset else None
+        if fault is not None:
+            self._inject(fault, f"reset {self.resets}")
+        obs, info = self.env.reset(**kwargs)
+        if fault == "nan_observ":
+            obs = np.full_like(obs, np.nan)
+        return obs, info
+
+
+def make(env_id: str = "CartPole-v1", fault: str | Sequence[str] = "raise",
+         at_step: int | None = None, every: int | None = None, in_reset: bool = False,
+         once_file: str | None = None, seed: int | None = None,
+         hang_seconds: float = 3600.0, **kwargs: Any) -> FaultyEnv:
+    """``gymnasium.make(env_id, **kwargs)`` wrapped in ``FaultyEnv``; usable as
+    a config's env: ``env.id = "batchrl.envs.faults:make"`` with
+    ``env.kwargs = {env_id = "Pendulum-v1", fault = "abort", at_step = 500}``."""
+    return FaultyEnv(gym.make(env_id, **kwargs), fault, at_step, every, in_reset,
+                     once_file, seed, hang_seconds)

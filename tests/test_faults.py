@@ -1,0 +1,294 @@
+"""Env faults: clear errors, NaN/inf detection and restarts of failed workers.
+
+Every fault is real: ``FaultyEnv`` raises, aborts, segfaults, exits or hangs
+inside a real worker process, or returns NaN/inf values.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from batchrl.algos.base import Algorithm
+from batchrl.config import load_config
+from batchrl.envs.batch import BatchEnv
+from batchrl.envs.errors import (EnvCrashedError, EnvError, EnvNonFiniteError,
+                                 EnvRaisedError, EnvTimeoutError)
+from batchrl.envs.external import ExternalProcess
+from batchrl.envs.factory import EnvSpecError, batch_env_from
+from batchrl.envs.faults import FaultyEnv, make
+from batchrl.envs.tensor_env import TensorBatchEnv
+from batchrl.envs.workers import EnvWorker
+from batchrl.simulate import simulate
+from batchrl.trainer import Trainer
+
+ZEROS = np.zeros(4, np.int64)
+
+
+class CountingEnv(gym.Env):
+    """Observation and reward: the steps since the last reset. Never ends
+    by itself; ``length`` truncates episodes."""
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, length: int = 1000):
+        self.length = length
+        self.count = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.count = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.count += 1
+        return (np.array([self.count], np.float32), float(self.count), False,
+                self.count >= self.length, {})
+
+
+def faulty_counting(fault: str, at_step: int, length: int = 1000, **kwargs) -> FaultyEnv:
+    return FaultyEnv(CountingEnv(length), fault, at_step=at_step, **kwargs)
+
+
+def cartpole(fault: str, at_step: int, **kwargs):
+    return functools.partial(make, "CartPole-v1", fault=fault, at_step=at_step, **kwargs)
+
+
+def step_until_error(batch: BatchEnv, steps: int) -> EnvError:
+    with pytest.raises(EnvError) as info:
+        for _ in range(steps):
+            batch.step(np.zeros(len(batch), np.int64))
+    return info.value
+
+
+@pytest.fixture
+def closing():
+    envs = []
+
+    def register(env):
+        envs.append(env)
+        return env
+
+    yield register
+    for env in envs:
+        env.close()
+
+
+# -- errors without restarts ---------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["workers", "process"])
+@pytest.mark.parametrize("fault, error_type, detail", [
+    ("raise", EnvRaisedError, "RuntimeError: injected fault in step 3"),
+    ("abort", EnvCrashedError, "killed by signal SIGABRT"),
+    ("segfault", EnvCrashedError, "killed by signal SIGSEGV"),
+    ("exit", EnvCrashedError, "exited with code 3"),
+    ("hang", EnvTimeoutError, "no answer from the env worker"),
+])
+def test_a_fault_is_a_clear_error_within_seconds(closing, backend, fault, error_type, detail):
+    # Only env 2 is faulty; every env is in a worker (no share in this process).
+    constructors = [functools.partial(faulty_counting, fault, 3 if i == 2 else 10**9)
+                    for i in range(4)]
+    if backend == "workers":
+        members = [EnvWorker(group, label="counting", timeout=1.0, construct_timeout=60)
+                   for group in (constructors[:2], constructors[2:])]
+    else:
+        members = [ExternalProcess(c, label="counting", timeout=1.0, construct_timeout=60)
+                   for c in constructors]
+    batch = closing(BatchEnv(members))
+    batch.reset(seed=0)
+    start = time.monotonic()
+    error = step_until_error(batch, 5)
+    assert time.monotonic() - start < 8
+    assert isinstance(error, error_type)
+    text = str(error)
+    assert "counting" in text and "failed in step()" in text and detail in text
+    if fault == "raise":
+        assert error.env_index == 2 and "Traceback in the env worker" in text
+        assert "faults.py" in error.remote_traceback  # where it was raised
+    elif backend == "process":
+        assert error.env_index == 2
+    else:  # the whole worker hosting envs 2 and 3 died or hangs
+        assert error.env_indices == range(2, 4) and text.startswith("envs 2-3 (counting")
+
+
+def test_an_env_stepped_in_this_process_names_itself(closing):
+    batch = closing(BatchEnv([CountingEnv(), FaultyEnv(CountingEnv(), "raise", at_step=2)]))
+    batch.reset(seed=0)
+    error = step_until_error(batch, 3)
+    assert isinstance(error, EnvRaisedError) and error.env_index == 1
+    assert "RuntimeError: injected fault in step 2" in str(error)
+    assert "CountingEnv" in str(error)  # no spec: the env's class names it
+
+
+def test_the_factory_label_names_the_constructor(closing):
+    batch = closing(batch_env_from(cartpole("raise", 2), 2, workers=1, share_main=False,
+                                   label="batchrl.envs.faults:make"))
+    batch.reset(seed=0)
+    error = step_until_error(batch, 3)
+    assert "batchrl.envs.faults:make" in str(error)
+
+
+@pytest.mark.parametrize("fault, what", [("nan_observ", "observation"),
+                                         ("inf_reward", "reward")])
+def test_non_finite_values_name_the_env_and_its_step(closing, fault, what):
+    constructors = [functools.partial(faulty_counting, fault, 4 if i == 1 else 10**9)
+                    for i in range(3)]
+    batch = closing(BatchEnv([CountingEnv(), EnvWorker(constructors, label="counting")]))
+    batch.reset(seed=0)
+    batch.step(np.zeros(4, np.int64))
+    batch.reset([2])  # env 2's episode restarts: its 4th step is the episode's 3rd
+    error = step_until_error(batch, 5)
+    assert isinstance(error, EnvNonFiniteError)
+    assert error.env_index == 2  # env 1 of the worker is env 2 of the batch
+    assert error.episode_step == 3 and error.what == what
+    assert str(error).startswith(f"env 2 (counting) failed in step(): returned a NaN or "
+                                 f"infinite {what} at step 3 of its episode")
+
+
+def test_a_non_finite_first_observation_is_an_error(closing):
+    batch = closing(BatchEnv([FaultyEnv(CountingEnv(), "nan_observ", at_step=2,
+                                        in_reset=True)]))
+    batch.reset(seed=0)
+    with pytest.raises(EnvNonFiniteError, match="as its first observation"):
+        batch.reset([0])
+
+
+# -- restarts ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("fault", ["raise", "abort", "hang", "nan_observ"])
+def test_a_failed_worker_is_restarted(closing, gone, fault):
+    constructors = [functools.partial(faulty_counting, fault, 3 if i == 2 else 10**9)
+                    for i in range(4)]
+    workers = [EnvWorker(group, label="counting", timeout=1.0, construct_timeout=60)
+               for group in (constructors[:2], constructors[2:])]
+    batch = closing(BatchEnv(workers, max_restarts=1))
+    batch.reset(seed=0)
+    old_pid = batch.workers[1].pid
+    for _ in range(2):
+        observ, reward, *_ = batch.step(ZEROS)
+        assert len(batch.restarted[0]) == 0
+    observ, reward, terminated, truncated, infos = batch.step(ZEROS)
+    # Envs 2 and 3 shared the failed worker: both start new episodes.
+    rows, fresh = batch.restarted
+    assert rows.tolist() == [2, 3] and fresh.tolist() == [[0.0], [0.0]]
+    assert observ[:, 0].tolist() == [3.0, 3.0, 0.0, 0.0]
+    assert reward.tolist() == [3.0, 3.0, 0.0, 0.0]
+    assert not terminated.any() and not truncated.any() and list(infos) == [{}] * 4
+    assert batch.restarts == 1 and batch.restart_events[0].env_indices == range(2, 4)
+    assert "restarted envs 2-3 (restart 1) after: " in str(batch.restart_events[0])
+    assert batch.workers[1].pid != old_pid and not gone([old_pid], 5)
+    observ, *_ = batch.step(ZEROS)
+    assert observ[:, 0].tolist() == [4.0, 4.0, 1.0, 1.0] and len(batch.restarted[0]) == 0
+    # The fresh env faults again at its own step 3: the run has no restart left.
+    error = step_until_error(batch, 3)
+    assert error.env_indices == range(2, 4) or error.env_index == 2
+    assert "not restarted: this run used all its max_restarts=1 restarts" in str(error)
+
+
+def test_a_failure_in_reset_restarts_the_worker_and_returns_the_asked_rows(closing):
+    worker = EnvWorker([functools.partial(faulty_counting, "abort", 3, in_reset=True),
+                        functools.partial(faulty_counting, "abort", 10**9)],
+                       label="counting", prefetch_reset=False)
+    batch = closing(BatchEnv([CountingEnv(), worker], max_restarts=2))
+    batch.reset(seed=0)
+    batch.step(np.zeros(3, np.int64))
+    assert batch.reset([1]).shape == (1, 1)  # env 1's second reset
+    batch.step(np.zeros(3, np.int64))
+    observ = batch.reset([0, 1])  # env 1's third reset aborts its worker
+    assert observ[:, 0].tolist() == [0.0, 0.0]
+    rows, fresh = batch.restarted
+    assert rows.tolist() == [1, 2] and fresh.shape == (2, 1)  # env 2 restarted too
+
+
+def test_restarts_need_worker_processes():
+    with pytest.raises(EnvSpecError, match="needs envs in worker processes"):
+        batch_env_from(cartpole("raise", 2), 2, backend="inline", max_restarts=1)
+    with pytest.raises(Exception, match="restart_crashed_envs needs envs in worker"):
+        load_config("cartpole", ["env.restart_crashed_envs=true"])  # cartpole is inline
+    batch = batch_env_from(cartpole("raise", 10**9), 3, workers=1, max_restarts=1)
+    try:
+        assert len(batch.workers) == 1 and batch.workers[0].num_envs == 3  # no share
+    finally:
+        batch.close()
+
+
+class EpisodeChecker(Algorithm):
+    """Acts with zeros and checks that every episode it is told has ended
+    has exactly the steps that the (counting) env saw since its reset."""
+
+    def __init__(self, num_agents: int):
+        self.steps = torch.zeros(num_agents, dtype=torch.int64)
+        self.last = torch.zeros(num_agents)
+        self.begun: list[int] = []
+        self.ended: list[tuple[int, int]] = []
+
+    def begin_episodes(self, agent_indices):
+        self.begun += agent_indices.tolist()
+        self.steps[agent_indices] = 0
+        return {}
+
+    def perform(self, agent_indices, observ):
+        return torch.zeros(len(agent_indices), dtype=torch.int64), {}
+
+    def experience(self, agent_indices, observ, action, reward, done, next_observ,
+                   terminated):
+        self.steps[agent_indices] += 1
+        self.last[agent_indices] = next_observ[:, 0]
+        return {}
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+    def end_episodes(self, agent_indices):
+        for agent in agent_indices.tolist():
+            assert self.steps[agent] == int(self.last[agent]), "partial episode"
+            self.ended.append((agent, int(self.steps[agent])))
+        return {}
+
+
+def test_simulate_begins_new_episodes_for_restarted_agents(closing, tmp_path):
+    once = str(tmp_path / "fired")
+    worker = EnvWorker([functools.partial(faulty_counting, "segfault", 7, length=10,
+                                          once_file=once),
+                        functools.partial(faulty_counting, "raise", 10**9, length=10)],
+                       label="counting")
+    env = TensorBatchEnv(closing(BatchEnv([CountingEnv(10), worker], max_restarts=1)))
+    algo = EpisodeChecker(3)
+    simulate(env, algo, reset=True)
+    for _ in range(24):
+        simulate(env, algo)
+    assert Path(once).exists() and env.batch_env.restarts == 1
+    # The worker of agents 1 and 2 crashed in their 7th step (call 7): they
+    # begin anew there, and their next episodes end 10 steps later (call 17).
+    assert algo.begun == [0, 1, 2, 1, 2, 0, 1, 2, 0]
+    # Only whole episodes ended (end_episodes checks each against the env).
+    assert algo.ended == [(0, 10), (1, 10), (2, 10), (0, 10)]
+
+
+def test_training_survives_a_crashed_env_and_counts_the_restart(tmp_path, capsys):
+    once = str(tmp_path / "fired")
+    config = load_config("cartpole", [
+        'env.id="batchrl.envs.faults:make"', "env.backend=process", "env.num_agents=3",
+        f'env.kwargs={{env_id="CartPole-v1", fault="abort", at_step=40, once_file="{once}"}}',
+        "env.restart_crashed_envs=true", "env.max_restarts=2", "ppo.update_every=3",
+        "train.eval_episodes=3", "train.steps=300", "train.device=cpu"])
+    Trainer(config, tmp_path / "run", progress=False).run()
+    out = capsys.readouterr().out
+    assert Path(once).exists()
+    assert "restarted env " in out and "killed by signal SIGABRT" in out
+    assert "[1 of at most 2 in this run]" in out
+    from tests.test_train import scalar_events
+    assert scalar_events(tmp_path / "run")["env/restarts"][-1][1] == 1.0
+    from batchrl.checkpoint import latest_checkpoint, load_checkpoint
+    counters = load_checkpoint(latest_checkpoint(tmp_path / "run"))["counters"]
+    assert counters["env_restarts"] == 1
