@@ -126,15 +126,17 @@ class Trainer:
         while len(scores) < episodes:
             done, score, summary = simulate(env, algo, reset=reset)
             reset = False
-            if batch_env.restarts != self._restarts_seen:
-                self._report_restarts(batch_env, bar)
-            steps += num_agents
+            # Envs restarted in this step did not step (they were reset).
+            stepped = num_agents if env.restarted is None else num_agents - len(env.restarted)
+            steps += stepped
             if training:
-                counters.steps += num_agents
+                counters.steps += stepped
                 if bar is not None:
                     # The last phase may run past the budget: grow the bar with it.
                     bar.total = max(bar.total, counters.steps)
-                    bar.update(num_agents)
+                    bar.update(stepped)
+            if batch_env.restarts != self._restarts_seen:
+                self._report_restarts(batch_env, bar)
             if bool(done.any()):
                 ended = done.nonzero().squeeze(1)
                 scores += score[ended].tolist()

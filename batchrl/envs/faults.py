@@ -38,12 +38,16 @@ class FaultyEnv(gym.Wrapper):
         a fault that fires once among all envs sharing the path, and that a
         restarted env does not repeat.
       hang_seconds: how long ``"hang"`` sleeps.
+      log_dir: if given, each injection first creates an empty file
+        ``<pid>-<count>-<fault>`` there, so that a test can count the faults
+        even of processes that died from them.
     """
 
     def __init__(self, env: gym.Env, fault: str | Sequence[str] = "raise",
                  at_step: int | None = None, every: int | None = None,
                  in_reset: bool = False, once_file: str | None = None,
-                 seed: int | None = None, hang_seconds: float = 3600.0):
+                 seed: int | None = None, hang_seconds: float = 3600.0,
+                 log_dir: str | None = None):
         super().__init__(env)
         faults = [fault] if isinstance(fault, str) else list(fault)
         unknown = [name for name in faults if name not in FAULTS]
@@ -58,6 +62,7 @@ class FaultyEnv(gym.Wrapper):
         self.in_reset = in_reset
         self.once_file = Path(once_file) if once_file else None
         self.hang_seconds = hang_seconds
+        self.log_dir = Path(log_dir) if log_dir else None
         self.rng = np.random.default_rng(seed if seed is not None else [os.getpid(), time.time_ns()])
         self.steps = 0
         self.resets = 0
@@ -74,7 +79,10 @@ class FaultyEnv(gym.Wrapper):
                 os.close(os.open(self.once_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
             except FileExistsError:
                 return None
-        return self.faults[int(self.rng.integers(len(self.faults)))]
+        fault = self.faults[int(self.rng.integers(len(self.faults)))]
+        if self.log_dir is not None:
+            (self.log_dir / f"{os.getpid()}-{count}-{fault}").touch()
+        return fault
 
     def _inject(self, fault: str, where: str) -> None:
         if fault == "raise":
