@@ -341,11 +341,9 @@ class BatchEnv:
         """Replace the failed member at ``position`` and reset all its envs;
         returns their observations. Raises ``exc`` when that is not allowed."""
         member = self._members[position]
-        if not member.parallel or self.restarts >= self.max_restarts:
-            if self.max_restarts and member.parallel:
-                exc.detail += (f"\n(not restarted: this run used all its "
-                               f"max_restarts={self.max_restarts} restarts)")
+        if not member.parallel:
             raise exc
+        self._check_restarts_left(exc)
         count = member.num_envs
         start = self._starts[position]
         indices = range(start, start + count)
@@ -358,16 +356,22 @@ class BatchEnv:
                 self._check_observ(observ, np.arange(start, start + count), "reset")
             except EnvError as again:  # the fresh worker failed too: counts as another
                 self._locate(again, position)
-                if self.restarts >= self.max_restarts:
-                    again.detail += (f"\n(not restarted: this run used all its "
-                                     f"max_restarts={self.max_restarts} restarts)")
-                    raise again from exc
+                self._check_restarts_left(again)
                 exc = again
                 continue
             rows, old = self._restarted
             self._restarted = (np.concatenate([rows, np.arange(start, start + count)]),
                                np.concatenate([old, observ]))
             return observ
+
+    def _check_restarts_left(self, exc: EnvError) -> None:
+        """Raise ``exc`` if no restart is left (saying so when restarts were on)."""
+        if self.restarts < self.max_restarts:
+            return
+        if self.max_restarts:
+            exc.detail += (f"\n(not restarted: this run used all its "
+                           f"max_restarts={self.max_restarts} restarts)")
+        raise exc
 
     def _check_observ(self, observ: np.ndarray, indices: np.ndarray, operation: str,
                       rewards: np.ndarray | None = None) -> None:
