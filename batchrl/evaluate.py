@@ -50,6 +50,7 @@ from batchrl.algos.ppo import BatchPPO
 from batchrl.checkpoint import latest_checkpoint, load_checkpoint
 from batchrl.config import Config, ConfigError
 from batchrl.envs.batch import BatchEnv
+from batchrl.envs.errors import EnvRaisedError
 from batchrl.envs.factory import EnvSpecError, make_batch_env, resolve_constructor
 from batchrl.envs.tensor_env import TensorBatchEnv
 from batchrl.envs.wrappers import wrap_env
@@ -269,8 +270,11 @@ def _record_video(config: Config, algo: BatchPPO, device: torch.device, path: Pa
             if bool(done[0]):
                 break
         completed = True
-    except _RenderError as exc:
-        raise EvaluationError(_render_failure(env_config.id, exc.__cause__, failures)) from None
+    except EnvRaisedError as exc:  # the env layer names the env; the cause is ours
+        if not isinstance(exc.__cause__, _RenderError):
+            raise
+        raise EvaluationError(_render_failure(env_config.id, exc.__cause__.__cause__,
+                                              failures)) from None
     finally:
         recorder.recording = False
         try:
