@@ -389,3 +389,20 @@ def test_string_ids_and_handles_reach_the_remote_envs(closing):
     assert worker.env(0).unwrapped.gravity == 9.8
     with pytest.raises(EnvRaisedError, match="AttributeError"):
         worker.get_attr("no_such_attribute")
+
+
+def test_train_py_runs_its_envs_on_the_cluster(cluster, closing, tmp_path):
+    cluster.wait_idle()
+    logdir = tmp_path / "run"
+    settings = ["env.backend=ray", f"env.ray_address={cluster.address}", "env.num_agents=4",
+                "env.workers=2", "env.max_length=50", "ppo.update_every=4",
+                "train.steps=400", "train.eval_episodes=2"]
+    process = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--config", "cartpole", "--logdir",
+         str(logdir), "--no-progress", *[arg for s in settings for arg in ("--set", s)]],
+        env=cluster.env, capture_output=True, text=True, timeout=PATIENCE * 2)
+    assert process.returncode == 0, process.stderr
+    assert "Final evaluation:" in process.stdout
+    phases = [json.loads(line)["phase"] for line in (logdir / "metrics.jsonl").open()]
+    assert "train" in phases and "eval" in phases
+    assert json.loads((logdir / "config.json").read_text())["env"]["backend"] == "ray"
