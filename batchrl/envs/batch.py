@@ -209,7 +209,9 @@ class BatchEnv:
                  blocking: bool = False, max_restarts: int = 0):
         members: list[Any] = []
         for env in envs:
-            if hasattr(env, "batch_member"):  # e.g. a RayEnvWorker: it knows how
+            # Looked up on the type: ExternalProcess forwards unknown attributes
+            # to its env, which would wait for (and fail with) the child.
+            if callable(getattr(type(env), "batch_member", None)):  # e.g. RayEnvWorker
                 members.append(env.batch_member())
             elif isinstance(env, EnvWorker):
                 members.append(_Workers(env))
