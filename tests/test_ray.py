@@ -196,6 +196,20 @@ def on(name: str, cpus: float = 1) -> dict[str, float]:
     return {"CPU": cpus, f"{name}_node": 0.1}
 
 
+def kill_actor(worker: RayEnvWorker) -> None:
+    """``ray.kill`` the worker's actor and wait until it is dead: the kill is
+    asynchronous, so a call right after it might still be served."""
+    ray.kill(worker.actor)
+    deadline = time.monotonic() + PATIENCE
+    while time.monotonic() < deadline:
+        try:
+            ray.get(worker.actor.__ray_ready__.remote(), timeout=PATIENCE)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the killed actor still answers")
+
+
 def step_until_error(batch: BatchEnv, action) -> Exception:
     """Step until an ``EnvError`` is raised (a lost node is noticed within
     about a second here); returns it."""
@@ -283,7 +297,7 @@ def test_killed_actor_is_a_crash_naming_its_env_range(closing):
     batch = closing(BatchEnv([closing(RayEnvWorker([CountingEnv], label="one")),
                               closing(RayEnvWorker([CountingEnv] * 2, label="two"))]))
     batch.reset(seed=0)
-    ray.kill(batch.workers[1].actor)
+    kill_actor(batch.workers[1])
     with pytest.raises(RayWorkerCrashedError) as info:
         batch.step(np.zeros(3, int))
     assert isinstance(info.value, EnvCrashedError)
@@ -299,7 +313,7 @@ def test_killed_actor_is_replaced_with_max_restarts(closing):
                              max_restarts=1))
     batch.reset(seed=0)
     batch.step(np.zeros(3, int))
-    ray.kill(batch.workers[1].actor)
+    kill_actor(batch.workers[1])
     obs, rewards, *_ = batch.step(np.zeros(3, int))
     np.testing.assert_array_equal(obs[:, 0], [2, 0, 0])  # fresh episodes for envs 1-2
     np.testing.assert_array_equal(rewards, [2, 0, 0])
