@@ -140,6 +140,16 @@ class EnvHost:
         self.envs = []
 
 
+def _reason(exc: Exception) -> str:
+    """Ray's explanation of a dead actor in one line: its first sentence and
+    the cause (e.g. "...because its node has died"), without the indented
+    details (actor id, pid...)."""
+    lines = [line.strip() for line in str(exc).splitlines()
+             if line.strip() and not line.startswith(("\t", " "))]
+    text = " ".join(lines[:2]) or "no reason given"
+    return f"{type(exc).__name__}: {text[:400]}"
+
+
 @functools.cache
 def _actor_class(ray: Any) -> Any:
     return ray.remote(EnvHost)
@@ -289,9 +299,8 @@ class RayEnvWorker:
             raise EnvRaisedError(self.label, operation, type(cause).__name__, str(cause),
                                  str(exc)) from None
         except exceptions.RayError as exc:  # the actor died, or its node was lost
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise RayWorkerCrashedError(self.label, operation, self.node_ip,
-                                        f"{type(exc).__name__}: {reason}") from None
+                                        _reason(exc)) from None
         if kind == "error":
             remote_type, text, tb, env_index = value
             cls = EnvAttributeError if remote_type == "AttributeError" else EnvRaisedError
