@@ -94,7 +94,8 @@ def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
         not isolated: a crash in their native code ends this process, so
         with ``max_restarts`` this process steps no envs.
       pin_workers: pin each worker process to its own usable core (Linux).
-      infos: ship the step infos from ``"workers"`` processes (else empty dicts).
+      infos: ship the step infos from ``"workers"`` processes and ``"ray"``
+        actors (else empty dicts).
       timeout: seconds a child process may take to answer a step or reset
         before ``EnvTimeoutError`` (``None``: no limit).
       max_restarts: replace a failed worker process (or Ray actor, also
