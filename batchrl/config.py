@@ -40,13 +40,15 @@ class EnvConfig:
     kwargs: dict = field(default_factory=dict)  # keyword arguments for gymnasium.make / the function
     num_agents: int = 30          # envs stepped in lockstep (the paper's batch of agents)
     max_length: int = 1000        # time limit of an episode, in env steps
-    backend: str = "workers"      # "workers" (processes, shared memory), "process" (one per env), "inline"
-    workers: int = 0              # processes of the "workers" backend (0: one per usable core)
+    backend: str = "workers"      # "workers" (processes, shared memory), "process" (one per env), "inline", "ray"
+    workers: int = 0              # processes of "workers" (0: one per usable core) / actors of "ray" (0: cluster CPUs)
     share_main: bool = True       # "workers": the main process steps a share of the envs too
     normalize_ranges: bool = True  # rescale finite Box observation/action ranges to [-1, 1]
     timeout: float = 10.0         # seconds a worker may take for a step or reset (0: no limit)
     restart_crashed_envs: bool = False  # replace a failed worker instead of stopping the run
     max_restarts: int = 10        # with restart_crashed_envs: restarts allowed in the run
+    ray_address: str = ""         # "ray": "" private Ray on this machine, "auto" (ray start here), "HOST:PORT"
+    ray_resources: dict = field(default_factory=lambda: {"CPU": 1})  # "ray": resources per actor
 
     def __post_init__(self) -> None:
         _check_range(self, "num_agents", 1)
@@ -56,7 +58,13 @@ class EnvConfig:
         _check_range(self, "max_restarts", 1)
         if self.restart_crashed_envs and self.backend == "inline":
             raise ValueError("env.restart_crashed_envs needs envs in worker processes: set "
-                             "env.backend to 'workers' or 'process', not 'inline'")
+                             "env.backend to 'workers', 'process' or 'ray', not 'inline'")
+        if not all(isinstance(name, str) and isinstance(amount, (int, float))
+                   and not isinstance(amount, bool) and amount >= 0
+                   for name, amount in self.ray_resources.items()):
+            raise ValueError(f"env.ray_resources must map Ray resource names to amounts "
+                             f">= 0, e.g. {{CPU = 1}} or {{CPU = 1, env_node = 1}}; got "
+                             f"{self.ray_resources!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"env.backend must be one of {', '.join(BACKENDS)}, "
                              f"got {self.backend!r}")

@@ -190,7 +190,9 @@ class Trainer:
                                    share_main=config.env.share_main, infos=False,
                                    timeout=config.env.timeout or None,
                                    max_restarts=(config.env.max_restarts
-                                                 if config.env.restart_crashed_envs else 0))
+                                                 if config.env.restart_crashed_envs else 0),
+                                   ray_address=config.env.ray_address,
+                                   ray_resources=config.env.ray_resources)
         self.log = None
         bar = None
         last_eval: dict[str, Any] = {}

@@ -50,7 +50,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import gymnasium as gym
 import numpy as np
@@ -115,18 +115,21 @@ def step_all(env: Any, actions: np.ndarray) -> None:
 
 
 def measure(backend: str, env_id: str, actions: np.ndarray, warmup: int,
-            seed: int) -> dict[str, Any]:
+            seed: int, builder: Callable[[str, str, int], tuple[Any, list[int]]] = build
+            ) -> dict[str, Any]:
     """Build, seed-reset and warm up ``backend``, then time the remaining actions.
 
     Args:
       actions: ``(warmup + steps, num_envs, *act_shape)``; the batch size is
         ``actions.shape[1]``.
+      builder: ``builder(backend, env_id, num_envs)`` returns the env and its
+        worker pids (``build`` by default; other benchmarks pass their own).
     Returns:
       ``{"steps_per_s", "build_s", "pids"}``; the env is closed before returning.
     """
     num_envs = actions.shape[1]
     start = time.perf_counter()
-    env, pids = build(backend, env_id, num_envs)
+    env, pids = builder(backend, env_id, num_envs)
     build_s = time.perf_counter() - start
     try:
         env.reset(seed=seed)

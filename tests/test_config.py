@@ -127,6 +127,10 @@ def test_a_section_that_is_not_a_table(tmp_path):
     ("env.workers=-1", "workers must be >= 0"),
     ("env.id=3", "expected str"),
     ("env.kwargs=[1, 2]", "expected dict"),
+    ("env.ray_resources=2", "expected dict"),
+    ("env.ray_resources={CPU=-1}", "env.ray_resources must map Ray resource names to "
+                                   "amounts >= 0, e.g. {CPU = 1}"),
+    ('env.ray_resources={CPU="one"}', "env.ray_resources must map Ray resource names"),
     ("ppo.policy_layers=64", "expected a list of int"),
     ("ppo.policy_layers=[64, 6.5]", "expected an integer"),
     ("ppo.gae_lambda=high", "expected"),
@@ -353,3 +357,12 @@ def test_bad_env_id_writes_nothing_to_the_logdir(tmp_path):
         Trainer(config, tmp_path / "run", progress=False).run()
     # No config.json: the directory does not become a run that train.py would resume.
     assert not (tmp_path / "run" / "config.json").exists()
+
+
+def test_ray_backend_keys_from_the_command_line():
+    config = load_config("halfcheetah", ["env.backend=ray", "env.ray_address=auto",
+                                         "env.ray_resources={CPU=1, env_node=0.5}",
+                                         "env.restart_crashed_envs=true"])
+    assert config.env.backend == "ray" and config.env.ray_address == "auto"
+    assert config.env.ray_resources == {"CPU": 1, "env_node": 0.5}
+    assert load_config("halfcheetah").env.ray_resources == {"CPU": 1}

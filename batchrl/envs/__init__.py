@@ -2,7 +2,7 @@
 
 from batchrl.envs.batch import BatchEnv
 from batchrl.envs.errors import (EnvAttributeError, EnvCrashedError, EnvError,
-                                 EnvRaisedError, EnvTimeoutError)
+                                 EnvRaisedError, EnvTimeoutError, RayWorkerCrashedError)
 from batchrl.envs.external import ExternalProcess, RemoteAttribute
 from batchrl.envs.workers import EnvWorker, InfoList, WorkerEnv
 from batchrl.envs.wrappers import (ClipAction, TimeLimit, convert_to_32bit, range_normalize,
@@ -10,8 +10,9 @@ from batchrl.envs.wrappers import (ClipAction, TimeLimit, convert_to_32bit, rang
 
 __all__ = [
     "BatchEnv", "ExternalProcess", "EnvWorker", "WorkerEnv", "InfoList", "RemoteAttribute",
-    "TensorBatchEnv",
+    "TensorBatchEnv", "RayEnvWorker",
     "EnvError", "EnvRaisedError", "EnvAttributeError", "EnvCrashedError", "EnvTimeoutError",
+    "RayWorkerCrashedError",
     "ClipAction", "TimeLimit", "convert_to_32bit", "range_normalize", "wrap_env",
 ]
 
@@ -23,4 +24,7 @@ def __getattr__(name: str):
     if name == "TensorBatchEnv":
         from batchrl.envs.tensor_env import TensorBatchEnv
         return TensorBatchEnv
+    if name == "RayEnvWorker":  # Ray itself is imported only when one is built
+        from batchrl.envs.ray_workers import RayEnvWorker
+        return RayEnvWorker
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

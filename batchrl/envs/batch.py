@@ -174,8 +174,10 @@ class BatchEnv:
       envs: the members, in batch order: Gymnasium envs stepped in this
         process, ``ExternalProcess`` (one env in a child process) or
         ``EnvWorker`` (several envs in a child process, arrays in shared
-        memory; counts as ``worker.num_envs`` envs). All envs must have equal
-        observation and action spaces.
+        memory; counts as ``worker.num_envs`` envs), or any worker object
+        with a ``batch_member()`` method returning such a member (``RayEnvWorker``:
+        several envs in a Ray actor, see ``batchrl.envs.ray_workers``). All
+        envs must have equal observation and action spaces.
       blocking: with ``False`` (the default) the child processes are stepped
         in parallel: every request is sent before any result is received.
         With ``True`` they are stepped one after the other.
@@ -207,7 +209,11 @@ class BatchEnv:
                  blocking: bool = False, max_restarts: int = 0):
         members: list[Any] = []
         for env in envs:
-            if isinstance(env, EnvWorker):
+            # Looked up on the type: ExternalProcess forwards unknown attributes
+            # to its env, which would wait for (and fail with) the child.
+            if callable(getattr(type(env), "batch_member", None)):  # e.g. RayEnvWorker
+                members.append(env.batch_member())
+            elif isinstance(env, EnvWorker):
                 members.append(_Workers(env))
             elif isinstance(env, ExternalProcess):
                 members.append(_ProcessEnv(env))
@@ -275,8 +281,8 @@ class BatchEnv:
         return [handle for member in self._members for handle in member.handles()]
 
     @property
-    def workers(self) -> list[ExternalProcess | EnvWorker]:
-        """The child processes: ``ExternalProcess`` and ``EnvWorker`` members."""
+    def workers(self) -> list[Any]:
+        """The workers: ``ExternalProcess``, ``EnvWorker`` and ``RayEnvWorker`` members."""
         return [member.env for member in self._members if member.parallel]
 
     @property

@@ -102,3 +102,22 @@ class EnvNonFiniteError(EnvError):
                          f"trains on non-finite data")
         self.what = what
         self.episode_step = episode_step
+
+
+class RayWorkerCrashedError(EnvCrashedError):
+    """The Ray actor hosting the env worker died, or its node was lost.
+
+    ``node`` names the node the actor ran on (its IP address or node id, when
+    known) and ``reason`` is Ray's explanation, first line only.
+    """
+
+    def __init__(self, label: str, operation: str, node: str | None, reason: str):
+        # Not EnvCrashedError.__init__: there is no local process, exit code or pid.
+        where = f" on node {node}" if node else ""
+        EnvError.__init__(self, label, operation,
+                          f"the Ray actor hosting the env worker{where} died or became "
+                          f"unreachable: {reason}")
+        self.exitcode = None
+        self.pid = None
+        self.node = node
+        self.reason = reason

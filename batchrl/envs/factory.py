@@ -50,7 +50,7 @@ def resolve_constructor(env_id: str, kwargs: dict[str, Any] | None = None
     return lambda: gym.make(env_id, **kwargs)
 
 
-BACKENDS = ("workers", "process", "inline")
+BACKENDS = ("workers", "process", "inline", "ray")
 # Seconds a worker may take to answer a step or reset: far above any real
 # env's step (MuJoCo's take microseconds), low enough that a hung env is
 # reported within seconds. Building envs (imports, model compilation) takes
@@ -71,29 +71,44 @@ def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
                    backend: str = "workers", workers: int = 0, share_main: bool = True,
                    pin_workers: bool = True, infos: bool = True,
                    timeout: float | None = DEFAULT_TIMEOUT, max_restarts: int = 0,
-                   label: str | None = None) -> BatchEnv:
+                   label: str | None = None, ray_address: str = "",
+                   ray_resources: dict[str, float] | None = None) -> BatchEnv:
     """``num_envs`` envs built by ``constructor``, as one ``BatchEnv``.
 
     Args:
       backend: where the envs run. ``"workers"`` (the default): spread over
         ``EnvWorker`` child processes (shared memory, several envs each);
         ``"process"``: one ``ExternalProcess`` per env, as in the BatchPPO
-        paper; ``"inline"``: all in this process, one after the other.
+        paper; ``"inline"``: all in this process, one after the other;
+        ``"ray"``: spread over ``RayEnvWorker`` actors of a Ray cluster
+        (needs ``pip install 'batchrl[ray]'``), placed on different nodes
+        where resources allow; this process steps none of them.
       workers: child processes for ``"workers"``; 0 means one per usable
-        core, less the one this process takes with ``share_main``.
+        core, less the one this process takes with ``share_main``. Ray
+        actors for ``"ray"``; 0 means as many as the cluster holds with
+        ``ray_resources`` each (its CPUs / CPUs per worker), at most
+        ``num_envs``.
       share_main: with ``"workers"``, this process steps an equal share of
         the envs itself while the workers step theirs, instead of sleeping;
         on small machines that is worth 15-20% of the step rate. Its envs are
         not isolated: a crash in their native code ends this process, so
         with ``max_restarts`` this process steps no envs.
       pin_workers: pin each worker process to its own usable core (Linux).
-      infos: ship the step infos from ``"workers"`` processes (else empty dicts).
+      infos: ship the step infos from ``"workers"`` processes and ``"ray"``
+        actors (else empty dicts).
       timeout: seconds a child process may take to answer a step or reset
         before ``EnvTimeoutError`` (``None``: no limit).
-      max_restarts: replace a failed worker process up to this many times in
-        the batch env's life (``BatchEnv``'s ``max_restarts``); needs
-        ``"workers"`` or ``"process"``.
+      max_restarts: replace a failed worker process (or Ray actor, also
+        one lost with its node) up to this many times in the batch env's
+        life (``BatchEnv``'s ``max_restarts``); needs a backend other than
+        ``"inline"``.
       label: names the envs in error messages.
+      ray_address: the cluster for ``"ray"``: ``""`` starts a private Ray
+        instance on this machine, ``"auto"`` joins the one started with
+        ``ray start`` here, ``"HOST:PORT"`` the head there. Not used when this
+        process is connected to Ray already.
+      ray_resources: Ray resources each ``"ray"`` actor reserves (default
+        ``{"CPU": 1}``; custom ones like ``{"CPU": 1, "env_node": 1}``).
     """
     if backend not in BACKENDS:
         raise EnvSpecError(f"unknown env backend {backend!r}; valid: {', '.join(BACKENDS)}")
@@ -101,7 +116,7 @@ def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
         raise EnvSpecError(f"workers must be >= 0 (0: one per usable core), got {workers}")
     if max_restarts and backend == "inline":
         raise EnvSpecError("restarting crashed envs needs envs in worker processes: use "
-                           "backend 'workers' or 'process', not 'inline'")
+                           "backend 'workers', 'process' or 'ray', not 'inline'")
     share_main = share_main and not max_restarts
     members: list[Any] = []
     construct_timeout = None if timeout is None else max(timeout, CONSTRUCT_TIMEOUT)
@@ -122,6 +137,9 @@ def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
             members = [ExternalProcess(constructor, label=label, timeout=timeout,
                                        construct_timeout=construct_timeout)
                        for _ in range(num_envs)]
+        elif backend == "ray":
+            members = _ray_workers(constructor, num_envs, workers, label, timeout,
+                                   construct_timeout, infos, ray_address, ray_resources)
         else:
             members = [constructor() for _ in range(num_envs)]
         return BatchEnv(members, max_restarts=max_restarts)
@@ -129,6 +147,31 @@ def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
         for member in members:
             member.close()
         raise
+
+
+def _ray_workers(constructor: Callable[[], gym.Env], num_envs: int, workers: int,
+                 label: str | None, timeout: float | None, construct_timeout: float | None,
+                 infos: bool, address: str, resources: dict[str, float] | None) -> list[Any]:
+    """The ``RayEnvWorker``s of the ``"ray"`` backend (Ray imported only here)."""
+    from batchrl.envs import ray_cluster
+    from batchrl.envs.ray_workers import RayEnvWorker
+    resources = {"CPU": 1} if resources is None else dict(resources)
+    ray_cluster.check_resources(resources)
+    ray = ray_cluster.acquire(address)  # held while the workers connect, then theirs
+    members: list[Any] = []
+    try:
+        count = ray_cluster.plan_workers(ray, workers, num_envs, resources)
+        for size in split_evenly(num_envs, count):
+            members.append(RayEnvWorker([constructor] * size, label, timeout,
+                                        construct_timeout, infos=infos,
+                                        resources=resources, address=address))
+    except BaseException:
+        for member in members:
+            member.close()
+        raise
+    finally:
+        ray_cluster.release()
+    return members
 
 
 def make_batch_env(env_id: str, num_envs: int, max_length: int | None = None,
@@ -140,7 +183,8 @@ def make_batch_env(env_id: str, num_envs: int, max_length: int | None = None,
     Wrappers: ``wrap_env`` (time limit ``max_length``, range normalisation
     when ``normalize_ranges``, action clipping, 32-bit floats). ``backend``,
     ``workers`` and ``options`` (``share_main``, ``pin_workers``, ``infos``,
-    ``timeout``, ``max_restarts``) are ``batch_env_from``'s.
+    ``timeout``, ``max_restarts``, ``ray_address``, ``ray_resources``) are
+    ``batch_env_from``'s.
     """
     raw = resolve_constructor(env_id, kwargs)
 
