@@ -102,3 +102,12 @@ class EnvNonFiniteError(EnvError):
                          f"trains on non-finite data")
         self.what = what
         self.episode_step = episode_step
+
+
+class UnsupportedSpaceError(TypeError):
+    """An observation or action space that cannot be batched or learned from
+    (the message names the space and the supported kinds)."""
+
+
+class SpaceMismatchError(ValueError):
+    """The envs of one batch have different observation or action spaces."""
