@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from types import FrameType
 from typing import Any
@@ -46,11 +47,16 @@ class StopSignals:
     previous handlers are restored on exit. A second signal kills the
     process at once (default action of that signal).
 
+    Args:
+      notice: printed to stderr when the first signal arrives (e.g. that a
+        second one quits at once), since the stop itself may take a moment.
+
     Outside the main thread (where Python cannot install handlers) it does
     nothing and ``requested`` stays false.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, notice: str | None = None) -> None:
+        self.notice = notice
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
 
@@ -72,6 +78,9 @@ class StopSignals:
             os.kill(os.getpid(), signum)
             return
         self.signum = signum
+        if self.notice:
+            print(f"\n{signal.Signals(signum).name}: {self.notice}", file=sys.stderr,
+                  flush=True)
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():

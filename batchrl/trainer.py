@@ -69,10 +69,17 @@ def load_saved_config(logdir: Path, overrides: list[str] = ()) -> Config:
         with open(path) as file:
             values = json.load(file)
     except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read the saved config {path}: {exc}") from None
+        raise ConfigError(f"cannot read the saved config {path}: {exc}; restore the file "
+                          f"or start a new run in another --logdir") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"the saved config {path} is not a JSON object; restore the file "
+                          f"or start a new run in another --logdir")
     if isinstance(values.get("ppo"), dict):
         values["ppo"].pop("max_length", None)  # derived from env.max_length
-    return build_config(apply_overrides(values, overrides))
+    try:
+        return build_config(apply_overrides(values, overrides))
+    except ConfigError as exc:
+        raise ConfigError(f"the saved config {path}: {exc}") from None
 
 
 def _rng_state() -> dict[str, Any]:
@@ -234,7 +241,9 @@ class Trainer:
         Raises ``TrainingInterrupted`` when ``handle_signals`` and a signal
         stopped the run.
         """
-        stop = StopSignals() if self.handle_signals else None
+        stop = (StopSignals("stopping after this step, with a checkpoint of the last "
+                            "finished phase; press Ctrl-C again to quit at once")
+                if self.handle_signals else None)
         with stop or contextlib.nullcontext():
             self._stop = stop
             try:
