@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc.remote_message}", file=sys.stderr)
             return 2
         print(f"error: {exc}", file=sys.stderr)
+        if logdir is not None:
+            _print_resume(logdir, args.config)
         return 1
     if result:
         print(f"Final evaluation: {result['score']:.1f} ± {result['score_std']:.1f} "
@@ -159,6 +161,17 @@ def _remove_if_empty(directory: Path | None) -> None:
             directory.rmdir()
         except OSError:
             pass
+
+
+def _print_resume(logdir: Path, config: str) -> None:
+    """After an env failure: where the run's work is and how to go on."""
+    from batchrl.checkpoint import latest_checkpoint
+    checkpoint = latest_checkpoint(logdir)
+    if checkpoint is not None:
+        resume = shlex.join(["python", "train.py", "--config", config, "--logdir", str(logdir)])
+        print(f"\nThe run's latest checkpoint is {checkpoint}. Resume it with: {resume} "
+              f"(env.restart_crashed_envs replaces failed env workers instead of stopping)",
+              file=sys.stderr)
 
 
 def _interrupted_message(stop: "TrainingInterrupted", config: str, logdir: Path | None) -> str:  # noqa: F821
