@@ -258,3 +258,27 @@ def test_partial_tmp_file_is_not_taken_for_a_checkpoint(finished_run, tmp_path):
     assert [r["step"] for r in records if r["phase"] == "train"] == \
         sorted({r["step"] for r in records if r["phase"] == "train"})
     assert not partial.exists()  # cleaned up by the next checkpoint write
+
+
+# --- an env failure keeps the last phase boundary --------------------------------------
+
+def test_env_failure_saves_the_last_phase_boundary(tmp_path):
+    """No checkpoint is due (checkpoint_every is huge) when an env raises
+    mid-run: the trainer still writes the state of the last finished phase,
+    and the run resumes from it without repeating or losing a phase."""
+    from batchrl.envs.errors import EnvRaisedError
+    logdir = tmp_path / "run"
+    config = load_config("cartpole", CARTPOLE + [
+        "env.id=batchrl.envs.faults:make", 'env.kwargs={fault = "raise", at_step = 300}',
+        "train.checkpoint_every=1000", "train.steps=100000"])
+    with pytest.raises(EnvRaisedError, match="injected fault in step 300"):
+        Trainer(config, logdir, progress=False).run()
+    records = read_metrics(logdir)
+    checkpoints = list_checkpoints(logdir)
+    assert len(checkpoints) == 1 and len(records) >= 2
+    state = load_checkpoint(checkpoints[0])
+    # The last boundary: after a training phase and its evaluation (eval_every=1).
+    assert state["counters"]["steps"] == records[-1]["step"] or \
+        (records[-1]["phase"] == "train" and state["counters"]["steps"] == records[-2]["step"])
+    assert state["counters"]["phases"] == sum(r["step"] <= state["counters"]["steps"]
+                                              for r in records)
