@@ -216,12 +216,6 @@ class Trainer:
         if self._stop is not None:
             self._stop.check()
 
-    def _save(self, state: bytes) -> Path:
-        path = save_checkpoint(self.logdir, self.counters.steps, state,
-                               self.config.train.keep_checkpoints)
-        self._written = self.counters.steps
-        return path
-
     def _save_snapshot(self) -> Path | None:
         """Write the last phase boundary's state unless it is on disk already;
         returns the run's newest checkpoint."""
@@ -318,7 +312,7 @@ class Trainer:
                 if final or (due and evals % config.train.checkpoint_every == 0):
                     if not config.train.eval_episodes:
                         self.log.plot()  # else redrawn after every evaluation
-                    self._save(self._snapshot[1])
+                    self._save_snapshot()
         except Interrupted as exc:
             checkpoint = self._save_snapshot()
             raise TrainingInterrupted(exc.signum, checkpoint, self._written or 0) from None
