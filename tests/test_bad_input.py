@@ -220,7 +220,7 @@ def test_train_py_read_only_logdir(tmp_path):
 
 def test_evaluate_cli_bad_logdirs(tmp_path):
     """``python -m batchrl.evaluate`` on a log directory without checkpoints,
-    and on one whose checkpoint is damaged."""
+    on one whose checkpoint is damaged, and naming a checkpoint that is not there."""
     logdir = tmp_path / "run"
     Trainer(load_config("cartpole", ["env.num_agents=2", "ppo.update_every=2",
                                      "train.eval_episodes=2", "train.steps=50",
@@ -231,9 +231,12 @@ def test_evaluate_cli_bad_logdirs(tmp_path):
     damaged = sorted(logdir.glob("ckpt-*.pt"))[-1]
     damaged.write_bytes(damaged.read_bytes()[:100])
     environ = dict(os.environ, PYTHONPATH=str(REPO))
-    for directory, texts in ((empty, [f"{empty} holds no checkpoint", "config.json"]),
-                             (logdir, [f"cannot read checkpoint {damaged}", "Delete it"])):
-        result = subprocess.run([sys.executable, "-m", "batchrl.evaluate", str(directory)],
+    missing = logdir / "ckpt-000000999999.pt"
+    for args, texts in (([empty], [f"{empty} holds no checkpoint", "config.json"]),
+                        ([logdir], [f"cannot read checkpoint {damaged}", "Delete it"]),
+                        ([logdir, "--checkpoint", missing],
+                         [f"checkpoint {missing} does not exist"])):
+        result = subprocess.run([sys.executable, "-m", "batchrl.evaluate", *map(str, args)],
                                 cwd=REPO, env=environ, capture_output=True, text=True,
                                 timeout=120)
         assert result.returncode == 2, result
