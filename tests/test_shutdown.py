@@ -115,7 +115,7 @@ def comparable(records: list[dict]) -> list[tuple]:
 
 STOP_SIGNALS_SCRIPT = textwrap.dedent("""
     import os, signal, sys
-    from batchrl.interrupt import Interrupted
+    from batchrl.interrupt import Interrupted, StopSignals
 
     before = signal.getsignal(signal.SIGTERM)
     with StopSignals() as stop:
