@@ -9,6 +9,14 @@ checkpoint, with the config saved there; --steps N (unlike --set) may then
 raise its budget to train a finished run further:
 
   python train.py --config pendulum --logdir logs/pendulum --steps 600000
+
+Ctrl-C (or SIGTERM) stops a run within seconds: the state at the end of the
+last finished phase is written as a checkpoint, the env workers are closed,
+and the command to resume is printed; the exit code is 130 (143 for
+SIGTERM). A second Ctrl-C quits at once, losing only the phases since the
+last checkpoint. Exit codes: 0 done, 1 the env failed (its own error and
+traceback are shown), 2 a user error (bad flag, config, env id, space, log
+directory or checkpoint: a message says what is wrong and what is valid).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -72,11 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.insert(1, os.getcwd())
 
+    from batchrl.checkpoint import CheckpointError
     from batchrl.config import ConfigError, load_config
+    from batchrl.envs.errors import (EnvError, EnvRaisedError, SpaceMismatchError,
+                                     UnsupportedSpaceError)
     from batchrl.envs.factory import EnvSpecError
-    from batchrl.trainer import CONFIG_FILE, Trainer, load_saved_config
+    from batchrl.trainer import CONFIG_FILE, Trainer, TrainingInterrupted, load_saved_config
 
+    user_errors = (ConfigError, EnvSpecError, CheckpointError, UnsupportedSpaceError,
+                   SpaceMismatchError)
     steps = [] if args.steps is None else [f"train.steps={args.steps}"]
+    logdir = created = None
     try:
         if args.logdir is not None and (args.logdir / CONFIG_FILE).exists():
             if args.overrides:
@@ -87,17 +102,88 @@ def main(argv: list[str] | None = None) -> int:
         else:
             config = load_config(args.config, args.overrides + steps)
         logdir = args.logdir or Path("logs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        created = _prepare_logdir(logdir, ConfigError)
         print(f"Training {config.env.id} with {config.env.num_agents} agents for "
-              f"{config.train.steps:,} steps; writing to {logdir}")
-        result = Trainer(config, logdir, progress=not args.no_progress).run()
-    except (ConfigError, EnvSpecError) as exc:
+              f"{config.train.steps:,} steps; writing to {logdir}", flush=True)
+        result = Trainer(config, logdir, progress=not args.no_progress,
+                         handle_signals=True).run()
+    except TrainingInterrupted as stop:
+        print(_interrupted_message(stop, args.config, logdir), flush=True)
+        return stop.exit_code
+    except KeyboardInterrupt:  # before the trainer took over Ctrl-C
+        print("Interrupted before training started", file=sys.stderr)
+        return 130
+    except user_errors as exc:
+        _remove_if_empty(created)
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except EnvError as exc:
+        _remove_if_empty(created)
+        # An env's own code rejected its arguments or returned no env: the
+        # user's input, not an env failure.
+        if isinstance(exc, EnvRaisedError) and exc.remote_type in (
+                "EnvSpecError", "UnsupportedSpaceError"):
+            print(f"error: {exc.remote_message}", file=sys.stderr)
+            return 2
+        print(f"error: {exc}", file=sys.stderr)
+        if logdir is not None:
+            _print_resume(logdir, args.config)
+        return 1
     if result:
         print(f"Final evaluation: {result['score']:.1f} ± {result['score_std']:.1f} "
               f"over {result['episodes']} episodes (mean action)")
     return 0
 
+
+def _prepare_logdir(logdir: Path, error: type[Exception]) -> Path | None:
+    """Create ``logdir`` if needed and check that files can be written there,
+    before any env is built; raises ``error`` saying what is wrong. Returns
+    the directory when this call created it."""
+    if logdir.exists() and not logdir.is_dir():
+        raise error(f"--logdir {logdir} is a file, not a directory; give a directory "
+                    f"(new, or a run to resume)")
+    created = None if logdir.exists() else logdir
+    try:
+        logdir.mkdir(parents=True, exist_ok=True)
+        probe = logdir / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise error(f"cannot write to --logdir {logdir}: {exc.strerror or exc}; choose a "
+                    f"directory you can write to") from None
+    return created
+
+
+def _remove_if_empty(directory: Path | None) -> None:
+    """Undo ``_prepare_logdir`` after a failed start, if nothing was written."""
+    if directory is not None:
+        try:
+            directory.rmdir()
+        except OSError:
+            pass
+
+
+def _print_resume(logdir: Path, config: str) -> None:
+    """After an env failure: where the run's work is and how to go on."""
+    from batchrl.checkpoint import latest_checkpoint
+    checkpoint = latest_checkpoint(logdir)
+    if checkpoint is not None:
+        resume = shlex.join(["python", "train.py", "--config", config, "--logdir", str(logdir)])
+        print(f"\nThe run's latest checkpoint is {checkpoint}. Resume it with: {resume} "
+              f"(env.restart_crashed_envs replaces failed env workers instead of stopping)",
+              file=sys.stderr)
+
+
+def _interrupted_message(stop: "TrainingInterrupted", config: str, logdir: Path | None) -> str:  # noqa: F821
+    """What a stopped run saved (``stop`` is the trainer's ``TrainingInterrupted``),
+    and the command that resumes it."""
+    resume = shlex.join(["python", "train.py", "--config", config,
+                         "--logdir", str(logdir)])
+    if stop.checkpoint is None:
+        return (f"Stopped by {stop.signal_name} before the first phase ended: no checkpoint. "
+                f"Run again to start over: {resume}")
+    return (f"Stopped by {stop.signal_name}; checkpoint at step {stop.step:,}: "
+            f"{stop.checkpoint}\nResume with: {resume}")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,11 +2,15 @@
 
 A checkpoint is never seen half-written: ``os.replace`` is atomic, so after a
 crash at any moment the directory holds only complete checkpoint files (and
-maybe a stray ``*.tmp`` that is ignored and cleaned up).
+maybe a stray ``*.tmp`` that is ignored and cleaned up). A file that cannot
+be read anyway (damaged on disk, truncated by a copy) raises
+``CheckpointError`` naming it, rather than being skipped silently: training
+on from an older checkpoint would quietly repeat work and hide the damage.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import re
 from pathlib import Path
@@ -15,6 +19,10 @@ from typing import Any
 import torch
 
 _NAME = re.compile(r"^ckpt-(\d{12})\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that cannot be read or is not a batchrl checkpoint."""
 
 
 def checkpoint_path(logdir: Path, step: int) -> Path:
@@ -37,12 +45,24 @@ def latest_checkpoint(logdir: Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
-def save_checkpoint(logdir: Path, step: int, state: dict[str, Any], keep: int = 3) -> Path:
-    """Atomically write ``state`` as the checkpoint of ``step``; keep the newest ``keep``."""
+def serialize(state: dict[str, Any]) -> bytes:
+    """``state`` as the bytes of a checkpoint file (a snapshot kept in memory)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def save_checkpoint(logdir: Path, step: int, state: dict[str, Any] | bytes,
+                    keep: int = 3) -> Path:
+    """Atomically write ``state`` (a dict, or ``serialize``'s bytes) as the
+    checkpoint of ``step``; keep the newest ``keep``."""
     path = checkpoint_path(logdir, step)
     temporary = path.with_name(path.name + ".tmp")
     with open(temporary, "wb") as file:
-        torch.save(state, file)
+        if isinstance(state, bytes):
+            file.write(state)
+        else:
+            torch.save(state, file)
         file.flush()
         os.fsync(file.fileno())
     os.replace(temporary, path)
@@ -55,8 +75,23 @@ def save_checkpoint(logdir: Path, step: int, state: dict[str, Any], keep: int = 
 
 
 def load_checkpoint(path: Path, device: str | torch.device = "cpu") -> dict[str, Any]:
-    """Read a checkpoint written by ``save_checkpoint`` onto ``device``."""
-    return torch.load(path, map_location=device, weights_only=False)
+    """Read a checkpoint written by ``save_checkpoint`` onto ``device``.
+
+    Raises ``CheckpointError`` naming the file when it cannot be read or does
+    not hold a batchrl checkpoint.
+    """
+    try:
+        state = torch.load(path, map_location=device, weights_only=False)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} does not exist") from None
+    except Exception as exc:  # unpickling a damaged file fails with many types
+        raise CheckpointError(
+            f"cannot read checkpoint {path} ({type(exc).__name__}: {exc}); the file is "
+            f"damaged (checkpoints are written atomically, so something else changed it). "
+            f"Delete it to continue from the previous checkpoint") from None
+    if not isinstance(state, dict) or "algorithm" not in state:
+        raise CheckpointError(f"{path} is not a batchrl checkpoint (no 'algorithm' state)")
+    return state
 
 
 def _fsync_directory(directory: Path) -> None:

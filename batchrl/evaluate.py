@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from batchrl.algos.ppo import BatchPPO
-from batchrl.checkpoint import latest_checkpoint, load_checkpoint
+from batchrl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from batchrl.config import Config, ConfigError
 from batchrl.envs.batch import BatchEnv
 from batchrl.envs.errors import EnvRaisedError
@@ -426,12 +426,8 @@ def evaluate(logdir: str | Path, episodes: int = 10, checkpoint: str | Path | No
 
     try:
         state = load_checkpoint(checkpoint_path, torch_device)
-    except Exception as exc:  # unpickling errors have many types
-        raise EvaluationError(f"cannot read checkpoint {checkpoint_path}: "
-                              f"{type(exc).__name__}: {exc}") from None
-    if not isinstance(state, dict) or "algorithm" not in state:
-        raise EvaluationError(f"{checkpoint_path} is not a batchrl checkpoint "
-                              f"(no 'algorithm' state)")
+    except CheckpointError as exc:
+        raise EvaluationError(str(exc)) from None
     step = int(state.get("counters", {}).get("steps", 0))
 
     # Before any env is built: MuJoCo's renderer reads MUJOCO_GL when it is imported.

@@ -8,10 +8,19 @@ phase starts with ``simulate(..., reset=True)``, which discontinues the
 running episodes. Env resets at phase starts are seeded from the run's seed
 and the phase number, so a run resumed from a checkpoint (always written at
 a phase boundary) continues exactly as it would have.
+
+With ``handle_signals``, Ctrl-C (SIGINT) or SIGTERM stops the run within a
+step or a gradient step: the state at the last phase boundary, kept in memory
+as the bytes of a checkpoint, is written as the final checkpoint (an update
+cut short leaves the live model half-trained, and a checkpoint from the
+middle of a phase could not be resumed exactly), the env workers are closed
+and ``run()`` raises ``TrainingInterrupted``. An env failure also writes that
+snapshot before the error propagates.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import random
@@ -23,10 +32,12 @@ import numpy as np
 import torch
 
 from batchrl.algos.ppo import BatchPPO
-from batchrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from batchrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, serialize
 from batchrl.config import Config, ConfigError, apply_overrides, build_config
+from batchrl.envs.errors import EnvError
 from batchrl.envs.factory import make_batch_env
 from batchrl.envs.tensor_env import TensorBatchEnv
+from batchrl.interrupt import Interrupted, StopSignals
 from batchrl.metrics import RunLog
 from batchrl.simulate import episode_length, simulate
 
@@ -58,10 +69,17 @@ def load_saved_config(logdir: Path, overrides: list[str] = ()) -> Config:
         with open(path) as file:
             values = json.load(file)
     except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read the saved config {path}: {exc}") from None
+        raise ConfigError(f"cannot read the saved config {path}: {exc}; restore the file "
+                          f"or start a new run in another --logdir") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"the saved config {path} is not a JSON object; restore the file "
+                          f"or start a new run in another --logdir")
     if isinstance(values.get("ppo"), dict):
         values["ppo"].pop("max_length", None)  # derived from env.max_length
-    return build_config(apply_overrides(values, overrides))
+    try:
+        return build_config(apply_overrides(values, overrides))
+    except ConfigError as exc:
+        raise ConfigError(f"the saved config {path}: {exc}") from None
 
 
 def _rng_state() -> dict[str, Any]:
@@ -76,6 +94,19 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class TrainingInterrupted(Interrupted):
+    """``Trainer.run()`` stopped on a signal, after writing its final checkpoint.
+
+    ``checkpoint`` is the newest checkpoint of the run (``None`` when it was
+    stopped before its first phase ended) and ``step`` its training step.
+    """
+
+    def __init__(self, signum: int, checkpoint: Path | None, step: int):
+        super().__init__(signum)
+        self.checkpoint = checkpoint
+        self.step = step
 
 
 @dataclasses.dataclass
@@ -97,12 +128,21 @@ class Trainer:
       config: the run's configuration.
       logdir: where the config, metrics, events, plot and checkpoints go.
       progress: show a console progress bar.
+      handle_signals: stop cleanly on SIGINT or SIGTERM (see the module
+        docstring); only possible in the main thread.
     """
 
-    def __init__(self, config: Config, logdir: Path, progress: bool = True):
+    def __init__(self, config: Config, logdir: Path, progress: bool = True,
+                 handle_signals: bool = False):
         self.config = config
         self.logdir = Path(logdir)
         self.progress = progress
+        self.handle_signals = handle_signals
+        self._stop: StopSignals | None = None
+        # The state at the last phase boundary: (step, checkpoint bytes), and
+        # the step of the last checkpoint on disk.
+        self._snapshot: tuple[int, bytes] | None = None
+        self._written: int | None = None
         self.device = resolve_device(config.train.device)
         self.counters = Counters()
         self.last_scores: dict[str, float | None] = {"train": None, "eval": None}
@@ -125,6 +165,7 @@ class Trainer:
         batch_env = env.batch_env
         while len(scores) < episodes:
             done, score, summary = simulate(env, algo, reset=reset)
+            self._check_stop()
             reset = False
             # Envs restarted in this step did not step (they were reset).
             stepped = num_agents if env.restarted is None else num_agents - len(env.restarted)
@@ -170,12 +211,41 @@ class Trainer:
         self.log.scalars({"env/restarts": float(self.counters.env_restarts)},
                          self.counters.steps)
 
+    def _check_stop(self) -> None:
+        """Raise ``Interrupted`` once a signal asked the run to stop."""
+        if self._stop is not None:
+            self._stop.check()
+
+    def _save_snapshot(self) -> Path | None:
+        """Write the last phase boundary's state unless it is on disk already;
+        returns the run's newest checkpoint."""
+        if self._snapshot is not None and self._snapshot[0] != self._written:
+            step, state = self._snapshot
+            self._written = step
+            return save_checkpoint(self.logdir, step, state, self.config.train.keep_checkpoints)
+        return latest_checkpoint(self.logdir)
+
     def _state(self, algo: BatchPPO) -> dict[str, Any]:
         return {"algorithm": algo.state_dict(), "counters": dataclasses.asdict(self.counters),
                 "rng": _rng_state(), "config": self.config.to_dict()}
 
     def run(self) -> dict[str, Any]:
-        """Train until ``train.steps`` env steps; returns the last evaluation record."""
+        """Train until ``train.steps`` env steps; returns the last evaluation record.
+
+        Raises ``TrainingInterrupted`` when ``handle_signals`` and a signal
+        stopped the run.
+        """
+        stop = (StopSignals("stopping after this step, with a checkpoint of the last "
+                            "finished phase; press Ctrl-C again to quit at once")
+                if self.handle_signals else None)
+        with stop or contextlib.nullcontext():
+            self._stop = stop
+            try:
+                return self._run()
+            finally:
+                self._stop = None
+
+    def _run(self) -> dict[str, Any]:
         config = self.config
         torch.set_num_threads(config.train.threads)
         random.seed(config.train.seed)
@@ -197,17 +267,20 @@ class Trainer:
         bar = None
         last_eval: dict[str, Any] = {}
         try:
-            self.logdir.mkdir(parents=True, exist_ok=True)
-            save_config(config, self.logdir)
             env = TensorBatchEnv(batch_env, self.device)
             algo = BatchPPO(env.observation_space, env.action_space, len(env), config.ppo,
                             self.device)
+            # Only now that env and algorithm fit together (spaces) is this a run.
+            self.logdir.mkdir(parents=True, exist_ok=True)
+            save_config(config, self.logdir)
+            algo.interrupt_check = self._check_stop
             checkpoint = latest_checkpoint(self.logdir)
             if checkpoint is not None:
                 state = load_checkpoint(checkpoint, self.device)
                 algo.load_state_dict(state["algorithm"])
                 self.counters = Counters(**state["counters"])
                 _set_rng_state(state["rng"])
+                self._written = self.counters.steps
                 if batch_env.max_restarts:  # the bound is per run, over all its sessions
                     batch_env.max_restarts = max(
                         0, config.env.max_restarts - self.counters.env_restarts)
@@ -236,11 +309,18 @@ class Trainer:
                     self._report(last_eval, bar)
                     self.log.plot()
                     evals += 1
+                # A phase boundary: the only state a run can resume from exactly.
+                self._snapshot = (self.counters.steps, serialize(self._state(algo)))
                 if final or (due and evals % config.train.checkpoint_every == 0):
                     if not config.train.eval_episodes:
                         self.log.plot()  # else redrawn after every evaluation
-                    save_checkpoint(self.logdir, self.counters.steps, self._state(algo),
-                                    config.train.keep_checkpoints)
+                    self._save_snapshot()
+        except Interrupted as exc:
+            checkpoint = self._save_snapshot()
+            raise TrainingInterrupted(exc.signum, checkpoint, self._written or 0) from None
+        except EnvError:
+            self._save_snapshot()  # what the run learned until the env failed is kept
+            raise
         finally:
             if bar is not None:
                 bar.close()

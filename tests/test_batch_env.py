@@ -12,6 +12,7 @@ import pytest
 from gymnasium.wrappers import RescaleAction, TransformObservation
 
 from batchrl.envs import BatchEnv, ExternalProcess, wrap_env
+from batchrl.envs.errors import SpaceMismatchError, UnsupportedSpaceError
 
 # Ship this module's env classes and constructors to the workers by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -256,7 +257,7 @@ def test_reset_no_indices_returns_empty_batch(cartpoles):
 def test_observation_space_mismatch_names_env_and_both_spaces(external, position):
     envs = [external("CartPole-v1") for _ in range(3)]
     envs[position] = external("Pendulum-v1")
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(SpaceMismatchError) as info:
         BatchEnv(envs)
     message = str(info.value)
     assert "equal observation spaces" in message
@@ -269,7 +270,7 @@ def rescaled_pendulum():
 
 
 def test_action_space_mismatch_names_env_and_both_spaces(external):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(SpaceMismatchError) as info:
         BatchEnv([external("Pendulum-v1"), external(rescaled_pendulum)])
     message = str(info.value)
     assert "equal action spaces" in message
@@ -304,7 +305,7 @@ def dict_observation_cartpole():
                      r"a batch env needs one of Box, Discrete, MultiDiscrete, MultiBinary$"),
 ], ids=["tuple-obs", "dict-obs", "tuple-action"])
 def test_unsupported_spaces_are_rejected(external, constructor, message):
-    with pytest.raises(TypeError, match=message):
+    with pytest.raises(UnsupportedSpaceError, match=message):
         BatchEnv([external(constructor), external(constructor)])
 
 

@@ -15,6 +15,7 @@ import torch
 from batchrl.algos import BatchPPO, KLPenalty, PPOConfig
 from batchrl.algos.networks import Actor
 from batchrl.algos.ppo import compile_actor
+from batchrl.envs.errors import UnsupportedSpaceError
 
 OBS_SIZE = 3
 OBSERV = gym.spaces.Box(-np.inf, np.inf, (OBS_SIZE,), np.float32)
@@ -560,11 +561,11 @@ def test_config_accepts_valid_values():
 
 
 def test_constructor_rejects_unsupported_spaces():
-    with pytest.raises(TypeError):
+    with pytest.raises(UnsupportedSpaceError, match="BatchPPO"):
         BatchPPO(gym.spaces.Discrete(3), BOX, 2, PPOConfig(inference="eager"))
-    with pytest.raises(TypeError):
+    with pytest.raises(UnsupportedSpaceError, match="BatchPPO"):
         BatchPPO(OBSERV, gym.spaces.Box(-1, 1, (2, 2)), 2, PPOConfig(inference="eager"))
-    with pytest.raises(TypeError):
+    with pytest.raises(UnsupportedSpaceError, match="BatchPPO"):
         BatchPPO(OBSERV, gym.spaces.MultiDiscrete([2, 2]), 2, PPOConfig(inference="eager"))
 
 

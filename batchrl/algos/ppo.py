@@ -16,7 +16,7 @@ import copy
 import math
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Callable
 
 import gymnasium as gym
 import torch
@@ -26,6 +26,7 @@ from torch.distributions import Categorical, Distribution, Independent, Normal, 
 from batchrl.algos.base import Algorithm, Summary
 from batchrl.algos.networks import (Actor, CategoricalHead, FeedForwardBody, GaussianHead,
                                     Policy, RecurrentBody, ValueNet)
+from batchrl.envs.errors import UnsupportedSpaceError
 from batchrl.hardware import usable_cores
 from batchrl.parts.memory import EpisodeMemory
 from batchrl.parts.normalize import StreamingNormalizer
@@ -138,17 +139,20 @@ class BatchPPO(Algorithm):
         super().__init__(device)
         self.config = config = config or PPOConfig()
         if not isinstance(observation_space, gym.spaces.Box):
-            raise TypeError(f"BatchPPO needs a Box observation space, got {observation_space}")
+            raise UnsupportedSpaceError(f"BatchPPO needs a Box observation space, got "
+                                        f"{observation_space}")
         if isinstance(action_space, gym.spaces.Box):
             self.discrete = False
             action_shape, action_dtype = tuple(action_space.shape), torch.float32
             if len(action_shape) != 1:
-                raise TypeError(f"BatchPPO needs a 1-D Box action space, got {action_space}")
+                raise UnsupportedSpaceError(f"BatchPPO needs a 1-D Box action space, got "
+                                            f"{action_space}")
         elif isinstance(action_space, gym.spaces.Discrete):
             self.discrete = True
             action_shape, action_dtype = (), torch.int64
         else:
-            raise TypeError(f"BatchPPO supports Box and Discrete action spaces, got {action_space}")
+            raise UnsupportedSpaceError(f"BatchPPO supports Box and Discrete action spaces, got "
+                                        f"{action_space}")
         self.num_agents = num_agents
         obs_shape = tuple(observation_space.shape)
         obs_size = math.prod(obs_shape)
@@ -191,6 +195,11 @@ class BatchPPO(Algorithm):
                             "terminated": ((), torch.float32)},
             device=self.device)
         self.updates = 0
+        # Called before every gradient step of an update; it may raise (the
+        # trainer's Ctrl-C check) to abandon the update within a fraction of a
+        # second. The algorithm's state is then half-updated: the caller must
+        # discard it (the trainer keeps a snapshot from the last phase boundary).
+        self.interrupt_check: Callable[[], None] | None = None
         # What perform() saw, kept for experience().
         self._last: dict[str, torch.Tensor] | None = None
 
@@ -349,6 +358,8 @@ class BatchPPO(Algorithm):
             order = torch.randperm(mask.shape[0], device=self.device)
             size = config.batch_size or mask.shape[0]
             for start in range(0, mask.shape[0], size):
+                if self.interrupt_check is not None:
+                    self.interrupt_check()
                 rows = order[start:start + size]
                 batch = {name: value[rows] for name, value in batches.items()}
                 batch_mask = mask[rows].float()

@@ -9,21 +9,10 @@ from typing import Any, Callable, Sequence
 import gymnasium as gym
 import numpy as np
 
-from batchrl.envs.errors import EnvError, EnvNonFiniteError, EnvRaisedError
+from batchrl.envs.errors import EnvError, EnvNonFiniteError, EnvRaisedError, SpaceMismatchError
 from batchrl.envs.external import ExternalProcess
+from batchrl.envs.spaces import check_space
 from batchrl.envs.workers import EnvWorker, InfoList
-
-SUPPORTED_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete,
-                    gym.spaces.MultiBinary)
-
-
-def _check_space(kind: str, space: gym.Space) -> None:
-    if not isinstance(space, SUPPORTED_SPACES):
-        names = ", ".join(cls.__name__ for cls in SUPPORTED_SPACES)
-        hint = (" (flatten it, e.g. with gymnasium.wrappers.FlattenObservation)"
-                if kind == "observation" else "")
-        raise TypeError(f"unsupported {kind} space {space}: a batch env needs one of "
-                        f"{names}{hint}")
 
 
 class _LocalEnvs:
@@ -240,12 +229,12 @@ class BatchEnv:
                 self._locate(exc, position)
                 raise
         observation_space, action_space = spaces[0]
-        _check_space("observation", observation_space)
-        _check_space("action", action_space)
+        check_space("observation", observation_space)
+        check_space("action", action_space)
         for index, pair in enumerate(spaces[1:], 1):
             for kind, expected, got in zip(("observation", "action"), spaces[0], pair):
                 if got != expected:
-                    raise ValueError(
+                    raise SpaceMismatchError(
                         f"all envs of a BatchEnv need equal {kind} spaces, but env "
                         f"{index} has {got} while env 0 has {expected}")
         self.observation_space: gym.Space = observation_space

@@ -121,3 +121,12 @@ class RayWorkerCrashedError(EnvCrashedError):
         self.pid = None
         self.node = node
         self.reason = reason
+
+
+class UnsupportedSpaceError(TypeError):
+    """An observation or action space that cannot be batched or learned from
+    (the message names the space and the supported kinds)."""
+
+
+class SpaceMismatchError(ValueError):
+    """The envs of one batch have different observation or action spaces."""

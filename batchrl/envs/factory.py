@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import importlib
 import os
+import traceback
 from typing import Any, Callable
 
 import gymnasium as gym
 
 from batchrl.envs.batch import BatchEnv
+from batchrl.envs.errors import EnvRaisedError
 from batchrl.envs.external import ExternalProcess
 from batchrl.envs.workers import EnvWorker
 from batchrl.envs.wrappers import wrap_env
@@ -41,13 +43,36 @@ def resolve_constructor(env_id: str, kwargs: dict[str, Any] | None = None
         if not callable(function):
             raise EnvSpecError(f"env {env_id!r}: module {module_name!r} has no callable "
                                f"{attr!r}")
-        return lambda: function(**kwargs)
+
+        def build() -> gym.Env:
+            env = function(**kwargs)
+            # Caught here, the mistake is named; later it would surface as an
+            # AttributeError deep inside a wrapper, in a worker process.
+            if not isinstance(env, gym.Env):
+                raise EnvSpecError(f"env {env_id!r}: {module_name}.{attr}() returned "
+                                   f"{type(env).__name__} {env!r:.80}, not a gymnasium.Env")
+            return env
+
+        return build
     try:
         gym.spec(env_id)
     except gym.error.Error as exc:
         raise EnvSpecError(f"env {env_id!r}: {exc}. Use a registered Gymnasium id such as "
                            f"'HalfCheetah-v5' or 'package.module:function'") from None
     return lambda: gym.make(env_id, **kwargs)
+
+
+def build_in_process(constructor: Callable[[], gym.Env], label: str | None) -> gym.Env:
+    """``constructor()`` in this process. An exception from the env's code
+    becomes the ``EnvRaisedError`` a worker process would send (the env's
+    type, message and traceback), so every backend reports it alike."""
+    try:
+        return constructor()
+    except EnvSpecError:
+        raise
+    except Exception as exc:
+        raise EnvRaisedError(label or "env", "construct", type(exc).__name__, str(exc),
+                             "".join(traceback.format_exception(exc))) from exc
 
 
 BACKENDS = ("workers", "process", "inline", "ray")
@@ -126,7 +151,8 @@ def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
             processes = workers or max(1, usable_cores() - share_main)
             sizes = split_evenly(num_envs, processes + share_main)
             if share_main and len(sizes) > 1:
-                members.extend(constructor() for _ in range(sizes.pop(0)))
+                members.extend(build_in_process(constructor, label)
+                               for _ in range(sizes.pop(0)))
             for index, size in enumerate(sizes):
                 # Leave the first core to this process when it steps envs too.
                 cpu = cores[(index + share_main) % len(cores)] if pin_workers and cores else None
@@ -141,7 +167,7 @@ def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
             members = _ray_workers(constructor, num_envs, workers, label, timeout,
                                    construct_timeout, infos, ray_address, ray_resources)
         else:
-            members = [constructor() for _ in range(num_envs)]
+            members = [build_in_process(constructor, label) for _ in range(num_envs)]
         return BatchEnv(members, max_restarts=max_restarts)
     except BaseException:
         for member in members:

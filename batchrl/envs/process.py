@@ -34,7 +34,9 @@ from batchrl.envs.errors import (EnvAttributeError, EnvCrashedError, EnvError,
                                  EnvRaisedError, EnvTimeoutError)
 
 _POLL_SECONDS = 0.2
-_WORKER_MODULES = ["batchrl.envs.external", "batchrl.envs.workers"]
+# The fork server imports these before it forks any worker.
+_WORKER_MODULES = ["batchrl.envs.forkserver_signals", "batchrl.envs.external",
+                   "batchrl.envs.workers"]
 
 
 def context() -> mp.context.BaseContext:
@@ -82,12 +84,14 @@ def die_with_parent() -> None:
 
 def start_worker(parent_pid: int) -> bool:
     """First thing a worker does: tie its life to the parent's and ignore
-    Ctrl-C (it reaches the whole process group; the parent decides how to
-    stop). Returns ``False`` when the parent is already gone."""
+    Ctrl-C and SIGTERM (they reach the whole process group; the parent
+    decides how to stop, and closes its workers). Returns ``False`` when the
+    parent is already gone."""
     die_with_parent()
     if parent_pid != os.getppid() and not _alive(parent_pid):
         return False  # the parent died before prctl was armed
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return True
 
 
@@ -131,7 +135,7 @@ def answer_attribute(env: Any, name: str) -> tuple:
 
 
 def _shutdown(process, conn, timeout: float) -> None:
-    """Stop a worker: ask politely, then terminate, then kill."""
+    """Stop a worker: ask politely, then kill (workers ignore SIGTERM)."""
     try:
         if process.is_alive():
             try:
@@ -141,9 +145,6 @@ def _shutdown(process, conn, timeout: float) -> None:
             except (OSError, EOFError, ValueError):
                 pass
             process.join(timeout)
-        if process.is_alive():
-            process.terminate()
-            process.join(1.0)
         if process.is_alive():
             process.kill()
             process.join(1.0)

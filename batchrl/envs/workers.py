@@ -37,9 +37,10 @@ import cloudpickle
 import gymnasium as gym
 import numpy as np
 
-from batchrl.envs.errors import EnvError, EnvTimeoutError
+from batchrl.envs.errors import EnvError, EnvTimeoutError, UnsupportedSpaceError
 from batchrl.envs.process import (Channel, Frames, WorkerHandle, answer_attribute, constructor_label, error_message,
                                   resolve, start_worker)
+from batchrl.envs.spaces import check_space
 
 _STEP = b"S"
 _PICKLE = pickle.HIGHEST_PROTOCOL
@@ -359,6 +360,8 @@ class EnvWorker(WorkerHandle):
                                    f"all envs of a worker need equal spaces, but env {index} "
                                    f"has {obs} and {act} while env 0 has {obs_space} and "
                                    f"{act_space}")
+            check_space("observation", obs_space)
+            check_space("action", act_space)
             block = _Block(self.num_envs, obs_space, act_space)
             shm = shared_memory.SharedMemory(create=True, size=block.size)
             try:
@@ -370,6 +373,9 @@ class EnvWorker(WorkerHandle):
                 shm.unlink()
         except EnvTimeoutError:
             raise  # construction stays pending: wait again on the next call
+        except UnsupportedSpaceError:
+            self.close()
+            raise
         except EnvError as exc:
             self._construct_error = exc  # the envs never existed: say so every time
             self.close()

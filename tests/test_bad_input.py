@@ -1,0 +1,271 @@
+"""Bad input to real train.py and evaluate processes: each fails fast with a
+message that says what is wrong and what is valid, and the exit code says
+whose fault it was: 2 for the user's input (no Python traceback), 1 for an
+env that failed (its own error and traceback, not the trainer's).
+
+Also the env layer's own checks of spaces, in and out of worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import gymnasium as gym
+import pytest
+
+from batchrl.config import load_config
+from batchrl.envs.batch import BatchEnv
+from batchrl.envs.errors import UnsupportedSpaceError
+from batchrl.envs.external import ExternalProcess
+from batchrl.envs.workers import EnvWorker
+from batchrl.trainer import Trainer
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN_PY = REPO / "train.py"
+TINY = ["--set", "env.num_agents=2", "--set", "ppo.update_every=2", "--set",
+        "train.eval_episodes=2", "--set", "train.device=cpu", "--set", "train.steps=200"]
+
+USER_ENVS = '''
+import gymnasium as gym
+
+
+def raises(**kwargs):
+    raise RuntimeError("the simulator licence file is missing")
+
+
+def not_an_env():
+    return "CartPole-v1"
+
+
+class DictObservation(gym.ObservationWrapper):
+    def __init__(self, env):
+        super().__init__(env)
+        self.observation_space = gym.spaces.Dict({"state": env.observation_space})
+
+    def observation(self, observ):
+        return {"state": observ}
+
+
+def dict_observation():
+    return DictObservation(gym.make("CartPole-v1"))
+
+
+class TupleAction(gym.ActionWrapper):
+    def __init__(self, env):
+        super().__init__(env)
+        self.action_space = gym.spaces.Tuple((gym.spaces.Discrete(2), gym.spaces.Discrete(2)))
+
+    def action(self, action):
+        return int(action[0])
+
+
+def tuple_action():
+    return TupleAction(gym.make("CartPole-v1"))
+
+
+def multi_discrete():
+    env = gym.make("CartPole-v1")
+    env.action_space = gym.spaces.MultiDiscrete([2, 2])
+    return env
+'''
+
+
+def make_cases(tmp: Path) -> dict[str, tuple[list[str], int, list[str]]]:
+    """name: (train.py arguments, exit code, texts stderr must contain)."""
+    (tmp / "a-file").write_text("")
+    corrupt = tmp / "corrupt-config"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text('{"env": {"id": "CartPole-v1"')
+    invalid = tmp / "invalid-config"
+    invalid.mkdir()
+    (invalid / "config.json").write_text(json.dumps({"env": {"num_agents": 0}}))
+    envs = "--config", "cartpole", *TINY
+    return {
+        "steps 0": (["--config", "cartpole", "--steps", "0"], 2,
+                    ["train.steps must be >= 1, got 0"]),
+        "steps -5": (["--config", "cartpole", "--steps", "-5"], 2,
+                     ["train.steps must be >= 1, got -5"]),
+        "set without =": (["--config", "cartpole", "--set", "ppo.discount"], 2,
+                          ["--set needs section.key=value, got 'ppo.discount'"]),
+        "set without section": (["--config", "cartpole", "--set", "discount=0.9"], 2,
+                                ["--set key must be section.key"]),
+        "unknown config": (["--config", "nosuch"], 2,
+                           ["no config named 'nosuch'", "available: ", "cartpole"]),
+        "logdir is a file": (["--config", "cartpole", "--logdir", str(tmp / "a-file")], 2,
+                             [f"--logdir {tmp / 'a-file'} is a file, not a directory"]),
+        "logdir under a file": (["--config", "cartpole", "--logdir",
+                                 str(tmp / "a-file" / "run")], 2,
+                                [f"cannot write to --logdir {tmp / 'a-file' / 'run'}: "
+                                 f"Not a directory", "choose a directory"]),
+        "corrupt saved config": (["--config", "cartpole", "--logdir", str(corrupt)], 2,
+                                 [f"cannot read the saved config {corrupt / 'config.json'}",
+                                  "restore the file"]),
+        "invalid saved config": (["--config", "cartpole", "--logdir", str(invalid)], 2,
+                                 [f"the saved config {invalid / 'config.json'}",
+                                  "env.num_agents must be >= 1, got 0"]),
+        "unknown env id": ([*envs, "--set", "env.id=NoSuchEnv-v0"], 2,
+                           ["NoSuchEnv-v0", "registered Gymnasium id",
+                            "package.module:function"]),
+        "missing module": ([*envs, "--set", "env.id=no_such_module_xyz:make"], 2,
+                           ["cannot import module 'no_such_module_xyz'"]),
+        "missing function": ([*envs, "--set", "env.id=userenvs:nosuch"], 2,
+                             ["module 'userenvs' has no callable 'nosuch'"]),
+        "not an env, in process": ([*envs, "--set", "env.id=userenvs:not_an_env"], 2,
+                                   ["userenvs.not_an_env() returned str 'CartPole-v1', "
+                                    "not a gymnasium.Env"]),
+        "not an env, in a worker": ([*envs, "--set", "env.id=userenvs:not_an_env",
+                                     "--set", "env.backend=process"], 2,
+                                    ["userenvs.not_an_env() returned str 'CartPole-v1', "
+                                     "not a gymnasium.Env"]),
+        "dict observation": ([*envs, "--set", "env.id=userenvs:dict_observation",
+                              "--set", "env.backend=workers"], 2,
+                             ["unsupported observation space Dict('state': Box(",
+                              "Box, Discrete", "FlattenObservation"]),
+        "tuple action": ([*envs, "--set", "env.id=userenvs:tuple_action"], 2,
+                         ["unsupported action space Tuple(Discrete(2), Discrete(2))",
+                          "Box, Discrete"]),
+        "multi-discrete action": ([*envs, "--set", "env.id=userenvs:multi_discrete"], 2,
+                                  ["BatchPPO supports Box and Discrete action spaces, "
+                                   "got MultiDiscrete([2 2])"]),
+        # The env's own code failed: exit 1, with the env's error and where it was raised.
+        "constructor raises, in process": (
+            [*envs, "--set", "env.id=userenvs:raises"], 1,
+            ["userenvs:raises failed in construct(): RuntimeError: the simulator licence "
+             "file is missing", 'userenvs.py", line 6, in raises']),
+        "constructor raises, in a worker": (
+            [*envs, "--set", "env.id=userenvs:raises", "--set", "env.backend=workers",
+             "--set", "env.share_main=false"], 1,
+            ["env 0 (userenvs:raises) failed in construct(): RuntimeError: the simulator "
+             "licence file is missing", 'userenvs.py", line 6, in raises']),
+        "env raises mid-training": (
+            [*envs, "--set", "env.id=batchrl.envs.faults:make", "--set",
+             'env.kwargs={fault = "raise", at_step = 40}', "--set", "env.backend=process"], 1,
+            ["failed in step(): RuntimeError: injected fault in step 40",
+             "Traceback in the env worker", 'faults.py", line']),
+    }
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every case's train.py, four at a time (most of each is importing torch)."""
+    tmp = tmp_path_factory.mktemp("bad-input")
+    (tmp / "userenvs.py").write_text(textwrap.dedent(USER_ENVS))
+    cases = make_cases(tmp)
+    environ = dict(os.environ, PYTHONPATH=str(REPO))
+
+    def run(name: str) -> subprocess.CompletedProcess:
+        args = cases[name][0]
+        if "--logdir" not in args:
+            args = [*args, "--logdir", str(tmp / "runs" / name.replace(" ", "-"))]
+        return subprocess.run([sys.executable, str(TRAIN_PY), *args, "--no-progress"],
+                              cwd=tmp, env=environ, capture_output=True, text=True,
+                              timeout=120)
+
+    with ThreadPoolExecutor(4) as pool:
+        done = dict(zip(cases, pool.map(run, cases)))
+    return tmp, cases, done
+
+
+def case_names() -> list[str]:
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        return list(make_cases(Path(tmp)))
+
+
+@pytest.mark.parametrize("name", case_names())
+def test_train_py_says_what_is_wrong(results, name):
+    tmp, cases, done = results
+    _, code, texts = cases[name]
+    result = done[name]
+    assert result.returncode == code, (result.stdout, result.stderr)
+    assert result.stderr.startswith("error: "), result.stderr
+    for text in texts:
+        assert text in result.stderr, (text, result.stderr)
+    if code == 2:
+        assert "Traceback" not in result.stderr
+    else:
+        # The env's traceback, not the trainer's.
+        assert "Traceback (most recent call last)" in result.stderr
+        assert "trainer.py" not in result.stderr and "train.py" not in result.stderr
+    # Nothing that would make the log directory a run to resume.
+    run = tmp / "runs" / name.replace(" ", "-")
+    if code == 2 or "construct" in texts[0]:
+        assert not (run / "config.json").exists()
+        assert not run.exists()  # not even an empty directory is left
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_train_py_read_only_logdir(tmp_path):
+    parent = tmp_path / "read-only"
+    parent.mkdir()
+    parent.chmod(0o500)
+    try:
+        result = subprocess.run(
+            [sys.executable, str(TRAIN_PY), "--config", "cartpole", "--logdir",
+             str(parent / "run")], env=dict(os.environ, PYTHONPATH=str(REPO)),
+            capture_output=True, text=True, timeout=120)
+    finally:
+        parent.chmod(0o700)
+    assert result.returncode == 2
+    assert f"cannot write to --logdir {parent / 'run'}: Permission denied" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_evaluate_cli_bad_logdirs(tmp_path):
+    """``python -m batchrl.evaluate`` on a log directory without checkpoints,
+    on one whose checkpoint is damaged, and naming a checkpoint that is not there."""
+    logdir = tmp_path / "run"
+    Trainer(load_config("cartpole", ["env.num_agents=2", "ppo.update_every=2",
+                                     "train.eval_episodes=2", "train.steps=50",
+                                     "train.device=cpu"]), logdir, progress=False).run()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    shutil.copy(logdir / "config.json", empty)
+    damaged = sorted(logdir.glob("ckpt-*.pt"))[-1]
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    environ = dict(os.environ, PYTHONPATH=str(REPO))
+    missing = logdir / "ckpt-000000999999.pt"
+    for args, texts in (([empty], [f"{empty} holds no checkpoint", "config.json"]),
+                        ([logdir], [f"cannot read checkpoint {damaged}", "Delete it"]),
+                        ([logdir, "--checkpoint", missing],
+                         [f"checkpoint {missing} does not exist"])):
+        result = subprocess.run([sys.executable, "-m", "batchrl.evaluate", *map(str, args)],
+                                cwd=REPO, env=environ, capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 2, result
+        assert "Traceback" not in result.stderr
+        for text in texts:
+            assert text in result.stderr, result.stderr
+
+
+# --- the env layer's space checks -------------------------------------------------------
+
+def dict_observation_cartpole() -> gym.Env:
+    env = gym.make("CartPole-v1")
+    return gym.wrappers.TransformObservation(
+        env, lambda observ: {"x": observ}, gym.spaces.Dict({"x": env.observation_space}))
+
+
+@pytest.mark.parametrize("where", ["in-process", "process", "worker"])
+def test_unsupported_space_names_the_space_on_every_backend(where):
+    if where == "in-process":
+        members = [dict_observation_cartpole()]
+    elif where == "process":
+        members = [ExternalProcess(dict_observation_cartpole)]
+    else:
+        members = [EnvWorker([dict_observation_cartpole] * 2)]
+    try:
+        with pytest.raises(UnsupportedSpaceError,
+                           match=r"unsupported observation space Dict\('x': Box\(.*a batch "
+                                 r"env needs one of Box, Discrete, MultiDiscrete, MultiBinary"):
+            BatchEnv(members)
+    finally:
+        for member in members:
+            member.close()

@@ -1,0 +1,284 @@
+"""Crashes and kills with real processes: a SIGKILLed trainer leaves no env
+worker behind, a signal to the process group leaves the workers to the
+parent, a checkpoint write killed at random moments never leaves an
+unreadable checkpoint, and a damaged one is reported by name.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from batchrl.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints,
+                                load_checkpoint, save_checkpoint)
+from batchrl.config import load_config
+from batchrl.metrics import read_metrics
+from batchrl.trainer import Trainer
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN_PY = REPO / "train.py"
+ENVIRON = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+CARTPOLE = ["env.num_agents=4", "ppo.update_every=4", "train.eval_episodes=4",
+            "train.device=cpu"]
+
+
+def sets(*overrides: str) -> list[str]:
+    return [arg for override in overrides for arg in ("--set", override)]
+
+
+def running(pids: list[int]) -> list[int]:
+    """The pids of ``pids`` that still run (zombies count as gone)."""
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while running(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return running(pids)
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in running(pids):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+# --- SIGKILL of the trainer ------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["workers", "process"])
+def test_sigkilled_train_py_leaves_no_process_behind(backend, tmp_path):
+    """SIGKILL gives train.py no chance to clean up: its env workers (and the
+    fork server, and the shared-memory tracker) must exit by themselves."""
+    logdir = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, str(TRAIN_PY), "--config", "cartpole", "--logdir", str(logdir),
+         "--no-progress", *sets(*CARTPOLE, f"env.backend={backend}", "env.workers=2",
+                                "env.share_main=false", "train.steps=1000000")],
+        env=ENVIRON, start_new_session=True, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 90
+        while len(read_metrics(logdir)) < 2 and process.poll() is None:
+            assert time.monotonic() < deadline, "train.py did not train"
+            time.sleep(0.05)
+        assert process.poll() is None, process.communicate()
+        children = [p.pid for p in psutil.Process(process.pid).children(recursive=True)]
+        envs = 2 if backend == "workers" else 4
+        assert len(children) >= envs + 1  # the env processes and the fork server
+        assert running(children) == children
+        os.kill(process.pid, signal.SIGKILL)
+        assert process.wait(10) == -signal.SIGKILL
+        assert wait_gone(children, timeout=20) == []
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+        kill_all(children)
+
+
+# --- signals to the whole process group ------------------------------------------------
+
+GROUP_SIGNAL_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    import numpy as np
+    from batchrl.envs.factory import make_batch_env
+
+    # This process plays the trainer: it handles the signals itself. (A handler,
+    # not SIG_IGN, which the fork server would inherit.)
+    signal.signal(signal.SIGINT, lambda *_: None)
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    batch = make_batch_env("CartPole-v1", 4, backend=sys.argv[1], workers=2,
+                           share_main=False)
+    batch.reset(seed=0)
+    print("ready", flush=True)
+    sys.stdin.readline()  # the test signals the whole group meanwhile
+    for _ in range(5):
+        batch.reset(seed=1)
+        batch.step(np.zeros(4, np.int64))
+    batch.close()
+    print("stepped and closed", flush=True)
+""")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["workers", "process"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_group_signal_leaves_the_workers_to_the_parent(backend, signum):
+    """Ctrl-C and ``kill -TERM -PGID`` reach every process of the group; the
+    env workers and the fork server must survive them, so that the parent can
+    finish its step, write its checkpoint and close them itself."""
+    process = subprocess.Popen([sys.executable, "-c", GROUP_SIGNAL_SCRIPT, backend],
+                               env=ENVIRON, start_new_session=True, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    children: list[int] = []
+    try:
+        assert process.stdout.readline() == "ready\n", process.communicate()
+        children = [p.pid for p in psutil.Process(process.pid).children(recursive=True)]
+        os.killpg(process.pid, signum)
+        time.sleep(0.5)  # a killed fork server takes its workers with it at once
+        stdout, stderr = process.communicate("go\n", timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, stderr
+    assert stdout == "stepped and closed\n"
+    assert wait_gone(children, timeout=10) == []
+
+
+# --- checkpoint writes killed at random moments ----------------------------------------
+
+WRITER_SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    from batchrl.checkpoint import latest_checkpoint, save_checkpoint
+
+    logdir = sys.argv[1]
+    latest = latest_checkpoint(logdir)
+    step = 0 if latest is None else int(latest.stem.split("-")[1])
+    print("writing", flush=True)
+    while True:  # until killed: checkpoints of 24 MB, each filled with its step
+        step += 1
+        save_checkpoint(logdir, step, {"algorithm": {"weights": torch.full((6_000_000,), float(step))},
+                                       "counters": {"steps": step}}, keep=2)
+""")
+
+
+@pytest.mark.timeout(180)
+def test_checkpoint_write_killed_at_random_moments_leaves_the_latest_loadable(tmp_path):
+    rng = random.Random(0)
+    rounds, interrupted_writes, last_step = 12, 0, 0
+    for _ in range(rounds):
+        writer = subprocess.Popen([sys.executable, "-c", WRITER_SCRIPT, str(tmp_path)],
+                                  env=ENVIRON, stdout=subprocess.PIPE, text=True)
+        try:
+            assert writer.stdout.readline() == "writing\n"
+            time.sleep(rng.uniform(0.05, 1.0))
+            writer.kill()
+            writer.wait(10)
+        finally:
+            if writer.poll() is None:
+                writer.kill()
+                writer.wait()
+            writer.stdout.close()
+        interrupted_writes += bool(list(tmp_path.glob("*.tmp")))
+        latest = latest_checkpoint(tmp_path)
+        if latest is None:
+            continue  # killed before the first write completed
+        assert not latest.name.endswith(".tmp")
+        assert set(list_checkpoints(tmp_path)) <= set(tmp_path.glob("ckpt-*.pt"))
+        state = load_checkpoint(latest)
+        step = state["counters"]["steps"]
+        assert latest.name == f"ckpt-{step:012d}.pt"
+        assert torch.equal(state["algorithm"]["weights"],
+                           torch.full((6_000_000,), float(step)))
+        assert step >= last_step
+        last_step = step
+    assert last_step > 0
+    # Most kills hit a write in progress (the writer does nothing else), and
+    # those left a partial .tmp file that was never taken for a checkpoint.
+    assert interrupted_writes > 0
+    # The next write cleans the partial files up.
+    save_checkpoint(tmp_path, last_step + 1, {"algorithm": {}}, keep=2)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+# --- a damaged checkpoint, a partial one -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    logdir = tmp_path_factory.mktemp("finished") / "run"
+    config = load_config("cartpole", CARTPOLE + ["train.steps=400"])
+    Trainer(config, logdir, progress=False).run()
+    return logdir
+
+
+def copy_run(source: Path, target: Path) -> Path:
+    import shutil
+    shutil.copytree(source, target)
+    return target
+
+
+@pytest.mark.timeout(120)
+def test_damaged_latest_checkpoint_is_named_and_nothing_is_overwritten(finished_run,
+                                                                       tmp_path):
+    logdir = copy_run(finished_run, tmp_path / "run")
+    latest = list_checkpoints(logdir)[-1]
+    data = latest.read_bytes()
+    latest.write_bytes(data[:len(data) // 2])  # as a copy cut short would leave it
+    records = read_metrics(logdir)
+    with pytest.raises(CheckpointError, match=f"cannot read checkpoint {latest}"):
+        load_checkpoint(latest)
+    result = subprocess.run(
+        [sys.executable, str(TRAIN_PY), "--config", "cartpole", "--logdir", str(logdir),
+         "--no-progress", "--steps", "800"],
+        env=ENVIRON, capture_output=True, text=True, timeout=100)
+    assert result.returncode == 2, result
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"error: cannot read checkpoint {latest}")
+    assert "Delete it to continue from the previous checkpoint" in result.stderr
+    assert latest.read_bytes() == data[:len(data) // 2]  # left for the user to look at
+    assert read_metrics(logdir) == records
+
+
+def test_partial_tmp_file_is_not_taken_for_a_checkpoint(finished_run, tmp_path):
+    logdir = copy_run(finished_run, tmp_path / "run")
+    latest = list_checkpoints(logdir)[-1]
+    step = load_checkpoint(latest)["counters"]["steps"]
+    # A write of a later checkpoint that a crash cut short.
+    partial = logdir / f"ckpt-{step + 1000:012d}.pt.tmp"
+    partial.write_bytes(latest.read_bytes()[:1000])
+    assert latest_checkpoint(logdir) == latest
+    config = load_config("cartpole", CARTPOLE + ["train.steps=600"])
+    Trainer(config, logdir, progress=False).run()
+    records = read_metrics(logdir)
+    assert records[-1]["step"] >= 600
+    assert [r["step"] for r in records if r["phase"] == "train"] == \
+        sorted({r["step"] for r in records if r["phase"] == "train"})
+    assert not partial.exists()  # cleaned up by the next checkpoint write
+
+
+# --- an env failure keeps the last phase boundary --------------------------------------
+
+def test_env_failure_saves_the_last_phase_boundary(tmp_path):
+    """No checkpoint is due (checkpoint_every is huge) when an env raises
+    mid-run: the trainer still writes the state of the last finished phase,
+    and the run resumes from it without repeating or losing a phase."""
+    from batchrl.envs.errors import EnvRaisedError
+    logdir = tmp_path / "run"
+    config = load_config("cartpole", CARTPOLE + [
+        "env.id=batchrl.envs.faults:make", 'env.kwargs={fault = "raise", at_step = 300}',
+        "train.checkpoint_every=1000", "train.steps=100000"])
+    with pytest.raises(EnvRaisedError, match="injected fault in step 300"):
+        Trainer(config, logdir, progress=False).run()
+    records = read_metrics(logdir)
+    checkpoints = list_checkpoints(logdir)
+    assert len(checkpoints) == 1 and len(records) >= 2
+    state = load_checkpoint(checkpoints[0])
+    # The last boundary: after a training phase and its evaluation (eval_every=1).
+    assert state["counters"]["steps"] == records[-1]["step"] or \
+        (records[-1]["phase"] == "train" and state["counters"]["steps"] == records[-2]["step"])
+    assert state["counters"]["phases"] == sum(r["step"] <= state["counters"]["steps"]
+                                              for r in records)

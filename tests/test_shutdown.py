@@ -1,0 +1,335 @@
+"""Stopping a run: Ctrl-C and SIGTERM to real train.py processes, a second
+signal, interruptible PPO updates, and an interrupted run that resumes to the
+same result as an uninterrupted one.
+
+The signals go to the whole process group, as a terminal's Ctrl-C or a job
+scheduler's SIGTERM would, so env workers and the fork server receive them too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from batchrl.algos.ppo import BatchPPO, PPOConfig
+from batchrl.checkpoint import list_checkpoints, load_checkpoint
+from batchrl.interrupt import Interrupted
+from batchrl.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN_PY = REPO / "train.py"
+# CartPole with 4 agents and an update every 4 episodes: a phase takes ~0.1 s.
+CARTPOLE = ["env.num_agents=4", "ppo.update_every=4", "train.eval_episodes=4",
+            "train.device=cpu", "train.checkpoint_every=3", "train.keep_checkpoints=100",
+            "ppo.update_threads=1"]  # several threads crawl on a busy 2-core machine
+
+
+def sets(*overrides: str) -> list[str]:
+    return [arg for override in overrides for arg in ("--set", override)]
+
+
+def start_train_py(*args: str, cwd: Path = REPO) -> subprocess.Popen:
+    """train.py in its own process group (so that a signal to the group
+    reaches it and its children as Ctrl-C in a terminal would)."""
+    environ = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, str(TRAIN_PY), *args, "--no-progress"],
+                            cwd=cwd, env=environ, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def descendants(pid: int) -> list[int]:
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def running(pids: list[int]) -> list[int]:
+    """The pids of ``pids`` that still run (zombies count as gone)."""
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[str]:
+    """Wait until none of ``pids`` runs; the command lines of those still running."""
+    deadline = time.monotonic() + timeout
+    while running(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = []
+    for pid in running(pids):
+        try:
+            left.append(f"{pid}: {' '.join(psutil.Process(pid).cmdline())[:120]}")
+            os.kill(pid, signal.SIGKILL)  # never leave them behind
+        except (psutil.Error, ProcessLookupError):
+            pass
+    return left
+
+
+def finish(process: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"train.py did not exit within {timeout} s:\n{stdout}\n{stderr}")
+    return process.returncode, stdout, stderr
+
+
+def assert_same(a: object, b: object, path: str = "state") -> None:
+    """``a`` and ``b`` are equal nested dicts/lists of tensors, arrays and scalars."""
+    assert type(a) is type(b), path
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for key in a:
+            assert_same(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b), path
+    else:
+        assert a == b, path
+
+
+def comparable(records: list[dict]) -> list[tuple]:
+    """What must not depend on where a run was interrupted (not its timings)."""
+    return [(r["step"], r["phase"], r["score"], r["score_std"], r["length"], r["episodes"])
+            for r in records]
+
+
+# --- StopSignals on its own, in a child process ------------------------------------------
+
+STOP_SIGNALS_SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    from batchrl.interrupt import Interrupted, StopSignals
+
+    before = signal.getsignal(signal.SIGTERM)
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIG{first})
+        assert stop.requested and stop.signum == signal.SIG{first}
+        try:
+            stop.check()
+        except Interrupted as exc:
+            print(exc.exit_code, exc.signal_name, flush=True)
+        if "{second}":
+            os.kill(os.getpid(), signal.SIG{second})
+            print("still alive after a second signal", flush=True)
+    assert signal.getsignal(signal.SIGTERM) is before
+    print("handlers restored", flush=True)
+""")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("first,second,code", [("INT", "", 130), ("TERM", "", 143),
+                                               ("INT", "TERM", 130), ("TERM", "INT", 143)])
+def test_stop_signals_flag_the_first_signal_and_die_on_the_second(first, second, code):
+    script = STOP_SIGNALS_SCRIPT.format(first=first, second=second)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=50, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"{code} SIG{first}", result.stderr
+    if second:
+        # The second signal ends the process by its default action at once.
+        assert result.returncode == -getattr(signal, f"SIG{second}"), result
+        assert lines == [f"{code} SIG{first}"]
+    else:
+        assert result.returncode == 0, result.stderr
+        assert lines == [f"{code} SIG{first}", "handlers restored"]
+
+
+# --- an interruptible PPO update ---------------------------------------------------------
+
+def test_ppo_update_stops_between_gradient_steps():
+    observation_space = gym.spaces.Box(-1, 1, (3,), np.float32)
+    action_space = gym.spaces.Box(-1, 1, (2,), np.float32)
+    config = PPOConfig(update_every=2, update_epochs=50, max_length=5, inference="eager")
+    algo = BatchPPO(observation_space, action_space, 2, config)
+    agents = torch.arange(2)
+    algo.begin_episodes(agents)
+    for step in range(5):
+        observ = torch.randn(2, 3)
+        action, _ = algo.perform(agents, observ)
+        done = torch.full((2,), step == 4)
+        algo.experience(agents, observ, action, torch.ones(2), done, torch.randn(2, 3),
+                        torch.zeros(2, dtype=torch.bool))
+    calls = []
+
+    def interrupt_after_three() -> None:
+        calls.append(1)
+        if len(calls) > 3:
+            raise Interrupted(signal.SIGINT)
+
+    algo.interrupt_check = interrupt_after_three
+    weights = [p.detach().clone() for p in algo.policy.parameters()]
+    with pytest.raises(Interrupted):
+        algo.end_episodes(agents)
+    # Three of 50 gradient steps ran: the policy moved, the update never finished.
+    assert len(calls) == 4
+    assert algo.updates == 0
+    assert any(not torch.equal(a, b) for a, b in zip(weights, algo.policy.parameters()))
+
+
+# --- train.py and signals --------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_the_process_group_stops_train_py_cleanly(signum, tmp_path):
+    """Workers, fork server and trainer all get the signal; the trainer stops
+    within seconds, writes the last phase boundary as a checkpoint, closes
+    every child process and exits 130 (SIGINT) or 143 (SIGTERM)."""
+    logdir = tmp_path / "run"
+    process = start_train_py("--config", "cartpole", "--logdir", str(logdir),
+                             *sets(*CARTPOLE, "env.backend=workers", "env.workers=1",
+                                   "env.share_main=false", "ppo.update_epochs=200",
+                                   "train.steps=1000000"))
+    try:
+        wait_for(lambda: len(read_metrics(logdir)) >= 3 or process.poll() is not None, 90,
+                 "three phases")
+        assert process.poll() is None, process.communicate()
+        children = descendants(process.pid)
+        assert len(children) >= 2  # the fork server and the env worker at least
+        os.killpg(process.pid, signum)
+        signalled = time.monotonic()
+        code, stdout, stderr = finish(process)
+        stopped_in = time.monotonic() - signalled
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert code == 128 + signum, (stdout, stderr)
+    assert stopped_in < 20, stopped_in  # a hang guard: it takes about a second
+    assert "Traceback" not in stderr, stderr
+    # The env workers are closed before train.py exits; the fork server and
+    # the shared-memory tracker exit as soon as they see its pipes close.
+    assert wait_gone(children, timeout=10) == []
+    name = signal.Signals(signum).name
+    assert f"{name}: stopping after this step" in stderr
+    # The final checkpoint is the last complete phase boundary: every record
+    # up to it is in metrics.jsonl, and the resume command is printed.
+    latest = list_checkpoints(logdir)[-1]
+    state = load_checkpoint(latest)
+    records = read_metrics(logdir)
+    assert f"Stopped by {name}; checkpoint at step {state['counters']['steps']:,}: {latest}" \
+        in stdout
+    assert f"Resume with: python train.py --config cartpole --logdir {logdir}" in stdout
+    kept = [r for r in records if r["step"] <= state["counters"]["steps"]]
+    assert len(kept) == state["counters"]["phases"]
+    assert not list(logdir.glob("*.tmp"))
+
+
+@pytest.mark.timeout(120)
+def test_second_ctrl_c_quits_at_once_and_no_worker_survives(tmp_path):
+    """A worker hangs in its step (no step timeout): the first Ctrl-C cannot
+    be acted on until the step returns; the second ends train.py at once, and
+    every worker exits by itself."""
+    logdir = tmp_path / "run"
+    process = start_train_py(
+        "--config", "cartpole", "--logdir", str(logdir),
+        *sets(*CARTPOLE, "env.backend=process", "env.timeout=0",
+              "env.id=batchrl.envs.faults:make",
+              'env.kwargs={fault = "hang", at_step = 30}'))
+    try:
+        # The processes exist once the trainer has taken over Ctrl-C.
+        wait_for(lambda: len(descendants(process.pid)) >= 5 or process.poll() is not None,
+                 90, "the env processes")
+        children = descendants(process.pid)
+        time.sleep(1.0)  # let every env reach its hang (step 30)
+        assert process.poll() is None
+        os.killpg(process.pid, signal.SIGINT)
+        time.sleep(1.0)
+        assert process.poll() is None  # still waiting for the hung step
+        os.killpg(process.pid, signal.SIGINT)
+        code, stdout, stderr = finish(process, timeout=20)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert code == -signal.SIGINT, (stdout, stderr)
+    assert "SIGINT: stopping after this step" in stderr and "Ctrl-C again" in stderr
+    assert wait_gone(children, timeout=20) == []
+
+
+# --- interrupted and resumed == uninterrupted ------------------------------------------
+
+@pytest.mark.timeout(300)
+def test_interrupted_twice_and_resumed_equals_an_uninterrupted_run(tmp_path):
+    """Ctrl-C twice at arbitrary moments (mid-phase or mid-update), resumed
+    each time with the printed command: metrics.jsonl ends up exactly as an
+    uninterrupted run's, no phase repeated or missing, and the final model is
+    the same (CPU, same seed)."""
+    args = sets(*CARTPOLE, "ppo.update_epochs=100", "train.steps=4000")
+    straight = tmp_path / "straight"
+    process = start_train_py("--config", "cartpole", "--logdir", str(straight), *args)
+    code, stdout, stderr = finish(process, timeout=200)
+    assert code == 0, stderr
+    expected = comparable(read_metrics(straight))
+    assert len(expected) > 20
+
+    resumed = tmp_path / "resumed"
+    interrupts = []
+    for stop_after in (len(expected) // 3, 2 * len(expected) // 3):
+        command = ["--config", "cartpole", "--logdir", str(resumed)]
+        process = start_train_py(*command, *(args if not interrupts else []))
+        try:
+            # Some phases after the previous session's checkpoint: a moment
+            # no checkpoint boundary is tied to.
+            wait_for(lambda: len(read_metrics(resumed)) >= stop_after
+                     or process.poll() is not None, 150, f"{stop_after} phases")
+            os.killpg(process.pid, signal.SIGINT)
+            code, stdout, stderr = finish(process)
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+        assert code == 130, (stdout, stderr)
+        assert f"Resume with: python train.py --config cartpole --logdir {resumed}" in stdout
+        interrupts.append(load_checkpoint(list_checkpoints(resumed)[-1])["counters"]["steps"])
+        # What is on disk now is a prefix of the uninterrupted run.
+        assert comparable(read_metrics(resumed)) == expected[:len(read_metrics(resumed))]
+
+    assert interrupts[0] < interrupts[1] < expected[-1][0]
+    process = start_train_py("--config", "cartpole", "--logdir", str(resumed))
+    code, stdout, stderr = finish(process, timeout=200)
+    assert code == 0, stderr
+    assert f"at step {interrupts[1]:,}" in stdout
+    assert comparable(read_metrics(resumed)) == expected
+    # Networks, optimisers, normalisers, KL penalty, counters and RNG states:
+    # the same as the uninterrupted run's, bit for bit (but the wall time).
+    final = load_checkpoint(list_checkpoints(resumed)[-1])
+    reference = load_checkpoint(list_checkpoints(straight)[-1])
+    assert final["counters"].pop("wall_time") != reference["counters"].pop("wall_time")
+    assert_same(final, reference)
+    # The TensorBoard events of the lost phases were purged too: one update per step.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(resumed), size_guidance={"scalars": 0})
+    events.Reload()
+    kl_steps = [event.step for event in events.Scalars("ppo/kl")]
+    assert kl_steps == sorted(set(kl_steps))
+    assert json.loads((resumed / "config.json").read_text()) == \
+        json.loads((straight / "config.json").read_text())
