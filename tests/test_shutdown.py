@@ -251,17 +251,20 @@ def test_second_ctrl_c_quits_at_once_and_no_worker_survives(tmp_path):
     be acted on until the step returns; the second ends train.py at once, and
     every worker exits by itself."""
     logdir = tmp_path / "run"
+    faults = tmp_path / "faults"  # FaultyEnv touches a file here when it starts to hang
+    faults.mkdir()
     process = start_train_py(
         "--config", "cartpole", "--logdir", str(logdir),
         *sets(*CARTPOLE, "env.backend=process", "env.timeout=0",
               "env.id=batchrl.envs.faults:make",
-              'env.kwargs={fault = "hang", at_step = 30}'))
+              f'env.kwargs={{fault = "hang", at_step = 30, log_dir = "{faults}"}}'))
     try:
         # The processes exist once the trainer has taken over Ctrl-C.
         wait_for(lambda: len(descendants(process.pid)) >= 5 or process.poll() is not None,
                  90, "the env processes")
         children = descendants(process.pid)
-        time.sleep(1.0)  # let every env reach its hang (step 30)
+        wait_for(lambda: any(faults.iterdir()) or process.poll() is not None, 60,
+                 "an env to hang")
         assert process.poll() is None
         os.killpg(process.pid, signal.SIGINT)
         time.sleep(1.0)

@@ -122,9 +122,10 @@ class FaultyEnv(gym.Wrapper):
 def make(env_id: str = "CartPole-v1", fault: str | Sequence[str] = "raise",
          at_step: int | None = None, every: int | None = None, in_reset: bool = False,
          once_file: str | None = None, seed: int | None = None,
-         hang_seconds: float = 3600.0, **kwargs: Any) -> FaultyEnv:
+         hang_seconds: float = 3600.0, log_dir: str | None = None,
+         **kwargs: Any) -> FaultyEnv:
     """``gymnasium.make(env_id, **kwargs)`` wrapped in ``FaultyEnv``; usable as
     a config's env: ``env.id = "batchrl.envs.faults:make"`` with
     ``env.kwargs = {env_id = "Pendulum-v1", fault = "abort", at_step = 500}``."""
     return FaultyEnv(gym.make(env_id, **kwargs), fault, at_step, every, in_reset,
-                     once_file, seed, hang_seconds)
+                     once_file, seed, hang_seconds, log_dir)
