@@ -421,3 +421,40 @@ def test_train_py_runs_its_envs_on_the_cluster(cluster, closing, tmp_path):
     phases = [json.loads(line)["phase"] for line in (logdir / "metrics.jsonl").open()]
     assert "train" in phases and "eval" in phases
     assert json.loads((logdir / "config.json").read_text())["env"]["backend"] == "ray"
+
+
+PRIVATE_RAY_SCRIPT = """
+import sys, time
+from batchrl.envs.factory import batch_env_from
+from test_workers import make_cartpole
+batch = batch_env_from(make_cartpole, 2, backend="ray", workers=1, timeout=60)
+batch.reset(seed=0)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_private_ray_instance_dies_with_a_sigkilled_trainer(tmp_path):
+    """Without an address batchrl starts Ray itself; when the driver is
+    SIGKILLed (no ray.shutdown), every process that Ray start-up made is
+    gone within seconds, Ray's agents included (left alone they retry the
+    dead GCS for minutes)."""
+    env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="disabled",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    process = subprocess.Popen([sys.executable, "-c", PRIVATE_RAY_SCRIPT], env=env,
+                               stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        time.sleep(1.0)  # Ray's agents start after the raylet registered
+        ray_processes = psutil.Process(process.pid).children(recursive=True)
+        names = " ".join(p.name() for p in ray_processes)
+        assert "raylet" in names and "gcs_server" in names, names  # a private instance
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        _, alive = psutil.wait_procs(ray_processes, timeout=20)
+        assert alive == [], [p.cmdline()[:1] for p in alive]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()

@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 from batchrl.envs.factory import EnvSpecError
+from batchrl.envs.ray_guard import RayGuard
 
 INSTALL_HINT = "pip install 'batchrl[ray]'"
 # Ray's resource names that ``.options()`` takes as their own arguments.
@@ -26,6 +27,7 @@ _BUILTIN = {"CPU": "num_cpus", "GPU": "num_gpus", "memory": "memory"}
 _lock = threading.Lock()
 _users = 0
 _owned = False  # batchrl called ray.init, so it may call ray.shutdown
+_guard: RayGuard | None = None  # kills what that ray.init started if this process dies
 
 
 def require_ray() -> ModuleType:
@@ -50,29 +52,33 @@ def acquire(address: str = "") -> ModuleType:
     Returns:
       the ``ray`` module. Every ``acquire`` needs one ``release``.
     """
-    global _users, _owned
+    global _users, _owned, _guard
     ray = require_ray()
     with _lock:
         if not ray.is_initialized():
+            # If ray.init starts Ray here, its processes must not outlive this one.
+            guard = RayGuard.start()
             try:
                 # Warnings only: Ray's start-up banner would interleave with the
                 # trainer's console output.
                 ray.init(address=address or None, logging_level=logging.WARNING)
             except (ConnectionError, RuntimeError, ValueError) as exc:
+                if guard:
+                    guard.stop()
                 where = f"at env.ray_address={address!r}" if address else "on this machine"
                 raise EnvSpecError(
                     f"cannot connect to a Ray cluster {where}: {exc}. Start the head node "
                     f"with 'ray start --head', then use env.ray_address=auto on it (or "
                     f"HOST:PORT of the head), or leave env.ray_address empty for a "
                     f"private Ray instance on this machine") from None
-            _owned = True
+            _owned, _guard = True, guard
         _users += 1
     return ray
 
 
 def release() -> None:
     """Undo one ``acquire``; the last one disconnects if batchrl connected."""
-    global _users, _owned
+    global _users, _owned, _guard
     with _lock:
         _users = max(0, _users - 1)
         if _users or not _owned:
@@ -81,6 +87,9 @@ def release() -> None:
         import ray
         if ray.is_initialized():
             ray.shutdown()
+        if _guard is not None:
+            _guard.stop()
+            _guard = None
 
 
 def check_resources(resources: dict[str, float]) -> None:

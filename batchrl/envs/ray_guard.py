@@ -1,0 +1,133 @@
+"""Stop the Ray processes that batchrl's ``ray.init`` started when the trainer dies.
+
+When ``ray.init`` starts a Ray instance on this machine (``env.backend=ray``
+without a cluster address), Ray's own processes (GCS server, raylet, the
+dashboard and runtime-env agents, the actors) are this process's descendants.
+``ray.shutdown()`` stops them, but a trainer killed by SIGKILL or the OOM
+killer never calls it: the GCS, the raylet and the actors go down with it,
+while the agents keep running for minutes, retrying a GCS that is gone.
+
+``RayGuard`` starts a small guard process that watches a pipe from this
+process and, once a second, notes this process's descendants. The pipe
+closes when this process ends, however it ends; the guard then SIGKILLs the
+descendants it saw (those still running, and their children) and exits.
+The descendants must be noted beforehand: by the time the guard wakes, the
+raylet may be gone and its agents adopted by init. ``stop()`` ends the
+guard without killing anything. Linux only (``/proc``); elsewhere no guard
+is started.
+
+The guard is this file run as a script: ``python ray_guard.py PID``.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+_STOP = b"q"  # sent by stop(): this process lives on, kill nothing
+_SCAN_SECONDS = 1.0
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) of every process, from ``/proc``."""
+    table = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The command name (field 2) may hold spaces and parentheses.
+        fields = stat[stat.rindex(")") + 2:].split()
+        table[int(entry.name)] = (int(fields[1]), fields[19])
+    return table
+
+
+def descendants(root: int, table: dict[int, tuple[int, str]]) -> dict[int, str]:
+    """pid -> start time of the descendants of ``root`` in ``table``."""
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+    found, stack = {}, list(children.get(root, []))
+    while stack:
+        pid = stack.pop()
+        found[pid] = table[pid][1]
+        stack.extend(children.get(pid, []))
+    return found
+
+
+def _kill(seen: dict[int, str]) -> None:
+    """SIGKILL the processes in ``seen`` that still run (same pid and start
+    time, so no recycled pid is hit) and everything below them."""
+    table = _processes()
+    targets: dict[int, str] = {}
+    for pid, started in seen.items():
+        if table.get(pid, (0, None))[1] == started:
+            targets[pid] = started
+            targets.update(descendants(pid, table))
+    for pid in targets:
+        if pid != os.getpid():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+class RayGuard:
+    """Kills this process's descendants (Ray's) if this process dies before ``stop()``.
+
+    Start it right before ``ray.init`` starts Ray here; call ``stop()`` after
+    ``ray.shutdown()``. ``start`` returns ``None`` where ``/proc`` is missing.
+    """
+
+    def __init__(self, process: subprocess.Popen):
+        self._process = process
+
+    @classmethod
+    def start(cls) -> "RayGuard | None":
+        if not Path("/proc/self/stat").exists():
+            return None
+        # Isolated (-I): the script needs only the standard library. Its own
+        # session: a Ctrl-C to the trainer's process group must not end it.
+        process = subprocess.Popen(
+            [sys.executable, "-I", os.path.abspath(__file__), str(os.getpid())],
+            stdin=subprocess.PIPE, start_new_session=True)
+        return cls(process)
+
+    def stop(self) -> None:
+        """End the guard; it kills nothing."""
+        stdin = self._process.stdin
+        if stdin is not None and not stdin.closed:
+            try:
+                stdin.write(_STOP)
+                stdin.close()
+            except OSError:  # the guard is gone already
+                pass
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+
+def _main(watched: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    seen: dict[int, str] = {}
+    stdin = sys.stdin.buffer.raw
+    while True:
+        seen.update(descendants(watched, _processes()))
+        readable, _, _ = select.select([stdin], [], [], _SCAN_SECONDS)
+        if readable:
+            if stdin.read(1) != _STOP:  # end of file: the watched process died
+                _kill(seen)
+            return
+
+
+if __name__ == "__main__":
+    _main(int(sys.argv[1]))
