@@ -236,7 +236,7 @@ class Trainer:
         stopped the run.
         """
         stop = (StopSignals("stopping after this step, with a checkpoint of the last "
-                            "finished phase; press Ctrl-C again to quit at once")
+                            "finished phase; the same signal again (Ctrl-C) quits at once")
                 if self.handle_signals else None)
         with stop or contextlib.nullcontext():
             self._stop = stop
