@@ -24,6 +24,7 @@ from batchrl.checkpoint import (CheckpointError, latest_checkpoint, list_checkpo
 from batchrl.config import load_config
 from batchrl.metrics import read_metrics
 from batchrl.trainer import Trainer
+from test_shutdown import running, wait_gone  # the same process checks
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_PY = REPO / "train.py"
@@ -34,25 +35,6 @@ CARTPOLE = ["env.num_agents=4", "ppo.update_every=4", "train.eval_episodes=4",
 
 def sets(*overrides: str) -> list[str]:
     return [arg for override in overrides for arg in ("--set", override)]
-
-
-def running(pids: list[int]) -> list[int]:
-    """The pids of ``pids`` that still run (zombies count as gone)."""
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while running(pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return running(pids)
 
 
 def kill_all(pids: list[int]) -> None:

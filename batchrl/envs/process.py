@@ -117,6 +117,17 @@ def error_message(exc: BaseException, env_index: int | None = None) -> tuple:
     return ("error", (type(exc).__name__, str(exc), traceback.format_exc(), env_index))
 
 
+def remote_error(label: str, operation: str, value: tuple) -> EnvRaisedError:
+    """The parent's exception for a worker's ``error_message`` answer
+    (``value`` is its payload): ``EnvAttributeError`` for an ``AttributeError``,
+    else ``EnvRaisedError``, with the env's index within the worker."""
+    remote_type, text, tb, env_index = value
+    cls = EnvAttributeError if remote_type == "AttributeError" else EnvRaisedError
+    error = cls(label, operation, remote_type, text, tb)
+    error.worker_env_index = env_index
+    return error
+
+
 def answer_attribute(env: Any, name: str) -> tuple:
     """The answer to a ``getattr`` request: a copy of the value, or a proxy.
 
@@ -331,11 +342,7 @@ class Channel:
         self.pending = None
         kind, value = pickle.loads(message)
         if kind == "error":
-            remote_type, text, tb, env_index = value
-            cls = EnvAttributeError if remote_type == "AttributeError" else EnvRaisedError
-            error = cls(self.label, operation, remote_type, text, tb)
-            error.worker_env_index = env_index
-            raise error
+            raise remote_error(self.label, operation, value)
         return kind, value
 
 

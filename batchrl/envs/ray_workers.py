@@ -29,9 +29,10 @@ import numpy as np
 
 from batchrl.envs import ray_cluster
 from batchrl.envs.batch import _Workers
-from batchrl.envs.errors import (EnvAttributeError, EnvError, EnvRaisedError,
+from batchrl.envs.errors import (EnvError, EnvRaisedError,
                                  EnvTimeoutError, RayWorkerCrashedError)
-from batchrl.envs.process import answer_attribute, constructor_label, error_message, resolve
+from batchrl.envs.process import (answer_attribute, constructor_label, error_message,
+                                  remote_error, resolve)
 from batchrl.envs.workers import InfoList, WorkerEnv
 
 
@@ -302,11 +303,7 @@ class RayEnvWorker:
             raise RayWorkerCrashedError(self.label, operation, self.node_ip,
                                         _reason(exc)) from None
         if kind == "error":
-            remote_type, text, tb, env_index = value
-            cls = EnvAttributeError if remote_type == "AttributeError" else EnvRaisedError
-            error = cls(self.label, operation, remote_type, text, tb)
-            error.worker_env_index = env_index
-            raise error
+            raise remote_error(self.label, operation, value)
         return kind, value
 
     def _ready(self) -> None:
