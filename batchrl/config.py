@@ -24,6 +24,7 @@ else:  # pragma: no cover - Python 3.10
 
 from batchrl.algos.ppo import PPOConfig
 from batchrl.envs.factory import BACKENDS
+from batchrl.envs.ray_cluster import check_resources
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -59,12 +60,7 @@ class EnvConfig:
         if self.restart_crashed_envs and self.backend == "inline":
             raise ValueError("env.restart_crashed_envs needs envs in worker processes: set "
                              "env.backend to 'workers', 'process' or 'ray', not 'inline'")
-        if not all(isinstance(name, str) and isinstance(amount, (int, float))
-                   and not isinstance(amount, bool) and amount >= 0
-                   for name, amount in self.ray_resources.items()):
-            raise ValueError(f"env.ray_resources must map Ray resource names to amounts "
-                             f">= 0, e.g. {{CPU = 1}} or {{CPU = 1, env_node = 1}}; got "
-                             f"{self.ray_resources!r}")
+        check_resources(self.ray_resources)  # no Ray needed to check them
         if self.backend not in BACKENDS:
             raise ValueError(f"env.backend must be one of {', '.join(BACKENDS)}, "
                              f"got {self.backend!r}")

@@ -33,6 +33,7 @@ from batchrl.envs.errors import (EnvError, EnvRaisedError,
                                  EnvTimeoutError, RayWorkerCrashedError)
 from batchrl.envs.process import (answer_attribute, constructor_label, error_message,
                                   remote_error, resolve)
+from batchrl.envs.spaces import worker_spaces
 from batchrl.envs.workers import InfoList, WorkerEnv
 
 
@@ -93,9 +94,7 @@ class EnvHost:
                 infos.append(info)
                 if self.prefetch_reset and (terminated[index] or truncated[index]):
                     reset_obs, reset_info = env.reset()
-                    reset_row = self._rows(1)
-                    reset_row[0] = reset_obs
-                    resets.append((index, reset_row[0],
+                    resets.append((index, np.asarray(reset_obs, observ.dtype),
                                    reset_info if self.send_infos else None))
             except Exception as exc:
                 error = error or error_message(exc, index)
@@ -324,16 +323,12 @@ class RayEnvWorker:
             self.close()
             raise
         self.node_ip, self.node_id, self.pid = where
-        obs_space, act_space = spaces[0]
-        for index, (obs, act) in enumerate(spaces[1:], 1):
-            if obs != obs_space or act != act_space:
-                self._construct_error = EnvError(
-                    self.label, "construct",
-                    f"all envs of a worker need equal spaces, but env {index} has {obs} and "
-                    f"{act} while env 0 has {obs_space} and {act_space}")
-                self.close()
-                raise self._construct_error
-        self._spaces = (obs_space, act_space)
+        try:
+            self._spaces = worker_spaces(self.label, spaces)
+        except EnvError as exc:
+            self._construct_error = exc
+            self.close()
+            raise
 
     @property
     def observation_space(self) -> gym.Space:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gymnasium as gym
 
-from batchrl.envs.errors import UnsupportedSpaceError
+from collections.abc import Sequence
+
+from batchrl.envs.errors import EnvError, UnsupportedSpaceError
 
 SUPPORTED_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete,
                     gym.spaces.MultiBinary)
@@ -20,3 +22,17 @@ def check_space(kind: str, space: gym.Space) -> None:
                 if kind == "observation" else "")
         raise UnsupportedSpaceError(f"unsupported {kind} space {space}: a batch env needs "
                                     f"one of {names}{hint}")
+
+
+def worker_spaces(label: str, spaces: Sequence[tuple[gym.Space, gym.Space]]
+                  ) -> tuple[gym.Space, gym.Space]:
+    """The ``(observation, action)`` spaces shared by the envs of one worker
+    (``spaces`` has a pair per env); an ``EnvError`` naming the first env
+    that differs from env 0."""
+    obs_space, act_space = spaces[0]
+    for index, (obs, act) in enumerate(spaces[1:], 1):
+        if obs != obs_space or act != act_space:
+            raise EnvError(label, "construct",
+                           f"all envs of a worker need equal spaces, but env {index} has "
+                           f"{obs} and {act} while env 0 has {obs_space} and {act_space}")
+    return obs_space, act_space

@@ -40,7 +40,7 @@ import numpy as np
 from batchrl.envs.errors import EnvError, EnvTimeoutError, UnsupportedSpaceError
 from batchrl.envs.process import (Channel, Frames, WorkerHandle, answer_attribute, constructor_label, error_message,
                                   resolve, start_worker)
-from batchrl.envs.spaces import check_space
+from batchrl.envs.spaces import check_space, worker_spaces
 
 _STEP = b"S"
 _PICKLE = pickle.HIGHEST_PROTOCOL
@@ -353,13 +353,7 @@ class EnvWorker(WorkerHandle):
             raise EnvError(self.label, "construct", "the env was closed")
         try:
             _, spaces = channel.receive("construct")
-            obs_space, act_space, _ = spaces[0]
-            for index, (obs, act, _) in enumerate(spaces[1:], 1):
-                if obs != obs_space or act != act_space:
-                    raise EnvError(self.label, "construct",
-                                   f"all envs of a worker need equal spaces, but env {index} "
-                                   f"has {obs} and {act} while env 0 has {obs_space} and "
-                                   f"{act_space}")
+            obs_space, act_space = worker_spaces(self.label, [pair[:2] for pair in spaces])
             check_space("observation", obs_space)
             check_space("action", act_space)
             block = _Block(self.num_envs, obs_space, act_space)
