@@ -14,7 +14,7 @@ import cloudpickle
 import gymnasium as gym
 
 from batchrl.envs.errors import EnvCrashedError, EnvError, EnvRaisedError
-from batchrl.envs.process import (Channel, WorkerHandle, answer_attribute, constructor_label, error_message,
+from batchrl.envs.process import (Channel, LazySpaces, WorkerHandle, answer_attribute, constructor_label, error_message,
                                   resolve, start_worker)
 
 Promise = Callable[[], Any]
@@ -92,7 +92,7 @@ class RemoteAttribute:
         return f"<remote {self._type_name} {self._path!r} of {self._env.label}>"
 
 
-class ExternalProcess(WorkerHandle):
+class ExternalProcess(WorkerHandle, LazySpaces):
     """A Gymnasium env living in a child process.
 
     Args:
@@ -164,16 +164,6 @@ class ExternalProcess(WorkerHandle):
             raise
         self._spaces = (obs_space, act_space)
         self._spec_id = spec_id
-
-    @property
-    def observation_space(self) -> gym.Space:
-        self._ready()
-        return self._spaces[0]
-
-    @property
-    def action_space(self) -> gym.Space:
-        self._ready()
-        return self._spaces[1]
 
     # -- forwarded calls -----------------------------------------------------
 

@@ -28,7 +28,10 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # the fork server imports this module before gymnasium
+    import gymnasium as gym
 
 from batchrl.envs.errors import (EnvAttributeError, EnvCrashedError, EnvError,
                                  EnvRaisedError, EnvTimeoutError)
@@ -344,6 +347,27 @@ class Channel:
         if kind == "error":
             raise remote_error(self.label, operation, value)
         return kind, value
+
+
+class LazySpaces:
+    """``observation_space`` and ``action_space`` of a worker whose envs are
+    built in the background: the subclass's ``_ready()`` waits for them (or
+    raises their construction error) and sets ``_spaces``."""
+
+    _spaces: tuple[gym.Space, gym.Space] | None
+
+    def _ready(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def observation_space(self) -> gym.Space:
+        self._ready()
+        return self._spaces[0]
+
+    @property
+    def action_space(self) -> gym.Space:
+        self._ready()
+        return self._spaces[1]
 
 
 class WorkerHandle:

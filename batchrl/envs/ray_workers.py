@@ -31,7 +31,7 @@ from batchrl.envs import ray_cluster
 from batchrl.envs.batch import _Workers
 from batchrl.envs.errors import (EnvError, EnvRaisedError,
                                  EnvTimeoutError, RayWorkerCrashedError)
-from batchrl.envs.process import (answer_attribute, constructor_label, error_message,
+from batchrl.envs.process import (LazySpaces, answer_attribute, constructor_label, error_message,
                                   remote_error, resolve)
 from batchrl.envs.spaces import worker_spaces
 from batchrl.envs.workers import InfoList, WorkerEnv
@@ -155,7 +155,7 @@ def _actor_class(ray: Any) -> Any:
     return ray.remote(EnvHost)
 
 
-class RayEnvWorker:
+class RayEnvWorker(LazySpaces):
     """A Ray actor hosting ``len(constructors)`` Gymnasium envs.
 
     Args:
@@ -329,16 +329,6 @@ class RayEnvWorker:
             self._construct_error = exc
             self.close()
             raise
-
-    @property
-    def observation_space(self) -> gym.Space:
-        self._ready()
-        return self._spaces[0]
-
-    @property
-    def action_space(self) -> gym.Space:
-        self._ready()
-        return self._spaces[1]
 
     def _check_open(self, operation: str) -> None:
         self._ready()

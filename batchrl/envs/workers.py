@@ -38,7 +38,7 @@ import gymnasium as gym
 import numpy as np
 
 from batchrl.envs.errors import EnvError, EnvTimeoutError, UnsupportedSpaceError
-from batchrl.envs.process import (Channel, Frames, WorkerHandle, answer_attribute, constructor_label, error_message,
+from batchrl.envs.process import (Channel, Frames, LazySpaces, WorkerHandle, answer_attribute, constructor_label, error_message,
                                   resolve, start_worker)
 from batchrl.envs.spaces import check_space, worker_spaces
 
@@ -250,7 +250,7 @@ def _serve(conn, payload: bytes, parent_pid: int) -> None:
         conn.close()
 
 
-class EnvWorker(WorkerHandle):
+class EnvWorker(WorkerHandle, LazySpaces):
     """A child process hosting ``len(constructors)`` Gymnasium envs.
 
     Args:
@@ -377,16 +377,6 @@ class EnvWorker(WorkerHandle):
         block.attach(shm.buf)
         self._shm, self._block = shm, block
         self._spaces = (obs_space, act_space)
-
-    @property
-    def observation_space(self) -> gym.Space:
-        self._ready()
-        return self._spaces[0]
-
-    @property
-    def action_space(self) -> gym.Space:
-        self._ready()
-        return self._spaces[1]
 
     # -- stepping -------------------------------------------------------------
 
