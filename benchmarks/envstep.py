@@ -160,23 +160,36 @@ def markdown_table(results: dict[int, dict[str, dict[str, Any]]]) -> str:
     return "\n".join(lines)
 
 
+def add_arguments(parser: argparse.ArgumentParser, envs: list[int], steps: int,
+                  repeats: int) -> None:
+    """The options this benchmark shares with ``raystep.py`` (their defaults
+    differ): env id, batch sizes, steps, warm-up, rounds, seed, JSON output."""
+    parser.add_argument("--env-id", default="HalfCheetah-v5")
+    parser.add_argument("--envs", type=int, nargs="+", default=envs,
+                        help=f"batch sizes to measure (default: {' '.join(map(str, envs))})")
+    parser.add_argument("--steps", type=int, default=steps,
+                        help=f"timed batch steps per measurement (default: {steps})")
+    parser.add_argument("--warmup", type=int, default=10,
+                        help="untimed batch steps after the reset (default: 10)")
+    parser.add_argument("--repeats", type=int, default=repeats,
+                        help=f"rounds over all backends; the median is reported "
+                             f"(default: {repeats})")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="also write all results to PATH")
+
+
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with a usage error unless the shared options are in range."""
+    if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or min(args.envs) < 1:
+        parser.error("--steps, --repeats and --envs must be positive, --warmup >= 0")
+
+
 def parse_args() -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--env-id", default="HalfCheetah-v5")
-    parser.add_argument("--envs", type=int, nargs="+", default=[2, 8, 32],
-                        help="batch sizes to measure (default: 2 8 32)")
-    parser.add_argument("--steps", type=int, default=1500,
-                        help="timed batch steps per measurement (default: 1500)")
-    parser.add_argument("--warmup", type=int, default=10,
-                        help="untimed batch steps after the reset (default: 10)")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="rounds over all backends; the median is reported (default: 5)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", help="also write all results to PATH")
+    add_arguments(parser, envs=[2, 8, 32], steps=1500, repeats=5)
     args = parser.parse_args()
-    if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or min(args.envs) < 1:
-        parser.error("--steps, --repeats and --envs must be positive, --warmup >= 0")
+    check_arguments(parser, args)
     return args
 
 

@@ -46,7 +46,7 @@ import numpy as np
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from envstep import measure  # noqa: E402  (the sibling benchmark's helpers)
+from envstep import add_arguments, check_arguments, measure  # noqa: E402  (the sibling benchmark's helpers)
 
 from batchrl.envs.factory import batch_env_from  # noqa: E402
 from batchrl.hardware import usable_cores  # noqa: E402
@@ -73,24 +73,13 @@ def builder(workers: int) -> Any:
 def parse_args() -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--env-id", default="HalfCheetah-v5")
-    parser.add_argument("--envs", type=int, nargs="+", default=[8, 32],
-                        help="batch sizes to measure (default: 8 32)")
+    add_arguments(parser, envs=[8, 32], steps=1000, repeats=3)
     parser.add_argument("--workers", type=int, default=2,
                         help="worker processes / Ray actors in both backends (default: 2)")
-    parser.add_argument("--steps", type=int, default=1000,
-                        help="timed batch steps per measurement (default: 1000)")
-    parser.add_argument("--warmup", type=int, default=10,
-                        help="untimed batch steps after the reset (default: 10)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="rounds over both backends; the median is reported (default: 3)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", help="also write all results to PATH")
     args = parser.parse_args()
-    if (args.steps < 1 or args.warmup < 0 or args.repeats < 1 or min(args.envs) < 1
-            or args.workers < 1):
-        parser.error("--steps, --repeats, --workers and --envs must be positive, "
-                     "--warmup >= 0")
+    check_arguments(parser, args)
+    if args.workers < 1:
+        parser.error("--workers must be positive")
     return args
 
 
