@@ -18,6 +18,8 @@ class _Tracker:
     score: torch.Tensor          # (N,) running return of the current episodes
     length: torch.Tensor         # (N,) int64 running length
     needs_reset: torch.Tensor    # (N,) bool, done on the previous step (or never started)
+    any_reset: bool              # needs_reset.any(), known without reading the tensor
+    agents: torch.Tensor         # (N,) int64, arange(N): every call acts for all agents
     finished_score: torch.Tensor  # scalar sums of episodes finished since the last log
     finished_length: torch.Tensor
     finished_count: torch.Tensor
@@ -34,7 +36,8 @@ def _tracker(env: TensorBatchEnv) -> _Tracker:
         tracker = _Tracker(
             score=torch.zeros(n, device=device),
             length=torch.zeros(n, dtype=torch.int64, device=device),
-            needs_reset=torch.ones(n, dtype=torch.bool, device=device),
+            needs_reset=torch.ones(n, dtype=torch.bool, device=device), any_reset=True,
+            agents=torch.arange(n, device=device),
             finished_score=zero.clone(), finished_length=zero.clone(),
             finished_count=zero.clone())
         _trackers[env] = tracker
@@ -86,14 +89,17 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
     summary: Summary = {}
     if reset:
         tracker.needs_reset.fill_(True)
-    starting = tracker.needs_reset.nonzero().squeeze(1)
-    if starting.numel():
-        env.reset(starting)
-        _begin(tracker, algo, starting, summary)
-        if env.restarted is not None:  # a failed worker restarted other envs as well
-            _begin(tracker, algo, env.restarted, summary)
+        tracker.any_reset = True
+    if tracker.any_reset:
+        tracker.any_reset = False
+        starting = tracker.needs_reset.nonzero().squeeze(1)
+        if starting.numel():
+            env.reset(starting)
+            _begin(tracker, algo, starting, summary)
+            if env.restarted is not None:  # a failed worker restarted other envs as well
+                _begin(tracker, algo, env.restarted, summary)
 
-    agents = torch.arange(len(env), device=env.device)
+    agents = tracker.agents
     observ = env.observ.clone()  # the env overwrites its buffer when it steps
     action, performed = algo.perform(agents, observ)
     summary.update(performed)
@@ -112,6 +118,7 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
     ended = finished.nonzero().squeeze(1)
     score = tracker.score.clone()
     if ended.numel():
+        tracker.any_reset = True
         summary.update(algo.end_episodes(ended))
         tracker.finished_score += tracker.score[ended].sum()
         tracker.finished_length += tracker.length[ended].sum()

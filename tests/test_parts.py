@@ -339,3 +339,22 @@ def test_memory_state_dict_round_trip():
         assert torch.equal(other.running[name], memory.running[name])
         assert torch.equal(other.stored[name], memory.stored[name])
     assert torch.equal(other.stored_length, memory.stored_length)
+
+
+def test_memory_length_check_looks_only_at_the_agents_appended():
+    memory = make_memory(max_length=2)
+
+    def append(agents):
+        agents = torch.tensor(agents)
+        memory.append(agents, x=torch.ones(len(agents)),
+                      a=torch.zeros(len(agents), 2, dtype=torch.int64))
+
+    append([0, 1, 2])
+    append([0])  # agent 0's episode is full now
+    append([1, 2])  # the others still have room
+    with pytest.raises(RuntimeError, match="max_length=2"):
+        append([2])
+    memory.finish(torch.arange(3))
+    append([0, 1, 2])
+    append([0, 1, 2])
+    assert memory.running_length.tolist() == [2, 2, 2]

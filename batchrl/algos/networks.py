@@ -124,13 +124,18 @@ class Actor(nn.Module):
         super().__init__()
         self.policy = policy
         self.discrete: bool = policy.discrete
+        self.recurrent: bool = policy.state_size > 0
 
     def forward(self, observ: torch.Tensor, state: torch.Tensor,
                 deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        param_a, param_b, state = self.policy(observ.unsqueeze(1), state)
-        param_a = param_a.squeeze(1)
+        if self.recurrent:
+            param_a, param_b, state = self.policy(observ.unsqueeze(1), state)
+            param_a = param_a.squeeze(1)
+            if not self.discrete:
+                param_b = param_b.squeeze(1)
+        else:  # no time axis: three fewer operations and 2-D matrix products
+            param_a, param_b, state = self.policy(observ, state)
         if not self.discrete:
-            param_b = param_b.squeeze(1)
             if deterministic:
                 action = param_a
             else:

@@ -206,7 +206,10 @@ class BatchPPO(Algorithm):
     # -- helpers ---------------------------------------------------------------
 
     def _normalize(self, observ: torch.Tensor) -> torch.Tensor:
-        observ = observ.reshape(observ.shape[0], -1).to(self.device, torch.float32)
+        if observ.dim() != 2:
+            observ = observ.reshape(observ.shape[0], -1)
+        if observ.dtype != torch.float32 or observ.device != self.device:
+            observ = observ.to(self.device, torch.float32)
         if self.config.normalize_observ:
             return self.observ_normalizer.transform(observ)
         return observ
@@ -247,13 +250,15 @@ class BatchPPO(Algorithm):
         if not self.training:
             return {}
         last = self._last
-        if last is None or not torch.equal(last["agents"], agent_indices):
+        # simulate() passes the same index tensor to both: skip the comparison.
+        if last is None or (last["agents"] is not agent_indices
+                            and not torch.equal(last["agents"], agent_indices)):
             raise RuntimeError("experience() must follow perform() for the same agents")
         self.memory.append(agent_indices, observ=last["observ"], action=action,
                            param_a=last["param_a"], param_b=last["param_b"],
                            reward=reward, state=last["state"])
-        ended = done.bool()
-        if bool(ended.any()):
+        if bool(done.any()):
+            ended = done.bool()
             self.memory.set_episode(agent_indices[ended],
                                     bootstrap_observ=self._normalize(next_observ[ended]),
                                     terminated=terminated[ended])

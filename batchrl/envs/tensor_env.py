@@ -62,6 +62,10 @@ class TensorBatchEnv:
         self.reward, self._host_reward = buffers((n,), torch.float32)
         self.done, self._host_done = buffers((n,), torch.float32)
         self.terminated, self._host_terminated = buffers((n,), torch.float32)
+        # numpy views of the host buffers: numpy copies small arrays in about
+        # a microsecond, a third of a torch copy_ with from_numpy.
+        self._np = {name: getattr(self, f"_host_{name}").numpy()
+                    for name in ("observ", "action", "reward", "done", "terminated")}
         self.infos: Sequence[dict] = [{} for _ in range(n)]
         self.restarted: torch.Tensor | None = None
         # The host buffers may only be rewritten once the last upload finished.
@@ -109,11 +113,12 @@ class TensorBatchEnv:
         if self._uploaded is not None:
             self._host_action.copy_(self.action, non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()
-        obs, reward, terminated, truncated, infos = self.batch_env.step(self._host_action.numpy())
-        self._host_observ.copy_(torch.from_numpy(np.asarray(obs)))
-        self._host_reward.copy_(torch.from_numpy(reward))
-        self._host_terminated.copy_(torch.from_numpy(terminated))
-        self._host_done.copy_(torch.from_numpy(terminated | truncated))
+        host = self._np
+        obs, reward, terminated, truncated, infos = self.batch_env.step(host["action"])
+        np.copyto(host["observ"], obs, casting="unsafe")
+        np.copyto(host["reward"], reward, casting="unsafe")
+        np.copyto(host["terminated"], terminated)
+        np.logical_or(terminated, truncated, out=host["done"])
         self.infos = infos
         self._note_restarts()
         self._upload([(self.observ, self._host_observ), (self.reward, self._host_reward),

@@ -43,23 +43,40 @@ class EpisodeMemory:
         self.stored_length = torch.zeros(capacity, dtype=torch.int64, device=self.device)
         self.count = 0
         self.step_fields = frozenset(step_fields)
+        self._flat = {name: self.running[name].view(num_agents * max_length, *shape)
+                      if self.running[name].numel() else None
+                      for name, (shape, _) in step_fields.items()}
+        self._ones = torch.ones(num_agents, dtype=torch.int64, device=self.device)
+        # An upper bound of running_length.max(), kept without reading the
+        # tensor: append checks the real lengths only when it reaches max_length.
+        self._longest = 0
         self.episode_fields = frozenset(episode_fields)
 
     def append(self, agent_indices: torch.Tensor, **values: torch.Tensor) -> None:
         """Store one step for each agent; every step field must be given, ``(K, *shape)``."""
-        if set(values) != self.step_fields:
+        if values.keys() != self.step_fields:
             raise KeyError(f"append needs exactly the step fields {sorted(self.step_fields)}, "
                            f"got {sorted(values)}")
+        if agent_indices.shape[0] == 0:
+            return
+        if self._longest + 1 > self.max_length:
+            # The cheap bound says an episode may be full: look at the lengths.
+            self._longest = int(self.running_length.max())
+            if int(self.running_length[agent_indices].max()) + 1 > self.max_length:
+                raise RuntimeError(
+                    f"an episode ran longer than max_length={self.max_length} steps; set "
+                    f"max_length to at least the env's time limit")
         steps = self.running_length[agent_indices]
-        if bool((steps >= self.max_length).any()):
-            raise RuntimeError(
-                f"an episode ran longer than max_length={self.max_length} steps; set "
-                f"max_length to at least the env's time limit")
+        # Rows of the (N * T, *shape) views: one index_copy_ per field, the
+        # cheapest scatter for the handful of rows of one env step.
+        rows = steps.add_(agent_indices, alpha=self.max_length)
         for name, value in values.items():
-            buffer = self.running[name]
-            if buffer.numel():  # zero-width fields (no recurrent state) cost nothing
-                buffer[agent_indices, steps] = value.to(buffer.dtype)
-        self.running_length[agent_indices] = steps + 1
+            flat = self._flat[name]
+            if flat is not None:  # zero-width fields (no recurrent state) cost nothing
+                flat.index_copy_(0, rows, value if value.dtype == flat.dtype
+                                 else value.to(flat.dtype))
+        self.running_length.index_add_(0, agent_indices, self._ones[:agent_indices.shape[0]])
+        self._longest += 1
 
     def set_episode(self, agent_indices: torch.Tensor, **values: torch.Tensor) -> None:
         """Store per-episode values (``(K, *shape)``) for these agents' running episodes."""
@@ -122,4 +139,5 @@ class EpisodeMemory:
             self.stored[name].copy_(state["stored"][name])
         self.running_length.copy_(state["running_length"])
         self.stored_length.copy_(state["stored_length"])
+        self._longest = int(self.running_length.max()) if self.num_agents else 0
         self.count = int(state["count"])
