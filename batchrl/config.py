@@ -76,6 +76,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"          # "auto" (CUDA when available), "cpu", "cuda", "cuda:1"...
     threads: int = 1              # torch intra-op threads of the learner
+    overlap: bool = True          # store a step's experience while the workers step the next
     checkpoint_every: int = 1     # evaluation phases between checkpoints
     keep_checkpoints: int = 3     # newest checkpoint files kept
 

@@ -23,6 +23,10 @@ class _Tracker:
     finished_score: torch.Tensor  # scalar sums of episodes finished since the last log
     finished_length: torch.Tensor
     finished_count: torch.Tensor
+    # With overlap: the step whose experience() is still due, as
+    # (algorithm, observ, action); reward, done, terminated and the next
+    # observation are still in the env's buffers until its next step_wait().
+    late: tuple[Algorithm, torch.Tensor, torch.Tensor] | None = None
 
 
 _trackers: "weakref.WeakKeyDictionary[TensorBatchEnv, _Tracker]" = weakref.WeakKeyDictionary()
@@ -53,6 +57,22 @@ def _begin(tracker: _Tracker, algo: Algorithm, agents: torch.Tensor,
     summary.update(algo.begin_episodes(agents))
 
 
+def flush(env: TensorBatchEnv, summary: Summary | None = None) -> Summary:
+    """Deliver the ``experience()`` that ``simulate(..., overlap=True)`` left
+    for its next call, if any; returns its summary (merged into ``summary``
+    when given). Call it before saving or inspecting the algorithm's state
+    in the middle of episodes. ``simulate`` flushes by itself whenever an
+    episode ends or starts, so phase boundaries need no flush."""
+    summary = {} if summary is None else summary
+    tracker = _trackers.get(env)
+    if tracker is not None and tracker.late is not None:
+        algo, observ, action = tracker.late
+        tracker.late = None
+        summary.update(algo.experience(tracker.agents, observ, action, env.reward, env.done,
+                                       env.observ, env.terminated))
+    return summary
+
+
 def episode_length(env: TensorBatchEnv) -> torch.Tensor:
     """``(N,)`` int64: steps of each agent's current episode (the full length
     right after it finished), as tracked by ``simulate``."""
@@ -60,7 +80,8 @@ def episode_length(env: TensorBatchEnv) -> torch.Tensor:
 
 
 def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
-             reset: bool = False) -> tuple[torch.Tensor, torch.Tensor, Summary]:
+             reset: bool = False, overlap: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor, Summary]:
     """Advance every env of ``env`` by one step with actions from ``algo``.
 
     Agents whose episode ended on the previous step (all of them on the first
@@ -79,6 +100,12 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
         since the last call with ``log`` true, and ``episodes``, their number
         (only when at least one finished).
       reset: start new episodes for all agents first.
+      overlap: when the algorithm allows it (``experience_may_lag``), deliver
+        the experience of a step in which no episode ended during the next
+        call, while the worker processes step (``TensorBatchEnv.step_async``):
+        sampling then costs about the bookkeeping less per step. Actions,
+        trajectories and what the algorithm learns are the same as without;
+        only the moment of the call differs (see ``flush``).
     Returns:
       ``(done, score, summary)``: ``done`` ``(N,)`` bool, agents whose episode
       ended at this step; ``score`` ``(N,)`` float32, each agent's return so
@@ -87,6 +114,9 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
     """
     tracker = _tracker(env)
     summary: Summary = {}
+    lag = overlap and algo.experience_may_lag
+    if tracker.late is not None and (reset or not lag or tracker.late[0] is not algo):
+        flush(env, summary)  # before begin_episodes discards the running episodes
     if reset:
         tracker.needs_reset.fill_(True)
         tracker.any_reset = True
@@ -103,19 +133,27 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
     observ = env.observ.clone()  # the env overwrites its buffer when it steps
     action, performed = algo.perform(agents, observ)
     summary.update(performed)
-    next_observ, reward, done = env.step(action)
-    summary.update(algo.experience(agents, observ, env.action, reward, done, next_observ,
-                                   env.terminated))
+    if lag:
+        env.step_async(action)
+        flush(env, summary)  # the previous step's, while the workers step this one
+        next_observ, reward, done = env.step_wait()
+    else:
+        next_observ, reward, done = env.step(action)
+    finished = done.bool()
+    ended = finished.nonzero().squeeze(1)
+    if not lag or env.restarted is not None or ended.numel():
+        summary.update(algo.experience(agents, observ, env.action, reward, done, next_observ,
+                                       env.terminated))
+    else:  # nothing ends or starts before the next call: deliver it then
+        tracker.late = (algo, observ, env.action.clone())
 
     tracker.score += reward
     tracker.length += 1
-    finished = done.bool()
     tracker.needs_reset.copy_(finished)
     if env.restarted is not None:
         # Envs of a failed worker were replaced and are in new episodes: drop
         # what the algorithm collected of their old ones (this step included).
         _begin(tracker, algo, env.restarted, summary)
-    ended = finished.nonzero().squeeze(1)
     score = tracker.score.clone()
     if ended.numel():
         tracker.any_reset = True

@@ -164,7 +164,8 @@ class Trainer:
         reset = True
         batch_env = env.batch_env
         while len(scores) < episodes:
-            done, score, summary = simulate(env, algo, reset=reset)
+            done, score, summary = simulate(env, algo, reset=reset,
+                                            overlap=training and config.train.overlap)
             self._check_stop()
             reset = False
             # Envs restarted in this step did not step (they were reset).

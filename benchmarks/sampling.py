@@ -7,13 +7,16 @@ batchrl's wrappers) and measures, round by round and interleaved:
   * ``raw``: ``BatchEnv.step`` with pre-generated random actions, finished envs
     reset with ``reset(indices)``: the env layer alone;
   * ``simulate``: ``simulate(TensorBatchEnv(batch_env), BatchPPO)`` in training
-    mode (normalisers updated, transitions stored), the loop of
-    ``train.py``. Calls that ran a PPO update are left out of the time (this
-    measures sampling; updates are ``benchmarks/training.py``'s subject).
+    mode (normalisers updated, transitions stored). Calls that ran a PPO
+    update are left out of the time (this measures sampling; updates are
+    ``benchmarks/training.py``'s subject);
+  * ``overlap``: the same with ``simulate(..., overlap=True)``, the loop of
+    ``train.py`` (``train.overlap``): the experience of a step is stored
+    while the workers step the next one.
 
-The ratio ``simulate / raw`` is the share of the env rate that survives
-inference and bookkeeping (the target is >= 0.75). Learner threads: 1, as in
-the configs (``train.threads``).
+The ratio ``/ raw`` is the share of the env rate that survives inference and
+bookkeeping (the target is >= 0.75). Learner threads: 1, as in the configs
+(``train.threads``).
 
     python benchmarks/sampling.py                      # 8 and 32 envs
     python benchmarks/sampling.py --envs 8 --steps 3000 --rounds 5
@@ -32,7 +35,7 @@ import torch
 from batchrl.algos.ppo import BatchPPO, PPOConfig
 from batchrl.envs.factory import make_batch_env
 from batchrl.envs.tensor_env import TensorBatchEnv
-from batchrl.simulate import simulate
+from batchrl.simulate import flush, simulate
 
 
 def raw_rate(batch_env, actions: np.ndarray) -> float:
@@ -46,14 +49,14 @@ def raw_rate(batch_env, actions: np.ndarray) -> float:
     return actions.shape[0] * actions.shape[1] / (time.perf_counter() - start)
 
 
-def simulate_rate(env: TensorBatchEnv, algo: BatchPPO, steps: int) -> float:
+def simulate_rate(env: TensorBatchEnv, algo: BatchPPO, steps: int, overlap: bool) -> float:
     """Env steps per second of ``simulate``, leaving out calls that updated."""
     elapsed = 0.0
     counted = 0
     for _ in range(steps):
         updates = algo.updates
         start = time.perf_counter()
-        simulate(env, algo)
+        simulate(env, algo, overlap=overlap)
         took = time.perf_counter() - start
         if algo.updates == updates:
             elapsed += took
@@ -76,8 +79,9 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"{args.env_id}, {args.steps} batch steps per measurement, median of {args.rounds} "
           f"rounds, torch {torch.__version__} with 1 thread, inference {args.inference}")
-    print("| envs | raw BatchEnv steps/s | simulate() steps/s | simulate / raw |")
-    print("|---:|---:|---:|---:|")
+    print("| envs | raw BatchEnv steps/s | simulate() steps/s | / raw | simulate(overlap) "
+          "steps/s | / raw |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for num_envs in args.envs:
         batch_env = make_batch_env(args.env_id, num_envs, 1000, workers=args.workers,
                                    share_main=not args.no_share_main)
@@ -94,17 +98,21 @@ def main() -> None:
             batch_env.reset(seed=0)
             raw_rate(batch_env, actions[:50])  # warm-up
             simulate(env, algo, reset=True)
-            simulate_rate(env, algo, 50)
-            raws, sims = [], []
+            simulate_rate(env, algo, 50, overlap=True)
+            raws, sims, lagged = [], [], []
             for _ in range(args.rounds):
                 raws.append(raw_rate(batch_env, actions))
                 # The raw loop left envs mid-episode: start fresh episodes.
                 simulate(env, algo, reset=True)
-                sims.append(simulate_rate(env, algo, args.steps))
+                sims.append(simulate_rate(env, algo, args.steps, overlap=False))
+                simulate(env, algo, reset=True)
+                lagged.append(simulate_rate(env, algo, args.steps, overlap=True))
+                flush(env)
         finally:
             batch_env.close()
-        raw, sim = statistics.median(raws), statistics.median(sims)
-        print(f"| {num_envs} | {raw:,.0f} | {sim:,.0f} | {sim / raw:.2f} |", flush=True)
+        raw, sim, lag = (statistics.median(values) for values in (raws, sims, lagged))
+        print(f"| {num_envs} | {raw:,.0f} | {sim:,.0f} | {sim / raw:.2f} | {lag:,.0f} | "
+              f"{lag / raw:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

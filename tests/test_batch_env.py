@@ -392,3 +392,34 @@ def test_multidiscrete_actions_respect_start_and_nvec():
         np.testing.assert_array_equal(obs, [[-1, 5], [1, 6]])
         with pytest.raises(ValueError, match=r"out of range .* in envs \[0, 1\]"):
             batch.step(np.array([[2, 5], [0, 4]]))
+
+
+def test_step_async_then_step_wait_equals_step(cartpoles):
+    twin = BatchEnv([make_env("CartPole-v1", wrapped=False) for _ in range(NUM_ENVS)])
+    with twin:
+        cartpoles.reset(seed=7)
+        twin.reset(seed=7)
+        for step in range(5):
+            actions = np.array([step % 2] * NUM_ENVS)
+            cartpoles.step_async(actions)
+            got = cartpoles.step_wait()
+            expected = twin.step(actions)
+            for a, b in zip(got[:4], expected[:4]):
+                np.testing.assert_array_equal(a, b)
+            done = np.flatnonzero(got[2] | got[3])
+            cartpoles.reset(done)
+            twin.reset(done)
+
+
+def test_step_async_misuse_is_named(cartpoles):
+    cartpoles.reset(seed=0)
+    with pytest.raises(RuntimeError, match="needs a step_async"):
+        cartpoles.step_wait()
+    cartpoles.step_async(np.zeros(NUM_ENVS, np.int64))
+    with pytest.raises(RuntimeError, match="called twice"):
+        cartpoles.step_async(np.zeros(NUM_ENVS, np.int64))
+    with pytest.raises(RuntimeError, match="reset.. during a step"):
+        cartpoles.reset([0])
+    obs = cartpoles.step_wait()[0]  # the step in flight is still collected
+    assert obs.shape == (NUM_ENVS, 4)
+    cartpoles.step(np.ones(NUM_ENVS, np.int64))

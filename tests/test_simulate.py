@@ -12,7 +12,7 @@ from gymnasium.wrappers import TimeLimit
 
 from batchrl.algos import Algorithm, Summary
 from batchrl.envs import BatchEnv, TensorBatchEnv
-from batchrl.simulate import simulate
+from batchrl.simulate import flush, simulate
 
 
 class CountdownEnv(gym.Env):
@@ -214,3 +214,90 @@ def test_envs_keep_separate_state():
     _, score, _ = simulate(first, algo)
     assert algo.calls[0] == ("begin", [0])
     assert score.tolist() == [1, 4, 6, 8]
+
+
+class LaggingRecorder(Recorder):
+    experience_may_lag = True
+
+
+def test_overlap_delivers_experience_one_call_late_in_order():
+    transitions = {}
+    for overlap in (False, True):
+        env, algo = TensorBatchEnv(BatchEnv([CountdownEnv(0, 4, 1.0)])), LaggingRecorder()
+        for _ in range(5):
+            simulate(env, algo, overlap=overlap)
+        transitions[overlap] = algo.transitions
+        if overlap:
+            # experience() of a step without an episode end comes after the
+            # next perform(); the step that ends the episode is delivered at
+            # once, before end_episodes() and the next begin_episodes().
+            assert algo.calls == [
+                ("begin", [0]), ("perform", [0]),
+                ("perform", [0]), ("experience", [0]),
+                ("perform", [0]), ("experience", [0]),
+                ("perform", [0]), ("experience", [0]), ("experience", [0]), ("end", [0]),
+                ("begin", [0]), ("perform", [0])]
+    # The same transitions (the fifth step's is still due), in the same order.
+    assert transitions[True] == transitions[False][:4]
+
+
+def test_flush_delivers_the_late_experience_once():
+    env, algo = TensorBatchEnv(BatchEnv([CountdownEnv(0, 10, 2.0)])), LaggingRecorder()
+    simulate(env, algo, overlap=True)
+    assert [name for name, _ in algo.calls] == ["begin", "perform"]
+    flush(env)
+    flush(env)
+    assert [name for name, _ in algo.calls] == ["begin", "perform", "experience"]
+    assert algo.transitions == [dict(observ=[[0, 0, -1]], action=[0], reward=[2.0], done=[0.0],
+                                     next_observ=[[0, 1, 0]], terminated=[0.0])]
+    # A call without overlap (or with reset) delivers it first, too.
+    simulate(env, algo, overlap=True)
+    simulate(env, algo)
+    assert [name for name, _ in algo.calls][3:] == ["perform", "experience", "perform",
+                                                    "experience"]
+    assert [t["observ"] for t in algo.transitions] == [[[0, 0, -1]], [[0, 1, 0]], [[0, 2, 0]]]
+
+
+def test_algorithms_that_do_not_allow_a_lag_get_no_overlap():
+    env, algo = make_env(), Recorder()
+    simulate(env, algo, overlap=True)
+    assert [name for name, _ in algo.calls] == ["begin", "perform", "experience", "end"]
+
+
+def test_overlap_trains_batchppo_exactly_as_without_it():
+    """Real worker processes and HalfCheetah: with overlap the algorithm's
+    whole state after two updates is bitwise the same."""
+    from batchrl.algos import BatchPPO, PPOConfig
+    from batchrl.envs.factory import make_batch_env
+
+    results = {}
+    for overlap in (False, True):
+        batch_env = make_batch_env("HalfCheetah-v5", 4, max_length=20, workers=1)
+        try:
+            assert batch_env.workers, "the test needs envs in a worker process"
+            env = TensorBatchEnv(batch_env)
+            torch.manual_seed(3)
+            algo = BatchPPO(env.observation_space, env.action_space, 4, PPOConfig(
+                policy_layers=(16,), value_layers=(16,), update_every=4, update_epochs=2,
+                max_length=20, inference="script"))
+            batch_env.reset(seed=5)
+            steps = []
+            for step in range(50):
+                done, score, _ = simulate(env, algo, reset=step == 0, overlap=overlap)
+                steps.append((done.tolist(), score.tolist(), env.action.tolist()))
+            flush(env)
+            results[overlap] = steps, algo.state_dict(), algo.updates
+        finally:
+            batch_env.close()
+    (steps, state, updates), (lag_steps, lag_state, lag_updates) = results[False], results[True]
+    assert updates == lag_updates == 2
+    assert steps == lag_steps
+
+    def same(a, b) -> bool:
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, torch.Tensor):
+            return torch.equal(a, b)
+        return a == b
+
+    assert same(state, lag_state)

@@ -38,11 +38,23 @@ class Algorithm(abc.ABC):
     ``terminated`` 0.0 was cut by a time limit, and ``next_observ`` is the real
     observation there, so an algorithm can bootstrap from its value.
 
+    Overlap: with ``simulate(..., overlap=True)`` and an algorithm whose
+    ``experience_may_lag`` is true, the ``experience`` of a step in which no
+    episode ended may be called one step late, after the next ``perform``,
+    while the worker processes step the envs: learning bookkeeping then costs
+    no env time. Set it only when ``perform`` does not depend on the previous
+    ``experience`` (update statistics that ``perform`` uses in ``perform``).
+    The order of ``perform``/``experience`` pairs is kept, every
+    ``experience`` comes before ``end_episodes`` and ``begin_episodes`` of its
+    agents, and ``simulate.flush()`` delivers a late one before a checkpoint.
+
     Training and evaluation: ``train()`` / ``eval()`` switch ``self.training``.
     In evaluation an algorithm acts with its mean (mode) action and learns
     nothing. ``state_dict()`` / ``load_state_dict()`` must cover everything
     needed to resume training exactly (weights, optimisers, statistics).
     """
+
+    experience_may_lag: bool = False
 
     def __init__(self, device: str | torch.device = "cpu"):
         self.device = torch.device(device)

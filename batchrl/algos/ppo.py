@@ -12,6 +12,7 @@ and adapt ``beta`` from the KL measured after the update.
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 import warnings
@@ -173,6 +174,9 @@ class BatchPPO(Algorithm):
         self.policy = Policy(body, head, self.discrete).to(self.device)
         self.value = ValueNet(obs_size, config.value_layers).to(self.device)
         self.actor = compile_actor(Actor(self.policy), config.inference)
+        # A TorchScript module's forward, called directly, skips nn.Module's
+        # hook handling: 5 us of every step.
+        self._act = self.actor.forward if config.inference == "script" else self.actor
         self.policy_optimizer = torch.optim.Adam(self.policy.parameters(), lr=config.policy_lr)
         self.value_optimizer = torch.optim.Adam(self.value.parameters(), lr=config.value_lr)
         self.observ_normalizer = StreamingNormalizer(
@@ -200,16 +204,22 @@ class BatchPPO(Algorithm):
         # second. The algorithm's state is then half-updated: the caller must
         # discard it (the trainer keeps a snapshot from the last phase boundary).
         self.interrupt_check: Callable[[], None] | None = None
-        # What perform() saw, kept for experience().
-        self._last: dict[str, torch.Tensor] | None = None
+        # What perform() saw, kept for experience(): oldest first, as the
+        # experience of a step may come after the next perform (overlap).
+        self._performed: collections.deque[dict[str, torch.Tensor]] = collections.deque(maxlen=2)
 
     # -- helpers ---------------------------------------------------------------
 
-    def _normalize(self, observ: torch.Tensor) -> torch.Tensor:
+    def _flatten(self, observ: torch.Tensor) -> torch.Tensor:
+        """``(K, *obs_shape)`` -> ``(K, obs_size)`` float32 on ``device``."""
         if observ.dim() != 2:
             observ = observ.reshape(observ.shape[0], -1)
         if observ.dtype != torch.float32 or observ.device != self.device:
             observ = observ.to(self.device, torch.float32)
+        return observ
+
+    def _normalize(self, observ: torch.Tensor) -> torch.Tensor:
+        observ = self._flatten(observ)
         if self.config.normalize_observ:
             return self.observ_normalizer.transform(observ)
         return observ
@@ -222,6 +232,14 @@ class BatchPPO(Algorithm):
 
     # -- Algorithm interface -------------------------------------------------------
 
+    # perform() updates the observation statistics it uses itself: it does
+    # not depend on the previous experience().
+    experience_may_lag = True
+
+    def train(self, mode: bool = True) -> "BatchPPO":
+        self._performed.clear()  # a perform() of the other mode gets no experience()
+        return super().train(mode)
+
     def begin_episodes(self, agent_indices: torch.Tensor) -> Summary:
         self.recurrent_state[agent_indices] = 0.0
         # Episodes cut short by a reset must not reach the update memory.
@@ -231,16 +249,22 @@ class BatchPPO(Algorithm):
     @torch.no_grad()
     def perform(self, agent_indices: torch.Tensor,
                 observ: torch.Tensor) -> tuple[torch.Tensor, Summary]:
-        norm_observ = self._normalize(observ)
+        flat = self._flatten(observ)
+        norm_observ = (self.observ_normalizer.transform(flat) if self.config.normalize_observ
+                       else flat)
         if self.state_size:
             state = self.recurrent_state[agent_indices]
         else:  # feed-forward: skip two indexing operations per step
             state = self._no_state[:agent_indices.numel()]
-        action, param_a, param_b, new_state = self.actor(norm_observ, state, not self.training)
+        action, param_a, param_b, new_state = self._act(norm_observ, state, not self.training)
         if self.state_size:
             self.recurrent_state[agent_indices] = new_state
-        self._last = {"agents": agent_indices, "observ": norm_observ, "param_a": param_a,
-                      "param_b": param_b, "state": state}
+        if self.training:
+            self._performed.append({"agents": agent_indices, "observ": norm_observ,
+                                    "param_a": param_a, "param_b": param_b, "state": state})
+            # The statistics change only after this step's observation was
+            # normalised with the ones the stored data and the action used.
+            self.observ_normalizer.update(flat)
         return action, {}
 
     @torch.no_grad()
@@ -249,7 +273,7 @@ class BatchPPO(Algorithm):
                    next_observ: torch.Tensor, terminated: torch.Tensor) -> Summary:
         if not self.training:
             return {}
-        last = self._last
+        last = self._performed.popleft() if self._performed else None
         # simulate() passes the same index tensor to both: skip the comparison.
         if last is None or (last["agents"] is not agent_indices
                             and not torch.equal(last["agents"], agent_indices)):
@@ -262,9 +286,6 @@ class BatchPPO(Algorithm):
             self.memory.set_episode(agent_indices[ended],
                                     bootstrap_observ=self._normalize(next_observ[ended]),
                                     terminated=terminated[ended])
-        # Statistics change only after the step was stored with the ones the
-        # policy acted on, so stored data matches what produced the action.
-        self.observ_normalizer.update(observ.reshape(observ.shape[0], -1))
         self.reward_normalizer.update(reward)
         return {}
 

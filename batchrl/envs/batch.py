@@ -150,6 +150,17 @@ class RestartEvent:
         return f"restarted {envs} (restart {self.number}) after: {reason}"
 
 
+@dataclasses.dataclass
+class _InFlight:
+    """Requests sent to the parallel members, whose answers are due."""
+
+    positions: Sequence[int]
+    call: Callable[[int, Any, bool], Any]
+    results: list[Any]
+    promises: list[tuple[int, int, Callable[[], Any]]] = dataclasses.field(default_factory=list)
+    failures: list[tuple[int, int, EnvError]] = dataclasses.field(default_factory=list)
+
+
 def _as_batch(result: tuple) -> tuple:
     obs, reward, terminated, truncated, info = result
     return (np.asarray(obs)[None], np.array([reward], np.float64),
@@ -250,6 +261,7 @@ class BatchEnv:
         self._no_restarts = (np.zeros(0, np.int64),
                              np.zeros((0, *observation_space.shape), observation_space.dtype))
         self._restarted = self._no_restarts
+        self._in_flight: _InFlight | None = None  # a step_async() awaiting its step_wait()
 
     def __len__(self) -> int:
         return self._num_envs
@@ -305,23 +317,33 @@ class BatchEnv:
         restarted when restarts are left, and its result is then
         ``recover(position, observ)`` with the fresh envs' first observations;
         otherwise the first failure is raised with its env index."""
-        results: list[Any] = [None] * len(positions)
-        promises: list[tuple[int, int, Callable[[], Any]]] = []
-        failures: list[tuple[int, int, EnvError]] = []
-        # Requests to child processes go out first, so that they work while
-        # this process steps its own envs (if any) and waits.
-        order = sorted(range(len(positions)), key=lambda slot: not self._parallel[positions[slot]])
-        for slot in order:
-            position = positions[slot]
-            member = self._members[position]
-            try:
-                if self._parallel[position]:
-                    promises.append((slot, position, call(position, member, False)))
-                else:
-                    results[slot] = call(position, member, True)
-            except EnvError as exc:
-                failures.append((slot, position, exc))
-        for slot, position, promise in reversed(promises):
+        return self._receive(self._send(positions, call), recover)
+
+    def _send(self, positions: Sequence[int], call: Callable[[int, Any, bool], Any]
+              ) -> "_InFlight":
+        """The first half of ``_gather``: requests to the child processes."""
+        flight = _InFlight(positions, call, [None] * len(positions))
+        for slot, position in enumerate(positions):
+            if self._parallel[position]:
+                try:
+                    flight.promises.append((slot, position, call(position,
+                                                                 self._members[position], False)))
+                except EnvError as exc:
+                    flight.failures.append((slot, position, exc))
+        return flight
+
+    def _receive(self, flight: "_InFlight", recover: Callable[[int, np.ndarray], Any]
+                 ) -> list[Any]:
+        """The second half of ``_gather``: this process's own envs, which
+        step while the children step theirs, then the children's answers."""
+        results, failures = flight.results, flight.failures
+        for slot, position in enumerate(flight.positions):
+            if not self._parallel[position]:
+                try:
+                    results[slot] = flight.call(position, self._members[position], True)
+                except EnvError as exc:
+                    failures.append((slot, position, exc))
+        for slot, position, promise in reversed(flight.promises):
             try:
                 results[slot] = promise()
             except EnvError as exc:
@@ -430,15 +452,35 @@ class BatchEnv:
           ``(observations, rewards, terminated, truncated, infos)`` as described
           in the class docstring.
         """
+        self.step_async(actions)
+        return self.step_wait()
+
+    def step_async(self, actions: Any) -> None:
+        """Send every worker process its envs' actions and return at once;
+        ``step_wait`` steps the envs of this process and collects the results.
+        In between the caller may compute (the workers step meanwhile) but
+        must not touch this batch env or modify ``actions``.
+
+        Args:
+          actions: array-like of shape ``(N, *action_space.shape)``.
+        """
+        if self._in_flight is not None:
+            raise RuntimeError("step_async() was called twice: call step_wait() first")
         actions = self._check_actions(actions)
         starts = self._starts
         self._restarted = self._no_restarts
         self._episode_steps += 1  # before the step: a restart sets its envs' counts to 0
-        results = self._gather(
+        self._in_flight = self._send(
             range(len(self._members)),
             lambda position, member, blocking: member.step(
-                actions[starts[position]:starts[position] + member.num_envs], blocking),
-            self._fresh_step)
+                actions[starts[position]:starts[position] + member.num_envs], blocking))
+
+    def step_wait(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[dict]]:
+        """Finish the step begun by ``step_async``; returns what ``step`` returns."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            raise RuntimeError("step_wait() needs a step_async() first")
+        results = self._receive(flight, self._fresh_step)
         batch = self._join(results)
         try:
             self._check_observ(batch[0], self._all, "step", batch[1])
@@ -485,6 +527,8 @@ class BatchEnv:
           the new observations, shape ``(len(indices), *obs_shape)``, in the
           order of ``indices``.
         """
+        if self._in_flight is not None:
+            raise RuntimeError("reset() during a step: call step_wait() after step_async() first")
         indices = self._check_indices(indices)
         if seed is None:
             seeds = [None] * len(indices)
@@ -549,6 +593,7 @@ class BatchEnv:
 
     def close(self) -> None:
         """Close every env (stops the worker processes). Idempotent."""
+        self._in_flight = None
         for member in self._members:
             member.close()
 

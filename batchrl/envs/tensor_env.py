@@ -101,6 +101,17 @@ class TensorBatchEnv:
         Returns:
           ``(observ, reward, done)``, the updated buffers on ``device``.
         """
+        self.step_async(action)
+        return self.step_wait()
+
+    def step_async(self, action: torch.Tensor) -> None:
+        """Start a step: ``action`` is copied into ``self.action`` and sent to
+        the worker processes, which step while the caller goes on. Until
+        ``step_wait`` the other buffers keep the previous step's values.
+
+        Args:
+          action: ``(N, *act_shape)`` tensor on any device.
+        """
         action = action.detach()
         if action.shape != self.action.shape:
             raise ValueError(f"action must have shape {tuple(self.action.shape)} "
@@ -113,8 +124,12 @@ class TensorBatchEnv:
         if self._uploaded is not None:
             self._host_action.copy_(self.action, non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()
+        self.batch_env.step_async(self._np["action"])
+
+    def step_wait(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Finish the step begun by ``step_async``; returns what ``step`` returns."""
         host = self._np
-        obs, reward, terminated, truncated, infos = self.batch_env.step(host["action"])
+        obs, reward, terminated, truncated, infos = self.batch_env.step_wait()
         np.copyto(host["observ"], obs, casting="unsafe")
         np.copyto(host["reward"], reward, casting="unsafe")
         np.copyto(host["terminated"], terminated)
