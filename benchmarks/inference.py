@@ -1,6 +1,7 @@
 """Policy inference latency of BatchPPO: eager vs TorchScript vs torch.compile.
 
-Times ``BatchPPO.perform`` (observation normalisation, the actor, bookkeeping)
+Times ``BatchPPO.perform`` (observation normalisation and, in training mode,
+the update of its statistics; the actor; bookkeeping)
 and the bare actor for each inference mode at several batch sizes, with the
 HalfCheetah-v5 shapes (17 observations, 6 actions) and the default 200-100
 networks, sampling actions as in training. Modes are interleaved round by
