@@ -102,8 +102,8 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
       reset: start new episodes for all agents first.
       overlap: when the algorithm allows it (``experience_may_lag``), deliver
         the experience of a step in which no episode ended during the next
-        call, while the worker processes step (``TensorBatchEnv.step_async``):
-        sampling then costs about the bookkeeping less per step. Actions,
+        call, while the worker processes step (``TensorBatchEnv.step_async``),
+        so that the learner's bookkeeping runs beside the env step. Actions,
         trajectories and what the algorithm learns are the same as without;
         only the moment of the call differs (see ``flush``).
     Returns:

@@ -250,8 +250,7 @@ class BatchPPO(Algorithm):
     def perform(self, agent_indices: torch.Tensor,
                 observ: torch.Tensor) -> tuple[torch.Tensor, Summary]:
         flat = self._flatten(observ)
-        norm_observ = (self.observ_normalizer.transform(flat) if self.config.normalize_observ
-                       else flat)
+        norm_observ = self._normalize(flat)
         if self.state_size:
             state = self.recurrent_state[agent_indices]
         else:  # feed-forward: skip two indexing operations per step

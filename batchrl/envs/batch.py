@@ -156,7 +156,6 @@ class _InFlight:
 
     positions: Sequence[int]
     call: Callable[[int, Any, bool], Any]
-    results: list[Any]
     promises: list[tuple[int, int, Callable[[], Any]]] = dataclasses.field(default_factory=list)
     failures: list[tuple[int, int, EnvError]] = dataclasses.field(default_factory=list)
 
@@ -322,7 +321,7 @@ class BatchEnv:
     def _send(self, positions: Sequence[int], call: Callable[[int, Any, bool], Any]
               ) -> "_InFlight":
         """The first half of ``_gather``: requests to the child processes."""
-        flight = _InFlight(positions, call, [None] * len(positions))
+        flight = _InFlight(positions, call)
         for slot, position in enumerate(positions):
             if self._parallel[position]:
                 try:
@@ -336,7 +335,8 @@ class BatchEnv:
                  ) -> list[Any]:
         """The second half of ``_gather``: this process's own envs, which
         step while the children step theirs, then the children's answers."""
-        results, failures = flight.results, flight.failures
+        results: list[Any] = [None] * len(flight.positions)
+        failures = flight.failures
         for slot, position in enumerate(flight.positions):
             if not self._parallel[position]:
                 try:
