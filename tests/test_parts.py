@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from batchrl.parts import (EpisodeMemory, StreamingNormalizer, discounted_return,
-                           generalized_advantage)
+                           generalized_advantage, host)
 
 
 def t64(values) -> torch.Tensor:
@@ -180,7 +180,14 @@ def test_generalized_advantage_with_lambda_one_is_return_minus_value():
 # -- StreamingNormalizer ------------------------------------------------------------
 
 
-def test_normalizer_statistics_match_numpy():
+@pytest.fixture(params=[True, False], ids=["numpy", "torch"])
+def host_path(request, monkeypatch):
+    """Run a test with the numpy CPU path and with torch operations."""
+    monkeypatch.setattr(host, "enabled", request.param)
+    return request.param
+
+
+def test_normalizer_statistics_match_numpy(host_path):
     rng = np.random.default_rng(3)
     normalizer = StreamingNormalizer((4,), center=True, scale=True, clip=None)
     seen = []
@@ -200,7 +207,7 @@ def test_normalizer_statistics_match_numpy():
     np.testing.assert_allclose(result.numpy(), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_normalizer_variance_is_one_before_two_values():
+def test_normalizer_variance_is_one_before_two_values(host_path):
     normalizer = StreamingNormalizer((2,))
     assert normalizer.variance.tolist() == [1.0, 1.0]
     normalizer.update(torch.tensor([[3.0, -1.0]]))
@@ -211,7 +218,7 @@ def test_normalizer_variance_is_one_before_two_values():
                                [[2.0, 6.0]], rtol=1e-6)
 
 
-def test_normalizer_transform_center_scale_clip():
+def test_normalizer_transform_center_scale_clip(host_path):
     normalizer = StreamingNormalizer((2,), center=True, scale=True, clip=1.5)
     normalizer.update(torch.tensor([[0.0, 10.0], [2.0, 10.0], [4.0, 16.0]]))
     # mean [2, 12], var (ddof=1) [4, 12] -> std [2, sqrt(12)]
@@ -231,7 +238,7 @@ def test_normalizer_transform_center_scale_clip():
     assert normalizer.transform(torch.tensor([[7.0, -9.0]])).tolist() == [[7.0, -9.0]]
 
 
-def test_reward_style_normalizer():
+def test_reward_style_normalizer(host_path):
     rng = np.random.default_rng(4)
     normalizer = StreamingNormalizer((), center=False, scale=True, clip=10.0)
     rewards = [rng.normal(loc=5.0, scale=0.5, size=size) for size in (3, 8, 1, 20)]
@@ -253,7 +260,7 @@ def test_reward_style_normalizer():
                                rtol=1e-6)
 
 
-def test_normalizer_state_dict_round_trip():
+def test_normalizer_state_dict_round_trip(host_path):
     rng = np.random.default_rng(5)
     source = StreamingNormalizer((3,), center=True, scale=True, clip=5.0)
     for size in (4, 9):
@@ -274,6 +281,62 @@ def test_normalizer_state_dict_round_trip():
     assert float(target.count) == 18
 
 
+def test_normalizer_numpy_and_torch_paths_agree(monkeypatch):
+    rng = np.random.default_rng(6)
+    batches = [torch.from_numpy(rng.normal(3.0, 2.0, size=(size, 5))).float()
+               for size in (1, 8, 3, 32, 8)]
+    probe = torch.from_numpy(rng.normal(3.0, 8.0, size=(4, 5))).float()
+    results = {}
+    for numpy_path in (True, False):
+        monkeypatch.setattr(host, "enabled", numpy_path)
+        normalizer = StreamingNormalizer((5,), center=True, scale=True, clip=2.0)
+        outputs = []
+        for batch in batches:
+            normalizer.update(batch)
+            outputs.append(normalizer.transform(probe))
+        results[numpy_path] = (normalizer.state_dict(), outputs)
+    for name, value in results[True][0].items():
+        torch.testing.assert_close(value, results[False][0][name], rtol=1e-13, atol=1e-13)
+    for numpy_out, torch_out in zip(results[True][1], results[False][1]):
+        torch.testing.assert_close(numpy_out, torch_out, rtol=1e-6, atol=1e-6)
+    assert any((out.abs() == 2.0).any() for out in results[True][1])  # clipping was exercised
+
+
+def test_normalizer_values_that_require_grad_or_are_float64(host_path):
+    normalizer = StreamingNormalizer((2,), center=True, scale=True)
+    normalizer.update(torch.tensor([[0.0, 1.0], [2.0, 3.0]]))
+    leaf = torch.tensor([[1.0, 2.0]], requires_grad=True)
+    result = normalizer.transform(leaf)
+    assert result.requires_grad
+    expected = (torch.tensor([[1.0, 2.0]]) - torch.tensor([1.0, 2.0])) / np.sqrt(2.0)
+    torch.testing.assert_close(result.detach(), expected)
+    double = normalizer.transform(torch.tensor([[1.0, 2.0]], dtype=torch.float64))
+    assert double.dtype == torch.float64
+    torch.testing.assert_close(double.float(), expected)
+    normalizer.update(leaf)
+    assert float(normalizer.count) == 3
+    torch.testing.assert_close(normalizer.mean, t64([1.0, 2.0]))
+
+
+def test_normalizer_copies_and_loads_keep_their_own_statistics():
+    import copy
+    import pickle
+    source = StreamingNormalizer((2,), center=True, scale=False)
+    source.update(torch.tensor([[1.0, 1.0], [3.0, 3.0]]))
+    source.transform(torch.zeros(1, 2))  # derive, and make the numpy views
+    for clone in (copy.deepcopy(source), pickle.loads(pickle.dumps(source))):
+        clone.update(torch.tensor([[20.0, 20.0]]))
+        assert source.mean.tolist() == [2.0, 2.0]  # the original is untouched
+        assert clone.mean.tolist() == [8.0, 8.0]
+        assert clone.transform(torch.tensor([[8.0, 9.0]])).tolist() == [[0.0, 1.0]]
+    target = StreamingNormalizer((2,), center=True, scale=False)
+    target.transform(torch.zeros(1, 2))
+    target.load_state_dict(source.state_dict(), assign=True)
+    target.update(torch.tensor([[5.0, 5.0]]))
+    assert target.mean.tolist() == [3.0, 3.0] and float(target.count) == 3
+    assert target.transform(torch.tensor([[3.0, 4.0]])).tolist() == [[0.0, 1.0]]
+
+
 # -- EpisodeMemory ---------------------------------------------------------------------
 
 
@@ -283,7 +346,7 @@ def make_memory(num_agents=3, capacity=2, max_length=4):
                          episode_fields={"last": ((), torch.float32)})
 
 
-def test_memory_append_finish_and_data():
+def test_memory_append_finish_and_data(host_path):
     memory = make_memory()
     all_agents = torch.arange(3)
     for step in range(3):
@@ -309,7 +372,7 @@ def test_memory_append_finish_and_data():
     assert not memory.full and memory.data()[1].numel() == 0
 
 
-def test_memory_discard_and_errors():
+def test_memory_discard_and_errors(host_path):
     memory = make_memory(max_length=2)
     agents = torch.arange(3)
     memory.append(agents, x=torch.ones(3), a=torch.zeros(3, 2, dtype=torch.int64))
@@ -319,12 +382,16 @@ def test_memory_discard_and_errors():
         memory.append(agents, x=torch.ones(3))
     with pytest.raises(KeyError):
         memory.set_episode(agents, nope=torch.ones(3))
+    # A value of the wrong shape is an error, even where it would broadcast.
+    with pytest.raises(ValueError, match=r"'a' must have shape \(3, 2\), got \(2,\)"):
+        memory.append(agents, x=torch.ones(3), a=torch.zeros(2, dtype=torch.int64))
+    assert memory.running_length.tolist() == [1, 0, 1]
     memory.append(agents, x=torch.ones(3), a=torch.zeros(3, 2, dtype=torch.int64))
     with pytest.raises(RuntimeError, match="max_length"):
         memory.append(agents, x=torch.ones(3), a=torch.zeros(3, 2, dtype=torch.int64))
 
 
-def test_memory_state_dict_round_trip():
+def test_memory_state_dict_round_trip(host_path):
     memory = make_memory()
     agents = torch.arange(3)
     memory.append(agents, x=torch.tensor([1.0, 2.0, 3.0]),
@@ -341,7 +408,7 @@ def test_memory_state_dict_round_trip():
     assert torch.equal(other.stored_length, memory.stored_length)
 
 
-def test_memory_length_check_looks_only_at_the_agents_appended():
+def test_memory_length_check_looks_only_at_the_agents_appended(host_path):
     memory = make_memory(max_length=2)
 
     def append(agents):
@@ -358,3 +425,40 @@ def test_memory_length_check_looks_only_at_the_agents_appended():
     append([0, 1, 2])
     append([0, 1, 2])
     assert memory.running_length.tolist() == [2, 2, 2]
+
+
+def test_memory_paths_store_the_same_and_never_a_graph(monkeypatch):
+    """The numpy and torch paths store the same; a value that requires grad
+    is stored as data: the buffers never join a graph."""
+    memories = {}
+    for numpy_path in (True, False):
+        monkeypatch.setattr(host, "enabled", numpy_path)
+        memory = make_memory()
+        agents = torch.tensor([2, 0])
+        memory.append(agents, x=torch.tensor([1.5, 2.5]), a=torch.tensor([[1, 2], [3, 4]]))
+        memory.append(agents, x=torch.tensor([3.5, 4.5], requires_grad=True),
+                      a=torch.tensor([[5, 6], [7, 8]]))
+        memory.append(torch.tensor([1]), x=torch.tensor([9.0]), a=torch.tensor([[9, 9]]))
+        assert not memory.running["x"].requires_grad
+        memories[numpy_path] = memory
+    numpy_memory, torch_memory = memories[True], memories[False]
+    assert numpy_memory.running_length.tolist() == [2, 1, 2]
+    assert numpy_memory.running["x"][2, :2].tolist() == [1.5, 3.5]
+    assert numpy_memory.running["a"][0, :2].tolist() == [[3, 4], [7, 8]]
+    for name in ("x", "a"):
+        assert torch.equal(numpy_memory.running[name], torch_memory.running[name])
+    assert torch.equal(numpy_memory.running_length, torch_memory.running_length)
+
+
+def test_memory_copies_write_their_own_buffers():
+    import copy
+    import pickle
+    memory = make_memory()
+    agents = torch.arange(3)
+    memory.append(agents, x=torch.ones(3), a=torch.zeros(3, 2, dtype=torch.int64))
+    for clone in (copy.deepcopy(memory), pickle.loads(pickle.dumps(memory))):
+        clone.append(agents, x=torch.full((3,), 2.0), a=torch.ones(3, 2, dtype=torch.int64))
+        assert clone.running["x"][:, :2].tolist() == [[1.0, 2.0]] * 3
+        assert clone.running_length.tolist() == [2, 2, 2]
+    assert memory.running["x"][:, :2].tolist() == [[1.0, 0.0]] * 3
+    assert memory.running_length.tolist() == [1, 1, 1]

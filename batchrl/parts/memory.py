@@ -6,6 +6,8 @@ from typing import Mapping
 
 import torch
 
+from batchrl.parts import host
+
 
 class EpisodeMemory:
     """Preallocated tensors for the running episodes and the update memory.
@@ -43,21 +45,52 @@ class EpisodeMemory:
         self.stored_length = torch.zeros(capacity, dtype=torch.int64, device=self.device)
         self.count = 0
         self.step_fields = frozenset(step_fields)
-        self._flat = {name: self.running[name].view(num_agents * max_length, *shape)
-                      if self.running[name].numel() else None
-                      for name, (shape, _) in step_fields.items()}
+        self._shapes = {name: torch.Size(shape) for name, (shape, _) in step_fields.items()}
         self._ones = torch.ones(num_agents, dtype=torch.int64, device=self.device)
+        self._make_views()
         # An upper bound of running_length.max(), kept without reading the
         # tensor: append checks the real lengths only when it reaches max_length.
         self._longest = 0
         self.episode_fields = frozenset(episode_fields)
+
+    def _make_views(self) -> None:
+        """``_flat``: ``(N * T, *shape)`` views of the running step buffers
+        (``None`` for zero-width fields); ``_host``: numpy views of
+        ``running_length`` and of those, for ``append`` on the CPU (see
+        ``batchrl.parts.host``), or ``None`` for torch operations."""
+        rows = self.num_agents * self.max_length
+        self._flat = {name: self.running[name].view(rows, *shape)
+                      if self.running[name].numel() else None
+                      for name, shape in self._shapes.items()}
+        length = host.view(self.running_length)
+        self._host = None if length is None else (
+            length, {name: None if flat is None else host.view(flat)
+                     for name, flat in self._flat.items()})
+
+    # A copy (deepcopy, pickle) makes views of its own buffers: copied views
+    # would be copies.
+    def __getstate__(self) -> dict[str, object]:
+        return {name: value for name, value in self.__dict__.items()
+                if name not in ("_flat", "_host")}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._make_views()
 
     def append(self, agent_indices: torch.Tensor, **values: torch.Tensor) -> None:
         """Store one step for each agent; every step field must be given, ``(K, *shape)``."""
         if values.keys() != self.step_fields:
             raise KeyError(f"append needs exactly the step fields {sorted(self.step_fields)}, "
                            f"got {sorted(values)}")
-        if agent_indices.shape[0] == 0:
+        count = agent_indices.shape[0]
+        for name, value in values.items():
+            # (numpy would broadcast some wrong shapes without a word; zero-width
+            # fields are never written)
+            if self._flat[name] is not None and (value.shape[0] != count
+                                                 or value.shape[1:] != self._shapes[name]):
+                raise ValueError(f"append: {name!r} must have shape "
+                                 f"{(count, *self._shapes[name])}, got {tuple(value.shape)}")
+        if count == 0:
             return
         if self._longest + 1 > self.max_length:
             # The cheap bound says an episode may be full: look at the lengths.
@@ -66,6 +99,8 @@ class EpisodeMemory:
                 raise RuntimeError(
                     f"an episode ran longer than max_length={self.max_length} steps; set "
                     f"max_length to at least the env's time limit")
+        if self._host is not None and self._append_host(agent_indices, values):
+            return
         steps = self.running_length[agent_indices]
         # Rows of the (N * T, *shape) views: one index_copy_ per field, the
         # cheapest scatter for the handful of rows of one env step.
@@ -73,10 +108,29 @@ class EpisodeMemory:
         for name, value in values.items():
             flat = self._flat[name]
             if flat is not None:  # zero-width fields (no recurrent state) cost nothing
+                if value.requires_grad:  # stored data, not part of a graph
+                    value = value.detach()
                 flat.index_copy_(0, rows, value if value.dtype == flat.dtype
                                  else value.to(flat.dtype))
         self.running_length.index_add_(0, agent_indices, self._ones[:agent_indices.shape[0]])
         self._longest += 1
+
+    def _append_host(self, agent_indices: torch.Tensor, values: dict[str, torch.Tensor]) -> bool:
+        """``append`` in numpy; False (nothing written) when some tensor is not
+        readable by numpy."""
+        length, flats = self._host
+        arrays = {name: host.view(value) for name, value in values.items()
+                  if flats[name] is not None}
+        agents = host.view(agent_indices)
+        if agents is None or any(array is None for array in arrays.values()):
+            return False
+        rows = length[agents]
+        rows += agents * self.max_length
+        for name, array in arrays.items():
+            flats[name][rows] = array
+        length[agents] += 1  # agents are distinct: no repeated index to lose
+        self._longest += 1
+        return True
 
     def set_episode(self, agent_indices: torch.Tensor, **values: torch.Tensor) -> None:
         """Store per-episode values (``(K, *shape)``) for these agents' running episodes."""
