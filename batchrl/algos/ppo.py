@@ -254,7 +254,8 @@ class BatchPPO(Algorithm):
         if self.state_size:
             state = self.recurrent_state[agent_indices]
         else:  # feed-forward: skip two indexing operations per step
-            state = self._no_state[:agent_indices.numel()]
+            count = agent_indices.shape[0]
+            state = self._no_state if count == self.num_agents else self._no_state[:count]
         action, param_a, param_b, new_state = self._act(norm_observ, state, not self.training)
         if self.state_size:
             self.recurrent_state[agent_indices] = new_state
