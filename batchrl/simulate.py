@@ -17,9 +17,9 @@ class _Tracker:
 
     score: torch.Tensor          # (N,) running return of the current episodes
     length: torch.Tensor         # (N,) int64 running length
-    needs_reset: torch.Tensor    # (N,) bool, done on the previous step (or never started)
-    any_reset: bool              # needs_reset.any(), known without reading the tensor
     agents: torch.Tensor         # (N,) int64, arange(N): every call acts for all agents
+    starting: torch.Tensor | None  # (K,) int64 agents to reset first: done on the previous
+                                   # step (all before the first); None when there are none
     finished_score: torch.Tensor  # scalar sums of episodes finished since the last log
     finished_length: torch.Tensor
     finished_count: torch.Tensor
@@ -40,8 +40,7 @@ def _tracker(env: TensorBatchEnv) -> _Tracker:
         tracker = _Tracker(
             score=torch.zeros(n, device=device),
             length=torch.zeros(n, dtype=torch.int64, device=device),
-            needs_reset=torch.ones(n, dtype=torch.bool, device=device), any_reset=True,
-            agents=torch.arange(n, device=device),
+            agents=torch.arange(n, device=device), starting=torch.arange(n, device=device),
             finished_score=zero.clone(), finished_length=zero.clone(),
             finished_count=zero.clone())
         _trackers[env] = tracker
@@ -53,7 +52,6 @@ def _begin(tracker: _Tracker, algo: Algorithm, agents: torch.Tensor,
     """Start new episodes for ``agents`` (``(K,)`` int64, on the env's device)."""
     tracker.score[agents] = 0.0
     tracker.length[agents] = 0
-    tracker.needs_reset[agents] = False
     summary.update(algo.begin_episodes(agents))
 
 
@@ -118,16 +116,13 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
     if tracker.late is not None and (reset or not lag or tracker.late[0] is not algo):
         flush(env, summary)  # before begin_episodes discards the running episodes
     if reset:
-        tracker.needs_reset.fill_(True)
-        tracker.any_reset = True
-    if tracker.any_reset:
-        tracker.any_reset = False
-        starting = tracker.needs_reset.nonzero().squeeze(1)
-        if starting.numel():
-            env.reset(starting)
-            _begin(tracker, algo, starting, summary)
-            if env.restarted is not None:  # a failed worker restarted other envs as well
-                _begin(tracker, algo, env.restarted, summary)
+        tracker.starting = tracker.agents
+    if tracker.starting is not None:
+        starting, tracker.starting = tracker.starting, None
+        env.reset(starting)
+        _begin(tracker, algo, starting, summary)
+        if env.restarted is not None:  # a failed worker restarted other envs as well
+            _begin(tracker, algo, env.restarted, summary)
 
     agents = tracker.agents
     observ = env.observ.clone()  # the env overwrites its buffer when it steps
@@ -149,14 +144,13 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
 
     tracker.score += reward
     tracker.length += 1
-    tracker.needs_reset.copy_(finished)
     if env.restarted is not None:
         # Envs of a failed worker were replaced and are in new episodes: drop
         # what the algorithm collected of their old ones (this step included).
         _begin(tracker, algo, env.restarted, summary)
     score = tracker.score.clone()
     if ended.numel():
-        tracker.any_reset = True
+        tracker.starting = ended
         summary.update(algo.end_episodes(ended))
         tracker.finished_score += tracker.score[ended].sum()
         tracker.finished_length += tracker.length[ended].sum()
