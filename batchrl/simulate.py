@@ -5,10 +5,12 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from batchrl.algos.base import Algorithm, Summary
 from batchrl.envs.tensor_env import TensorBatchEnv
+from batchrl.parts import host
 
 
 @dataclass
@@ -27,6 +29,11 @@ class _Tracker:
     # (algorithm, observ, action); reward, done, terminated and the next
     # observation are still in the env's buffers until its next step_wait().
     late: tuple[Algorithm, torch.Tensor, torch.Tensor] | None = None
+    # On the CPU: (env.done, env.reward) and numpy views of them and of score
+    # and length, for the per-step bookkeeping (see batchrl.parts.host);
+    # None on other devices.
+    host: tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray, np.ndarray,
+                np.ndarray] | None = None
 
 
 _trackers: "weakref.WeakKeyDictionary[TensorBatchEnv, _Tracker]" = weakref.WeakKeyDictionary()
@@ -43,6 +50,10 @@ def _tracker(env: TensorBatchEnv) -> _Tracker:
             agents=torch.arange(n, device=device), starting=torch.arange(n, device=device),
             finished_score=zero.clone(), finished_length=zero.clone(),
             finished_count=zero.clone())
+        views = tuple(host.view(tensor) for tensor in
+                      (env.done, env.reward, tracker.score, tracker.length))
+        if all(view is not None for view in views):
+            tracker.host = (env.done, env.reward, *views)
         _trackers[env] = tracker
     return tracker
 
@@ -75,6 +86,29 @@ def episode_length(env: TensorBatchEnv) -> torch.Tensor:
     """``(N,)`` int64: steps of each agent's current episode (the full length
     right after it finished), as tracked by ``simulate``."""
     return _tracker(env).length
+
+
+def _count_step(tracker: _Tracker, reward: torch.Tensor, done: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Count one step of ``reward`` ``(N,)`` into every running episode.
+
+    Returns ``(finished, ended, score)``: ``done`` as bool, the ``(K,)`` int64
+    indices of the done agents (``None`` when there are none) and a copy of
+    the running scores."""
+    fast = tracker.host
+    if fast is not None and done is fast[0] and reward is fast[1]:
+        _, _, done_array, reward_array, score, length = fast
+        finished = done_array != 0
+        ended = np.flatnonzero(finished)
+        score += reward_array
+        length += 1
+        return (torch.from_numpy(finished), torch.from_numpy(ended) if ended.size else None,
+                torch.from_numpy(score.copy()))
+    finished = done.bool()
+    ended = finished.nonzero().squeeze(1)
+    tracker.score += reward
+    tracker.length += 1
+    return finished, ended if ended.numel() else None, tracker.score.clone()
 
 
 def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
@@ -134,22 +168,19 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
         next_observ, reward, done = env.step_wait()
     else:
         next_observ, reward, done = env.step(action)
-    finished = done.bool()
-    ended = finished.nonzero().squeeze(1)
-    if not lag or env.restarted is not None or ended.numel():
+    finished, ended, score = _count_step(tracker, reward, done)
+    if not lag or env.restarted is not None or ended is not None:
         summary.update(algo.experience(agents, observ, env.action, reward, done, next_observ,
                                        env.terminated))
     else:  # nothing ends or starts before the next call: deliver it then
         tracker.late = (algo, observ, env.action.clone())
 
-    tracker.score += reward
-    tracker.length += 1
     if env.restarted is not None:
         # Envs of a failed worker were replaced and are in new episodes: drop
         # what the algorithm collected of their old ones (this step included).
         _begin(tracker, algo, env.restarted, summary)
-    score = tracker.score.clone()
-    if ended.numel():
+        score = tracker.score.clone()
+    if ended is not None:
         tracker.starting = ended
         summary.update(algo.end_episodes(ended))
         tracker.finished_score += tracker.score[ended].sum()

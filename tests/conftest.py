@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from batchrl.envs import ExternalProcess
+from batchrl.parts import host
 
 
 def _running_workers() -> list[psutil.Process]:
@@ -95,3 +96,11 @@ def wait_until_gone(pids, timeout: float) -> list[int]:
 def gone():
     """The ``wait_until_gone`` helper, as a fixture."""
     return wait_until_gone
+
+
+@pytest.fixture(params=[True, False], ids=["numpy", "torch"])
+def host_path(request, monkeypatch):
+    """Run a test with the numpy path of the per-step bookkeeping on the CPU
+    (``batchrl.parts.host``) and with torch operations."""
+    monkeypatch.setattr(host, "enabled", request.param)
+    return request.param

@@ -86,6 +86,11 @@ class Recorder(Algorithm):
         pass
 
 
+@pytest.fixture(autouse=True)
+def _both_bookkeeping_paths(host_path):
+    """Every test runs with simulate's numpy bookkeeping and with torch's."""
+
+
 # Env i rewards i + 1 per step. Envs 0-2 terminate after 1, 2 and 3 steps;
 # env 3 would run for 100 steps but a TimeLimit truncates it after 2.
 LENGTHS = [1, 2, 3, 2]

@@ -29,6 +29,7 @@ from batchrl.algos.networks import (Actor, CategoricalHead, FeedForwardBody, Gau
                                     Policy, RecurrentBody, ValueNet)
 from batchrl.envs.errors import UnsupportedSpaceError
 from batchrl.hardware import usable_cores
+from batchrl.parts import host
 from batchrl.parts.memory import EpisodeMemory
 from batchrl.parts.normalize import StreamingNormalizer
 from batchrl.parts.returns import discounted_return, generalized_advantage
@@ -281,7 +282,8 @@ class BatchPPO(Algorithm):
         self.memory.append(agent_indices, observ=last["observ"], action=action,
                            param_a=last["param_a"], param_b=last["param_b"],
                            reward=reward, state=last["state"])
-        if bool(done.any()):
+        done_array = host.view(done)
+        if done_array.any() if done_array is not None else bool(done.any()):
             ended = done.bool()
             self.memory.set_episode(agent_indices[ended],
                                     bootstrap_observ=self._normalize(next_observ[ended]),
