@@ -180,13 +180,6 @@ def test_generalized_advantage_with_lambda_one_is_return_minus_value():
 # -- StreamingNormalizer ------------------------------------------------------------
 
 
-@pytest.fixture(params=[True, False], ids=["numpy", "torch"])
-def host_path(request, monkeypatch):
-    """Run a test with the numpy CPU path and with torch operations."""
-    monkeypatch.setattr(host, "enabled", request.param)
-    return request.param
-
-
 def test_normalizer_statistics_match_numpy(host_path):
     rng = np.random.default_rng(3)
     normalizer = StreamingNormalizer((4,), center=True, scale=True, clip=None)
@@ -258,6 +251,29 @@ def test_reward_style_normalizer(host_path):
     grid = torch.tensor([[0.1, 0.2], [0.3, 0.4]])
     np.testing.assert_allclose(normalizer.transform(grid).numpy(), grid.numpy() / (std + 1e-8),
                                rtol=1e-6)
+
+
+@pytest.mark.parametrize("center,scale", [(True, True), (True, False), (False, True)])
+def test_normalizer_transform_follows_every_update(host_path, center, scale):
+    """The derived float32 statistics are renewed (on the CPU: rewritten in
+    place) after each update; results already returned keep their values."""
+    normalizer = StreamingNormalizer((2,), center=center, scale=scale, clip=None)
+    probe = torch.tensor([[1.0, 2.0], [-3.0, 0.5]])
+    seen, results = [], []
+    for batch in ([[0.0, 0.0], [2.0, 4.0]], [[10.0, -10.0]], [[1.0, 1.0], [5.0, 3.0], [0.0, 7.0]]):
+        normalizer.update(torch.tensor(batch))
+        seen += batch
+        data = np.array(seen)
+        expected = probe.numpy().astype(np.float64)
+        if center:
+            expected = expected - data.mean(0)
+        if scale:
+            expected = expected / (data.std(0, ddof=1) + 1e-8)
+        result = normalizer.transform(probe)
+        np.testing.assert_allclose(result.numpy(), expected, rtol=1e-6, atol=1e-6)
+        results.append((result, result.clone()))
+    for result, copy in results:
+        assert torch.equal(result, copy)
 
 
 def test_normalizer_state_dict_round_trip(host_path):

@@ -104,21 +104,32 @@ class StreamingNormalizer(nn.Module):
 
     def _derived(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The float32 mean and ``1 / (std + eps)`` (computed in float64,
-        rounded once), made again after each update."""
+        rounded once), made again after each update. On the CPU they are
+        rewritten in place: fresh tensors at every env step cost more than
+        the arithmetic."""
         cache = self._cache
-        if cache.offset is None:
+        if not cache.fresh:
             if self._arrays():
+                if cache.host is None:
+                    cache.host = (np.empty(self.shape, np.float32),
+                                  np.empty(self.shape, np.float32),
+                                  np.empty(self.shape, np.float64))
+                    cache.offset = torch.from_numpy(cache.host[0])
+                    cache.inverse_std = torch.from_numpy(cache.host[1])
+                offset, inverse_std, scratch = cache.host
                 mean, sum_sq, _ = cache.arrays
-                variance = (sum_sq / (cache.count - 1) if cache.count >= 2
-                            else np.ones_like(sum_sq))
-                # (asarray: arithmetic on 0-d arrays gives numpy scalars)
-                cache.offset = torch.from_numpy(np.asarray(mean, np.float32))
-                cache.inverse_std = torch.from_numpy(
-                    np.asarray(1.0 / (np.sqrt(variance) + self.eps), np.float32))
+                np.copyto(offset, mean, casting="same_kind")
+                if cache.count >= 2:
+                    np.sqrt(np.divide(sum_sq, cache.count - 1, out=scratch), out=scratch)
+                else:
+                    scratch.fill(1.0)
+                np.add(scratch, self.eps, out=scratch)
+                np.divide(1.0, scratch, out=inverse_std, casting="same_kind")
             else:
                 cache.offset = self.mean.to(torch.float32)
                 cache.inverse_std = (self.variance.sqrt_().add_(self.eps).reciprocal_()
                                      .to(torch.float32))
+            cache.fresh = True
         return cache.offset, cache.inverse_std
 
     def transform(self, values: torch.Tensor) -> torch.Tensor:
@@ -141,21 +152,25 @@ class StreamingNormalizer(nn.Module):
 class _Derived:
     """What ``StreamingNormalizer`` derives from its buffers: the count as a
     Python number, float32 copies of the mean and of the inverse standard
-    deviation (``None`` when stale) and numpy views of the buffers (``()``
-    when not on the CPU, ``None`` when not yet made)."""
+    deviation (valid while ``fresh``), numpy views of the buffers (``()``
+    when not on the CPU, ``None`` when not yet made) and, on the CPU, the
+    arrays behind the float32 copies and a float64 scratch array."""
 
     def __init__(self) -> None:
         self.count = 0.0
+        self.fresh = False
         self.offset: torch.Tensor | None = None
         self.inverse_std: torch.Tensor | None = None
         self.arrays: tuple[np.ndarray, ...] | None = None
+        self.host: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def stale(self) -> None:
-        self.offset = self.inverse_std = None
+        self.fresh = False
 
     def moved(self) -> None:
-        self.stale()
-        self.arrays = None
+        count = self.count
+        self.__init__()
+        self.count = count
 
     # A copy (deepcopy, pickle) must not keep views of the original's
     # buffers: it derives everything again from its own.
