@@ -1,7 +1,8 @@
-"""Shared fixtures for the env-layer tests.
+"""Shared fixtures.
 
 Every test is checked for leaked env worker processes: after it ends, no child
 of this process's multiprocessing fork server may still be running.
+``host_path`` runs a test on both paths of the per-step bookkeeping.
 """
 
 from __future__ import annotations
