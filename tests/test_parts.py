@@ -180,9 +180,17 @@ def test_generalized_advantage_with_lambda_one_is_return_minus_value():
 # -- StreamingNormalizer ------------------------------------------------------------
 
 
-def test_normalizer_statistics_match_numpy(host_path):
+@pytest.fixture(params=[0, 5], ids=["merge-each", "defer-5"])
+def defer(request) -> int:
+    """The normaliser's ``defer``: each test runs with batches merged at once
+    and with up to 5 values held back (batches larger than that are merged
+    directly), so every read must see the held values."""
+    return request.param
+
+
+def test_normalizer_statistics_match_numpy(host_path, defer):
     rng = np.random.default_rng(3)
-    normalizer = StreamingNormalizer((4,), center=True, scale=True, clip=None)
+    normalizer = StreamingNormalizer((4,), center=True, scale=True, clip=None, defer=defer)
     seen = []
     for size in (1, 7, 2, 30, 0, 5):
         batch = rng.normal(loc=[1.0, -3.0, 10.0, 0.0], scale=[1.0, 0.1, 5.0, 2.0], size=(size, 4))
@@ -200,8 +208,8 @@ def test_normalizer_statistics_match_numpy(host_path):
     np.testing.assert_allclose(result.numpy(), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_normalizer_variance_is_one_before_two_values(host_path):
-    normalizer = StreamingNormalizer((2,))
+def test_normalizer_variance_is_one_before_two_values(host_path, defer):
+    normalizer = StreamingNormalizer((2,), defer=defer)
     assert normalizer.variance.tolist() == [1.0, 1.0]
     normalizer.update(torch.tensor([[3.0, -1.0]]))
     assert normalizer.variance.tolist() == [1.0, 1.0]
@@ -211,8 +219,8 @@ def test_normalizer_variance_is_one_before_two_values(host_path):
                                [[2.0, 6.0]], rtol=1e-6)
 
 
-def test_normalizer_transform_center_scale_clip(host_path):
-    normalizer = StreamingNormalizer((2,), center=True, scale=True, clip=1.5)
+def test_normalizer_transform_center_scale_clip(host_path, defer):
+    normalizer = StreamingNormalizer((2,), center=True, scale=True, clip=1.5, defer=defer)
     normalizer.update(torch.tensor([[0.0, 10.0], [2.0, 10.0], [4.0, 16.0]]))
     # mean [2, 12], var (ddof=1) [4, 12] -> std [2, sqrt(12)]
     np.testing.assert_allclose(normalizer.variance.numpy(), [4.0, 12.0])
@@ -231,9 +239,9 @@ def test_normalizer_transform_center_scale_clip(host_path):
     assert normalizer.transform(torch.tensor([[7.0, -9.0]])).tolist() == [[7.0, -9.0]]
 
 
-def test_reward_style_normalizer(host_path):
+def test_reward_style_normalizer(host_path, defer):
     rng = np.random.default_rng(4)
-    normalizer = StreamingNormalizer((), center=False, scale=True, clip=10.0)
+    normalizer = StreamingNormalizer((), center=False, scale=True, clip=10.0, defer=defer)
     rewards = [rng.normal(loc=5.0, scale=0.5, size=size) for size in (3, 8, 1, 20)]
     for batch in rewards:
         normalizer.update(torch.from_numpy(batch).float())
@@ -254,10 +262,10 @@ def test_reward_style_normalizer(host_path):
 
 
 @pytest.mark.parametrize("center,scale", [(True, True), (True, False), (False, True)])
-def test_normalizer_transform_follows_every_update(host_path, center, scale):
+def test_normalizer_transform_follows_every_update(host_path, defer, center, scale):
     """The derived float32 statistics are renewed (on the CPU: rewritten in
     place) after each update; results already returned keep their values."""
-    normalizer = StreamingNormalizer((2,), center=center, scale=scale, clip=None)
+    normalizer = StreamingNormalizer((2,), center=center, scale=scale, clip=None, defer=defer)
     probe = torch.tensor([[1.0, 2.0], [-3.0, 0.5]])
     seen, results = [], []
     for batch in ([[0.0, 0.0], [2.0, 4.0]], [[10.0, -10.0]], [[1.0, 1.0], [5.0, 3.0], [0.0, 7.0]]):
@@ -276,12 +284,12 @@ def test_normalizer_transform_follows_every_update(host_path, center, scale):
         assert torch.equal(result, copy)
 
 
-def test_normalizer_state_dict_round_trip(host_path):
+def test_normalizer_state_dict_round_trip(host_path, defer):
     rng = np.random.default_rng(5)
-    source = StreamingNormalizer((3,), center=True, scale=True, clip=5.0)
+    source = StreamingNormalizer((3,), center=True, scale=True, clip=5.0, defer=defer)
     for size in (4, 9):
         source.update(torch.from_numpy(rng.normal(size=(size, 3))).float())
-    target = StreamingNormalizer((3,), center=True, scale=True, clip=5.0)
+    target = StreamingNormalizer((3,), center=True, scale=True, clip=5.0, defer=defer)
     target.load_state_dict(source.state_dict())
     assert set(source.state_dict()) == {"count", "mean", "sum_sq"}
     for name in ("count", "mean", "sum_sq"):
@@ -318,8 +326,8 @@ def test_normalizer_numpy_and_torch_paths_agree(monkeypatch):
     assert any((out.abs() == 2.0).any() for out in results[True][1])  # clipping was exercised
 
 
-def test_normalizer_values_that_require_grad_or_are_float64(host_path):
-    normalizer = StreamingNormalizer((2,), center=True, scale=True)
+def test_normalizer_values_that_require_grad_or_are_float64(host_path, defer):
+    normalizer = StreamingNormalizer((2,), center=True, scale=True, defer=defer)
     normalizer.update(torch.tensor([[0.0, 1.0], [2.0, 3.0]]))
     leaf = torch.tensor([[1.0, 2.0]], requires_grad=True)
     result = normalizer.transform(leaf)
@@ -334,10 +342,10 @@ def test_normalizer_values_that_require_grad_or_are_float64(host_path):
     torch.testing.assert_close(normalizer.mean, t64([1.0, 2.0]))
 
 
-def test_normalizer_copies_and_loads_keep_their_own_statistics():
+def test_normalizer_copies_and_loads_keep_their_own_statistics(defer):
     import copy
     import pickle
-    source = StreamingNormalizer((2,), center=True, scale=False)
+    source = StreamingNormalizer((2,), center=True, scale=False, defer=defer)
     source.update(torch.tensor([[1.0, 1.0], [3.0, 3.0]]))
     source.transform(torch.zeros(1, 2))  # derive, and make the numpy views
     for clone in (copy.deepcopy(source), pickle.loads(pickle.dumps(source))):
@@ -345,12 +353,62 @@ def test_normalizer_copies_and_loads_keep_their_own_statistics():
         assert source.mean.tolist() == [2.0, 2.0]  # the original is untouched
         assert clone.mean.tolist() == [8.0, 8.0]
         assert clone.transform(torch.tensor([[8.0, 9.0]])).tolist() == [[0.0, 1.0]]
-    target = StreamingNormalizer((2,), center=True, scale=False)
+    target = StreamingNormalizer((2,), center=True, scale=False, defer=defer)
     target.transform(torch.zeros(1, 2))
     target.load_state_dict(source.state_dict(), assign=True)
     target.update(torch.tensor([[5.0, 5.0]]))
     assert target.mean.tolist() == [3.0, 3.0] and float(target.count) == 3
     assert target.transform(torch.tensor([[3.0, 4.0]])).tolist() == [[0.0, 1.0]]
+
+
+
+def test_normalizer_defer_holds_values_until_the_statistics_are_read(host_path):
+    import copy
+    import pickle
+    rng = np.random.default_rng(7)
+    deferred = StreamingNormalizer((3,), defer=10)
+    at_once = StreamingNormalizer((3,))
+
+    def feed(size):
+        batch = torch.from_numpy(rng.normal(2.0, 3.0, size=(size, 3))).float()
+        deferred.update(batch)
+        at_once.update(batch)
+
+    def assert_same(normalizer):
+        for name in ("count", "mean", "sum_sq"):
+            torch.testing.assert_close(getattr(normalizer, name), getattr(at_once, name),
+                                       rtol=1e-12, atol=1e-12)
+
+    feed(4)
+    feed(4)
+    assert deferred._buffers["count"].item() == 0  # both batches are held
+    # Copies, moves and state dicts take the held values with them.
+    for clone in (copy.deepcopy(deferred), pickle.loads(pickle.dumps(deferred))):
+        assert_same(clone)
+    feed(4)  # no room: the 8 held values are merged, these 4 held
+    assert deferred._buffers["count"].item() == 8
+    state = {name: value.clone() for name, value in deferred.state_dict().items()}
+    assert state["count"].item() == 12
+    feed(3)
+    deferred.to("cpu")
+    assert deferred._buffers["count"].item() == 15
+    feed(11)  # more than defer: merged at once
+    assert deferred._buffers["count"].item() == 26
+    feed(2)
+    assert_same(deferred)  # reading a buffer merges first
+    probe = torch.from_numpy(rng.normal(size=(5, 3))).float()
+    feed(2)
+    torch.testing.assert_close(deferred.transform(probe), at_once.transform(probe))
+    feed(2)
+    torch.testing.assert_close(deferred.variance, at_once.variance, rtol=1e-12, atol=0)
+    # Loading replaces the statistics: held values are dropped, not merged.
+    feed(2)
+    deferred.load_state_dict(state)
+    assert deferred._buffers["count"].item() == 12
+    for name, value in state.items():
+        assert torch.equal(getattr(deferred, name), value)
+    with pytest.raises(ValueError, match="defer must be >= 0"):
+        StreamingNormalizer((3,), defer=-1)
 
 
 # -- EpisodeMemory ---------------------------------------------------------------------

@@ -182,8 +182,9 @@ class BatchPPO(Algorithm):
         self.value_optimizer = torch.optim.Adam(self.value.parameters(), lr=config.value_lr)
         self.observ_normalizer = StreamingNormalizer(
             (obs_size,), center=True, scale=True, clip=5.0).to(self.device)
+        # Read only by update(): the rewards of 64 steps are merged at once.
         self.reward_normalizer = StreamingNormalizer(
-            (), center=False, scale=True, clip=10.0).to(self.device)
+            (), center=False, scale=True, clip=10.0, defer=64 * num_agents).to(self.device)
         self.penalty = KLPenalty(config.kl_target, config.kl_init_penalty)
         self.state_size = body.state_size
         self.recurrent_state = torch.zeros(num_agents, self.state_size, device=self.device)

@@ -24,31 +24,62 @@ class StreamingNormalizer(nn.Module):
     copies work in numpy on views of the same memory (``batchrl.parts.host``);
     results are the same up to float rounding.
 
+    With ``defer``, ``update`` only copies values into a buffer and merges
+    them in one go when it is full or when anything reads the statistics
+    (``transform``, ``variance``, the ``mean``/``sum_sq``/``count`` buffers,
+    ``state_dict``, a copy or a move): for statistics read far less often
+    than updated, such as the rewards, which BatchPPO reads once per update.
+    Readers see every value given to ``update``; only the grouping of the
+    merges, and so the float rounding, differs.
+
     Args:
       shape: shape of one value (``()`` for rewards).
       center: subtract the running mean.
       scale: divide by the running standard deviation (1 until two values
         were seen).
       clip: clip transformed values to ``[-clip, clip]``; ``None`` for no clip.
+      defer: how many values (of ``shape``) ``update`` may hold back before
+        merging them; 0 merges every batch at once.
     """
 
     def __init__(self, shape: tuple[int, ...] = (), center: bool = True, scale: bool = True,
-                 clip: float | None = None, eps: float = 1e-8):
+                 clip: float | None = None, eps: float = 1e-8, defer: int = 0):
         super().__init__()
+        if defer < 0:
+            raise ValueError(f"defer must be >= 0 values, got {defer}")
+        # Derived, not saved, and kept in a plain object: nn.Module's
+        # __setattr__ costs microseconds, and these change at every env step.
+        # (Made first: __getattr__ uses it once buffers are looked up.)
+        self._cache = _Derived()
         self.shape = tuple(shape)
+        self.defer = defer
         self.center, self.scale, self.clip, self.eps = center, scale, clip, eps
         self.register_buffer("count", torch.zeros((), dtype=torch.float64))
         self.register_buffer("mean", torch.zeros(self.shape, dtype=torch.float64))
         self.register_buffer("sum_sq", torch.zeros(self.shape, dtype=torch.float64))
-        # Derived, not saved, and kept in a plain object: nn.Module's
-        # __setattr__ costs microseconds, and these change at every env step.
-        self._cache = _Derived()
+
+    def __getattr__(self, name: str) -> Any:
+        # nn.Module looks buffers up here (they are not instance attributes):
+        # whoever reads the statistics gets the held values merged first.
+        if name in _STATISTICS:
+            self.flush()
+        return super().__getattr__(name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        self.flush()  # a copy holds nothing back (see _Derived.__getstate__)
+        return super().__getstate__()
 
     def _apply(self, fn: Any, *args: Any, **kwargs: Any) -> "StreamingNormalizer":
+        self.flush()
         self._cache.moved()  # .to(device) and friends replace the buffers
         return super()._apply(fn, *args, **kwargs)
 
+    def _save_to_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self.flush()
+        super()._save_to_state_dict(*args, **kwargs)
+
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._cache.held = 0  # the loaded statistics replace everything seen
         super()._load_from_state_dict(*args, **kwargs)
         self._cache.count = float(self.count)
         self._cache.moved()  # loading with assign=True replaces the buffers
@@ -69,6 +100,41 @@ class StreamingNormalizer(nn.Module):
         n = values.shape[0]
         if n == 0:
             return
+        if self.defer:
+            cache = self._cache
+            if cache.held + n > self.defer:
+                self.flush()
+            if n <= self.defer:
+                self._hold(values, n)
+                return
+        self._merge(values, n)
+
+    def flush(self) -> None:
+        """Merge the values that ``update`` held back (see ``defer``)."""
+        cache = self._cache
+        if cache.held:
+            held, cache.held = cache.held, 0
+            self._merge(cache.pending[:held], held)
+
+    def _hold(self, values: torch.Tensor, n: int) -> None:
+        """Copy ``n`` values to the end of the held ones (room is checked)."""
+        cache = self._cache
+        if cache.pending is None:
+            device = self._buffers["mean"].device
+            # float64, as the statistics: held values lose nothing
+            cache.pending = torch.empty((self.defer, *self.shape), dtype=torch.float64,
+                                        device=device)
+            cache.pending_host = host.view(cache.pending)
+        rows = slice(cache.held, cache.held + n)
+        batch = host.view(values) if cache.pending_host is not None else None
+        if batch is not None:
+            cache.pending_host[rows] = batch
+        else:
+            cache.pending[rows] = values.detach()
+        cache.held += n
+
+    def _merge(self, values: torch.Tensor, n: int) -> None:
+        """Merge a batch of ``n`` values ``(n, *shape)`` into the statistics."""
         cache = self._cache
         count = cache.count
         total = count + n
@@ -97,6 +163,7 @@ class StreamingNormalizer(nn.Module):
     @property
     def variance(self) -> torch.Tensor:
         """Unbiased variance (ones until two values were seen), float64."""
+        self.flush()
         count = self._cache.count
         if count < 2:
             return torch.ones_like(self.sum_sq)
@@ -107,6 +174,7 @@ class StreamingNormalizer(nn.Module):
         rounded once), made again after each update. On the CPU they are
         rewritten in place: fresh tensors at every env step cost more than
         the arithmetic."""
+        self.flush()
         cache = self._cache
         if not cache.fresh:
             if self._arrays():
@@ -149,12 +217,18 @@ class StreamingNormalizer(nn.Module):
         return result if result.dtype == values.dtype else result.to(values.dtype)
 
 
+_STATISTICS = frozenset(("mean", "sum_sq", "count"))
+
+
 class _Derived:
     """What ``StreamingNormalizer`` derives from its buffers: the count as a
     Python number, float32 copies of the mean and of the inverse standard
     deviation (valid while ``fresh``), numpy views of the buffers (``()``
     when not on the CPU, ``None`` when not yet made) and, on the CPU, the
-    arrays behind the float32 copies and a float64 scratch array."""
+    arrays behind the float32 copies and a float64 scratch array. Also the
+    values ``update`` held back: the first ``held`` rows of ``pending``
+    (made at the first one; ``pending_host`` is its numpy view, or ``None``).
+    """
 
     def __init__(self) -> None:
         self.count = 0.0
@@ -163,6 +237,9 @@ class _Derived:
         self.inverse_std: torch.Tensor | None = None
         self.arrays: tuple[np.ndarray, ...] | None = None
         self.host: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.held = 0
+        self.pending: torch.Tensor | None = None
+        self.pending_host: np.ndarray | None = None
 
     def stale(self) -> None:
         self.fresh = False
