@@ -407,8 +407,9 @@ def test_normalizer_defer_holds_values_until_the_statistics_are_read(host_path):
     assert deferred._buffers["count"].item() == 12
     for name, value in state.items():
         assert torch.equal(getattr(deferred, name), value)
-    with pytest.raises(ValueError, match="defer must be >= 0"):
-        StreamingNormalizer((3,), defer=-1)
+    for bad in (-1, 2.5):
+        with pytest.raises(ValueError, match="defer must be a whole number of values >= 0"):
+            StreamingNormalizer((3,), defer=bad)
 
 
 # -- EpisodeMemory ---------------------------------------------------------------------

@@ -45,8 +45,8 @@ class StreamingNormalizer(nn.Module):
     def __init__(self, shape: tuple[int, ...] = (), center: bool = True, scale: bool = True,
                  clip: float | None = None, eps: float = 1e-8, defer: int = 0):
         super().__init__()
-        if defer < 0:
-            raise ValueError(f"defer must be >= 0 values, got {defer}")
+        if not isinstance(defer, int) or defer < 0:
+            raise ValueError(f"defer must be a whole number of values >= 0, got {defer!r}")
         # Derived, not saved, and kept in a plain object: nn.Module's
         # __setattr__ costs microseconds, and these change at every env step.
         # (Made first: __getattr__ uses it once buffers are looked up.)
