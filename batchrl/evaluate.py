@@ -226,7 +226,8 @@ def _record_video(config: Config, algo: BatchPPO, device: torch.device, path: Pa
     env_config = config.env
     try:
         raw = resolve_constructor(env_config.id, {**env_config.kwargs,
-                                                  "render_mode": "rgb_array"})()
+                                                  "render_mode": "rgb_array"},
+                                  env_config.max_length)()
     except Exception as exc:
         if _from_opengl(exc):
             raise EvaluationError(_opengl_failure(env_config.id, exc, failures)) from None
@@ -256,8 +257,8 @@ def _record_video(config: Config, algo: BatchPPO, device: torch.device, path: Pa
             raise EvaluationError(f"cannot write the video {path}: {exc}") from None
         frames += 1
 
-    recorder = _FrameRecorder(wrap_env(raw, env_config.max_length,
-                                       normalize_ranges=env_config.normalize_ranges), write)
+    recorder = _FrameRecorder(wrap_env(raw, normalize_ranges=env_config.normalize_ranges),
+                              write)
     env = TensorBatchEnv(BatchEnv([recorder]), device)
     completed = False
     try:

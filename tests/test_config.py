@@ -7,6 +7,8 @@ import json
 import sys
 import textwrap
 
+import gymnasium as gym
+import numpy as np
 import pytest
 
 from batchrl.config import (CONFIG_DIR, Config, ConfigError, available_configs, build_config,
@@ -258,7 +260,6 @@ ENV_MODULE = '''
 import gymnasium as gym
 import numpy as np
 
-
 class Countdown(gym.Env):
     def __init__(self, length=5, scale=1.0):
         self.length, self.scale = length, scale
@@ -344,6 +345,52 @@ def test_unknown_env_id_is_an_env_spec_error(env_id, expected):
     assert env_id in str(info.value)
     with pytest.raises(EnvSpecError):
         make_batch_env(env_id, 2, backend="process")  # before any worker is started
+
+
+def _episode_length(batch_env, limit: int) -> int:
+    """Steps until the first env of ``batch_env`` is done (at most ``limit``)."""
+    batch_env.reset(seed=0)
+    action = np.zeros((len(batch_env), *batch_env.action_space.shape), np.float32)
+    for step in range(1, limit + 1):
+        _, _, terminated, truncated, _ = batch_env.step(action)
+        if terminated[0] or truncated[0]:
+            return step
+    return limit + 1
+
+
+@pytest.mark.parametrize("max_length", [50, 250])
+def test_max_length_replaces_the_registered_time_limit(max_length):
+    # Pendulum-v1 is registered with a limit of 200 steps: a longer
+    # max_length must not be cut at 200 by a TimeLimit left beneath ours.
+    batch = make_batch_env("Pendulum-v1", 1, max_length, backend="inline")
+    try:
+        assert _episode_length(batch, 300) == max_length
+        assert _episode_length(batch, 300) == max_length
+    finally:
+        batch.close()
+    env = resolve_constructor("Pendulum-v1", max_episode_steps=max_length)()
+    limits = []
+    while isinstance(env, gym.Wrapper):
+        if isinstance(env, gym.wrappers.TimeLimit):
+            limits.append(env._max_episode_steps)
+        env = env.env
+    assert limits == [max_length]
+
+
+def test_max_length_limits_a_function_env(env_package):
+    batch = make_batch_env(f"{env_package}.countdown:make_env", 1, 4, {"length": 9},
+                           backend="inline")
+    try:
+        assert _episode_length(batch, 20) == 4
+    finally:
+        batch.close()
+
+
+def test_time_limit_in_kwargs_and_max_length_conflict():
+    with pytest.raises(EnvSpecError, match="kwargs must not set max_episode_steps"):
+        resolve_constructor("Pendulum-v1", {"max_episode_steps": 30}, 40)
+    with pytest.raises(ValueError, match="max_episode_steps must be positive, got 0"):
+        resolve_constructor("Pendulum-v1", max_episode_steps=0)
 
 
 def test_module_attribute_that_is_not_callable(env_package):

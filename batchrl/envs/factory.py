@@ -13,7 +13,7 @@ from batchrl.envs.batch import BatchEnv
 from batchrl.envs.errors import EnvRaisedError
 from batchrl.envs.external import ExternalProcess
 from batchrl.envs.workers import EnvWorker
-from batchrl.envs.wrappers import wrap_env
+from batchrl.envs.wrappers import TimeLimit, wrap_env
 from batchrl.hardware import usable_cores
 
 
@@ -21,16 +21,24 @@ class EnvSpecError(ValueError):
     """The env named in a config cannot be found or built."""
 
 
-def resolve_constructor(env_id: str, kwargs: dict[str, Any] | None = None
-                        ) -> Callable[[], gym.Env]:
+def resolve_constructor(env_id: str, kwargs: dict[str, Any] | None = None,
+                        max_episode_steps: int | None = None) -> Callable[[], gym.Env]:
     """Return a function that builds the raw env named ``env_id``.
 
     ``env_id`` is a registered Gymnasium id (``"HalfCheetah-v5"``) or an
     importable ``"package.module:function"`` that returns a ``gymnasium.Env``;
     ``kwargs`` are passed to ``gymnasium.make`` or to the function. Errors are
     raised here, in the parent, as ``EnvSpecError`` with what is valid.
+
+    ``max_episode_steps``, when given, is the env's time limit: it replaces
+    the limit a registered id comes with (``gymnasium.make``'s own argument)
+    instead of adding a second ``TimeLimit`` beneath which the registered one,
+    if shorter, would still end every episode; a function's env gets a
+    ``TimeLimit``.
     """
     kwargs = dict(kwargs or {})
+    if max_episode_steps is not None and max_episode_steps <= 0:
+        raise ValueError(f"max_episode_steps must be positive, got {max_episode_steps}")
     if ":" in env_id:
         module_name, _, attr = env_id.partition(":")
         try:
@@ -51,7 +59,7 @@ def resolve_constructor(env_id: str, kwargs: dict[str, Any] | None = None
             if not isinstance(env, gym.Env):
                 raise EnvSpecError(f"env {env_id!r}: {module_name}.{attr}() returned "
                                    f"{type(env).__name__} {env!r:.80}, not a gymnasium.Env")
-            return env
+            return env if max_episode_steps is None else TimeLimit(env, max_episode_steps)
 
         return build
     try:
@@ -59,6 +67,13 @@ def resolve_constructor(env_id: str, kwargs: dict[str, Any] | None = None
     except gym.error.Error as exc:
         raise EnvSpecError(f"env {env_id!r}: {exc}. Use a registered Gymnasium id such as "
                            f"'HalfCheetah-v5' or 'package.module:function'") from None
+    if max_episode_steps is not None:
+        if "max_episode_steps" in kwargs:
+            raise EnvSpecError(f"env {env_id!r}: kwargs must not set max_episode_steps "
+                               f"({kwargs['max_episode_steps']!r}); the time limit is "
+                               f"max_length (env.max_length in a config), here "
+                               f"{max_episode_steps}")
+        kwargs["max_episode_steps"] = max_episode_steps
     return lambda: gym.make(env_id, **kwargs)
 
 
@@ -206,15 +221,16 @@ def make_batch_env(env_id: str, num_envs: int, max_length: int | None = None,
                    **options: Any) -> BatchEnv:
     """``num_envs`` wrapped copies of the env named ``env_id`` as one ``BatchEnv``.
 
-    Wrappers: ``wrap_env`` (time limit ``max_length``, range normalisation
-    when ``normalize_ranges``, action clipping, 32-bit floats). ``backend``,
+    The env ends episodes after ``max_length`` steps (``resolve_constructor``'s
+    time limit), then ``wrap_env`` applies range normalisation when
+    ``normalize_ranges``, action clipping and 32-bit floats. ``backend``,
     ``workers`` and ``options`` (``share_main``, ``pin_workers``, ``infos``,
     ``timeout``, ``max_restarts``, ``ray_address``, ``ray_resources``) are
     ``batch_env_from``'s.
     """
-    raw = resolve_constructor(env_id, kwargs)
+    raw = resolve_constructor(env_id, kwargs, max_length)
 
     def constructor() -> gym.Env:
-        return wrap_env(raw(), max_length, normalize_ranges=normalize_ranges)
+        return wrap_env(raw(), normalize_ranges=normalize_ranges)
 
     return batch_env_from(constructor, num_envs, backend, workers, label=env_id, **options)

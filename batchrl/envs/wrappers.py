@@ -50,7 +50,10 @@ def wrap_env(env: gym.Env, max_episode_steps: int | None = None,
              normalize_ranges: bool = True) -> gym.Env:
     """Apply the trainer's wrappers in BatchPPO's order.
 
-    ``TimeLimit`` (when ``max_episode_steps`` is given), then
+    ``TimeLimit`` (when ``max_episode_steps`` is given; an env from
+    ``gymnasium.make`` keeps its registered limit beneath it, so the shorter
+    one ends episodes: ``resolve_constructor`` replaces that limit instead),
+    then
     ``range_normalize`` (unless ``normalize_ranges`` is false), ``ClipAction``
     (Box actions only, so sampled Gaussian actions outside the range are
     clipped by the env, not by the policy) and ``convert_to_32bit``.
