@@ -260,6 +260,7 @@ ENV_MODULE = '''
 import gymnasium as gym
 import numpy as np
 
+
 class Countdown(gym.Env):
     def __init__(self, length=5, scale=1.0):
         self.length, self.scale = length, scale

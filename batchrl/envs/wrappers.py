@@ -50,13 +50,15 @@ def wrap_env(env: gym.Env, max_episode_steps: int | None = None,
              normalize_ranges: bool = True) -> gym.Env:
     """Apply the trainer's wrappers in BatchPPO's order.
 
-    ``TimeLimit`` (when ``max_episode_steps`` is given; an env from
-    ``gymnasium.make`` keeps its registered limit beneath it, so the shorter
-    one ends episodes: ``resolve_constructor`` replaces that limit instead),
-    then
+    ``TimeLimit`` (when ``max_episode_steps`` is given), then
     ``range_normalize`` (unless ``normalize_ranges`` is false), ``ClipAction``
     (Box actions only, so sampled Gaussian actions outside the range are
     clipped by the env, not by the policy) and ``convert_to_32bit``.
+
+    An env from ``gymnasium.make`` keeps its registered time limit beneath
+    this ``TimeLimit``, so the shorter of the two ends its episodes; to
+    replace the registered one, build the env with ``resolve_constructor``'s
+    ``max_episode_steps`` (as ``make_batch_env`` does) instead.
     """
     if max_episode_steps is not None:
         if max_episode_steps <= 0:
