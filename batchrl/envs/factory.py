@@ -13,7 +13,7 @@ from batchrl.envs.batch import BatchEnv
 from batchrl.envs.errors import EnvRaisedError
 from batchrl.envs.external import ExternalProcess
 from batchrl.envs.workers import EnvWorker
-from batchrl.envs.wrappers import TimeLimit, wrap_env
+from batchrl.envs.wrappers import TimeLimit, check_time_limit, wrap_env
 from batchrl.hardware import usable_cores
 
 
@@ -37,8 +37,8 @@ def resolve_constructor(env_id: str, kwargs: dict[str, Any] | None = None,
     ``TimeLimit``.
     """
     kwargs = dict(kwargs or {})
-    if max_episode_steps is not None and max_episode_steps <= 0:
-        raise ValueError(f"max_episode_steps must be positive, got {max_episode_steps}")
+    if max_episode_steps is not None:
+        check_time_limit(max_episode_steps)
     if ":" in env_id:
         module_name, _, attr = env_id.partition(":")
         try:

@@ -46,6 +46,12 @@ def convert_to_32bit(env: gym.Env) -> gym.Env:
     return TransformReward(env, np.float32)
 
 
+def check_time_limit(max_episode_steps: int) -> None:
+    """Raise ``ValueError`` unless the time limit is a positive step count."""
+    if max_episode_steps <= 0:
+        raise ValueError(f"max_episode_steps must be positive, got {max_episode_steps}")
+
+
 def wrap_env(env: gym.Env, max_episode_steps: int | None = None,
              normalize_ranges: bool = True) -> gym.Env:
     """Apply the trainer's wrappers in BatchPPO's order.
@@ -61,8 +67,7 @@ def wrap_env(env: gym.Env, max_episode_steps: int | None = None,
     ``max_episode_steps`` (as ``make_batch_env`` does) instead.
     """
     if max_episode_steps is not None:
-        if max_episode_steps <= 0:
-            raise ValueError(f"max_episode_steps must be positive, got {max_episode_steps}")
+        check_time_limit(max_episode_steps)
         env = TimeLimit(env, max_episode_steps)
     if normalize_ranges:
         env = range_normalize(env)
