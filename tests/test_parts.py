@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from batchrl.parts import (EpisodeMemory, StreamingNormalizer, discounted_return,
-                           generalized_advantage, host)
+from batchrl.parts import (EpisodeMemory, RolloutMemory, StreamingNormalizer, discounted_cumsum,
+                           discounted_return, gae, generalized_advantage, host)
 
 
 def t64(values) -> torch.Tensor:
@@ -175,6 +175,79 @@ def test_generalized_advantage_with_lambda_one_is_return_minus_value():
     valid = torch.arange(20)[None] < length[:, None]
     expected = torch.where(valid, returns - value_t, torch.zeros(()))
     torch.testing.assert_close(advantage, expected, rtol=1e-10, atol=1e-10)
+
+
+# -- discounted_cumsum and gae (rollouts with per-step ends) ---------------------------
+
+
+def np_rollout_gae(reward, value, next_value, ends, gamma, lam):
+    """The backward loop over time that gae vectorises."""
+    result = np.zeros_like(reward, dtype=np.float64)
+    advantage = np.zeros(reward.shape[0])
+    for t in reversed(range(reward.shape[1])):
+        delta = reward[:, t] + gamma * next_value[:, t] - value[:, t]
+        advantage = delta + gamma * lam * (1.0 - ends[:, t]) * advantage
+        result[:, t] = advantage
+    return result
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 7, 8, 64, 1000])
+def test_discounted_cumsum_matches_the_loop(steps):
+    rng = np.random.default_rng(steps)
+    values = rng.normal(size=(5, steps))
+    factors = rng.uniform(0.0, 1.0, size=(5, steps)) * (rng.uniform(size=(5, steps)) > 0.1)
+    expected = np.zeros_like(values)
+    running = np.zeros(5)
+    for t in reversed(range(steps)):
+        running = values[:, t] + factors[:, t] * running
+        expected[:, t] = running
+    result = discounted_cumsum(torch.from_numpy(values), torch.from_numpy(factors))
+    np.testing.assert_allclose(result.numpy(), expected, rtol=1e-10, atol=1e-12)
+    # float32 in, float32 out (computed in float64)
+    result = discounted_cumsum(torch.from_numpy(values).float(), torch.from_numpy(factors))
+    assert result.dtype == torch.float32
+
+
+def test_gae_at_episode_ends_and_the_rollout_cut_by_hand():
+    # One agent, 4 steps, gamma = lambda = 0.5. Its episode terminates at step
+    # 1 (next value 0); a new one starts at step 2 and is cut by the end of the
+    # rollout after step 3, where it bootstraps from the value 8 of the state
+    # after it.
+    reward = t64([[1.0, 2.0, 3.0, 4.0]])
+    value = t64([[2.0, 4.0, 2.0, 4.0]])
+    next_value = t64([[4.0, 0.0, 4.0, 8.0]])
+    ends = torch.tensor([[False, True, False, True]])
+    # delta = [1 + 2 - 2, 2 + 0 - 4, 3 + 2 - 2, 4 + 4 - 4] = [1, -2, 3, 4]
+    # A3 = 4, A2 = 3 + 0.25 * 4 = 4, A1 = -2 (an end), A0 = 1 + 0.25 * -2 = 0.5
+    result = gae(reward, value, next_value, ends, 0.5, 0.5)
+    assert result.tolist() == [[0.5, -2.0, 4.0, 4.0]]
+    # A time limit at step 1 instead of a terminal state: the next value is the
+    # value of the real final observation, say 6: delta1 = 2 + 3 - 4 = 1.
+    next_value[0, 1] = 6.0
+    assert gae(reward, value, next_value, ends, 0.5, 0.5).tolist() == [[1.25, 1.0, 4.0, 4.0]]
+
+
+def test_gae_matches_the_loop_and_lambda_one_gives_returns():
+    rng = np.random.default_rng(3)
+    agents, steps = 6, 37
+    reward, value = rng.normal(size=(agents, steps)), rng.normal(size=(agents, steps))
+    next_value = rng.normal(size=(agents, steps))
+    ends = rng.uniform(size=(agents, steps)) < 0.1
+    ends[:, -1] = True
+    expected = np_rollout_gae(reward, value, next_value, ends, 0.99, 0.95)
+    result = gae(*map(torch.from_numpy, (reward, value, next_value, ends)), 0.99, 0.95)
+    np.testing.assert_allclose(result.numpy(), expected, rtol=1e-10, atol=1e-10)
+    # lambda = 1: the advantage plus the value is the discounted return,
+    # bootstrapped from next_value at every end (inside a segment the next
+    # value is the next step's).
+    next_value[:, :-1] = np.where(ends[:, :-1], next_value[:, :-1], value[:, 1:])
+    returns = np.zeros_like(reward)
+    running = np.zeros(agents)
+    for t in reversed(range(steps)):
+        running = reward[:, t] + 0.99 * np.where(ends[:, t], next_value[:, t], running)
+        returns[:, t] = running
+    result = gae(*map(torch.from_numpy, (reward, value, next_value, ends)), 0.99, 1.0)
+    np.testing.assert_allclose(result.numpy() + value, returns, rtol=1e-10, atol=1e-10)
 
 
 # -- StreamingNormalizer ------------------------------------------------------------
@@ -537,3 +610,89 @@ def test_memory_copies_write_their_own_buffers():
         assert clone.running_length.tolist() == [2, 2, 2]
     assert memory.running["x"][:, :2].tolist() == [[1.0, 0.0]] * 3
     assert memory.running_length.tolist() == [1, 1, 1]
+
+
+# -- RolloutMemory ---------------------------------------------------------------------
+
+
+def make_rollout(num_agents=3, length=4):
+    return RolloutMemory(num_agents, length,
+                         step_fields={"x": ((), torch.float32), "a": ((2,), torch.int64)},
+                         end_fields={"after": ((), torch.float32)})
+
+
+def append_step(memory, agents, value):
+    agents = torch.as_tensor(agents)
+    memory.append(agents, x=torch.full((len(agents),), float(value)),
+                  a=torch.stack([agents, agents + value], 1))
+
+
+def test_rollout_memory_segments_ends_and_cut():
+    memory = make_rollout()
+    agents = torch.arange(3)
+    for step in range(4):
+        append_step(memory, agents, step)
+        if step == 1:  # agent 1's episode ends after its second step
+            memory.end_segments(torch.tensor([1]), after=torch.tensor([7.0]))
+        if step == 2:  # agent 0's env is reset: its episode is cut without a next state
+            memory.discard(torch.tensor([0]))
+        assert memory.full == (step == 3)
+    assert memory.stored == 12
+    # The rollout is cut after the last step: every agent bootstraps there.
+    memory.end_segments(agents, after=torch.tensor([1.0, 2.0, 3.0]))
+    data = memory.data()
+    assert data["x"].tolist() == [[0.0, 1.0, 2.0, 3.0]] * 3
+    assert data["a"][2].tolist() == [[2, 2], [2, 3], [2, 4], [2, 5]]
+    assert data["ends"].tolist() == [[False, False, True, True], [False, True, False, True],
+                                     [False, False, False, True]]
+    assert data["valid"].tolist() == [[False, False, False, True], [True] * 4, [True] * 4]
+    assert data["after"].tolist() == [[0.0, 0.0, 0.0, 1.0], [0.0, 7.0, 0.0, 2.0],
+                                      [0.0, 0.0, 0.0, 3.0]]
+    # A discard right after an end, or of an agent with nothing stored, changes nothing.
+    memory.discard(agents)
+    assert memory.data()["valid"].sum() == 9
+    memory.clear()
+    assert not memory.full and memory.stored == 0
+    assert not memory.data()["ends"].any() and not memory.data()["valid"].any()
+    assert memory.data()["after"].abs().sum() == 0
+    # Episodes go on in the next rollout: nothing left over from the last one.
+    memory.discard(torch.tensor([2]))
+    append_step(memory, agents, 5)
+    assert memory.data()["valid"][:, 0].all() and not memory.data()["ends"].any()
+
+
+def test_rollout_memory_errors():
+    memory = make_rollout(length=2)
+    agents = torch.arange(3)
+    with pytest.raises(KeyError, match="step fields"):
+        memory.append(agents, x=torch.ones(3))
+    with pytest.raises(ValueError, match=r"'a' must have shape \(3, 2\), got \(2,\)"):
+        memory.append(agents, x=torch.ones(3), a=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(KeyError, match="not an end field"):
+        memory.end_segments(agents, nope=torch.ones(3))
+    append_step(memory, [0], 0)
+    append_step(memory, [0], 1)  # agent 0 is full, the others are not
+    append_step(memory, [1, 2], 0)
+    with pytest.raises(RuntimeError, match="length=2"):
+        append_step(memory, [0, 1], 2)
+    append_step(memory, [1, 2], 1)
+    assert memory.full
+    with pytest.raises(ValueError, match="length >= 1"):
+        make_rollout(length=0)
+
+
+def test_rollout_memory_state_dict_round_trip():
+    memory = make_rollout()
+    agents = torch.arange(3)
+    append_step(memory, agents, 1)
+    memory.end_segments(torch.tensor([2]), after=torch.tensor([5.0]))
+    append_step(memory, agents, 2)
+    other = make_rollout()
+    other.load_state_dict(memory.state_dict())
+    assert other.stored == 6 and other.steps.tolist() == [2, 2, 2]
+    assert other.segment_start.tolist() == [0, 0, 1]
+    for name, buffer in memory.data().items():
+        assert torch.equal(other.data()[name], buffer)
+    append_step(other, agents, 3)
+    append_step(other, agents, 4)
+    assert other.full

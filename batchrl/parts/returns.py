@@ -1,7 +1,17 @@
-"""Discounted returns and generalised advantages over padded episode batches.
+"""Discounted returns and generalised advantages, without a Python loop over time.
 
-Both are computed with one matrix product against a ``(T, T)`` matrix of
-discount powers instead of a Python loop over time steps.
+Both are instances of one backward recursion along the time axis,
+``y_t = x_t + f_t * y_{t+1}``, which ``discounted_cumsum`` evaluates for a
+whole batch in ``log2(T)`` vectorised doubling steps. Two layouts of
+experience use it:
+
+* sequences with per-step flags (``gae``): fixed-length rollouts in which
+  episodes end anywhere, ``ends[b, t]`` marking the last step of a stretch
+  of one episode (at a terminal state, a time limit or the end of the
+  rollout) and ``next_value[b, t]`` the value of the state after step ``t``;
+* padded whole episodes (``discounted_return``, ``generalized_advantage``):
+  ``(E, T)`` rows of which the first ``length[e]`` steps are real, with the
+  value after each episode's last step given as ``bootstrap``.
 """
 
 from __future__ import annotations
@@ -9,27 +19,76 @@ from __future__ import annotations
 import torch
 
 
-def _discount_matrix(length: int, factor: float, device: torch.device) -> torch.Tensor:
-    """``M[k, t] = factor ** (k - t)`` for ``k >= t`` else 0, so ``x @ M`` is the
-    discounted sum of ``x`` from each step ``t`` onwards."""
-    steps = torch.arange(length, device=device)
-    offset = steps[:, None] - steps[None, :]
-    powers = torch.tensor(factor, dtype=torch.float64, device=device) ** offset.clamp(min=0)
-    return torch.where(offset >= 0, powers, torch.zeros((), dtype=torch.float64,
-                                                         device=device))
+def discounted_cumsum(values: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """``y_t = x_t + f_t * y_{t+1}`` along the last axis, with ``y_T = 0``.
+
+    Args:
+      values: ``(..., T)`` the ``x_t``.
+      factors: ``(..., T)`` the ``f_t`` (a discount, zero where a sequence ends).
+    Returns:
+      ``(..., T)`` the ``y_t``, computed in float64 and returned in the dtype
+      of ``values``.
+
+    After the doubling step with shift ``s`` every ``y_t`` holds the terms
+    ``t .. t + 2s - 1`` and ``gain_t`` the product of the factors over that
+    span, so ``ceil(log2(T))`` steps reach the end of every row.
+    """
+    result = values.to(torch.float64)
+    gain = factors.to(torch.float64)
+    steps = values.shape[-1]
+    shift = 1
+    while shift < steps:
+        later = gain[..., :-shift] * result[..., shift:]
+        result = torch.cat([result[..., :-shift] + later, result[..., -shift:]], dim=-1)
+        gain = torch.cat([gain[..., :-shift] * gain[..., shift:], gain[..., -shift:]], dim=-1)
+        shift *= 2
+    return result.to(values.dtype)
+
+
+def gae(reward: torch.Tensor, value: torch.Tensor, next_value: torch.Tensor,
+        ends: torch.Tensor, discount: float, lambda_: float) -> torch.Tensor:
+    """Generalised advantage estimates (Schulman et al., 2016) of sequences
+    in which episodes may end at any step.
+
+    Args:
+      reward: ``(B, T)`` rewards.
+      value: ``(B, T)`` value estimates of the states the rewards came from.
+      next_value: ``(B, T)`` value of the state after each step: zero after a
+        terminal state, the value of the real next observation after a time
+        limit or at the end of a rollout.
+      ends: ``(B, T)`` bool or 0/1: the sequence of step ``t`` stops there
+        (its episode ended, or the rollout was cut); advantages never reach
+        across such a step.
+      discount: gamma. lambda_: the GAE lambda (1 gives ``return - value``).
+    Returns:
+      ``(B, T)`` advantages in the dtype of ``reward``.
+    """
+    delta = reward.to(torch.float64) + discount * next_value.to(torch.float64) - value
+    factors = (discount * lambda_) * (1.0 - ends.to(torch.float64))
+    return discounted_cumsum(delta, factors).to(reward.dtype)
 
 
 def _valid_mask(length: torch.Tensor, steps: int) -> torch.Tensor:
     return torch.arange(steps, device=length.device)[None, :] < length[:, None]
 
 
-def _add_at_last_step(values: torch.Tensor, length: torch.Tensor,
-                      extra: torch.Tensor) -> torch.Tensor:
-    rows = torch.arange(values.shape[0], device=values.device)
-    last = (length - 1).clamp(min=0)
-    values = values.clone()
-    values[rows, last] += extra * (length > 0)
-    return values
+def _episode_flags(length: torch.Tensor, steps: int, bootstrap: torch.Tensor | None,
+                   value: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For padded episodes: the valid mask, the last-step flags and the value
+    after every step (``value[t + 1]`` inside an episode, ``bootstrap`` after
+    its last step, zero in the padding)."""
+    time = torch.arange(steps, device=length.device)[None, :]
+    mask = time < length[:, None]
+    last = time == (length[:, None] - 1)
+    if value is None:
+        next_value = torch.zeros(length.shape[0], steps, dtype=torch.float64,
+                                 device=length.device)
+    else:
+        next_value = torch.cat([value[:, 1:], torch.zeros_like(value[:, :1])], dim=1)
+        next_value = torch.where(mask & ~last, next_value, torch.zeros_like(next_value))
+    if bootstrap is not None:
+        next_value = torch.where(last, bootstrap[:, None].to(next_value.dtype), next_value)
+    return mask, last, next_value
 
 
 def discounted_return(reward: torch.Tensor, length: torch.Tensor, discount: float,
@@ -46,18 +105,17 @@ def discounted_return(reward: torch.Tensor, length: torch.Tensor, discount: floa
       ``(E, T)`` returns ``R_t = sum_k gamma^(k-t) r_k + gamma^(L-t) bootstrap``,
       zero at padded steps. Same dtype and device as ``reward``.
     """
-    mask = _valid_mask(length, reward.shape[1])
-    values = torch.where(mask, reward, torch.zeros_like(reward)).to(torch.float64)
-    if bootstrap is not None:
-        values = _add_at_last_step(values, length, discount * bootstrap.to(torch.float64))
-    result = values @ _discount_matrix(reward.shape[1], discount, reward.device)
-    return torch.where(mask, result, torch.zeros_like(result)).to(reward.dtype)
+    mask, last, next_value = _episode_flags(length, reward.shape[1], bootstrap, None)
+    values = torch.where(mask, reward.to(torch.float64), 0.0) + discount * next_value
+    result = discounted_cumsum(values, discount * (~last).to(torch.float64))
+    return torch.where(mask, result, 0.0).to(reward.dtype)
 
 
 def generalized_advantage(reward: torch.Tensor, value: torch.Tensor, length: torch.Tensor,
                           discount: float, lambda_: float,
                           bootstrap: torch.Tensor | None = None) -> torch.Tensor:
-    """Generalised advantage estimates (Schulman et al., 2016) of padded episodes.
+    """Generalised advantage estimates of padded episodes (``gae`` with the
+    episode ends given by ``length``).
 
     Args:
       reward: ``(E, T)`` rewards.
@@ -68,15 +126,8 @@ def generalized_advantage(reward: torch.Tensor, value: torch.Tensor, length: tor
     Returns:
       ``(E, T)`` advantages, zero at padded steps.
     """
-    steps = reward.shape[1]
-    mask = _valid_mask(length, steps)
-    next_value = torch.cat([value[:, 1:], torch.zeros_like(value[:, :1])], dim=1)
-    # Inside an episode the next value is value[t + 1]; at its last step it is
-    # the bootstrap value, never the padding after it.
-    next_value = torch.where(_valid_mask(length - 1, steps), next_value, torch.zeros_like(value))
-    if bootstrap is not None:
-        next_value = _add_at_last_step(next_value, length, bootstrap)
-    delta = (reward + discount * next_value - value).to(torch.float64)
-    delta = torch.where(mask, delta, torch.zeros_like(delta))
-    result = delta @ _discount_matrix(steps, discount * lambda_, reward.device)
-    return torch.where(mask, result, torch.zeros_like(result)).to(reward.dtype)
+    mask, last, next_value = _episode_flags(length, reward.shape[1], bootstrap, value)
+    zero = torch.zeros((), dtype=value.dtype, device=value.device)
+    result = gae(torch.where(mask, reward, zero.to(reward.dtype)), torch.where(mask, value, zero),
+                 next_value, ~mask | last, discount, lambda_)
+    return torch.where(mask, result, torch.zeros_like(result))
