@@ -3,8 +3,11 @@
 As TF Agents' ``Loop``: a training phase collects ``ppo.update_every``
 episodes with sampled actions (the algorithm updates when the last one ends);
 every ``train.eval_every`` training phases an evaluation phase runs
-``train.eval_episodes`` episodes with mean actions and learns nothing. Each
-phase starts with ``simulate(..., reset=True)``, which discontinues the
+``train.eval_episodes`` episodes with mean actions and learns nothing. With
+fixed-length rollouts (``ppo.rollout_length``) a training phase is
+``train.eval_every`` rollouts long instead, each ending with an update, so
+that episodes run on across updates, and an evaluation follows every phase.
+Each phase starts with ``simulate(..., reset=True)``, which discontinues the
 running episodes. Env resets at phase starts are seeded from the run's seed
 and the phase number, so a run resumed from a checkpoint (always written at
 a phase boundary) continues exactly as it would have.
@@ -39,7 +42,7 @@ from batchrl.envs.factory import make_batch_env
 from batchrl.envs.tensor_env import TensorBatchEnv
 from batchrl.interrupt import Interrupted, StopSignals
 from batchrl.metrics import RunLog
-from batchrl.simulate import episode_length, simulate
+from batchrl.simulate import episode_length, flush, simulate
 
 CONFIG_FILE = "config.json"
 
@@ -149,8 +152,9 @@ class Trainer:
         self._restarts_seen = 0
 
     def _phase(self, env: TensorBatchEnv, algo: BatchPPO, phase: str, episodes: int,
-               bar: Any) -> dict[str, Any]:
-        """Run one phase until ``episodes`` episodes finished; returns its record."""
+               bar: Any, batch_steps: int | None = None) -> dict[str, Any]:
+        """Run one phase until ``episodes`` episodes finished, or for
+        ``batch_steps`` steps of the whole batch when given; returns its record."""
         config, counters = self.config, self.counters
         training = phase == "train"
         algo.train(training)
@@ -163,9 +167,11 @@ class Trainer:
         start, steps = time.perf_counter(), 0
         reset = True
         batch_env = env.batch_env
-        while len(scores) < episodes:
+        calls = 0
+        while len(scores) < episodes if batch_steps is None else calls < batch_steps:
             done, score, summary = simulate(env, algo, reset=reset,
                                             overlap=training and config.train.overlap)
+            calls += 1
             self._check_stop()
             reset = False
             # Envs restarted in this step did not step (they were reset).
@@ -185,16 +191,22 @@ class Trainer:
                 lengths += episode_length(env)[ended].tolist()
             if summary and training:
                 self.log.scalars(summary, counters.steps)
+        summary = flush(env)  # a checkpoint must hold every step's experience
+        if summary and training:
+            self.log.scalars(summary, counters.steps)
         elapsed = time.perf_counter() - start
         counters.wall_time += elapsed
         if training:
             counters.train_phases += 1
         else:
             counters.eval_steps += steps
-        scores, lengths = scores[:episodes], lengths[:episodes]
+        if batch_steps is None:
+            scores, lengths = scores[:episodes], lengths[:episodes]
         return {"step": counters.steps, "phase": phase,
-                "score": float(np.mean(scores)), "score_std": float(np.std(scores)),
-                "length": float(np.mean(lengths)), "episodes": len(scores),
+                "score": float(np.mean(scores)) if scores else None,
+                "score_std": float(np.std(scores)) if scores else None,
+                "length": float(np.mean(lengths)) if lengths else None,
+                "episodes": len(scores),
                 "wall_time": round(counters.wall_time, 3),
                 "steps_per_s": round(steps / elapsed, 1)}
 
@@ -300,10 +312,19 @@ class Trainer:
                 bar = tqdm(total=config.train.steps, initial=self.counters.steps,
                            unit="step", unit_scale=True, dynamic_ncols=True)
             evals = self.counters.phases - self.counters.train_phases  # over all sessions
+            # Whole-episode updates: a training phase collects the episodes of
+            # one update, and every eval_every-th phase is followed by an
+            # evaluation. Fixed-length rollouts: a phase is eval_every rollouts
+            # (updates) long, so that episodes run on across updates, and every
+            # phase is followed by an evaluation.
+            rollout = config.ppo.rollout_length
+            phase_steps = None if rollout is None else rollout * config.train.eval_every
+            eval_every = 1 if rollout is not None else config.train.eval_every
             while self.counters.steps < config.train.steps:
-                record = self._phase(env, algo, "train", config.ppo.update_every, bar)
+                record = self._phase(env, algo, "train", config.ppo.update_every, bar,
+                                     phase_steps)
                 self._report(record, bar)
-                due = self.counters.train_phases % config.train.eval_every == 0
+                due = self.counters.train_phases % eval_every == 0
                 final = self.counters.steps >= config.train.steps
                 if config.train.eval_episodes and (due or final):
                     last_eval = self._phase(env, algo, "eval", config.train.eval_episodes, None)
@@ -332,7 +353,8 @@ class Trainer:
 
     def _report(self, record: dict[str, Any], bar: Any) -> None:
         self.log.phase(record)
-        self.last_scores[record["phase"]] = record["score"]
+        if record["score"] is not None:
+            self.last_scores[record["phase"]] = record["score"]
         if bar is not None:
             bar.set_postfix({name: "-" if value is None else f"{value:.1f}"
                              for name, value in self.last_scores.items()}, refresh=True)

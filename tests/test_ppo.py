@@ -3,6 +3,7 @@ and cutoff, masking of padded steps, inference modes, checkpoints, evaluation.""
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import warnings
@@ -549,10 +550,20 @@ def test_eval_mode_acts_with_the_mean_and_learns_nothing(space):
     ("network", "cnn"), ("inference", "fast"), ("discount", 1.5), ("discount", -0.1),
     ("update_every", 0), ("update_epochs", 0), ("max_length", 0), ("gae_lambda", 1.5),
     ("kl_target", 0.0), ("policy_lr", -1.0), ("batch_size", 0), ("chunk_length", 0),
+    ("rollout_length", 0), ("minibatch_size", 0), ("activation", "gelu"), ("init", "xavier"),
+    ("reward_scale", "value"),
 ])
 def test_config_validation(field, value):
     with pytest.raises(ValueError, match=field):
         PPOConfig(**{field: value})
+
+
+def test_config_rejects_combinations():
+    with pytest.raises(ValueError, match="batch_size .* and minibatch_size .* set one of them"):
+        PPOConfig(batch_size=2, minibatch_size=64)
+    for name in ("rollout_length", "minibatch_size"):
+        with pytest.raises(ValueError, match=f"{name} needs network='feed_forward'"):
+            PPOConfig(network="recurrent", **{name: 16})
 
 
 def test_config_accepts_valid_values():
@@ -604,11 +615,11 @@ def test_recurrent_chunks_match_whole_episodes():
     algo = make(BOX, network="recurrent", chunk_length=3)
     fill_memory(algo, [8, 5, 3], seed=12, mean_shift=0.2)
     data, length = algo.memory.data()
-    data = dict(data)
+    data = {name: data[name] for name in algo.memory.step_fields}
     valid = valid_mask(length, 8)
     data["advantage"] = torch.randn(3, 8, generator=torch.Generator().manual_seed(1)) * valid
     data["returns"] = torch.zeros(3, 8)
-    chunks, mask = algo._chunks(data, length)
+    chunks, mask = algo._layout(data, valid)
     # 8 steps -> chunks of 3 padded to 9; chunks holding no valid step are dropped:
     # 3 + 2 + 1 chunks.
     assert mask.shape == (6, 3)
@@ -649,3 +660,223 @@ def test_update_happens_when_memory_is_full():
     # Episodes of 3 steps, 2 agents: the 4 episodes are complete after 6 steps.
     assert summaries[0] == {} and "ppo/kl" in summaries[1]
     assert algo.updates == 1 and algo.memory.count == 0
+
+
+# -- fixed-length rollouts and minibatches of time steps ----------------------------------
+
+
+def rollout_steps(algo: BatchPPO, steps: int, seed: int, done_at: dict[int, list[int]],
+                  terminal: set[int] = frozenset()) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """Drive the Algorithm protocol as simulate() does for ``steps`` steps.
+    ``done_at[t]`` lists the agents whose episode ends at step t (terminated
+    when t is in ``terminal``, else cut by a time limit). Returns the
+    summaries of experience() and what was fed in, by step."""
+    generator = torch.Generator().manual_seed(seed)
+    agents = torch.arange(algo.num_agents)
+    summaries, fed = [], {"observ": [], "reward": [], "next_observ": [], "done": [],
+                          "terminated": []}
+    algo.begin_episodes(agents)
+    observ = torch.randn(algo.num_agents, OBS_SIZE, generator=generator)
+    for step in range(steps):
+        action, _ = algo.perform(agents, observ)
+        reward = torch.randn(algo.num_agents, generator=generator)
+        done = torch.zeros(algo.num_agents)
+        done[done_at.get(step, [])] = 1.0
+        terminated = done * float(step in terminal)
+        next_observ = torch.randn(algo.num_agents, OBS_SIZE, generator=generator)
+        summaries.append(algo.experience(agents, observ, action, reward, done, next_observ,
+                                         terminated))
+        for name, value in (("observ", observ), ("reward", reward), ("done", done),
+                            ("next_observ", next_observ), ("terminated", terminated)):
+            fed[name].append(value)
+        ended = agents[done.bool()]
+        if ended.numel():
+            assert algo.end_episodes(ended) == {}
+            algo.begin_episodes(ended)
+        # The env resets the agents that are done: their next observation is new.
+        observ = torch.where(done.bool()[:, None],
+                             torch.randn(algo.num_agents, OBS_SIZE, generator=generator),
+                             next_observ)
+    return summaries, {name: torch.stack(values, 1) for name, values in fed.items()}
+
+
+def test_rollout_updates_every_rollout_length_steps_and_episodes_run_on():
+    algo = make(BOX, num_agents=2, rollout_length=4, update_epochs=2, minibatch_size=3)
+    summaries, _ = rollout_steps(algo, 9, seed=0, done_at={1: [0], 5: [0, 1]}, terminal={5})
+    assert [bool(summary) for summary in summaries] == [False] * 3 + [True] + [False] * 3 + [
+        True, False]
+    assert "ppo/kl" in summaries[3] and algo.updates == 2
+    # After the second update one step of the running episodes is stored.
+    assert algo.memory.stored == 2 and algo.memory.steps.tolist() == [1, 1]
+
+
+def test_rollout_advantages_bootstrap_at_time_limits_and_the_cut():
+    gamma, lam = 0.9, 0.8
+    algo = make(BOX, num_agents=2, rollout_length=5, discount=gamma, gae_lambda=lam,
+                normalize_reward=False, normalize_observ=False, update_epochs=1)
+    captured = {}
+    original = algo._advantages
+
+    def capture():
+        data, mask = original()
+        # (copies: the memory's buffers are cleared after the update)
+        captured["data"] = {name: value.clone() for name, value in data.items()}
+        captured["mask"] = mask.clone()
+        captured["value"] = copy.deepcopy(algo.value)  # before the update changes it
+        return data, mask
+
+    algo._advantages = capture
+    # Agent 0: a time limit after step 1, a terminal state after step 3, then
+    # one step cut by the end of the rollout. Agent 1: one episode, cut.
+    _, fed = rollout_steps(algo, 5, seed=1, done_at={1: [0], 3: [0]}, terminal={3})
+    data = captured["data"]
+    assert captured["mask"].all()
+    with torch.no_grad():
+        value = captured["value"](fed["observ"]).double().numpy()
+        after = captured["value"](fed["next_observ"]).double().numpy()
+    reward, done = fed["reward"].double().numpy(), fed["done"].numpy()
+    terminated = fed["terminated"].numpy()
+    # The loop every PPO implementation writes: the next value is the next
+    # state's inside an episode, the final observation's at a time limit,
+    # zero at a terminal state and the next observation's at the cut.
+    expected = np.zeros((2, 5))
+    for agent in range(2):
+        advantage = 0.0
+        for t in reversed(range(5)):
+            if t == 4 or done[agent, t]:
+                next_value, advantage = after[agent, t] * (1 - terminated[agent, t]), 0.0
+            else:
+                next_value = value[agent, t + 1]
+            delta = reward[agent, t] + gamma * next_value - value[agent, t]
+            advantage = delta + gamma * lam * advantage
+            expected[agent, t] = advantage
+    np.testing.assert_allclose(data["returns"].double().numpy(), expected + value, rtol=1e-5,
+                               atol=1e-5)
+    normalized = (expected - expected.mean()) / expected.std(ddof=1)
+    np.testing.assert_allclose(data["advantage"].double().numpy(), normalized, rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_rollout_drops_episodes_cut_by_a_reset():
+    algo = make(BOX, num_agents=2, rollout_length=4, update_epochs=1)
+    masks = []
+    original = algo._advantages
+
+    def capture():
+        data, mask = original()
+        masks.append(mask.clone())  # (the memory's buffers are cleared after the update)
+        return data, mask
+
+    algo._advantages = capture
+    rollout_steps(algo, 2, seed=2, done_at={0: [1]})
+    # A reset of both envs (a new phase): agent 0's running episode has no
+    # next state to bootstrap from, agent 1's episode began at step 1.
+    algo.begin_episodes(torch.arange(2))
+    rollout_steps(algo, 2, seed=3, done_at={})
+    assert masks[0].tolist() == [[False, False, True, True], [True, False, True, True]]
+
+
+def test_minibatches_cover_every_step_once_per_epoch():
+    algo = make(BOX, num_agents=3, rollout_length=7, update_epochs=3, minibatch_size=4)
+    seen = []
+    original = algo._policy_loss
+
+    def record(batch, mask):
+        assert batch["observ"].shape[1] == 1 and mask.shape[1] == 1
+        seen.append(batch["observ"][:, 0].clone())
+        return original(batch, mask)
+
+    algo._policy_loss = record
+    rollout_steps(algo, 7, seed=4, done_at={2: [1]})
+    assert algo.updates == 1
+    # 21 steps in minibatches of 4: 6 per epoch, the last one of 1 step.
+    assert [len(batch) for batch in seen] == [4, 4, 4, 4, 4, 1] * 3
+    for epoch in range(3):
+        rows = torch.cat(seen[epoch * 6:(epoch + 1) * 6])
+        assert len({tuple(row.tolist()) for row in rows}) == 21
+    # Each epoch draws its own order.
+    assert not torch.equal(torch.cat(seen[:6]), torch.cat(seen[6:12]))
+
+
+def test_experience_must_not_lag_at_the_end_of_a_rollout():
+    algo = make(BOX, num_agents=2, rollout_length=3)
+    agents = torch.arange(2)
+    algo.begin_episodes(agents)
+    observ = torch.zeros(2, OBS_SIZE)
+    flags = []
+    for step in range(6):
+        flags.append(algo.experience_may_lag)
+        action, _ = algo.perform(agents, observ)
+        algo.experience(agents, observ, action, torch.zeros(2), torch.zeros(2), observ,
+                        torch.zeros(2))
+    assert flags == [True, True, False] * 2
+    # One step stored and the experience of the next still due (it lagged):
+    # the coming step is the last of the rollout.
+    action, _ = algo.perform(agents, observ)
+    algo.experience(agents, observ, action, torch.zeros(2), torch.zeros(2), observ,
+                    torch.zeros(2))
+    algo.perform(agents, observ)
+    assert not algo.experience_may_lag
+    algo.eval()
+    assert algo.experience_may_lag
+    assert make(BOX).experience_may_lag  # whole episodes update in end_episodes()
+
+
+def test_rollout_state_dict_round_trip_mid_rollout():
+    source = make(BOX, num_agents=2, rollout_length=4, update_epochs=2, minibatch_size=3)
+    rollout_steps(source, 6, seed=5, done_at={4: [1]})
+    target = make(BOX, num_agents=2, seed=3, rollout_length=4, update_epochs=2,
+                  minibatch_size=3)
+    target.load_state_dict(source.state_dict())
+    assert target.memory.stored == source.memory.stored == 4
+    for name, value in source.memory.data().items():
+        assert torch.equal(target.memory.data()[name], value), name
+    for algo in (source, target):
+        torch.manual_seed(6)
+        rollout_steps(algo, 2, seed=7, done_at={})
+    for name, value in params_of(source).items():
+        assert torch.equal(value, params_of(target)[name]), name
+    assert source.updates == target.updates == 2
+
+
+def test_reward_scale_return_keeps_statistics_of_discounted_returns():
+    algo = make(BOX, num_agents=2, rollout_length=50, discount=0.5, reward_scale="return")
+    _, fed = rollout_steps(algo, 5, seed=8, done_at={2: [0]})
+    reward, done = fed["reward"].double().numpy(), fed["done"].numpy()
+    returns, running = [], np.zeros(2)
+    for t in range(5):
+        running = running * 0.5 + reward[:, t]
+        returns.append(running.copy())
+        running[done[:, t] > 0] = 0.0  # a new episode starts
+    returns = np.concatenate(returns)
+    normalizer = algo.reward_normalizer
+    assert float(normalizer.count) == 10
+    np.testing.assert_allclose(float(normalizer.mean), returns.mean(), rtol=1e-6)
+    np.testing.assert_allclose(float(normalizer.variance), returns.var(ddof=1), rtol=1e-6)
+    # The running returns are part of the state: a loaded copy goes on alike.
+    copy_ = make(BOX, num_agents=2, rollout_length=50, discount=0.5, reward_scale="return")
+    copy_.load_state_dict(algo.state_dict())
+    assert torch.equal(copy_.running_return, algo.running_return)
+    assert algo.running_return.abs().sum() > 0
+
+
+def test_activation_and_orthogonal_init():
+    algo = make(BOX, policy_layers=(16, 8), value_layers=(16,), activation="tanh",
+                init="orthogonal", init_output_factor=0.01)
+    layers = [m for m in algo.policy.body.net if isinstance(m, torch.nn.Linear)]
+    assert all(isinstance(m, torch.nn.Tanh) for m in algo.policy.body.net
+               if not isinstance(m, torch.nn.Linear))
+    assert all(isinstance(m, torch.nn.Tanh) for m in algo.value.net
+               if not isinstance(m, torch.nn.Linear))
+    # Orthogonal rows (the smaller side) scaled by the gain; zero biases.
+    for layer, gain in [(layers[0], math.sqrt(2)), (layers[1], math.sqrt(2)),
+                        (algo.policy.head.mean, 0.01), (algo.value.out, 1.0)]:
+        weight = layer.weight.detach()
+        small = weight if weight.shape[0] <= weight.shape[1] else weight.T
+        torch.testing.assert_close(small @ small.T, gain ** 2 * torch.eye(small.shape[0]),
+                                   rtol=1e-4, atol=1e-5)
+        assert not layer.bias.any()
+    # The default keeps PyTorch's initialisation with the output layer scaled.
+    default = make(BOX, policy_layers=(16,))
+    assert isinstance(default.policy.body.net[1], torch.nn.ReLU)
+    assert default.policy.head.mean.weight.abs().max() < 0.1 * (1 / math.sqrt(16)) + 1e-6

@@ -20,21 +20,35 @@ import torch
 from torch import nn
 
 
-def mlp(in_size: int, layers: Sequence[int]) -> nn.Sequential:
-    """ReLU multi-layer perceptron; returns an empty Sequential for no layers."""
+ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh}
+
+
+def mlp(in_size: int, layers: Sequence[int], activation: str = "relu") -> nn.Sequential:
+    """Multi-layer perceptron with ``activation`` (a name of ``ACTIVATIONS``)
+    after every layer; returns an empty Sequential for no layers."""
     modules: list[nn.Module] = []
     for size in layers:
-        modules += [nn.Linear(in_size, size), nn.ReLU()]
+        modules += [nn.Linear(in_size, size), ACTIVATIONS[activation]()]
         in_size = size
     return nn.Sequential(*modules)
+
+
+def orthogonal_init(module: nn.Module, gain: float) -> None:
+    """Orthogonal weights scaled by ``gain`` and zero biases for every
+    ``nn.Linear`` in ``module`` (Saxe et al., 2014): each layer keeps the
+    scale of its input at the start of training."""
+    for layer in module.modules():
+        if isinstance(layer, nn.Linear):
+            nn.init.orthogonal_(layer.weight, gain)
+            nn.init.zeros_(layer.bias)
 
 
 class FeedForwardBody(nn.Module):
     """MLP over the last dimension; carries an empty ``(B, 0)`` state."""
 
-    def __init__(self, obs_size: int, layers: Sequence[int]):
+    def __init__(self, obs_size: int, layers: Sequence[int], activation: str = "relu"):
         super().__init__()
-        self.net = mlp(obs_size, layers)
+        self.net = mlp(obs_size, layers, activation)
         self.out_size = layers[-1] if layers else obs_size
         self.state_size = 0
 
@@ -45,9 +59,10 @@ class FeedForwardBody(nn.Module):
 class RecurrentBody(nn.Module):
     """MLP followed by a single-layer GRU over the time dimension."""
 
-    def __init__(self, obs_size: int, layers: Sequence[int], gru_size: int):
+    def __init__(self, obs_size: int, layers: Sequence[int], gru_size: int,
+                 activation: str = "relu"):
         super().__init__()
-        self.net = mlp(obs_size, layers)
+        self.net = mlp(obs_size, layers, activation)
         self.gru = nn.GRU(layers[-1] if layers else obs_size, gru_size, batch_first=True)
         self.out_size = gru_size
         self.state_size = gru_size
@@ -150,9 +165,9 @@ class Actor(nn.Module):
 class ValueNet(nn.Module):
     """State value: MLP then a linear output, ``(..., obs) -> (...)``."""
 
-    def __init__(self, obs_size: int, layers: Sequence[int]):
+    def __init__(self, obs_size: int, layers: Sequence[int], activation: str = "relu"):
         super().__init__()
-        self.net = mlp(obs_size, layers)
+        self.net = mlp(obs_size, layers, activation)
         self.out = nn.Linear(layers[-1] if layers else obs_size, 1)
 
     def forward(self, observ: torch.Tensor) -> torch.Tensor:

@@ -25,17 +25,20 @@ from torch import nn
 from torch.distributions import Categorical, Distribution, Independent, Normal, kl_divergence
 
 from batchrl.algos.base import Algorithm, Summary
-from batchrl.algos.networks import (Actor, CategoricalHead, FeedForwardBody, GaussianHead,
-                                    Policy, RecurrentBody, ValueNet)
+from batchrl.algos.networks import (ACTIVATIONS, Actor, CategoricalHead, FeedForwardBody,
+                                    GaussianHead, Policy, RecurrentBody, ValueNet,
+                                    orthogonal_init)
 from batchrl.envs.errors import UnsupportedSpaceError
 from batchrl.hardware import usable_cores
 from batchrl.parts import host
-from batchrl.parts.memory import EpisodeMemory
+from batchrl.parts.memory import EpisodeMemory, RolloutMemory
 from batchrl.parts.normalize import StreamingNormalizer
-from batchrl.parts.returns import discounted_return, generalized_advantage
+from batchrl.parts.returns import gae, generalized_advantage
 
 INFERENCE_MODES = ("script", "eager", "compile")
 NETWORKS = ("feed_forward", "recurrent")
+INITS = ("default", "orthogonal")
+REWARD_SCALES = ("reward", "return")
 
 
 @dataclass
@@ -45,13 +48,17 @@ class PPOConfig:
     network: str = "feed_forward"            # or "recurrent" (MLP then GRU)
     policy_layers: tuple[int, ...] = (200, 100)
     value_layers: tuple[int, ...] = (200, 100)
+    activation: str = "relu"                  # or "tanh", after every hidden layer
+    init: str = "default"                     # or "orthogonal" weights (zero biases)
     gru_size: int = 100                       # recurrent policies only
     chunk_length: int | None = None           # recurrent: train on chunks of episodes
     init_std: float = 0.35
-    init_output_factor: float = 0.1
-    update_every: int = 30                    # episodes per update
+    init_output_factor: float = 0.1           # scale (orthogonal: gain) of the policy's output layer
+    update_every: int = 30                    # episodes per update (whole-episode updates)
+    rollout_length: int | None = None         # steps per agent per update; None: whole episodes
     update_epochs: int = 25
     batch_size: int | None = None             # sequences per gradient step; None = all
+    minibatch_size: int | None = None         # time steps per gradient step (feed-forward only)
     policy_lr: float = 1e-4
     value_lr: float = 1e-3
     discount: float = 0.99
@@ -63,6 +70,7 @@ class PPOConfig:
     max_grad_norm: float | None = None
     normalize_observ: bool = True
     normalize_reward: bool = True
+    reward_scale: str = "reward"              # normalize_reward divides by the std of "reward" or "return"
     max_length: int = 1000                    # longest episode (the env's time limit)
     inference: str = "script"                 # "script", "eager" or "compile"
     update_threads: int | None = None         # torch threads in update(); None = all cores
@@ -70,6 +78,14 @@ class PPOConfig:
     def __post_init__(self) -> None:
         if self.network not in NETWORKS:
             raise ValueError(f"network must be one of {NETWORKS}, got {self.network!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got "
+                             f"{self.activation!r}")
+        if self.init not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
+        if self.reward_scale not in REWARD_SCALES:
+            raise ValueError(f"reward_scale must be one of {REWARD_SCALES}, got "
+                             f"{self.reward_scale!r}")
         if self.inference not in INFERENCE_MODES:
             raise ValueError(f"inference must be one of {INFERENCE_MODES}, got {self.inference!r}")
         for name in ("update_every", "update_epochs", "max_length", "gru_size"):
@@ -82,10 +98,21 @@ class PPOConfig:
         for name in ("init_std", "policy_lr", "value_lr", "kl_target"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("batch_size", "chunk_length", "update_threads"):
+        for name in ("batch_size", "minibatch_size", "rollout_length", "chunk_length",
+                     "update_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")
+        if self.batch_size is not None and self.minibatch_size is not None:
+            raise ValueError(f"batch_size ({self.batch_size} sequences) and minibatch_size "
+                             f"({self.minibatch_size} time steps) both set the size of a "
+                             f"gradient step's batch: set one of them")
+        if self.network == "recurrent":
+            for name in ("rollout_length", "minibatch_size"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs network='feed_forward': a recurrent "
+                                     f"policy trains on whole episodes (or chunk_length "
+                                     f"chunks) of them, batch_size at a time")
 
 
 class KLPenalty:
@@ -161,19 +188,30 @@ class BatchPPO(Algorithm):
         self._obs_shape = obs_shape
 
         if config.network == "recurrent":
-            body = RecurrentBody(obs_size, config.policy_layers, config.gru_size)
+            body = RecurrentBody(obs_size, config.policy_layers, config.gru_size,
+                                 config.activation)
         else:
-            body = FeedForwardBody(obs_size, config.policy_layers)
+            body = FeedForwardBody(obs_size, config.policy_layers, config.activation)
         if self.discrete:
             head = CategoricalHead(body.out_size, int(action_space.n), config.init_output_factor)
+            output = head.logits
             param_shape = (int(action_space.n),)
             param_b_shape = (0,)
         else:
             head = GaussianHead(body.out_size, action_shape[0], config.init_std,
                                 config.init_output_factor)
+            output = head.mean
             param_shape = param_b_shape = action_shape
         self.policy = Policy(body, head, self.discrete).to(self.device)
-        self.value = ValueNet(obs_size, config.value_layers).to(self.device)
+        self.value = ValueNet(obs_size, config.value_layers, config.activation).to(self.device)
+        if config.init == "orthogonal":
+            # Hidden layers keep their input's scale (gain sqrt(2)); the policy's
+            # output starts near zero (gain init_output_factor), the value's at
+            # the scale of its features.
+            for module in (body.net, self.value.net):
+                orthogonal_init(module, math.sqrt(2.0))
+            orthogonal_init(output, config.init_output_factor)
+            orthogonal_init(self.value.out, 1.0)
         self.actor = compile_actor(Actor(self.policy), config.inference)
         # A TorchScript module's forward, called directly, skips nn.Module's
         # hook handling: 5 us of every step.
@@ -185,21 +223,29 @@ class BatchPPO(Algorithm):
         # Read only by update(): the rewards of 64 steps are merged at once.
         self.reward_normalizer = StreamingNormalizer(
             (), center=False, scale=True, clip=10.0, defer=64 * num_agents).to(self.device)
+        # With reward_scale "return", the statistics are those of each agent's
+        # discounted return so far, which keeps the value targets near unit scale.
+        self.running_return = torch.zeros(num_agents, device=self.device)
         self.penalty = KLPenalty(config.kl_target, config.kl_init_penalty)
         self.state_size = body.state_size
         self.recurrent_state = torch.zeros(num_agents, self.state_size, device=self.device)
         self._no_state = torch.zeros(num_agents, 0, device=self.device)
-        self.memory = EpisodeMemory(
-            num_agents, config.update_every, config.max_length,
-            step_fields={"observ": ((obs_size,), torch.float32),
-                         "action": (action_shape, action_dtype),
-                         "param_a": (param_shape, torch.float32),
-                         "param_b": (param_b_shape, torch.float32),
-                         "reward": ((), torch.float32),
-                         "state": ((self.state_size,), torch.float32)},
-            episode_fields={"bootstrap_observ": ((obs_size,), torch.float32),
-                            "terminated": ((), torch.float32)},
-            device=self.device)
+        step_fields = {"observ": ((obs_size,), torch.float32),
+                       "action": (action_shape, action_dtype),
+                       "param_a": (param_shape, torch.float32),
+                       "param_b": (param_b_shape, torch.float32),
+                       "reward": ((), torch.float32),
+                       "state": ((self.state_size,), torch.float32)}
+        # The state after an episode's (or a rollout's) last step, to bootstrap from.
+        end_fields = {"bootstrap_observ": ((obs_size,), torch.float32),
+                      "terminated": ((), torch.float32)}
+        self.memory: EpisodeMemory | RolloutMemory
+        if config.rollout_length is None:
+            self.memory = EpisodeMemory(num_agents, config.update_every, config.max_length,
+                                        step_fields, end_fields, self.device)
+        else:
+            self.memory = RolloutMemory(num_agents, config.rollout_length, step_fields,
+                                        end_fields, self.device)
         self.updates = 0
         # Called before every gradient step of an update; it may raise (the
         # trainer's Ctrl-C check) to abandon the update within a fraction of a
@@ -234,9 +280,18 @@ class BatchPPO(Algorithm):
 
     # -- Algorithm interface -------------------------------------------------------
 
-    # perform() updates the observation statistics it uses itself: it does
-    # not depend on the previous experience().
-    experience_may_lag = True
+    @property
+    def experience_may_lag(self) -> bool:
+        """perform() updates the observation statistics it uses itself, so it
+        does not depend on the previous experience(); but the experience that
+        completes a rollout updates the policy, which the next perform() must
+        use: that one may not lag."""
+        memory = self.memory
+        if self.config.rollout_length is None or not self.training:
+            return True
+        # Steps stored, plus one performed but not yet experienced, plus this one.
+        pending = len(self._performed) + 1
+        return memory.stored + pending * self.num_agents < memory.num_agents * memory.length
 
     def train(self, mode: bool = True) -> "BatchPPO":
         self._performed.clear()  # a perform() of the other mode gets no experience()
@@ -244,6 +299,7 @@ class BatchPPO(Algorithm):
 
     def begin_episodes(self, agent_indices: torch.Tensor) -> Summary:
         self.recurrent_state[agent_indices] = 0.0
+        self.running_return[agent_indices] = 0.0
         # Episodes cut short by a reset must not reach the update memory.
         self.memory.discard(agent_indices)
         return {}
@@ -283,17 +339,38 @@ class BatchPPO(Algorithm):
         self.memory.append(agent_indices, observ=last["observ"], action=action,
                            param_a=last["param_a"], param_b=last["param_b"],
                            reward=reward, state=last["state"])
+        if self.config.reward_scale == "return":
+            running = self.running_return[agent_indices] * self.config.discount + reward
+            self.running_return[agent_indices] = running
+            self.reward_normalizer.update(running)
+        else:
+            self.reward_normalizer.update(reward)
         done_array = host.view(done)
-        if done_array.any() if done_array is not None else bool(done.any()):
+        any_done = done_array.any() if done_array is not None else bool(done.any())
+        if self.config.rollout_length is None:
+            if any_done:
+                ended = done.bool()
+                self.memory.set_episode(agent_indices[ended],
+                                        bootstrap_observ=self._normalize(next_observ[ended]),
+                                        terminated=terminated[ended])
+            return {}
+        if self.memory.full:  # the rollout is cut here: every agent bootstraps
+            self.memory.end_segments(agent_indices,
+                                     bootstrap_observ=self._normalize(next_observ),
+                                     terminated=terminated)
+            summary = self.update()
+            self.memory.clear()
+            return summary
+        if any_done:
             ended = done.bool()
-            self.memory.set_episode(agent_indices[ended],
-                                    bootstrap_observ=self._normalize(next_observ[ended]),
-                                    terminated=terminated[ended])
-        self.reward_normalizer.update(reward)
+            self.memory.end_segments(agent_indices[ended],
+                                     bootstrap_observ=self._normalize(next_observ[ended]),
+                                     terminated=terminated[ended])
         return {}
 
     def end_episodes(self, agent_indices: torch.Tensor) -> Summary:
-        if not self.training:
+        # (fixed-length rollouts saw the end of the episodes in experience())
+        if not self.training or self.config.rollout_length is not None:
             return {}
         self.memory.finish(agent_indices)
         if not self.memory.full:
@@ -304,25 +381,66 @@ class BatchPPO(Algorithm):
 
     # -- learning ------------------------------------------------------------------
 
-    def _chunks(self, data: dict[str, torch.Tensor], length: torch.Tensor
+    def _advantages(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The memory's step fields ``(B, T, ...)`` with ``advantage`` (normalised
+        over the valid steps) and ``returns`` added, and the ``(B, T)`` bool mask
+        of valid steps. ``B`` counts episodes, or agents for rollouts."""
+        config = self.config
+        lambda_ = 1.0 if config.gae_lambda is None else config.gae_lambda  # 1: R - V
+        if isinstance(self.memory, RolloutMemory):
+            data = self.memory.data()
+            mask = data["valid"]
+            value = self.value(data["observ"])
+            after = self.value(data["bootstrap_observ"]) * (1.0 - data["terminated"])
+            # Inside a segment the next state is the next stored one; at its
+            # end, the state stored with the end (every rollout ends with one).
+            next_value = torch.where(data["ends"], after,
+                                     torch.cat([value[:, 1:], after[:, -1:]], 1))
+            advantage = gae(self._rewards(data["reward"]), value, next_value, data["ends"],
+                            config.discount, lambda_)
+        else:
+            data, length = self.memory.data()
+            mask = torch.arange(data["reward"].shape[1], device=self.device)[None] < length[:, None]
+            value = self.value(data["observ"])
+            bootstrap = self.value(data["bootstrap_observ"]) * (1.0 - data["terminated"])
+            advantage = generalized_advantage(self._rewards(data["reward"]), value, length,
+                                              config.discount, lambda_, bootstrap)
+        data = {name: data[name] for name in self.memory.step_fields}
+        data["returns"] = advantage + value
+        valid = advantage[mask]
+        data["advantage"] = (advantage - valid.mean()) / (valid.std() + 1e-8) * mask
+        return data, mask
+
+    def _rewards(self, reward: torch.Tensor) -> torch.Tensor:
+        if self.config.normalize_reward:
+            return self.reward_normalizer.transform(reward)
+        return reward
+
+    def _layout(self, data: dict[str, torch.Tensor], mask: torch.Tensor
                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """Split episodes ``(E, T, ...)`` into ``(E * T / C, C, ...)`` chunks for
-        recurrent training; each chunk starts from the state stored at its first
-        step. Feed-forward policies keep whole episodes."""
+        """The rows that minibatches are drawn from, ``(R, C, ...)``, and their mask.
+
+        With ``minibatch_size``, every valid step is a row of its own (``C = 1``),
+        so minibatches mix steps of all episodes. Recurrent policies with
+        ``chunk_length`` split sequences into chunks of that many steps, each
+        starting from the state stored at its first step; otherwise a row is
+        a whole sequence (an episode, or an agent's rollout).
+        """
         chunk = self.config.chunk_length
+        if self.config.minibatch_size is not None:
+            return ({name: value[mask].unsqueeze(1) for name, value in data.items()},
+                    mask.new_ones(int(mask.sum()), 1))
         if self.state_size == 0 or chunk is None:
-            return data, torch.arange(data["reward"].shape[1], device=self.device)[None] < length[:, None]
-        steps = data["reward"].shape[1]
+            return data, mask
+        steps = mask.shape[1]
         padded = -(-steps // chunk) * chunk
-        mask = torch.arange(padded, device=self.device)[None] < length[:, None]
         result = {}
         for name, value in data.items():
-            if name in self.memory.episode_fields:
-                continue
             pad = value.new_zeros((value.shape[0], padded - steps, *value.shape[2:]))
             value = torch.cat([value, pad], 1)
             result[name] = value.reshape(value.shape[0] * padded // chunk, chunk, *value.shape[2:])
-        chunk_mask = mask.reshape(-1, chunk)
+        chunk_mask = torch.cat([mask, mask.new_zeros(mask.shape[0], padded - steps)], 1)
+        chunk_mask = chunk_mask.reshape(-1, chunk)
         keep = chunk_mask.any(1)
         return {name: value[keep] for name, value in result.items()}, chunk_mask[keep]
 
@@ -344,94 +462,100 @@ class BatchPPO(Algorithm):
         entropy = (new.entropy() * mask).sum() / count
         return surrogate, kl, entropy, log_ratio
 
+    def _policy_loss(self, batch: dict[str, torch.Tensor], mask: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The KL-penalised objective and its cutoff term (included in the loss)."""
+        config = self.config
+        surrogate, kl, _, _ = self._policy_terms(batch, mask)
+        cutoff = config.kl_cutoff_coef * torch.relu(
+            kl - config.kl_cutoff_factor * config.kl_target) ** 2
+        return surrogate + self.penalty.value * kl + cutoff, cutoff
+
+    def _value_loss(self, batch: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+        """Half the mean squared error of the value against the returns."""
+        error = batch["returns"] - self.value(batch["observ"])
+        return 0.5 * (error ** 2 * mask).sum() / mask.sum().clamp(min=1)
+
+    def _gradient_step(self, loss: torch.Tensor, module: nn.Module,
+                       optimizer: torch.optim.Optimizer, norm: bool = False) -> float | None:
+        """One Adam step on ``loss``, the gradient clipped to ``max_grad_norm``;
+        returns the norm before clipping when measured (``norm`` or clipping)."""
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = None
+        if norm or self.config.max_grad_norm:
+            grad_norm = float(nn.utils.clip_grad_norm_(
+                module.parameters(), self.config.max_grad_norm or float("inf")))
+        optimizer.step()
+        return grad_norm
+
+    def _adjust_penalty(self, batches: dict[str, torch.Tensor], mask: torch.Tensor
+                        ) -> dict[str, float]:
+        """Measure the KL of the whole update and adapt beta to it; returns
+        what the summary reports of the new policy."""
+        with torch.no_grad():
+            _, kl, entropy, _ = self._policy_terms(batches, mask)
+        kl = float(kl)
+        beta_used = self.penalty.value
+        self.penalty.adapt(kl)
+        return {"ppo/kl": kl, "ppo/beta": beta_used, "ppo/beta_next": self.penalty.value,
+                "ppo/entropy": float(entropy)}
+
     def update(self) -> Summary:
-        """Learn from the episodes in memory; returns the update's summary.
+        """Learn from the episodes (or the rollout) in memory; returns the
+        update's summary.
 
         Runs with ``update_threads`` torch threads (all usable cores by
         default): envs step in lockstep with the learner, so they are idle now.
+        Gradients are on even when called under ``no_grad`` (as from
+        ``experience``, which completes a rollout).
         """
         threads = torch.get_num_threads()
         torch.set_num_threads(self.config.update_threads or usable_cores())
         try:
-            return self._update()
+            with torch.enable_grad():
+                return self._update()
         finally:
             torch.set_num_threads(threads)
 
     def _update(self) -> Summary:
         config = self.config
-        data, length = self.memory.data()
-        data = dict(data)
         with torch.no_grad():
-            value = self.value(data["observ"])
-            bootstrap = self.value(data["bootstrap_observ"]) * (1.0 - data["terminated"])
-            reward = data["reward"]
-            if config.normalize_reward:
-                reward = self.reward_normalizer.transform(reward)
-            if config.gae_lambda is None:
-                returns = discounted_return(reward, length, config.discount, bootstrap)
-                advantage = returns - value
-            else:
-                advantage = generalized_advantage(reward, value, length, config.discount,
-                                                  config.gae_lambda, bootstrap)
-                returns = advantage + value
-            valid = torch.arange(reward.shape[1], device=self.device)[None] < length[:, None]
-            adv_valid = advantage[valid]
-            advantage = (advantage - adv_valid.mean()) / (adv_valid.std() + 1e-8)
-            advantage = advantage * valid
-        data["advantage"], data["returns"] = advantage, returns
-        batches, mask = self._chunks(data, length)
-
+            data, valid = self._advantages()
+        batches, mask = self._layout(data, valid)
+        mask = mask.float()
+        rows = mask.shape[0]
+        size = config.minibatch_size or config.batch_size or rows
         totals = {"policy_loss": 0.0, "value_loss": 0.0, "grad_norm": 0.0, "kl_cutoff": 0.0}
         steps = 0
         for _ in range(config.update_epochs):
-            order = torch.randperm(mask.shape[0], device=self.device)
-            size = config.batch_size or mask.shape[0]
-            for start in range(0, mask.shape[0], size):
+            order = torch.randperm(rows, device=self.device)
+            for start in range(0, rows, size):  # every row once per epoch
                 if self.interrupt_check is not None:
                     self.interrupt_check()
-                rows = order[start:start + size]
-                batch = {name: value[rows] for name, value in batches.items()}
-                batch_mask = mask[rows].float()
-                count = batch_mask.sum().clamp(min=1)
-
-                surrogate, kl, _, _ = self._policy_terms(batch, batch_mask)
-                cutoff = config.kl_cutoff_coef * torch.relu(
-                    kl - config.kl_cutoff_factor * config.kl_target) ** 2
-                policy_loss = surrogate + self.penalty.value * kl + cutoff
-                self.policy_optimizer.zero_grad(set_to_none=True)
-                policy_loss.backward()
-                grad_norm = nn.utils.clip_grad_norm_(
-                    self.policy.parameters(), config.max_grad_norm or float("inf"))
-                self.policy_optimizer.step()
-
-                value_loss = 0.5 * (((batch["returns"] - self.value(batch["observ"])) ** 2)
-                                    * batch_mask).sum() / count
-                self.value_optimizer.zero_grad(set_to_none=True)
-                value_loss.backward()
-                if config.max_grad_norm:
-                    nn.utils.clip_grad_norm_(self.value.parameters(), config.max_grad_norm)
-                self.value_optimizer.step()
-
+                picked = order[start:start + size]
+                batch = {name: value[picked] for name, value in batches.items()}
+                batch_mask = mask[picked]
+                policy_loss, cutoff = self._policy_loss(batch, batch_mask)
+                grad_norm = self._gradient_step(policy_loss, self.policy, self.policy_optimizer,
+                                                norm=True)
+                value_loss = self._value_loss(batch, batch_mask)
+                self._gradient_step(value_loss, self.value, self.value_optimizer)
                 totals["policy_loss"] += float(policy_loss.detach())
                 totals["value_loss"] += float(value_loss.detach())
                 totals["grad_norm"] += float(grad_norm)
                 totals["kl_cutoff"] += float(cutoff.detach())
                 steps += 1
 
-        with torch.no_grad():
-            surrogate, kl, entropy, _ = self._policy_terms(batches, mask.float())
-            kl = float(kl)
-            value = self.value(data["observ"])
-            residual = (returns - value)[valid]
-            explained = 1.0 - float(residual.var() / (returns[valid].var() + 1e-8))
-        beta_used = self.penalty.value
-        self.penalty.adapt(kl)
-        self.updates += 1
         summary = {f"ppo/{name}": total / steps for name, total in totals.items()}
         summary["ppo/total_loss"] = summary["ppo/policy_loss"] + summary["ppo/value_loss"]
-        summary.update({"ppo/kl": kl, "ppo/beta": beta_used, "ppo/beta_next": self.penalty.value,
-                        "ppo/entropy": float(entropy), "ppo/explained_variance": explained,
-                        "ppo/updates": float(self.updates)})
+        summary.update(self._adjust_penalty(batches, mask))
+        with torch.no_grad():
+            returns = data["returns"][valid]
+            residual = returns - self.value(data["observ"])[valid]
+            summary["ppo/explained_variance"] = 1.0 - float(residual.var() / (returns.var() + 1e-8))
+        self.updates += 1
+        summary["ppo/updates"] = float(self.updates)
         return summary
 
     # -- checkpoints -----------------------------------------------------------------
@@ -444,7 +568,7 @@ class BatchPPO(Algorithm):
                 "observ_normalizer": self.observ_normalizer.state_dict(),
                 "reward_normalizer": self.reward_normalizer.state_dict(),
                 "kl_penalty": self.penalty.value, "updates": self.updates,
-                "recurrent_state": self.recurrent_state,
+                "recurrent_state": self.recurrent_state, "running_return": self.running_return,
                 "memory": self.memory.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -459,4 +583,6 @@ class BatchPPO(Algorithm):
         self.penalty.value = float(state["kl_penalty"])
         self.updates = int(state["updates"])
         self.recurrent_state.copy_(state["recurrent_state"])
+        if "running_return" in state:  # (checkpoints of earlier versions lack it)
+            self.running_return.copy_(state["running_return"])
         self.memory.load_state_dict(state["memory"])
