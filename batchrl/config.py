@@ -113,8 +113,10 @@ DERIVED_KEYS = {"ppo": {"max_length"}}  # set from other keys, not by users
 
 
 def available_configs() -> list[str]:
-    """Names of the config files in ``configs/``."""
-    return sorted(path.stem for path in CONFIG_DIR.glob("*.toml"))
+    """Names of the config files in ``configs/``: ``halfcheetah``, and
+    ``paper/halfcheetah`` for one in a subdirectory."""
+    return sorted(path.relative_to(CONFIG_DIR).with_suffix("").as_posix()
+                  for path in CONFIG_DIR.rglob("*.toml"))
 
 
 def _type_name(annotation: Any) -> str:

@@ -25,7 +25,10 @@ PPO_KEYS = ("network", "policy_layers", "update_every", "discount", "inference")
 def test_configs_dir_holds_the_documented_tasks():
     assert set(available_configs()) >= {"ant", "cartpole", "halfcheetah", "hopper", "humanoid",
                                         "pendulum", "reacher", "walker"}
-    assert available_configs() == sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+    assert {f"paper/{name}" for name in ("ant", "halfcheetah", "hopper", "humanoid", "reacher",
+                                          "walker")} <= set(available_configs())
+    assert available_configs() == sorted(
+        p.relative_to(CONFIG_DIR).with_suffix("").as_posix() for p in CONFIG_DIR.rglob("*.toml"))
 
 
 @pytest.mark.parametrize("name", available_configs())
