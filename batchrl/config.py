@@ -72,7 +72,7 @@ class TrainConfig:
 
     steps: int = 1_000_000        # env steps of training (evaluation steps not counted)
     eval_episodes: int = 30       # mean-action episodes per evaluation phase (0: never)
-    eval_every: int = 1           # training phases (updates) between evaluations
+    eval_every: int = 1           # updates between evaluations
     seed: int = 0
     device: str = "auto"          # "auto" (CUDA when available), "cpu", "cuda", "cuda:1"...
     threads: int = 1              # torch intra-op threads of the learner
@@ -98,6 +98,11 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
 
+    def __post_init__(self) -> None:
+        # The keys of DERIVED_KEYS follow their sources in every Config.
+        self.ppo = dataclasses.replace(self.ppo, max_length=self.env.max_length,
+                                       total_steps=self.train.steps)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -109,7 +114,19 @@ def _check_range(obj: Any, name: str, minimum: int) -> None:
 
 
 SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
-DERIVED_KEYS = {"ppo": {"max_length"}}  # set from other keys, not by users
+# Keys set from other keys, not by users: key -> (the key it follows, what that is).
+DERIVED_KEYS = {"ppo": {"max_length": ("env.max_length", "the episode time limit"),
+                        "total_steps": ("train.steps", "the run's training budget")}}
+
+
+def strip_derived(values: dict[str, Any]) -> dict[str, Any]:
+    """Drop the derived keys from a nested dict (as a run's config.json holds
+    them), so that ``build_config`` derives them again; returns ``values``."""
+    for section, keys in DERIVED_KEYS.items():
+        if isinstance(values.get(section), dict):
+            for key in keys:
+                values[section].pop(key, None)
+    return values
 
 
 def available_configs() -> list[str]:
@@ -167,7 +184,7 @@ def _build(section: str, factory: Any, values: dict[str, Any]) -> Any:
     fields = {f.name for f in dataclasses.fields(factory)}
     unknown = sorted(set(values) - fields)
     if unknown:
-        valid = sorted(fields - DERIVED_KEYS.get(section, set()))
+        valid = sorted(fields - set(DERIVED_KEYS.get(section, {})))
         raise ConfigError(f"unknown key {section}.{unknown[0]}; valid keys of [{section}]: "
                           f"{', '.join(valid)}")
     converted = {name: _convert(f"{section}.{name}", value, hints[name])
@@ -187,16 +204,17 @@ def build_config(values: dict[str, Any]) -> Config:
     if unknown:
         raise ConfigError(f"unknown section [{unknown[0]}]; valid sections: "
                           f"{', '.join(SECTIONS)}")
-    if isinstance(values.get("ppo"), dict) and "max_length" in values["ppo"]:
-        raise ConfigError("ppo.max_length follows env.max_length (the episode time limit); "
-                          "set env.max_length instead")
+    for section, keys in DERIVED_KEYS.items():
+        for key, (source, meaning) in keys.items():
+            if isinstance(values.get(section), dict) and key in values[section]:
+                raise ConfigError(f"{section}.{key} follows {source} ({meaning}); "
+                                  f"set {source} instead")
     sections = {}
     for name, factory in SECTIONS.items():
         section = values.get(name, {})
         if not isinstance(section, dict):
             raise ConfigError(f"[{name}] must be a table of keys, got {section!r}")
         sections[name] = _build(name, factory, section)
-    sections["ppo"] = dataclasses.replace(sections["ppo"], max_length=sections["env"].max_length)
     return Config(**sections)
 
 

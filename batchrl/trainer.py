@@ -36,7 +36,8 @@ import torch
 
 from batchrl.algos.ppo import BatchPPO
 from batchrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, serialize
-from batchrl.config import Config, ConfigError, apply_overrides, build_config
+from batchrl.config import (Config, ConfigError, apply_overrides, build_config,
+                            strip_derived)
 from batchrl.envs.errors import EnvError
 from batchrl.envs.factory import make_batch_env
 from batchrl.envs.tensor_env import TensorBatchEnv
@@ -77,10 +78,8 @@ def load_saved_config(logdir: Path, overrides: list[str] = ()) -> Config:
     if not isinstance(values, dict):
         raise ConfigError(f"the saved config {path} is not a JSON object; restore the file "
                           f"or start a new run in another --logdir")
-    if isinstance(values.get("ppo"), dict):
-        values["ppo"].pop("max_length", None)  # derived from env.max_length
     try:
-        return build_config(apply_overrides(values, overrides))
+        return build_config(apply_overrides(strip_derived(values), overrides))
     except ConfigError as exc:
         raise ConfigError(f"the saved config {path}: {exc}") from None
 

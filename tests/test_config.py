@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from batchrl.config import (CONFIG_DIR, Config, ConfigError, available_configs, build_config,
-                            load_config, parse_override)
+                            load_config, parse_override, strip_derived)
 from batchrl.envs.factory import EnvSpecError, make_batch_env, resolve_constructor
 from batchrl.metrics import read_metrics
 from batchrl.trainer import Trainer, load_saved_config
@@ -44,8 +44,7 @@ def test_every_config_loads_validates_and_names_a_known_env(name):
     assert load_config(str(CONFIG_DIR / f"{name}.toml")) == config
     # The resolved config survives the JSON round trip a run's config.json makes.
     values = json.loads(json.dumps(config.to_dict()))
-    values["ppo"].pop("max_length")
-    assert build_config(values) == config
+    assert build_config(strip_derived(values)) == config
 
 
 def test_defaults_of_an_empty_config_file(tmp_path):
@@ -247,7 +246,21 @@ def test_saved_config_drops_the_derived_max_length(tmp_path):
     config = load_config("pendulum", ["env.max_length=77"])
     (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
     assert load_saved_config(tmp_path) == config
-    assert load_saved_config(tmp_path, ["train.steps=5000"]).train.steps == 5000
+    extended = load_saved_config(tmp_path, ["train.steps=5000"])
+    # A new budget also moves the learning-rate schedule's horizon.
+    assert extended.train.steps == extended.ppo.total_steps == 5000
+
+
+def test_ppo_total_steps_follows_train_steps():
+    config = load_config("pendulum", ["train.steps=12345"])
+    assert config.ppo.total_steps == 12345
+    with pytest.raises(ConfigError, match=r"ppo.total_steps follows train.steps .* set "
+                                          r"train.steps instead"):
+        load_config("pendulum", ["ppo.total_steps=100"])
+    # Not offered as a key to set.
+    with pytest.raises(ConfigError) as info:
+        load_config("pendulum", ["ppo.nope=1"])
+    assert "total_steps" not in str(info.value) and "lr_schedule" in str(info.value)
 
 
 def test_unreadable_saved_config_is_a_config_error(tmp_path):

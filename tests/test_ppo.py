@@ -551,7 +551,7 @@ def test_eval_mode_acts_with_the_mean_and_learns_nothing(space):
     ("update_every", 0), ("update_epochs", 0), ("max_length", 0), ("gae_lambda", 1.5),
     ("kl_target", 0.0), ("policy_lr", -1.0), ("batch_size", 0), ("chunk_length", 0),
     ("rollout_length", 0), ("minibatch_size", 0), ("activation", "gelu"), ("init", "xavier"),
-    ("reward_scale", "value"),
+    ("reward_scale", "value"), ("lr_schedule", "cosine"), ("total_steps", 0),
 ])
 def test_config_validation(field, value):
     with pytest.raises(ValueError, match=field):
@@ -559,6 +559,8 @@ def test_config_validation(field, value):
 
 
 def test_config_rejects_combinations():
+    with pytest.raises(ValueError, match="lr_schedule='linear' needs total_steps"):
+        PPOConfig(lr_schedule="linear")
     with pytest.raises(ValueError, match="batch_size .* and minibatch_size .* set one of them"):
         PPOConfig(batch_size=2, minibatch_size=64)
     for name in ("rollout_length", "minibatch_size"):
@@ -880,3 +882,35 @@ def test_activation_and_orthogonal_init():
     default = make(BOX, policy_layers=(16,))
     assert isinstance(default.policy.body.net[1], torch.nn.ReLU)
     assert default.policy.head.mean.weight.abs().max() < 0.1 * (1 / math.sqrt(16)) + 1e-6
+
+
+def test_linear_lr_schedule_decays_to_zero_over_total_steps():
+    # 2 agents, rollouts of 2 steps: an update every 4 env steps, 12 in all.
+    algo = make(BOX, num_agents=2, rollout_length=2, update_epochs=1, policy_lr=0.3,
+                value_lr=0.6, lr_schedule="linear", total_steps=8)
+    rates = []
+    original = algo._update
+
+    def record():
+        summary = original()
+        rates.append((summary["ppo/lr_fraction"], algo.policy_optimizer.param_groups[0]["lr"],
+                      algo.value_optimizer.param_groups[0]["lr"]))
+        return summary
+
+    algo._update = record
+    rollout_steps(algo, 4, seed=9, done_at={})
+    state = algo.state_dict()
+    rollout_steps(algo, 2, seed=10, done_at={})
+    # Each update uses 1 - (steps before its data) / total_steps of the rates.
+    expected = [(1.0, 0.3, 0.6), (0.5, 0.15, 0.3), (0.0, 0.0, 0.0)]
+    assert [tuple(round(x, 9) for x in rate) for rate in rates] == expected
+    assert algo.env_steps == 12 and algo.updated_steps == 12
+    # The schedule's clock is part of the state: a loaded copy goes on alike.
+    copy_ = make(BOX, num_agents=2, rollout_length=2, update_epochs=1, policy_lr=0.3,
+                 value_lr=0.6, lr_schedule="linear", total_steps=8)
+    copy_.load_state_dict(state)
+    assert (copy_.env_steps, copy_.updated_steps) == (8, 8)
+    # The constant schedule leaves the rates alone.
+    constant = make(BOX, num_agents=2, rollout_length=2, update_epochs=1, policy_lr=0.3)
+    rollout_steps(constant, 4, seed=9, done_at={})
+    assert constant.policy_optimizer.param_groups[0]["lr"] == 0.3

@@ -39,6 +39,7 @@ INFERENCE_MODES = ("script", "eager", "compile")
 NETWORKS = ("feed_forward", "recurrent")
 INITS = ("default", "orthogonal")
 REWARD_SCALES = ("reward", "return")
+LR_SCHEDULES = ("constant", "linear")
 
 
 @dataclass
@@ -61,6 +62,8 @@ class PPOConfig:
     minibatch_size: int | None = None         # time steps per gradient step (feed-forward only)
     policy_lr: float = 1e-4
     value_lr: float = 1e-3
+    lr_schedule: str = "constant"             # or "linear": decay to 0 over total_steps
+    total_steps: int | None = None            # env steps of the run (train.steps)
     discount: float = 0.99
     gae_lambda: float | None = None           # None: plain discounted returns
     kl_target: float = 1e-2
@@ -86,6 +89,13 @@ class PPOConfig:
         if self.reward_scale not in REWARD_SCALES:
             raise ValueError(f"reward_scale must be one of {REWARD_SCALES}, got "
                              f"{self.reward_scale!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got "
+                             f"{self.lr_schedule!r}")
+        if self.lr_schedule == "linear" and self.total_steps is None:
+            raise ValueError("lr_schedule='linear' needs total_steps, the env steps over which "
+                             "the learning rates decay to zero (train.py sets it to "
+                             "train.steps)")
         if self.inference not in INFERENCE_MODES:
             raise ValueError(f"inference must be one of {INFERENCE_MODES}, got {self.inference!r}")
         for name in ("update_every", "update_epochs", "max_length", "gru_size"):
@@ -99,7 +109,7 @@ class PPOConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("batch_size", "minibatch_size", "rollout_length", "chunk_length",
-                     "update_threads"):
+                     "update_threads", "total_steps"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")
@@ -247,6 +257,10 @@ class BatchPPO(Algorithm):
             self.memory = RolloutMemory(num_agents, config.rollout_length, step_fields,
                                         end_fields, self.device)
         self.updates = 0
+        # Env steps experienced in training, and how many of them had been
+        # when the last update began (the learning-rate schedule's clock).
+        self.env_steps = 0
+        self.updated_steps = 0
         # Called before every gradient step of an update; it may raise (the
         # trainer's Ctrl-C check) to abandon the update within a fraction of a
         # second. The algorithm's state is then half-updated: the caller must
@@ -339,6 +353,7 @@ class BatchPPO(Algorithm):
         self.memory.append(agent_indices, observ=last["observ"], action=action,
                            param_a=last["param_a"], param_b=last["param_b"],
                            reward=reward, state=last["state"])
+        self.env_steps += agent_indices.shape[0]
         if self.config.reward_scale == "return":
             running = self.running_return[agent_indices] * self.config.discount + reward
             self.running_return[agent_indices] = running
@@ -518,8 +533,24 @@ class BatchPPO(Algorithm):
         finally:
             torch.set_num_threads(threads)
 
+    def _anneal(self) -> float:
+        """Set both optimisers' learning rates for the coming update: with the
+        ``linear`` schedule, ``1 - steps / total_steps`` of the configured ones,
+        ``steps`` counting the env steps before the data of this update (so
+        the first update uses the full rates). Returns that fraction."""
+        config = self.config
+        if config.lr_schedule == "constant":
+            return 1.0
+        fraction = max(0.0, 1.0 - self.updated_steps / config.total_steps)
+        for optimizer, rate in ((self.policy_optimizer, config.policy_lr),
+                                (self.value_optimizer, config.value_lr)):
+            for group in optimizer.param_groups:
+                group["lr"] = rate * fraction
+        return fraction
+
     def _update(self) -> Summary:
         config = self.config
+        lr_fraction = self._anneal()
         with torch.no_grad():
             data, valid = self._advantages()
         batches, mask = self._layout(data, valid)
@@ -555,7 +586,10 @@ class BatchPPO(Algorithm):
             residual = returns - self.value(data["observ"])[valid]
             summary["ppo/explained_variance"] = 1.0 - float(residual.var() / (returns.var() + 1e-8))
         self.updates += 1
+        self.updated_steps = self.env_steps
         summary["ppo/updates"] = float(self.updates)
+        if config.lr_schedule != "constant":
+            summary["ppo/lr_fraction"] = lr_fraction
         return summary
 
     # -- checkpoints -----------------------------------------------------------------
@@ -568,6 +602,7 @@ class BatchPPO(Algorithm):
                 "observ_normalizer": self.observ_normalizer.state_dict(),
                 "reward_normalizer": self.reward_normalizer.state_dict(),
                 "kl_penalty": self.penalty.value, "updates": self.updates,
+                "env_steps": self.env_steps, "updated_steps": self.updated_steps,
                 "recurrent_state": self.recurrent_state, "running_return": self.running_return,
                 "memory": self.memory.state_dict()}
 
@@ -582,6 +617,9 @@ class BatchPPO(Algorithm):
         self.reward_normalizer.load_state_dict(state["reward_normalizer"])
         self.penalty.value = float(state["kl_penalty"])
         self.updates = int(state["updates"])
+        # (checkpoints of earlier versions lack the schedule's counters)
+        self.env_steps = int(state.get("env_steps", 0))
+        self.updated_steps = int(state.get("updated_steps", 0))
         self.recurrent_state.copy_(state["recurrent_state"])
         if "running_return" in state:  # (checkpoints of earlier versions lack it)
             self.running_return.copy_(state["running_return"])
