@@ -252,8 +252,8 @@ def test_saved_config_drops_the_derived_max_length(tmp_path):
 
 
 def test_ppo_total_steps_follows_train_steps():
-    config = load_config("pendulum", ["train.steps=12345"])
-    assert config.ppo.total_steps == 12345
+    config = load_config("pendulum", ["train.steps=12345", "ppo.lr_schedule=linear"])
+    assert config.ppo.total_steps == 12345 and config.ppo.lr_schedule == "linear"
     with pytest.raises(ConfigError, match=r"ppo.total_steps follows train.steps .* set "
                                           r"train.steps instead"):
         load_config("pendulum", ["ppo.total_steps=100"])

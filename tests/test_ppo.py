@@ -560,7 +560,7 @@ def test_config_validation(field, value):
 
 def test_config_rejects_combinations():
     with pytest.raises(ValueError, match="lr_schedule='linear' needs total_steps"):
-        PPOConfig(lr_schedule="linear")
+        make(BOX, lr_schedule="linear")
     with pytest.raises(ValueError, match="batch_size .* and minibatch_size .* set one of them"):
         PPOConfig(batch_size=2, minibatch_size=64)
     for name in ("rollout_length", "minibatch_size"):

@@ -92,10 +92,6 @@ class PPOConfig:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got "
                              f"{self.lr_schedule!r}")
-        if self.lr_schedule == "linear" and self.total_steps is None:
-            raise ValueError("lr_schedule='linear' needs total_steps, the env steps over which "
-                             "the learning rates decay to zero (train.py sets it to "
-                             "train.steps)")
         if self.inference not in INFERENCE_MODES:
             raise ValueError(f"inference must be one of {INFERENCE_MODES}, got {self.inference!r}")
         for name in ("update_every", "update_epochs", "max_length", "gru_size"):
@@ -177,6 +173,12 @@ class BatchPPO(Algorithm):
                  config: PPOConfig | None = None, device: str | torch.device = "cpu"):
         super().__init__(device)
         self.config = config = config or PPOConfig()
+        if config.lr_schedule == "linear" and config.total_steps is None:
+            # (checked here, not in PPOConfig: a run's Config sets total_steps
+            # after the [ppo] section is read)
+            raise ValueError("lr_schedule='linear' needs total_steps, the env steps over which "
+                             "the learning rates decay to zero (train.py sets it to "
+                             "train.steps)")
         if not isinstance(observation_space, gym.spaces.Box):
             raise UnsupportedSpaceError(f"BatchPPO needs a Box observation space, got "
                                         f"{observation_space}")
