@@ -148,6 +148,7 @@ WRITER_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_checkpoint_write_killed_at_random_moments_leaves_the_latest_loadable(tmp_path):
     rng = random.Random(0)

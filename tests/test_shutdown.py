@@ -281,6 +281,7 @@ def test_second_ctrl_c_quits_at_once_and_no_worker_survives(tmp_path):
 
 # --- interrupted and resumed == uninterrupted ------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_interrupted_twice_and_resumed_equals_an_uninterrupted_run(tmp_path):
     """Ctrl-C twice at arbitrary moments (mid-phase or mid-update), resumed
