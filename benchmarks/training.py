@@ -5,16 +5,16 @@ updates included, of
 
   * ``batchrl``: the real trainer, run the way users run it, as a subprocess
     ``python train.py --config halfcheetah --logdir TMP --steps N --no-progress
-    --set train.eval_episodes=0 --set train.device=cpu`` (30 agents, 30 whole
-    1000-step episodes per update, 25 full-batch epochs; ``make_batch_env``'s
-    default layout of ``EnvWorker`` processes plus a share stepped in the main
+    --set train.eval_episodes=0 --set train.device=cpu`` (the config's
+    agents, rollouts and updates as configs/halfcheetah.toml sets them;
+    ``make_batch_env``'s default layout of ``EnvWorker`` processes plus a share stepped in the main
     process; learner with ``train.threads`` = 1 thread while sampling and all
     usable cores during updates). Evaluations are turned off so that only
     training steps are timed. The time is the sum of the trainer's training
     phases as it records them in ``metrics.jsonl`` (``wall_time``: sampling,
     inference, bookkeeping and updates); it leaves out interpreter start-up,
     imports, env and network construction (TorchScript), and the checkpoint
-    and plot written every 5 updates and at the end. The whole subprocess's
+    and plot written after every phase and at the end. The whole subprocess's
     wall time, which includes all of that, is reported too as a second row;
   * ``SB3``: Stable-Baselines3's ``PPO`` with rl-zoo3's tuned hyperparameters
     for HalfCheetah (``hyperparams/ppo.yml``, entry ``HalfCheetah-v4``, as in
@@ -35,8 +35,7 @@ Gymnasium 1.x marks as out of date; v5 is the same task (17-d observation,
 6-d action, 1000-step episodes), so v5 is used in place of v4 for both. They run
 in this order, one after the other, never concurrently, on the same machine.
 The SB3 run is shorter by default: its rate is steady from the first 512-step
-rollout on (each rollout is followed by the same 160 minibatch steps), while
-batchrl's first update comes only after 30,000 steps.
+rollout on (each rollout is followed by the same 160 minibatch steps).
 
 Other programs' CPU load is sampled before, between and after the runs, and
 estimated during each run (the machine's busy share less that of the run's own
@@ -49,7 +48,7 @@ Stable-Baselines3 is not a dependency of batchrl: it is imported only inside
 ``run_sb3``; install it with ``pip install stable-baselines3`` (or pass
 ``--skip-sb3`` to measure batchrl alone).
 
-Run it from the repository root (on an idle 2-core machine about 45 s for
+Run it from the repository root (on an idle 2-core machine under a minute for
 batchrl's 150k steps and about 40 s for SB3's 20k steps):
 
     python benchmarks/training.py
