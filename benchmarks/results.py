@@ -103,6 +103,11 @@ def fmt(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+def fmt_return(value: float | None) -> str:
+    """A return, with one decimal where it is small (Reacher's are about -4)."""
+    return fmt(value, 1 if value is not None and abs(value) < 100 else 0)
+
+
 def spread(values: list[float]) -> tuple[float | None, float | None, float | None]:
     return ((statistics.median(values), min(values), max(values)) if values
             else (None, None, None))
@@ -173,7 +178,7 @@ def main() -> None:
             # (the targets and published figures are for 1M steps)
             target, published = (REFERENCES.get(env_id, ("", "")) if mark == 1_000_000
                                  else ("", ""))
-            lines.append(f"| `{name}` | {env_id} | {fmt(median)} | {fmt(low)} | {fmt(high)} | "
+            lines.append(f"| `{name}` | {env_id} | {fmt_return(median)} | {fmt_return(low)} | {fmt_return(high)} | "
                          f"{target} | {published} | "
                          f"{'-' if wall is None else f'{wall / 60:.1f} min'} | {fmt(rate)} |")
         lines.append("")
@@ -189,7 +194,7 @@ def main() -> None:
             cells = [f"`{name}`", str(seed)]
             for mark in marks:
                 row = by_mark[mark]
-                cells += [fmt(row["score"]),
+                cells += [fmt_return(row["score"]),
                           "-" if row["wall_time"] is None else f"{row['wall_time'] / 60:.1f} min"]
             cells.append(fmt(by_mark[marks[-1]]["steps_per_s"]))
             if args.threshold is not None:
