@@ -330,15 +330,13 @@ def _build_algorithm(env: TensorBatchEnv, config: Config, algorithm_state: dict[
                      device: torch.device, source: Path) -> BatchPPO:
     """A ``BatchPPO`` for ``len(env)`` agents with the checkpoint's learned state.
 
-    The per-agent recurrent state, running discounted returns and the update
-    memory are sized by the training run's agent count and hold nothing
-    evaluation needs, so this algorithm keeps its own (fresh) ones.
+    The per-agent entries (``BatchPPO.PER_AGENT_STATE``) are sized by the
+    training run's agent count and hold nothing evaluation needs, so this
+    algorithm keeps its own (fresh) ones.
     """
     algo = BatchPPO(env.observation_space, env.action_space, len(env), config.ppo, device)
-    state = dict(algorithm_state)
-    state["recurrent_state"] = algo.recurrent_state.clone()
-    state["running_return"] = algo.running_return.clone()
-    state["memory"] = algo.memory.state_dict()
+    fresh = algo.state_dict()
+    state = {**algorithm_state, **{key: fresh[key] for key in BatchPPO.PER_AGENT_STATE}}
     try:
         algo.load_state_dict(state)
     except (KeyError, RuntimeError, ValueError) as exc:

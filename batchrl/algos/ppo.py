@@ -596,6 +596,11 @@ class BatchPPO(Algorithm):
 
     # -- checkpoints -----------------------------------------------------------------
 
+    # Entries of state_dict() sized by num_agents: they hold the agents'
+    # unfinished episodes, not what was learned, so a BatchPPO for another
+    # agent count (evaluation) keeps its own.
+    PER_AGENT_STATE = ("recurrent_state", "running_return", "memory")
+
     def state_dict(self) -> dict[str, Any]:
         return {"config": asdict(self.config),
                 "policy": self.policy.state_dict(), "value": self.value.state_dict(),
