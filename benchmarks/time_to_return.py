@@ -44,6 +44,7 @@ from batchrl.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from results import first_reached  # noqa: E402
 from training import SB3_HYPERPARAMS, SB3_MISSING, sb3_available  # noqa: E402
 
 
@@ -73,8 +74,7 @@ def run_batchrl(config: str, threshold: float, max_steps: int, seed: int,
         while process.poll() is None:
             time.sleep(0.25)
             records = read_metrics(Path(logdir))
-            reached = next((r for r in records if r["phase"] == "eval"
-                            and r["score"] >= threshold), None)
+            reached = first_reached(records, threshold)
             if reached is not None:
                 seen_at = time.perf_counter() - start
                 process.send_signal(signal.SIGINT)
