@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     from batchrl.config import ConfigError, load_config
     from batchrl.envs.errors import (EnvError, EnvRaisedError, SpaceMismatchError,
                                      UnsupportedSpaceError)
-    from batchrl.envs.factory import EnvSpecError
+    from batchrl.envs.errors import EnvSpecError
     from batchrl.trainer import CONFIG_FILE, Trainer, TrainingInterrupted, load_saved_config
 
     user_errors = (ConfigError, EnvSpecError, CheckpointError, UnsupportedSpaceError,

@@ -50,8 +50,8 @@ from batchrl.algos.ppo import BatchPPO
 from batchrl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from batchrl.config import Config, ConfigError
 from batchrl.envs.batch import BatchEnv
-from batchrl.envs.errors import EnvRaisedError
-from batchrl.envs.factory import EnvSpecError, make_batch_env, resolve_constructor
+from batchrl.envs.errors import EnvRaisedError, EnvSpecError
+from batchrl.envs.factory import make_batch_env, resolve_constructor
 from batchrl.envs.tensor_env import TensorBatchEnv
 from batchrl.envs.wrappers import wrap_env
 from batchrl.simulate import episode_length, simulate

@@ -13,7 +13,8 @@ import pytest
 
 from batchrl.config import (CONFIG_DIR, Config, ConfigError, available_configs, build_config,
                             load_config, parse_override, strip_derived)
-from batchrl.envs.factory import EnvSpecError, make_batch_env, resolve_constructor
+from batchrl.envs.errors import EnvSpecError
+from batchrl.envs.factory import make_batch_env, resolve_constructor
 from batchrl.metrics import read_metrics
 from batchrl.trainer import Trainer, load_saved_config
 

@@ -19,9 +19,9 @@ from batchrl.algos.base import Algorithm
 from batchrl.config import load_config
 from batchrl.envs.batch import BatchEnv
 from batchrl.envs.errors import (EnvCrashedError, EnvError, EnvNonFiniteError,
-                                 EnvRaisedError, EnvTimeoutError)
+                                 EnvRaisedError, EnvSpecError, EnvTimeoutError)
 from batchrl.envs.external import ExternalProcess
-from batchrl.envs.factory import EnvSpecError, batch_env_from
+from batchrl.envs.factory import batch_env_from
 from batchrl.envs.faults import FaultyEnv, make
 from batchrl.envs.tensor_env import TensorBatchEnv
 from batchrl.envs.workers import EnvWorker

@@ -33,8 +33,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from batchrl.envs import BatchEnv, EnvCrashedError, EnvRaisedError, EnvTimeoutError  # noqa: E402
-from batchrl.envs.errors import RayWorkerCrashedError  # noqa: E402
-from batchrl.envs.factory import EnvSpecError, batch_env_from  # noqa: E402
+from batchrl.envs.errors import EnvSpecError, RayWorkerCrashedError  # noqa: E402
+from batchrl.envs.factory import batch_env_from  # noqa: E402
 from batchrl.envs.ray_workers import RayEnvWorker  # noqa: E402
 from test_workers import (CountingEnv, assert_same_log, fails_at, make_cartpole,  # noqa: E402
                           make_cheetah, raise_site, rollout, sleeps_at)
@@ -425,7 +425,7 @@ def test_train_py_runs_its_envs_on_the_cluster(cluster, closing, tmp_path):
 
 PRIVATE_RAY_SCRIPT = """
 import sys, time
-from batchrl.envs.factory import batch_env_from
+from batchrl.envs.factory import batch_env_from  # noqa: E402
 from test_workers import make_cartpole
 batch = batch_env_from(make_cartpole, 2, backend="ray", workers=1, timeout=60)
 batch.reset(seed=0)

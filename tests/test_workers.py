@@ -30,7 +30,8 @@ import pytest
 from batchrl.envs import (BatchEnv, EnvAttributeError, EnvCrashedError, EnvRaisedError,
                           EnvTimeoutError, EnvWorker, ExternalProcess, InfoList,
                           RemoteAttribute, WorkerEnv)
-from batchrl.envs.factory import DEFAULT_TIMEOUT, EnvSpecError, batch_env_from, split_evenly
+from batchrl.envs.errors import EnvSpecError
+from batchrl.envs.factory import DEFAULT_TIMEOUT, batch_env_from, split_evenly
 
 # Ship this module's env classes and constructors to the workers by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

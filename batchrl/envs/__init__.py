@@ -3,13 +3,17 @@
 from batchrl.envs.batch import BatchEnv
 from batchrl.envs.errors import (EnvAttributeError, EnvCrashedError, EnvError,
                                  EnvRaisedError, EnvTimeoutError, RayWorkerCrashedError)
-from batchrl.envs.external import ExternalProcess, RemoteAttribute
-from batchrl.envs.workers import EnvWorker, InfoList, WorkerEnv
+from batchrl.envs.external import ExternalProcess
+from batchrl.envs.infos import InfoList
+from batchrl.envs.local import LocalWorker
+from batchrl.envs.worker import RemoteAttribute, Worker, WorkerEnv
+from batchrl.envs.workers import EnvWorker
 from batchrl.envs.wrappers import (ClipAction, TimeLimit, convert_to_32bit, range_normalize,
                                    wrap_env)
 
 __all__ = [
-    "BatchEnv", "ExternalProcess", "EnvWorker", "WorkerEnv", "InfoList", "RemoteAttribute",
+    "BatchEnv", "ExternalProcess", "Worker", "LocalWorker", "EnvWorker", "WorkerEnv", "InfoList",
+    "RemoteAttribute",
     "TensorBatchEnv", "RayEnvWorker",
     "EnvError", "EnvRaisedError", "EnvAttributeError", "EnvCrashedError", "EnvTimeoutError",
     "RayWorkerCrashedError",

@@ -3,135 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import traceback
 from typing import Any, Callable, Sequence
 
 import gymnasium as gym
 import numpy as np
 
-from batchrl.envs.errors import EnvError, EnvNonFiniteError, EnvRaisedError, SpaceMismatchError
-from batchrl.envs.external import ExternalProcess
+from batchrl.envs.errors import EnvError, EnvNonFiniteError, SpaceMismatchError
+from batchrl.envs.external import ExternalProcess, ProcessWorker
+from batchrl.envs.infos import InfoList
+from batchrl.envs.local import LocalWorker
 from batchrl.envs.spaces import check_space
-from batchrl.envs.workers import EnvWorker, InfoList
-
-
-class _LocalEnvs:
-    """A ``BatchEnv`` member: consecutive envs stepped in this process, one
-    after the other (while the child processes step theirs)."""
-
-    parallel = False
-
-    def __init__(self, envs: list[gym.Env]):
-        self.envs = envs
-        self.num_envs = len(envs)
-
-    def spaces(self) -> list[tuple[gym.Space, gym.Space]]:
-        return [(env.observation_space, env.action_space) for env in self.envs]
-
-    def step(self, actions: np.ndarray, blocking: bool) -> Any:
-        results = []
-        try:
-            for env, action in zip(self.envs, actions):
-                results.append(env.step(action))
-        except Exception as exc:
-            raise self._error(exc, "step", len(results)) from exc
-        obs, rewards, terminated, truncated, infos = zip(*results)
-        return (np.stack(obs), np.array(rewards, np.float64), np.array(terminated, bool),
-                np.array(truncated, bool), list(infos))
-
-    def reset(self, indices: list[int], seeds: list, options: dict | None,
-              blocking: bool) -> Any:
-        results = []
-        for index, seed in zip(indices, seeds):
-            try:
-                results.append(self.envs[index].reset(seed=seed, options=options))
-            except Exception as exc:
-                raise self._error(exc, "reset", index) from exc
-        return np.stack([obs for obs, _ in results]), [info for _, info in results]
-
-    def label(self, index: int) -> str:
-        """The name of env ``index`` in error messages."""
-        env = self.envs[index]
-        return env.spec.id if getattr(env, "spec", None) else type(env.unwrapped).__name__
-
-    def _error(self, exc: Exception, operation: str, index: int) -> EnvRaisedError:
-        """The exception of env ``index`` as the ``EnvError`` a worker would send."""
-        error = EnvRaisedError(self.label(index), operation, type(exc).__name__, str(exc),
-                               "".join(traceback.format_exception(exc)))
-        error.worker_env_index = index
-        return error
-
-    def restart(self) -> None:
-        raise RuntimeError("envs stepped in this process cannot be restarted")
-
-    def handles(self) -> list:
-        return list(self.envs)
-
-    def close(self) -> None:
-        for env in self.envs:
-            env.close()
-
-
-class _ProcessEnv:
-    """A ``BatchEnv`` member: one ``ExternalProcess``."""
-
-    num_envs = 1
-    parallel = True
-
-    def __init__(self, env: ExternalProcess):
-        self.env = env
-
-    def spaces(self) -> list[tuple[gym.Space, gym.Space]]:
-        return [(self.env.observation_space, self.env.action_space)]
-
-    def step(self, actions: np.ndarray, blocking: bool) -> Any:
-        if blocking:
-            return _as_batch(self.env.step(actions[0]))
-        promise = self.env.step(actions[0], blocking=False)
-        return lambda: _as_batch(promise())
-
-    def reset(self, indices: list[int], seeds: list, options: dict | None,
-              blocking: bool) -> Any:
-        promise = self.env.reset(seed=seeds[0], options=options, blocking=False)
-
-        def result() -> tuple[np.ndarray, list[dict]]:
-            obs, info = promise()
-            return np.asarray(obs)[None], [info]
-
-        return result() if blocking else result
-
-    def handles(self) -> list:
-        return [self.env]
-
-    def restart(self) -> None:
-        """Replace the worker process by a fresh one with the same envs."""
-        self.env = self.env.restarted()
-
-    def close(self) -> None:
-        self.env.close()
-
-
-class _Workers(_ProcessEnv):
-    """A ``BatchEnv`` member: an ``EnvWorker`` and its envs."""
-
-    def __init__(self, worker: EnvWorker):
-        super().__init__(worker)
-        self.num_envs = worker.num_envs
-
-    def spaces(self) -> list[tuple[gym.Space, gym.Space]]:
-        # The worker has checked that its envs have equal spaces.
-        return [(self.env.observation_space, self.env.action_space)] * self.num_envs
-
-    def step(self, actions: np.ndarray, blocking: bool) -> Any:
-        # Views of the shared block: the concatenation below copies them.
-        return self.env._step(actions, blocking, copy=False)  # noqa: SLF001
-
-    def reset(self, indices: list[int], seeds: list, options: dict | None,
-              blocking: bool) -> Any:
-        return self.env.reset(indices, seeds, options, blocking=blocking)
-
-    def handles(self) -> list:
-        return [self.env.env(i) for i in range(self.num_envs)]
+from batchrl.envs.worker import Worker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,23 +42,16 @@ class _InFlight:
     failures: list[tuple[int, int, EnvError]] = dataclasses.field(default_factory=list)
 
 
-def _as_batch(result: tuple) -> tuple:
-    obs, reward, terminated, truncated, info = result
-    return (np.asarray(obs)[None], np.array([reward], np.float64),
-            np.array([terminated], bool), np.array([truncated], bool), [info])
-
-
 class BatchEnv:
     """Combines N environments with equal spaces into one batched env.
 
     Args:
       envs: the members, in batch order: Gymnasium envs stepped in this
-        process, ``ExternalProcess`` (one env in a child process) or
-        ``EnvWorker`` (several envs in a child process, arrays in shared
-        memory; counts as ``worker.num_envs`` envs), or any worker object
-        with a ``batch_member()`` method returning such a member (``RayEnvWorker``:
-        several envs in a Ray actor, see ``batchrl.envs.ray_workers``). All
-        envs must have equal observation and action spaces.
+        process, ``ExternalProcess`` (one env in a child process), or any
+        ``Worker`` (``batchrl.envs.worker``): ``EnvWorker`` (several envs in
+        a child process, arrays in shared memory) or ``RayEnvWorker``
+        (several envs in a Ray actor), each counting as its ``num_envs``
+        envs. All envs must have equal observation and action spaces.
       blocking: with ``False`` (the default) the child processes are stepped
         in parallel: every request is sent before any result is received.
         With ``True`` they are stepped one after the other.
@@ -204,27 +79,24 @@ class BatchEnv:
     ``restart_events`` records every restart.
     """
 
-    def __init__(self, envs: Sequence[gym.Env | ExternalProcess | EnvWorker],
+    def __init__(self, envs: Sequence[gym.Env | ExternalProcess | Worker],
                  blocking: bool = False, max_restarts: int = 0):
-        members: list[Any] = []
+        members: list[Worker] = []
+        local: list[gym.Env] = []  # consecutive in-process envs form one LocalWorker
         for env in envs:
-            # Looked up on the type: ExternalProcess forwards unknown attributes
-            # to its env, which would wait for (and fail with) the child.
-            if callable(getattr(type(env), "batch_member", None)):  # e.g. RayEnvWorker
-                members.append(env.batch_member())
-            elif isinstance(env, EnvWorker):
-                members.append(_Workers(env))
-            elif isinstance(env, ExternalProcess):
-                members.append(_ProcessEnv(env))
-            elif members and isinstance(members[-1], _LocalEnvs):
-                members[-1].envs.append(env)
-                members[-1].num_envs += 1
+            if isinstance(env, (Worker, ExternalProcess)):
+                if local:
+                    members.append(LocalWorker(local))
+                    local = []
+                members.append(env if isinstance(env, Worker) else ProcessWorker(env))
             else:
-                members.append(_LocalEnvs([env]))
+                local.append(env)
+        if local:
+            members.append(LocalWorker(local))
         if not members:
             raise ValueError("BatchEnv needs at least one env")
         self._members = members
-        self._parallel = [member.parallel and not blocking for member in members]
+        self._parallel = [not (member.in_process or blocking) for member in members]
         starts = np.cumsum([0] + [m.num_envs for m in members])
         self._starts = [int(s) for s in starts[:-1]]
         self._num_envs = int(starts[-1])
@@ -278,12 +150,14 @@ class BatchEnv:
     def envs(self) -> list[Any]:
         """The individual envs, in batch order (a ``WorkerEnv`` handle for
         each env of an ``EnvWorker``)."""
-        return [handle for member in self._members for handle in member.handles()]
+        return [member.env(i) for member in self._members for i in range(member.num_envs)]
 
     @property
     def workers(self) -> list[Any]:
-        """The workers: ``ExternalProcess``, ``EnvWorker`` and ``RayEnvWorker`` members."""
-        return [member.env for member in self._members if member.parallel]
+        """The members whose envs live in other processes, as they were
+        given: ``ExternalProcess``, ``EnvWorker`` and ``RayEnvWorker``."""
+        return [member.process if isinstance(member, ProcessWorker) else member
+                for member in self._members if not member.in_process]
 
     @property
     def restarts(self) -> int:
@@ -358,14 +232,14 @@ class BatchEnv:
         """Replace the failed member at ``position`` and reset all its envs;
         returns their observations. Raises ``exc`` when that is not allowed."""
         member = self._members[position]
-        if not member.parallel:
+        if member.in_process:
             raise exc
         self._check_restarts_left(exc)
         count = member.num_envs
         start = self._starts[position]
         indices = range(start, start + count)
         while True:
-            member.restart()
+            member = self._members[position] = member.restarted()
             self.restart_events.append(RestartEvent(indices, str(exc), self.restarts + 1))
             try:
                 observ, _ = member.reset(list(range(count)), [None] * count, None, True)
@@ -404,8 +278,7 @@ class BatchEnv:
         index = int(indices[row])
         position = int(self._member_of[index])
         member = self._members[position]
-        label = (member.env.label if member.parallel
-                 else member.label(int(self._local_of[index])))
+        label = member.env_label(int(self._local_of[index]))
         error = EnvNonFiniteError(label, operation, what, int(self._episode_steps[index]))
         error.env_index = index
         raise error
@@ -472,8 +345,10 @@ class BatchEnv:
         self._episode_steps += 1  # before the step: a restart sets its envs' counts to 0
         self._in_flight = self._send(
             range(len(self._members)),
+            # Views of the workers' buffers: step_wait's concatenation copies them.
             lambda position, member, blocking: member.step(
-                actions[starts[position]:starts[position] + member.num_envs], blocking))
+                actions[starts[position]:starts[position] + member.num_envs], blocking,
+                copy=False))
 
     def step_wait(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[dict]]:
         """Finish the step begun by ``step_async``; returns what ``step`` returns."""
@@ -596,4 +471,3 @@ class BatchEnv:
         self._in_flight = None
         for member in self._members:
             member.close()
-

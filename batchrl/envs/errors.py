@@ -123,6 +123,11 @@ class RayWorkerCrashedError(EnvCrashedError):
         self.reason = reason
 
 
+class EnvSpecError(ValueError):
+    """The env named in a config cannot be found or built, or the backend it
+    asks for (Ray, its resources) is not available."""
+
+
 class UnsupportedSpaceError(TypeError):
     """An observation or action space that cannot be batched or learned from
     (the message names the space and the supported kinds)."""
@@ -130,3 +135,15 @@ class UnsupportedSpaceError(TypeError):
 
 class SpaceMismatchError(ValueError):
     """The envs of one batch have different observation or action spaces."""
+
+
+def error_from_answer(label: str, operation: str, value: tuple) -> EnvRaisedError:
+    """The parent's exception for an env host's error answer (``value`` is
+    ``(type_name, message, traceback, env_index)``, see
+    ``batchrl.envs.host``): ``EnvAttributeError`` for an ``AttributeError``,
+    else ``EnvRaisedError``, with the env's index within its worker."""
+    remote_type, text, tb, env_index = value
+    cls = EnvAttributeError if remote_type == "AttributeError" else EnvRaisedError
+    error = cls(label, operation, remote_type, text, tb)
+    error.worker_env_index = env_index
+    return error

@@ -1,23 +1,25 @@
 """Run a Gymnasium environment in a child process (one env per process).
 
 The parent talks to the child over a ``multiprocessing`` pipe; the protocol and
-the process life cycle are ``batchrl.envs.process``'s. ``EnvWorker``
-(``batchrl.envs.workers``) hosts several envs per process instead.
+the process life cycle are ``batchrl.envs.process``'s. Observations travel
+pickled, so any space works here. ``EnvWorker`` (``batchrl.envs.workers``)
+hosts several envs per process instead, with arrays in shared memory. In a
+``BatchEnv`` an ``ExternalProcess`` is a ``ProcessWorker`` of one env.
 """
 
 from __future__ import annotations
 
 import pickle
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import cloudpickle
 import gymnasium as gym
+import numpy as np
 
 from batchrl.envs.errors import EnvCrashedError, EnvError, EnvRaisedError
-from batchrl.envs.process import (Channel, LazySpaces, WorkerHandle, answer_attribute, constructor_label, error_message,
-                                  resolve, start_worker)
-
-Promise = Callable[[], Any]
+from batchrl.envs.host import attribute_answer, error_answer, resolve
+from batchrl.envs.process import Channel, WorkerHandle, constructor_label, start_worker
+from batchrl.envs.worker import RemoteAttribute, Worker, reset_arguments
 
 
 def _worker(conn, payload: bytes, parent_pid: int) -> None:
@@ -30,7 +32,7 @@ def _worker(conn, payload: bytes, parent_pid: int) -> None:
         conn.send(("ok", (env.observation_space, env.action_space,
                           getattr(env.spec, "id", None))))
     except Exception as exc:  # reported to the parent, which raises it
-        conn.send(error_message(exc))
+        conn.send(error_answer(exc))
         conn.close()
         return
 
@@ -50,7 +52,7 @@ def _worker(conn, payload: bytes, parent_pid: int) -> None:
                 elif command == "reset":
                     conn.send(("ok", env.reset(**args)))
                 elif command == "getattr":
-                    conn.send(answer_attribute(env, args))
+                    conn.send(attribute_answer(env, args))
                 elif command == "call":
                     name, call_args, call_kwargs = args
                     conn.send(("ok", resolve(env, name)(*call_args, **call_kwargs)))
@@ -59,7 +61,7 @@ def _worker(conn, payload: bytes, parent_pid: int) -> None:
             except (BrokenPipeError, ConnectionError):
                 break
             except Exception as exc:
-                conn.send(error_message(exc))
+                conn.send(error_answer(exc))
     finally:
         try:
             env.close()
@@ -68,31 +70,7 @@ def _worker(conn, payload: bytes, parent_pid: int) -> None:
         conn.close()
 
 
-class RemoteAttribute:
-    """Stands for an attribute of a remote env that cannot be pickled.
-
-    Attribute access on it is forwarded further (``env.unwrapped.model.nq``)
-    and calling it calls the remote method (``env.unwrapped.render()``).
-    """
-
-    def __init__(self, env: "ExternalProcess", path: str, type_name: str):
-        self._env = env
-        self._path = path
-        self._type_name = type_name
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return self._env.get_attr(f"{self._path}.{name}")
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._env.call(self._path, *args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"<remote {self._type_name} {self._path!r} of {self._env.label}>"
-
-
-class ExternalProcess(WorkerHandle, LazySpaces):
+class ExternalProcess(WorkerHandle):
     """A Gymnasium env living in a child process.
 
     Args:
@@ -152,6 +130,16 @@ class ExternalProcess(WorkerHandle, LazySpaces):
 
     # -- spaces ------------------------------------------------------------
 
+    @property
+    def observation_space(self) -> gym.Space:
+        self._ready()
+        return self._spaces[0]
+
+    @property
+    def action_space(self) -> gym.Space:
+        self._ready()
+        return self._spaces[1]
+
     def _ready(self) -> None:
         if self._spaces is not None:
             return
@@ -204,3 +192,57 @@ class ExternalProcess(WorkerHandle, LazySpaces):
     def _receive(self, operation: str, raw: bool) -> Any:
         kind, value = self._channel.receive(operation)
         return (kind, value) if raw else value
+
+
+class ProcessWorker(Worker):
+    """An ``ExternalProcess`` as a ``Worker`` of one env: how ``BatchEnv``
+    drives it (actions and results gain a batch dimension of 1)."""
+
+    num_envs = 1
+
+    def __init__(self, process: ExternalProcess):
+        self.process = process
+        self.label = process.label
+
+    @property
+    def observation_space(self) -> gym.Space:
+        return self.process.observation_space
+
+    @property
+    def action_space(self) -> gym.Space:
+        return self.process.action_space
+
+    def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True) -> Any:
+        promise = self.process.step(actions[0], blocking=False)
+
+        def result() -> tuple:
+            obs, reward, terminated, truncated, info = promise()
+            return (np.asarray(obs)[None], np.array([reward], np.float64),
+                    np.array([terminated], bool), np.array([truncated], bool), [info])
+
+        return result() if blocking else result
+
+    def reset(self, indices: Sequence[int] | None = None,
+              seeds: Sequence[int | None] | None = None, options: dict | None = None,
+              blocking: bool = True) -> Any:
+        indices, seeds = reset_arguments(1, indices, seeds)
+        if indices != [0]:
+            raise IndexError(f"a ProcessWorker has one env (index 0), got indices {indices}")
+        promise = self.process.reset(seed=seeds[0], options=options, blocking=False)
+
+        def result() -> tuple[np.ndarray, list[dict]]:
+            obs, info = promise()
+            return np.asarray(obs)[None], [info]
+
+        return result() if blocking else result
+
+    def restarted(self) -> "ProcessWorker":
+        return ProcessWorker(self.process.restarted())
+
+    def env(self, index: int) -> ExternalProcess:
+        if index != 0:
+            raise IndexError(f"env index {index} out of range for a worker with 1 env")
+        return self.process
+
+    def close(self) -> None:
+        self.process.close()

@@ -10,15 +10,11 @@ from typing import Any, Callable
 import gymnasium as gym
 
 from batchrl.envs.batch import BatchEnv
-from batchrl.envs.errors import EnvRaisedError
+from batchrl.envs.errors import EnvRaisedError, EnvSpecError
 from batchrl.envs.external import ExternalProcess
 from batchrl.envs.workers import EnvWorker
 from batchrl.envs.wrappers import TimeLimit, check_time_limit, wrap_env
 from batchrl.hardware import usable_cores
-
-
-class EnvSpecError(ValueError):
-    """The env named in a config cannot be found or built."""
 
 
 def resolve_constructor(env_id: str, kwargs: dict[str, Any] | None = None,

@@ -26,15 +26,10 @@ import struct
 import sys
 import threading
 import time
-import traceback
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-if TYPE_CHECKING:  # the fork server imports this module before gymnasium
-    import gymnasium as gym
-
-from batchrl.envs.errors import (EnvAttributeError, EnvCrashedError, EnvError,
-                                 EnvRaisedError, EnvTimeoutError)
+from batchrl.envs.errors import EnvCrashedError, EnvError, EnvTimeoutError, error_from_answer
 
 _POLL_SECONDS = 0.2
 # The fork server imports these before it forks any worker.
@@ -106,46 +101,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         pass
     return True
-
-
-def resolve(obj: Any, dotted: str) -> Any:
-    """``obj.a.b.c`` for ``dotted == "a.b.c"``."""
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def error_message(exc: BaseException, env_index: int | None = None) -> tuple:
-    """The ``("error", ...)`` answer for ``exc``, raised in the worker."""
-    return ("error", (type(exc).__name__, str(exc), traceback.format_exc(), env_index))
-
-
-def remote_error(label: str, operation: str, value: tuple) -> EnvRaisedError:
-    """The parent's exception for a worker's ``error_message`` answer
-    (``value`` is its payload): ``EnvAttributeError`` for an ``AttributeError``,
-    else ``EnvRaisedError``, with the env's index within the worker."""
-    remote_type, text, tb, env_index = value
-    cls = EnvAttributeError if remote_type == "AttributeError" else EnvRaisedError
-    error = cls(label, operation, remote_type, text, tb)
-    error.worker_env_index = env_index
-    return error
-
-
-def answer_attribute(env: Any, name: str) -> tuple:
-    """The answer to a ``getattr`` request: a copy of the value, or a proxy.
-
-    Methods and env objects must stay remote: a pickled copy would silently
-    detach from the worker's live env.
-    """
-    import gymnasium as gym
-    value = resolve(env, name)
-    if isinstance(value, gym.Env) or (callable(value) and not isinstance(value, gym.Space)):
-        return ("proxy", type(value).__name__)
-    try:
-        pickle.dumps(value)
-    except Exception:  # not picklable: hand out a proxy
-        return ("proxy", type(value).__name__)
-    return ("ok", value)
 
 
 def _shutdown(process, conn, timeout: float) -> None:
@@ -345,29 +300,8 @@ class Channel:
         self.pending = None
         kind, value = pickle.loads(message)
         if kind == "error":
-            raise remote_error(self.label, operation, value)
+            raise error_from_answer(self.label, operation, value)
         return kind, value
-
-
-class LazySpaces:
-    """``observation_space`` and ``action_space`` of a worker whose envs are
-    built in the background: the subclass's ``_ready()`` waits for them (or
-    raises their construction error) and sets ``_spaces``."""
-
-    _spaces: tuple[gym.Space, gym.Space] | None
-
-    def _ready(self) -> None:
-        raise NotImplementedError
-
-    @property
-    def observation_space(self) -> gym.Space:
-        self._ready()
-        return self._spaces[0]
-
-    @property
-    def action_space(self) -> gym.Space:
-        self._ready()
-        return self._spaces[1]
 
 
 class WorkerHandle:

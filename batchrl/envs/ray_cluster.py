@@ -17,7 +17,7 @@ import threading
 from types import ModuleType
 from typing import Any
 
-from batchrl.envs.factory import EnvSpecError
+from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.ray_guard import RayGuard
 
 INSTALL_HINT = "pip install 'batchrl[ray]'"

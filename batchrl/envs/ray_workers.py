@@ -28,116 +28,74 @@ import gymnasium as gym
 import numpy as np
 
 from batchrl.envs import ray_cluster
-from batchrl.envs.batch import _Workers
-from batchrl.envs.errors import (EnvError, EnvRaisedError,
-                                 EnvTimeoutError, RayWorkerCrashedError)
-from batchrl.envs.process import (LazySpaces, answer_attribute, constructor_label, error_message,
-                                  remote_error, resolve)
+from batchrl.envs.errors import (EnvRaisedError, EnvTimeoutError,
+                                 RayWorkerCrashedError, error_from_answer)
+from batchrl.envs.host import EnvHost, StepArrays
+from batchrl.envs.process import constructor_label
 from batchrl.envs.spaces import worker_spaces
-from batchrl.envs.workers import InfoList, WorkerEnv
+from batchrl.envs.worker import Promise, RemoteWorker, check_constructors
 
 
-class EnvHost:
-    """The Ray actor's body: builds a worker's envs and serves its requests.
+class RayEnvHost:
+    """The Ray actor's body: an ``EnvHost`` and its step arrays.
 
-    Runs in a Ray worker process (``ray.remote(EnvHost)``). Every method
-    answers ``("ok", value)`` or ``error_message(...)``: exceptions of the
-    envs never escape, so that Ray's own errors always mean a broken actor.
+    Runs in a Ray worker process (``ray.remote(RayEnvHost)``). Every method
+    answers as ``EnvHost``'s do: exceptions of the envs never escape, so
+    that Ray's own errors always mean a broken actor.
     """
 
     def __init__(self, payload: bytes, prefetch_reset: bool, send_infos: bool):
         self._payload = payload
-        self.prefetch_reset = prefetch_reset
-        self.send_infos = send_infos
-        self.envs: list[gym.Env] = []
+        self.host = EnvHost(prefetch_reset, send_infos)
+        self.arrays: StepArrays | None = None
 
     def build(self) -> tuple:
         """Build the envs; answers their spaces and where this actor runs."""
         import ray
-        for index, constructor in enumerate(cloudpickle.loads(self._payload)):
-            try:
-                self.envs.append(constructor())
-            except Exception as exc:
-                return error_message(exc, index)
+        answer = self.host.build(cloudpickle.loads(self._payload))
         self._payload = b""
-        spaces = [(env.observation_space, env.action_space) for env in self.envs]
+        if answer[0] != "ok":
+            return answer
+        env = self.host.envs[0]
+        self.arrays = StepArrays(len(self.host.envs), env.observation_space, env.action_space)
         context = ray.get_runtime_context()
         where = (ray.util.get_node_ip_address(), context.get_node_id(), os.getpid())
-        return ("ok", (spaces, where))
-
-    def _rows(self, count: int) -> np.ndarray:
-        space = self.envs[0].observation_space
-        return np.empty((count, *space.shape), space.dtype)
+        return ("ok", (answer[1], where))
 
     def step(self, actions: np.ndarray) -> tuple:
         """Step env ``i`` with ``actions[i]``; answers ``(observ, reward,
         terminated, truncated, infos, resets)``, where ``resets`` lists
-        ``(index, observ, info)`` of the envs reset after their episode ended.
-
-        An env that raises does not stop the others, as in ``EnvWorker``:
-        they are stepped too, and the first error is the answer.
-        """
-        count = len(self.envs)
-        observ = self._rows(count)
-        reward = np.zeros(count, np.float64)
-        terminated = np.zeros(count, bool)
-        truncated = np.zeros(count, bool)
-        infos: list[dict] = []
-        resets = []
-        error = None
-        for index, env in enumerate(self.envs):
-            try:
-                # A copy: Ray's arrays are read-only views of the request.
-                obs, reward[index], terminated[index], truncated[index], info = env.step(
-                    np.array(actions[index]))
-                observ[index] = obs
-                infos.append(info)
-                if self.prefetch_reset and (terminated[index] or truncated[index]):
-                    reset_obs, reset_info = env.reset()
-                    resets.append((index, np.asarray(reset_obs, observ.dtype),
-                                   reset_info if self.send_infos else None))
-            except Exception as exc:
-                error = error or error_message(exc, index)
-        if error is not None:
-            return error
-        return ("ok", (observ, reward, terminated, truncated,
-                       infos if self.send_infos else None, resets))
+        ``(index, observ, info)`` of the envs reset after their episode ended."""
+        arrays = self.arrays
+        answer = self.host.step(actions, arrays)
+        if answer[0] != "ok":
+            return answer
+        infos, resets = answer[1]
+        # Copies: the reply is serialized after this returns, and the next
+        # step overwrites the arrays.
+        return ("ok", (arrays.observ.copy(), arrays.reward.copy(), arrays.terminated.copy(),
+                       arrays.truncated.copy(), infos,
+                       [(index, arrays.reset_observ[index].copy(), info)
+                        for index, info in resets]))
 
     def reset(self, indices: list[int], seeds: list, options: dict | None) -> tuple:
         """Reset the envs at ``indices``; answers ``(observ, infos)``."""
-        observ = self._rows(len(indices))
-        infos = []
-        index = None
-        try:
-            for row, (index, seed) in enumerate(zip(indices, seeds)):
-                observ[row], info = self.envs[index].reset(seed=seed, options=options)
-                infos.append(info)
-        except Exception as exc:
-            return error_message(exc, index)
-        return ("ok", (observ, infos))
+        answer = self.host.reset(indices, seeds, options, self.arrays)
+        if answer[0] != "ok":
+            return answer
+        return ("ok", (self.arrays.reset_observ[indices], answer[1]))
 
     def getattr(self, index: int, name: str) -> tuple:
         """Env ``index``'s attribute ``name``: a copy, or a proxy marker."""
-        try:
-            return answer_attribute(self.envs[index], name)
-        except Exception as exc:
-            return error_message(exc, index)
+        return self.host.getattr(index, name)
 
     def call(self, index: int, name: str, args: tuple, kwargs: dict) -> tuple:
         """Call env ``index``'s method ``name``."""
-        try:
-            return ("ok", resolve(self.envs[index], name)(*args, **kwargs))
-        except Exception as exc:
-            return error_message(exc, index)
+        return self.host.call(index, name, args, kwargs)
 
     def close(self) -> None:
         """Close the envs (before the actor is killed)."""
-        for env in self.envs:
-            try:
-                env.close()
-            except Exception:
-                pass
-        self.envs = []
+        self.host.close()
 
 
 def _reason(exc: Exception) -> str:
@@ -152,10 +110,10 @@ def _reason(exc: Exception) -> str:
 
 @functools.cache
 def _actor_class(ray: Any) -> Any:
-    return ray.remote(EnvHost)
+    return ray.remote(RayEnvHost)
 
 
-class RayEnvWorker(LazySpaces):
+class RayEnvWorker(RemoteWorker):
     """A Ray actor hosting ``len(constructors)`` Gymnasium envs.
 
     Args:
@@ -193,13 +151,8 @@ class RayEnvWorker(LazySpaces):
                  construct_timeout: float | None = None, prefetch_reset: bool = True,
                  infos: bool = True, resources: dict[str, float] | None = None,
                  address: str = "", scheduling_strategy: Any = "SPREAD"):
-        constructors = list(constructors)
-        if not constructors:
-            raise ValueError("RayEnvWorker needs at least one env constructor")
-        for constructor in constructors:
-            if not (callable(constructor) or isinstance(constructor, str)):
-                raise TypeError(f"RayEnvWorker needs callables returning a gymnasium.Env or "
-                                f"Gymnasium id strings, got {type(constructor).__name__}")
+        constructors = check_constructors("RayEnvWorker", constructors)
+        super().__init__()
         resources = {"CPU": 1} if resources is None else dict(resources)
         options = ray_cluster.actor_options(resources)  # checks them before connecting
         self.label = label or constructor_label(constructors[0])
@@ -224,9 +177,6 @@ class RayEnvWorker(LazySpaces):
             self.closed = True
             ray_cluster.release()
             raise
-        self._spaces: tuple[gym.Space, gym.Space] | None = None
-        self._construct_error: EnvError | None = None
-        self._prefetched: dict[int, tuple[np.ndarray, dict | None]] = {}
         self.node_ip: str | None = None
         self.node_id: str | None = None
         self.pid: int | None = None
@@ -260,19 +210,6 @@ class RayEnvWorker(LazySpaces):
         self.close()
         return fresh
 
-    def batch_member(self) -> "_RayMember":
-        """How ``BatchEnv`` drives this worker."""
-        return _RayMember(self)
-
-    def __len__(self) -> int:
-        return self.num_envs
-
-    def __enter__(self) -> "RayEnvWorker":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         where = f", node={self.node_ip}" if self.node_ip else ""
         return f"RayEnvWorker({self.label!r}, num_envs={self.num_envs}{where})"
@@ -302,124 +239,27 @@ class RayEnvWorker(LazySpaces):
             raise RayWorkerCrashedError(self.label, operation, self.node_ip,
                                         _reason(exc)) from None
         if kind == "error":
-            raise remote_error(self.label, operation, value)
+            raise error_from_answer(self.label, operation, value)
         return kind, value
 
-    def _ready(self) -> None:
-        """Wait for the actor's envs to be built (once); checks their spaces."""
-        if self._spaces is not None:
-            return
-        if self._construct_error is not None:
-            raise self._construct_error
-        if self.closed:
-            raise EnvError(self.label, "construct", "the env was closed")
-        try:
-            _, (spaces, where) = self._receive(self._built, "construct",
-                                               self.construct_timeout)
-        except EnvTimeoutError:
-            raise  # still pending: waited for again on the next call
-        except EnvError as exc:
-            self._construct_error = exc
-            self.close()
-            raise
+    def _construct(self) -> tuple[gym.Space, gym.Space]:
+        _, (spaces, where) = self._receive(self._built, "construct", self.construct_timeout)
         self.node_ip, self.node_id, self.pid = where
-        try:
-            self._spaces = worker_spaces(self.label, spaces)
-        except EnvError as exc:
-            self._construct_error = exc
-            self.close()
-            raise
+        return worker_spaces(self.label, spaces)
 
-    def _check_open(self, operation: str) -> None:
-        self._ready()
-        if self.closed:
-            raise EnvError(self.label, operation, "the env was closed")
+    def _send_step(self, actions: np.ndarray, copy: bool) -> Promise:
+        answer = self._actor.step.remote(actions)
+        return lambda: self._receive(answer, "step", self.timeout)[1]
 
-    # -- stepping -------------------------------------------------------------------
+    def _send_reset(self, indices: list[int], seeds: list, options: dict | None) -> Promise:
+        answer = self._actor.reset.remote(indices, seeds, options)
+        return lambda: self._receive(answer, "reset", self.timeout)[1]
 
-    def step(self, actions: np.ndarray, blocking: bool = True) -> Any:
-        """Step every env with its row of ``actions`` (``(num_envs,
-        *act_shape)``) in one actor call; returns ``(observ, reward,
-        terminated, truncated, infos)`` (first dimension ``num_envs``) or,
-        with ``blocking=False``, a promise of it."""
-        self._check_open("step")
-        answer = self._actor.step.remote(np.asarray(actions))
-        self._prefetched.clear()  # a stepped env is no longer fresh from its reset
-
-        def result() -> tuple:
-            _, (observ, reward, terminated, truncated, infos, resets) = self._receive(
-                answer, "step", self.timeout)
-            for index, reset_obs, reset_info in resets:
-                self._prefetched[index] = (reset_obs, reset_info)
-            return (observ, reward, terminated, truncated,
-                    InfoList([(self.num_envs, infos)]))
-
-        return result() if blocking else result
-
-    def reset(self, indices: Sequence[int] | None = None,
-              seeds: Sequence[int | None] | None = None, options: dict | None = None,
-              blocking: bool = True) -> Any:
-        """Reset the envs at local ``indices`` (all when ``None``) with one
-        seed (or ``None``) each; returns ``(observ, infos)`` or a promise.
-        Envs reset in the actor after their episode ended answer a reset
-        without seed or options at once, without a call."""
-        self._check_open("reset")
-        indices = list(range(self.num_envs)) if indices is None else [int(i) for i in indices]
-        seeds = [None] * len(indices) if seeds is None else list(seeds)
-        if len(seeds) != len(indices):
-            raise ValueError(f"got {len(seeds)} seeds for {len(indices)} envs to reset")
-        fresh = {} if options is not None else {
-            i: self._prefetched.pop(i) for i, seed in zip(indices, seeds)
-            if seed is None and i in self._prefetched}
-        remote = [(i, s) for i, s in zip(indices, seeds) if i not in fresh]
-        for i, _ in remote:
-            self._prefetched.pop(i, None)  # really reset again: the prefetched one is stale
-        answer = (self._actor.reset.remote([i for i, _ in remote], [s for _, s in remote],
-                                           options) if remote else None)
-
-        def result() -> tuple[np.ndarray, list[dict]]:
-            rows = {i: (obs, info or {}) for i, (obs, info) in fresh.items()}
-            if answer is not None:
-                _, (observ, infos) = self._receive(answer, "reset", self.timeout)
-                rows.update(zip([i for i, _ in remote], zip(observ, infos)))
-            return np.stack([rows[i][0] for i in indices]), [rows[i][1] for i in indices]
-
-        return result() if blocking else result
-
-    # -- attributes -----------------------------------------------------------------
-
-    def get_attr(self, name: str, index: int = 0) -> Any:
-        """Env ``index``'s attribute ``name`` (dotted paths allowed): a copy,
-        or a ``RemoteAttribute`` proxy for methods and unpicklable values."""
-        from batchrl.envs.external import RemoteAttribute
-        self._check_open("getattr")
-        kind, value = self._receive(self._actor.getattr.remote(index, name), "getattr",
-                                    self.timeout)
-        if kind == "proxy":
-            return RemoteAttribute(self.env(index), name, value)
-        return value
-
-    def call(self, name: str, *args: Any, index: int = 0, **kwargs: Any) -> Any:
-        """Call env ``index``'s method ``name`` and return its result."""
-        self._check_open("call")
-        return self._receive(self._actor.call.remote(index, name, args, kwargs), "call",
-                             self.timeout)[1]
-
-    def env(self, index: int) -> WorkerEnv:
-        """A handle on env ``index`` of this worker (attribute access and calls)."""
-        if not 0 <= index < self.num_envs:
-            raise IndexError(f"env index {index} out of range for a worker with "
-                             f"{self.num_envs} envs")
-        return WorkerEnv(self, index)
+    def _ask(self, command: str, args: tuple) -> tuple[str, Any]:
+        method = self._actor.getattr if command == "getattr" else self._actor.call
+        return self._receive(method.remote(*args), command, self.timeout)
 
     @property
     def actor(self) -> Any:
         """The Ray actor handle (for ``ray.kill`` and inspection)."""
         return self._actor
-
-
-class _RayMember(_Workers):
-    """A ``BatchEnv`` member: a ``RayEnvWorker`` and its envs."""
-
-    def step(self, actions: np.ndarray, blocking: bool) -> Any:
-        return self.env.step(actions, blocking)

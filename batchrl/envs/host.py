@@ -1,0 +1,233 @@
+"""The env side of every transport: build a worker's envs and serve it.
+
+An ``EnvHost`` runs where the envs live: in a worker process
+(``batchrl.envs.workers``) or in a Ray actor (``batchrl.envs.ray_workers``).
+It steps all envs of the worker into ``StepArrays``, resets a finished env at
+once ("prefetched reset"), answers attribute requests, and turns every
+exception of an env into an error answer, so that the transport only moves
+bytes. Every method answers ``("ok", value)``, ``("proxy", type_name)`` (an
+attribute that must stay remote) or ``("error", (type_name, message,
+traceback, env_index))``.
+
+Prefetched reset: the parent asks for a reset of a finished env soon anyway,
+and a round trip costs more than the reset. The env goes through exactly the
+calls it would have seen otherwise (step, then reset without seed), so
+trajectories are the same; a reset with a seed or options resets again.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import functools
+import io
+import math
+import pickle
+import traceback
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+# Actions travel in the dtype the caller gave (so a float32 batch reaches the
+# env as float32, exactly as with in-process envs); this many bytes per value
+# are reserved for them.
+ACTION_ITEMSIZE = 8
+
+
+class StepArrays:
+    """The arrays of one worker's step, in one buffer (shared memory for a
+    worker process, a bytearray in a Ray actor).
+
+    ``observ`` and ``reset_observ`` are ``(num_envs, *obs_shape)`` in the
+    observation space's dtype, ``reward`` ``(num_envs,)`` float64,
+    ``terminated``/``truncated`` ``(num_envs,)`` bool; ``action_bytes`` is raw
+    storage that ``actions(dtype)`` views as ``(num_envs, *act_shape)``.
+    """
+
+    def __init__(self, num_envs: int, obs_space: Any, act_space: Any, buffer: Any = None):
+        obs_shape = (num_envs, *obs_space.shape)
+        self._act_shape = (num_envs, *act_space.shape)
+        fields = [("observ", obs_shape, obs_space.dtype),
+                  ("reset_observ", obs_shape, obs_space.dtype),
+                  ("action_bytes", (math.prod(self._act_shape) * ACTION_ITEMSIZE,), np.uint8),
+                  ("reward", (num_envs,), np.float64),
+                  ("terminated", (num_envs,), np.bool_),
+                  ("truncated", (num_envs,), np.bool_)]
+        offset = 0
+        layout = []
+        for name, shape, dtype in fields:
+            offset = -(-offset // 64) * 64  # cache-line aligned
+            layout.append((name, shape, np.dtype(dtype), offset))
+            offset += math.prod(shape) * np.dtype(dtype).itemsize
+        self.size = max(offset, 1)
+        self._layout = layout
+        self.attach(bytearray(self.size) if buffer is None else buffer)
+
+    def attach(self, buffer: Any) -> None:
+        """View ``buffer`` (at least ``size`` bytes) as the arrays."""
+        for name, shape, dtype, offset in self._layout:
+            setattr(self, name, np.ndarray(shape, dtype, buffer=buffer, offset=offset))
+
+    def actions(self, dtype: np.dtype) -> np.ndarray:
+        """The action storage viewed as ``(num_envs, *act_shape)`` of ``dtype``."""
+        count = math.prod(self._act_shape)
+        return self.action_bytes[:count * dtype.itemsize].view(dtype).reshape(self._act_shape)
+
+    def detach(self) -> None:
+        """Drop the views (so that shared memory can be closed)."""
+        for name, *_ in self._layout:
+            setattr(self, name, None)
+
+
+def _reduce_scalar(kind: type, value: np.generic) -> tuple:
+    return kind, (value.item(),)
+
+
+def _scalar_reducers() -> dict:
+    """Pickle numpy scalars as ``type(python_value)``: twice as fast as
+    numpy's own reduction for info dicts like MuJoCo's (``x_position``...)
+    and the same objects after unpickling."""
+    table = copyreg.dispatch_table.copy()
+    for kind in (np.float64, np.float32, np.float16, np.int64, np.int32, np.int16, np.int8,
+                 np.uint64, np.uint32, np.uint16, np.uint8, np.bool_):
+        table[kind] = functools.partial(_reduce_scalar, kind)
+    return table
+
+
+_REDUCERS = _scalar_reducers()
+
+
+def pack(obj: Any) -> bytes:
+    """``pickle.dumps(obj)``, faster for info dicts full of numpy scalars."""
+    file = io.BytesIO()
+    pickler = pickle.Pickler(file, pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = _REDUCERS
+    pickler.dump(obj)
+    return file.getvalue()
+
+
+def resolve(obj: Any, dotted: str) -> Any:
+    """``obj.a.b.c`` for ``dotted == "a.b.c"``."""
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def error_answer(exc: BaseException, env_index: int | None = None) -> tuple:
+    """The ``("error", ...)`` answer for ``exc``, raised where the envs live."""
+    return ("error", (type(exc).__name__, str(exc), traceback.format_exc(), env_index))
+
+
+def attribute_answer(env: Any, name: str) -> tuple:
+    """The answer to a ``getattr`` request: a copy of the value, or a proxy.
+
+    Methods and env objects must stay remote: a pickled copy would silently
+    detach from the live env.
+    """
+    import gymnasium as gym
+    value = resolve(env, name)
+    if isinstance(value, gym.Env) or (callable(value) and not isinstance(value, gym.Space)):
+        return ("proxy", type(value).__name__)
+    try:
+        pickle.dumps(value)
+    except Exception:  # not picklable: hand out a proxy
+        return ("proxy", type(value).__name__)
+    return ("ok", value)
+
+
+class EnvHost:
+    """A worker's envs, where they live.
+
+    Args:
+      prefetch_reset: reset an env as soon as its episode ends.
+      send_infos: answer the info dicts (pickled with ``pack``); with
+        ``False`` the parent sees empty dicts.
+    """
+
+    def __init__(self, prefetch_reset: bool, send_infos: bool):
+        self.prefetch_reset = prefetch_reset
+        self.send_infos = send_infos
+        self.envs: list[Any] = []
+
+    def build(self, constructors: Sequence[Callable[[], Any]]) -> tuple:
+        """Build the envs; answers ``[(observation_space, action_space)]``,
+        one pair per env, or the first constructor's error."""
+        for index, constructor in enumerate(constructors):
+            try:
+                self.envs.append(constructor())
+            except Exception as exc:
+                return error_answer(exc, index)
+        return ("ok", [(env.observation_space, env.action_space) for env in self.envs])
+
+    def step(self, actions: np.ndarray, arrays: StepArrays) -> tuple:
+        """Step env ``i`` with ``actions[i]`` into ``arrays``; answers
+        ``(infos, resets)``: the pickled info list (``None`` when infos are
+        off) and ``(index, pickled info)`` of the envs reset after their
+        episode ended, whose first observations are in ``arrays.reset_observ``.
+
+        An env that raises does not stop the others (as with one process per
+        env): they are stepped and stored, and the first error is the answer.
+        """
+        # A copy: the parent may write the next actions meanwhile (after a
+        # timeout), and Ray hands over read-only views.
+        actions = np.array(actions)
+        send_infos = self.send_infos
+        infos, resets = [], []
+        error = None
+        for index, env in enumerate(self.envs):
+            try:
+                obs, reward, term, trunc, info = env.step(actions[index])
+                arrays.observ[index] = obs
+                arrays.reward[index] = reward
+                arrays.terminated[index] = term
+                arrays.truncated[index] = trunc
+                if send_infos:
+                    infos.append(info)
+                if self.prefetch_reset and (term or trunc):
+                    reset_obs, reset_info = env.reset()
+                    arrays.reset_observ[index] = reset_obs
+                    resets.append((index, pack(reset_info) if send_infos else None))
+            except Exception as exc:
+                error = error or error_answer(exc, index)
+                infos.append({})
+        if error is not None:
+            return error
+        # The infos stay pickled until the parent reads them: most loops never do.
+        return ("ok", (pack(infos) if send_infos else None, resets))
+
+    def reset(self, indices: Sequence[int], seeds: Sequence[int | None],
+              options: dict | None, arrays: StepArrays) -> tuple:
+        """Reset the envs at ``indices`` into ``arrays.reset_observ[index]``;
+        answers their info dicts."""
+        infos = []
+        index = None
+        try:
+            for index, seed in zip(indices, seeds):
+                obs, info = self.envs[index].reset(seed=seed, options=options)
+                arrays.reset_observ[index] = obs
+                infos.append(info)
+        except Exception as exc:
+            return error_answer(exc, index)
+        return ("ok", infos)
+
+    def getattr(self, index: int, name: str) -> tuple:
+        """Env ``index``'s attribute ``name``: a copy, or a proxy marker."""
+        try:
+            return attribute_answer(self.envs[index], name)
+        except Exception as exc:
+            return error_answer(exc, index)
+
+    def call(self, index: int, name: str, args: tuple, kwargs: dict) -> tuple:
+        """Call env ``index``'s method ``name``."""
+        try:
+            return ("ok", resolve(self.envs[index], name)(*args, **kwargs))
+        except Exception as exc:
+            return error_answer(exc, index)
+
+    def close(self) -> None:
+        """Close the envs; errors of their ``close`` are ignored."""
+        for env in self.envs:
+            try:
+                env.close()
+            except Exception:  # noqa: S110 - closing what may be broken
+                pass
+        self.envs = []

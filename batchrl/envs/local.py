@@ -1,0 +1,94 @@
+"""Envs stepped in the calling process, as a ``Worker``."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Sequence
+
+import gymnasium as gym
+import numpy as np
+
+from batchrl.envs.errors import EnvRaisedError
+from batchrl.envs.worker import Worker, reset_arguments
+
+
+class LocalWorker(Worker):
+    """Gymnasium envs stepped one after the other in this process.
+
+    ``BatchEnv`` steps them after it has sent the other workers their actions,
+    so that they step while the child processes step theirs. An env's
+    exception is raised as the ``EnvRaisedError`` a worker process would
+    send. Envs in this process cannot be restarted.
+    """
+
+    in_process = True
+
+    def __init__(self, envs: Sequence[gym.Env]):
+        self.envs = list(envs)
+        self.num_envs = len(self.envs)
+
+    @property
+    def label(self) -> str:  # noqa: D102 - the first env's
+        return self.env_label(0)
+
+    @property
+    def observation_space(self) -> gym.Space:
+        return self.envs[0].observation_space
+
+    @property
+    def action_space(self) -> gym.Space:
+        return self.envs[0].action_space
+
+    def spaces(self) -> list[tuple[gym.Space, gym.Space]]:
+        """``(observation, action)`` space of every env (they may differ:
+        ``BatchEnv`` names the first that does)."""
+        return [(env.observation_space, env.action_space) for env in self.envs]
+
+    def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True) -> Any:
+        """Step env ``i`` with ``actions[i]``; a promise runs the steps when called."""
+        if not blocking:
+            return lambda: self.step(actions)
+        results = []
+        try:
+            for env, action in zip(self.envs, actions):
+                results.append(env.step(action))
+        except Exception as exc:
+            raise self._error(exc, "step", len(results)) from exc
+        obs, rewards, terminated, truncated, infos = zip(*results)
+        return (np.stack(obs), np.array(rewards, np.float64), np.array(terminated, bool),
+                np.array(truncated, bool), list(infos))
+
+    def reset(self, indices: Sequence[int] | None = None,
+              seeds: Sequence[int | None] | None = None, options: dict | None = None,
+              blocking: bool = True) -> Any:
+        """Reset the envs at ``indices``; a promise runs the resets when called."""
+        if not blocking:
+            return lambda: self.reset(indices, seeds, options)
+        indices, seeds = reset_arguments(self.num_envs, indices, seeds)
+        results = []
+        for index, seed in zip(indices, seeds):
+            try:
+                results.append(self.envs[index].reset(seed=seed, options=options))
+            except Exception as exc:
+                raise self._error(exc, "reset", index) from exc
+        return np.stack([obs for obs, _ in results]), [info for _, info in results]
+
+    def env_label(self, index: int) -> str:
+        env = self.envs[index]
+        return env.spec.id if getattr(env, "spec", None) else type(env.unwrapped).__name__
+
+    def _error(self, exc: Exception, operation: str, index: int) -> EnvRaisedError:
+        error = EnvRaisedError(self.env_label(index), operation, type(exc).__name__, str(exc),
+                               "".join(traceback.format_exception(exc)))
+        error.worker_env_index = index
+        return error
+
+    def restarted(self) -> "LocalWorker":
+        raise RuntimeError("envs stepped in this process cannot be restarted")
+
+    def env(self, index: int) -> gym.Env:
+        return self.envs[index]
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()

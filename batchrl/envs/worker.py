@@ -1,0 +1,331 @@
+"""The one protocol every member of a ``BatchEnv`` implements.
+
+A ``Worker`` owns ``num_envs`` envs with equal spaces, wherever they run: in
+this process (``LocalWorker``), in a child process (``EnvWorker``; an
+``ExternalProcess`` joins a batch as a ``ProcessWorker``) or in a Ray actor
+(``RayEnvWorker``). ``BatchEnv`` knows only this protocol: it sends every
+worker its rows of the actions, then collects the promises.
+
+``RemoteWorker`` is the part shared by the workers whose envs live elsewhere
+and are served by ``batchrl.envs.host.EnvHost``: the prefetched resets, the
+attribute proxies and the construction that may still be under way; its
+subclasses add a transport (shared memory and a pipe, or Ray calls).
+"""
+
+from __future__ import annotations
+
+import abc
+import pickle
+from typing import Any, Callable, Sequence
+
+import gymnasium as gym
+import numpy as np
+
+from batchrl.envs.errors import EnvError, EnvTimeoutError
+from batchrl.envs.infos import InfoList
+
+Promise = Callable[[], Any]
+
+
+class Worker(abc.ABC):
+    """``num_envs`` envs with equal spaces, stepped together.
+
+    ``step(actions)`` takes ``(num_envs, *act_shape)`` actions and returns
+    ``(observ, reward, terminated, truncated, infos)``: arrays with first
+    dimension ``num_envs`` (observations in the observation space's dtype,
+    rewards float64, flags bool) and a sequence of info dicts. ``reset``
+    returns ``(observ, infos)`` for the envs at ``indices`` (local to the
+    worker). With ``blocking=False`` both return a promise instead: call it
+    for the result; only one request may be in flight. Errors are
+    ``EnvError``s; one raised by a single env carries its local index in
+    ``worker_env_index``.
+    """
+
+    label: str
+    num_envs: int
+    #: True when the envs step in the calling process: ``BatchEnv`` runs
+    #: such a worker after it has sent every other worker its actions.
+    in_process: bool = False
+
+    @property
+    @abc.abstractmethod
+    def observation_space(self) -> gym.Space:
+        """The observation space all envs share."""
+
+    @property
+    @abc.abstractmethod
+    def action_space(self) -> gym.Space:
+        """The action space all envs share."""
+
+    @abc.abstractmethod
+    def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True) -> Any:
+        """Step env ``i`` with ``actions[i]``. With ``copy=False`` the arrays
+        may be views of the worker's buffers, valid until its next request."""
+
+    @abc.abstractmethod
+    def reset(self, indices: Sequence[int] | None = None,
+              seeds: Sequence[int | None] | None = None, options: dict | None = None,
+              blocking: bool = True) -> Any:
+        """Reset the envs at local ``indices`` (all when ``None``), with one
+        seed (or ``None``) each."""
+
+    @abc.abstractmethod
+    def restarted(self) -> "Worker":
+        """Close this worker (killing it if it hangs) and return a fresh one
+        with the same envs and options."""
+
+    @abc.abstractmethod
+    def env(self, index: int) -> Any:
+        """Env ``index`` (local), or a handle that forwards attribute access to it."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close the envs and free what the worker holds. Idempotent."""
+
+    def spaces(self) -> list[tuple[gym.Space, gym.Space]]:
+        """The ``(observation, action)`` spaces of each env."""
+        return [(self.observation_space, self.action_space)] * self.num_envs
+
+    def env_label(self, index: int) -> str:
+        """The name of env ``index`` in error messages."""
+        return self.label
+
+    def __len__(self) -> int:
+        return self.num_envs
+
+    def __enter__(self):  # noqa: ANN204 - returns the subclass
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def reset_arguments(num_envs: int, indices: Sequence[int] | None,
+                    seeds: Sequence[int | None] | None) -> tuple[list[int], list]:
+    """``indices`` (all when ``None``) as ints, and one seed per index."""
+    indices = list(range(num_envs)) if indices is None else [int(i) for i in indices]
+    seeds = [None] * len(indices) if seeds is None else list(seeds)
+    if len(seeds) != len(indices):
+        raise ValueError(f"got {len(seeds)} seeds for {len(indices)} envs to reset")
+    return indices, seeds
+
+
+def check_constructors(kind: str, constructors: Sequence[Any]) -> list:
+    """The constructors as a list; ``ValueError``/``TypeError`` unless they
+    are at least one callable or Gymnasium id."""
+    constructors = list(constructors)
+    if not constructors:
+        raise ValueError(f"{kind} needs at least one env constructor")
+    for constructor in constructors:
+        if not (callable(constructor) or isinstance(constructor, str)):
+            raise TypeError(f"{kind} needs callables returning a gymnasium.Env or "
+                            f"Gymnasium id strings, got {type(constructor).__name__}")
+    return constructors
+
+
+def load_info(info: Any) -> dict:
+    """An info dict that may have travelled pickled (or not at all: ``None``)."""
+    if info is None:
+        return {}
+    return pickle.loads(info) if isinstance(info, bytes) else info
+
+
+class RemoteWorker(Worker):
+    """A ``Worker`` whose envs are built and served elsewhere by an ``EnvHost``.
+
+    Subclasses set ``label``, ``num_envs`` and ``prefetch_reset`` and
+    implement the transport: ``_construct()`` (wait for the envs, return
+    their ``(observation, action)`` spaces), ``_send_step(actions, copy)``,
+    ``_send_reset(indices, seeds, options)`` and ``_ask(command, args)``,
+    and keep ``closed`` true once closed. A finished env that the host already reset ("prefetched
+    reset") answers a later ``reset`` without seed or options at once.
+    """
+
+    prefetch_reset: bool
+    closed: bool  # close() was called (or construction failed)
+    _spaces: tuple[gym.Space, gym.Space] | None = None
+    _construct_error: EnvError | None = None
+
+    def __init__(self) -> None:
+        # local index -> (first observation, info) of envs the host reset
+        self._prefetched: dict[int, tuple[np.ndarray, Any]] = {}
+
+    # -- transport ---------------------------------------------------------
+
+    @abc.abstractmethod
+    def _construct(self) -> tuple[gym.Space, gym.Space]:
+        """Wait for the envs to be built; their shared spaces."""
+
+    @abc.abstractmethod
+    def _send_step(self, actions: np.ndarray, copy: bool) -> Promise:
+        """Send the actions; the promise gives ``(observ, reward, terminated,
+        truncated, infos, resets)``, where ``infos`` is the list of info
+        dicts (possibly pickled; ``None`` when infos are off) and ``resets``
+        lists ``(index, observ, info)`` of the envs reset after their
+        episode ended."""
+
+    @abc.abstractmethod
+    def _send_reset(self, indices: list[int], seeds: list, options: dict | None) -> Promise:
+        """Send a reset; the promise gives ``(observ, infos)``."""
+
+    @abc.abstractmethod
+    def _ask(self, command: str, args: tuple) -> tuple[str, Any]:
+        """A ``"getattr"`` or ``"call"`` request; ``(kind, value)``."""
+
+    # -- construction --------------------------------------------------------
+
+    def _ready(self) -> None:
+        """Wait for the envs to be built (once). A failed construction is
+        raised again on every later call; one that timed out is waited for
+        again."""
+        if self._spaces is not None:
+            return
+        if self._construct_error is not None:
+            raise self._construct_error
+        if self.closed:
+            raise EnvError(self.label, "construct", "the env was closed")
+        try:
+            self._spaces = self._construct()
+        except EnvTimeoutError:
+            raise
+        except EnvError as exc:
+            self._construct_error = exc
+            self.close()
+            raise
+
+    @property
+    def observation_space(self) -> gym.Space:
+        self._ready()
+        return self._spaces[0]
+
+    @property
+    def action_space(self) -> gym.Space:
+        self._ready()
+        return self._spaces[1]
+
+    def _check_open(self, operation: str) -> None:
+        self._ready()
+        if self.closed:
+            raise EnvError(self.label, operation, "the env was closed")
+
+    # -- the protocol -----------------------------------------------------------
+
+    def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True) -> Any:
+        """Step every env with its row of ``actions``; see ``Worker``."""
+        self._check_open("step")
+        answer = self._send_step(np.asarray(actions), copy)
+        self._prefetched.clear()  # a stepped env is no longer fresh from its reset
+
+        def result() -> tuple:
+            observ, reward, terminated, truncated, infos, resets = answer()
+            for index, reset_observ, reset_info in resets:
+                self._prefetched[index] = (reset_observ, reset_info)
+            return (observ, reward, terminated, truncated,
+                    InfoList([(self.num_envs, infos)]))
+
+        return result() if blocking else result
+
+    def reset(self, indices: Sequence[int] | None = None,
+              seeds: Sequence[int | None] | None = None, options: dict | None = None,
+              blocking: bool = True) -> Any:
+        """Reset the envs at local ``indices``; see ``Worker``."""
+        self._check_open("reset")
+        indices, seeds = reset_arguments(self.num_envs, indices, seeds)
+        fresh = {} if options is not None else {
+            i: self._prefetched.pop(i) for i, seed in zip(indices, seeds)
+            if seed is None and i in self._prefetched}
+        remote = [(i, s) for i, s in zip(indices, seeds) if i not in fresh]
+        for i, _ in remote:
+            self._prefetched.pop(i, None)  # really reset again: the prefetched one is stale
+        answer = (self._send_reset([i for i, _ in remote], [s for _, s in remote], options)
+                  if remote else None)
+
+        def result() -> tuple[np.ndarray, list[dict]]:
+            if answer is not None and not fresh:
+                return answer()
+            rows = {i: (observ, load_info(info)) for i, (observ, info) in fresh.items()}
+            if answer is not None:
+                observ, infos = answer()
+                rows.update(zip([i for i, _ in remote], zip(observ, infos)))
+            return np.stack([rows[i][0] for i in indices]), [rows[i][1] for i in indices]
+
+        return result() if blocking else result
+
+    def get_attr(self, name: str, index: int = 0) -> Any:
+        """Env ``index``'s attribute ``name`` (dotted paths allowed): a copy,
+        or a ``RemoteAttribute`` proxy for methods and unpicklable values."""
+        self._check_open("getattr")
+        kind, value = self._ask("getattr", (index, name))
+        if kind == "proxy":
+            return RemoteAttribute(self.env(index), name, value)
+        return value
+
+    def call(self, name: str, *args: Any, index: int = 0, **kwargs: Any) -> Any:
+        """Call env ``index``'s method ``name`` and return its result."""
+        self._check_open("call")
+        return self._ask("call", (index, name, args, kwargs))[1]
+
+    def env(self, index: int) -> "WorkerEnv":
+        """A handle on env ``index`` of this worker."""
+        if not 0 <= index < self.num_envs:
+            raise IndexError(f"env index {index} out of range for a worker with "
+                             f"{self.num_envs} envs")
+        return WorkerEnv(self, index)
+
+
+class WorkerEnv:
+    """One env of a ``RemoteWorker``: spaces, attribute access and method
+    calls are forwarded to it (``handle.unwrapped.frame_skip``)."""
+
+    def __init__(self, worker: RemoteWorker, index: int):
+        self.worker = worker
+        self.index = index
+        self.label = worker.label
+
+    @property
+    def observation_space(self) -> gym.Space:
+        return self.worker.observation_space
+
+    @property
+    def action_space(self) -> gym.Space:
+        return self.worker.action_space
+
+    def get_attr(self, name: str) -> Any:
+        return self.worker.get_attr(name, index=self.index)
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        return self.worker.call(name, *args, index=self.index, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self.get_attr(name)
+
+    def __repr__(self) -> str:
+        return f"<env {self.index} of {self.worker!r}>"
+
+
+class RemoteAttribute:
+    """Stands for an attribute of a remote env that cannot be pickled.
+
+    Attribute access on it is forwarded further (``env.unwrapped.model.nq``)
+    and calling it calls the remote method (``env.unwrapped.render()``).
+    ``env`` is anything with ``get_attr(path)``, ``call(path, ...)`` and a
+    ``label``: an ``ExternalProcess`` or a ``WorkerEnv``.
+    """
+
+    def __init__(self, env: Any, path: str, type_name: str):
+        self._env = env
+        self._path = path
+        self._type_name = type_name
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return self._env.get_attr(f"{self._path}.{name}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._env.call(self._path, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<remote {self._type_name} {self._path!r} of {self._env.label}>"

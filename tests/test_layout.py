@@ -1,0 +1,98 @@
+"""The package's import graph: no circles, and no module imports another's
+private names. Imports inside functions count too: a lazy import is still a
+dependency, and a circle through one is still a circle."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import batchrl
+
+ROOT = pathlib.Path(batchrl.__file__).parent
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(path: pathlib.Path) -> list[tuple[str, list[str]]]:
+    """``(module, names)`` for every ``import``/``from ... import`` of a
+    batchrl module in ``path``; ``names`` is empty for ``import x``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] == "batchrl":
+                found.append((node.module, [alias.name for alias in node.names]))
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names
+                      if alias.name.split(".")[0] == "batchrl"]
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    modules = {module_name(path): path for path in ROOT.rglob("*.py")}
+    edges: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for target, names in imports(path):
+            # "from package import module" depends on the module itself.
+            for imported in names:
+                if f"{target}.{imported}" in modules:
+                    edges[name].add(f"{target}.{imported}")
+            if target in modules and not (names and all(f"{target}.{n}" in modules
+                                                         for n in names)):
+                edges[name].add(target)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """One circle per strongly connected component of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(edges.get(node, ())):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_import_graph_has_no_circle():
+    assert cycles(graph()) == []
+
+
+def test_cycle_finder_finds_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_private_names():
+    offenders = [f"{module_name(path)} imports {name} from {target}"
+                 for path in ROOT.rglob("*.py") for target, names in imports(path)
+                 for name in names if name.startswith("_")]
+    assert offenders == []
