@@ -262,11 +262,10 @@ def _record_video(config: Config, algo: BatchPPO, device: torch.device, path: Pa
     env = TensorBatchEnv(BatchEnv([recorder]), device)
     completed = False
     try:
-        env.batch_env.reset(seed=seed)
         recorder.recording = True
         reset = True
         while True:
-            done, _, _ = simulate(env, algo, reset=reset)
+            done, _, _ = simulate(env, algo, reset=reset, seed=seed if reset else None)
             reset = False
             if bool(done[0]):
                 break
@@ -353,10 +352,9 @@ def _run_episodes(env: TensorBatchEnv, algo: BatchPPO, episodes: int,
     num_agents = len(env)
     quota = [episodes // num_agents + (i < episodes % num_agents) for i in range(num_agents)]
     results: list[list[tuple[float, int]]] = [[] for _ in range(num_agents)]
-    env.batch_env.reset(seed=seed)
     reset = True
     while any(len(results[i]) < quota[i] for i in range(num_agents)):
-        done, score, _ = simulate(env, algo, reset=reset)
+        done, score, _ = simulate(env, algo, reset=reset, seed=seed if reset else None)
         reset = False
         if bool(done.any()):
             lengths = episode_length(env)

@@ -2,63 +2,14 @@
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from batchrl.algos.base import Algorithm, Summary
-from batchrl.envs.tensor_env import TensorBatchEnv
-from batchrl.parts import host
+from batchrl.envs.tensor_env import Episodes, TensorBatchEnv
 
 
-@dataclass
-class _Tracker:
-    """Per-env bookkeeping that persists between ``simulate`` calls."""
-
-    score: torch.Tensor          # (N,) running return of the current episodes
-    length: torch.Tensor         # (N,) int64 running length
-    agents: torch.Tensor         # (N,) int64, arange(N): every call acts for all agents
-    starting: torch.Tensor | None  # (K,) int64 agents to reset first: done on the previous
-                                   # step (all before the first); None when there are none
-    finished_score: torch.Tensor  # scalar sums of episodes finished since the last log
-    finished_length: torch.Tensor
-    finished_count: torch.Tensor
-    # With overlap: the step whose experience() is still due, as
-    # (algorithm, observ, action); reward, done, terminated and the next
-    # observation are still in the env's buffers until its next step_wait().
-    late: tuple[Algorithm, torch.Tensor, torch.Tensor] | None = None
-    # On the CPU: (env.done, env.reward) and numpy views of them and of score
-    # and length, for the per-step bookkeeping (see batchrl.parts.host);
-    # None on other devices.
-    host: tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray, np.ndarray,
-                np.ndarray] | None = None
-
-
-_trackers: "weakref.WeakKeyDictionary[TensorBatchEnv, _Tracker]" = weakref.WeakKeyDictionary()
-
-
-def _tracker(env: TensorBatchEnv) -> _Tracker:
-    tracker = _trackers.get(env)
-    if tracker is None:
-        n, device = len(env), env.device
-        zero = torch.zeros((), device=device)
-        tracker = _Tracker(
-            score=torch.zeros(n, device=device),
-            length=torch.zeros(n, dtype=torch.int64, device=device),
-            agents=torch.arange(n, device=device), starting=torch.arange(n, device=device),
-            finished_score=zero.clone(), finished_length=zero.clone(),
-            finished_count=zero.clone())
-        views = tuple(host.view(tensor) for tensor in
-                      (env.done, env.reward, tracker.score, tracker.length))
-        if all(view is not None for view in views):
-            tracker.host = (env.done, env.reward, *views)
-        _trackers[env] = tracker
-    return tracker
-
-
-def _begin(tracker: _Tracker, algo: Algorithm, agents: torch.Tensor,
+def _begin(tracker: Episodes, algo: Algorithm, agents: torch.Tensor,
            summary: Summary) -> None:
     """Start new episodes for ``agents`` (``(K,)`` int64, on the env's device)."""
     tracker.score[agents] = 0.0
@@ -73,8 +24,8 @@ def flush(env: TensorBatchEnv, summary: Summary | None = None) -> Summary:
     in the middle of episodes. ``simulate`` flushes by itself whenever an
     episode ends or starts, so phase boundaries need no flush."""
     summary = {} if summary is None else summary
-    tracker = _trackers.get(env)
-    if tracker is not None and tracker.late is not None:
+    tracker = env.episodes
+    if tracker.late is not None:
         algo, observ, action = tracker.late
         tracker.late = None
         summary.update(algo.experience(tracker.agents, observ, action, env.reward, env.done,
@@ -85,17 +36,17 @@ def flush(env: TensorBatchEnv, summary: Summary | None = None) -> Summary:
 def episode_length(env: TensorBatchEnv) -> torch.Tensor:
     """``(N,)`` int64: steps of each agent's current episode (the full length
     right after it finished), as tracked by ``simulate``."""
-    return _tracker(env).length
+    return env.episodes.length
 
 
-def _count_step(tracker: _Tracker, reward: torch.Tensor, done: torch.Tensor
+def _count_step(tracker: Episodes, reward: torch.Tensor, done: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Count one step of ``reward`` ``(N,)`` into every running episode.
 
     Returns ``(finished, ended, score)``: ``done`` as bool, the ``(K,)`` int64
     indices of the done agents (``None`` when there are none) and a copy of
     the running scores."""
-    fast = tracker.host
+    fast = tracker.fast
     if fast is not None and done is fast[0] and reward is fast[1]:
         _, _, done_array, reward_array, score, length = fast
         finished = done_array != 0
@@ -112,7 +63,7 @@ def _count_step(tracker: _Tracker, reward: torch.Tensor, done: torch.Tensor
 
 
 def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
-             reset: bool = False, overlap: bool = False
+             reset: bool = False, overlap: bool = False, seed: int | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, Summary]:
     """Advance every env of ``env`` by one step with actions from ``algo``.
 
@@ -132,6 +83,9 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
         since the last call with ``log`` true, and ``episodes``, their number
         (only when at least one finished).
       reset: start new episodes for all agents first.
+      seed: with ``reset``, seed the envs' resets: env ``i`` gets ``seed + i``
+        (``BatchEnv.reset``'s convention), so that a phase that starts with
+        ``reset=True, seed=s`` runs the same episodes whatever ran before it.
       overlap: when the algorithm allows it (``experience_may_lag``), deliver
         the experience of a step in which no episode ended during the next
         call, while the worker processes step (``TensorBatchEnv.step_async``),
@@ -144,7 +98,10 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
       far in its episode (the full return where ``done``); ``summary``, the
       merged summaries of the algorithm's calls plus the logged means.
     """
-    tracker = _tracker(env)
+    if seed is not None and not reset:
+        raise ValueError("simulate(seed=...) seeds the resets of all agents: it needs "
+                         "reset=True")
+    tracker = env.episodes
     summary: Summary = {}
     lag = overlap and algo.experience_may_lag
     if tracker.late is not None and (reset or not lag or tracker.late[0] is not algo):
@@ -153,7 +110,7 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
         tracker.starting = tracker.agents
     if tracker.starting is not None:
         starting, tracker.starting = tracker.starting, None
-        env.reset(starting)
+        env.reset(starting, seed=seed)
         _begin(tracker, algo, starting, summary)
         if env.restarted is not None:  # a failed worker restarted other envs as well
             _begin(tracker, algo, env.restarted, summary)

@@ -149,6 +149,7 @@ class Trainer:
         self.counters = Counters()
         self.last_scores: dict[str, float | None] = {"train": None, "eval": None}
         self._restarts_seen = 0
+        self._batch_env: Any = None  # the run's BatchEnv, for its restart events
 
     def _phase(self, env: TensorBatchEnv, algo: BatchPPO, phase: str, episodes: int,
                bar: Any, batch_steps: int | None = None) -> dict[str, Any]:
@@ -159,16 +160,15 @@ class Trainer:
         algo.train(training)
         num_agents = len(env)
         # Seeded resets make phases reproducible across resumes.
-        env.batch_env.reset(seed=config.train.seed * 1_000_003 + counters.phases * num_agents)
+        seed = config.train.seed * 1_000_003 + counters.phases * num_agents
         counters.phases += 1
         scores: list[float] = []
         lengths: list[float] = []
         start, steps = time.perf_counter(), 0
         reset = True
-        batch_env = env.batch_env
         calls = 0
         while len(scores) < episodes if batch_steps is None else calls < batch_steps:
-            done, score, summary = simulate(env, algo, reset=reset,
+            done, score, summary = simulate(env, algo, reset=reset, seed=seed if reset else None,
                                             overlap=training and config.train.overlap)
             calls += 1
             self._check_stop()
@@ -182,8 +182,8 @@ class Trainer:
                     # The last phase may run past the budget: grow the bar with it.
                     bar.total = max(bar.total, counters.steps)
                     bar.update(stepped)
-            if batch_env.restarts != self._restarts_seen:
-                self._report_restarts(batch_env, bar)
+            if self._batch_env.restarts != self._restarts_seen:
+                self._report_restarts(bar)
             if bool(done.any()):
                 ended = done.nonzero().squeeze(1)
                 scores += score[ended].tolist()
@@ -209,8 +209,9 @@ class Trainer:
                 "wall_time": round(counters.wall_time, 3),
                 "steps_per_s": round(steps / elapsed, 1)}
 
-    def _report_restarts(self, batch_env: Any, bar: Any) -> None:
+    def _report_restarts(self, bar: Any) -> None:
         """Print the new restarts and log their count (``env/restarts``)."""
+        batch_env = self._batch_env
         for event in batch_env.restart_events[self._restarts_seen:]:
             self.counters.env_restarts += 1
             message = (f"step {self.counters.steps:,}: {event} [{self.counters.env_restarts} "
@@ -275,6 +276,7 @@ class Trainer:
                                                  if config.env.restart_crashed_envs else 0),
                                    ray_address=config.env.ray_address,
                                    ray_resources=config.env.ray_resources)
+        self._batch_env = batch_env
         self.log = None
         bar = None
         last_eval: dict[str, Any] = {}

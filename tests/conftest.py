@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from batchrl.envs import ExternalProcess
-from batchrl.parts import host
+from batchrl.parts import numpy_views
 
 
 def _running_workers() -> list[psutil.Process]:
@@ -102,6 +102,6 @@ def gone():
 @pytest.fixture(params=[True, False], ids=["numpy", "torch"])
 def host_path(request, monkeypatch):
     """Run a test with the numpy path of the per-step bookkeeping on the CPU
-    (``batchrl.parts.host``) and with torch operations."""
-    monkeypatch.setattr(host, "enabled", request.param)
+    (``batchrl.parts.numpy_views``) and with torch operations."""
+    monkeypatch.setattr(numpy_views, "enabled", request.param)
     return request.param

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from batchrl.parts import (EpisodeMemory, RolloutMemory, StreamingNormalizer, discounted_cumsum,
-                           discounted_return, gae, generalized_advantage, host)
+                           discounted_return, gae, generalized_advantage, numpy_views)
 
 
 def t64(values) -> torch.Tensor:
@@ -385,7 +385,7 @@ def test_normalizer_numpy_and_torch_paths_agree(monkeypatch):
     probe = torch.from_numpy(rng.normal(3.0, 8.0, size=(4, 5))).float()
     results = {}
     for numpy_path in (True, False):
-        monkeypatch.setattr(host, "enabled", numpy_path)
+        monkeypatch.setattr(numpy_views, "enabled", numpy_path)
         normalizer = StreamingNormalizer((5,), center=True, scale=True, clip=2.0)
         outputs = []
         for batch in batches:
@@ -580,7 +580,7 @@ def test_memory_paths_store_the_same_and_never_a_graph(monkeypatch):
     is stored as data: the buffers never join a graph."""
     memories = {}
     for numpy_path in (True, False):
-        monkeypatch.setattr(host, "enabled", numpy_path)
+        monkeypatch.setattr(numpy_views, "enabled", numpy_path)
         memory = make_memory()
         agents = torch.tensor([2, 0])
         memory.append(agents, x=torch.tensor([1.5, 2.5]), a=torch.tensor([[1, 2], [3, 4]]))

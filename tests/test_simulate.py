@@ -221,6 +221,42 @@ def test_envs_keep_separate_state():
     assert score.tolist() == [1, 4, 6, 8]
 
 
+def test_seeded_reset_resets_every_env_once_with_its_seed():
+    class SeedRecorder(CountdownEnv):
+        def reset(self, *, seed=None, options=None):
+            self.seeds = getattr(self, "seeds", []) + [seed]
+            return super().reset(seed=seed, options=options)
+
+    env = TensorBatchEnv(BatchEnv([SeedRecorder(i, 5, 1.0) for i in range(3)]))
+    algo = Recorder()
+    simulate(env, algo)
+    simulate(env, algo)
+    simulate(env, algo, reset=True, seed=100)
+    # One reset per env at the start, then one seeded reset each: seed + index.
+    assert [e.seeds for e in env.batch_env.envs] == [[None, 100], [None, 101], [None, 102]]
+    # Episodes begin afresh: the env's episode state is that of a new episode.
+    assert env.episodes.length.tolist() == [1, 1, 1]
+
+
+def test_seeded_phases_repeat_their_episodes():
+    def first_observations(steps_before: int) -> list:
+        env = TensorBatchEnv(BatchEnv([gym.make("CartPole-v1") for _ in range(2)]))
+        algo = Recorder()
+        for _ in range(steps_before):
+            simulate(env, algo)
+        algo.performed_observ.clear()
+        simulate(env, algo, reset=True, seed=7)
+        return algo.performed_observ[0]
+
+    assert first_observations(0) == first_observations(5)
+
+
+def test_seed_without_reset_is_an_error():
+    env, algo = make_env(), Recorder()
+    with pytest.raises(ValueError, match="reset=True"):
+        simulate(env, algo, seed=3)
+
+
 class LaggingRecorder(Recorder):
     experience_may_lag = True
 

@@ -30,7 +30,7 @@ from batchrl.algos.networks import (ACTIVATIONS, Actor, CategoricalHead, FeedFor
                                     orthogonal_init)
 from batchrl.envs.errors import UnsupportedSpaceError
 from batchrl.hardware import usable_cores
-from batchrl.parts import host
+from batchrl.parts import numpy_views
 from batchrl.parts.memory import EpisodeMemory, RolloutMemory
 from batchrl.parts.normalize import StreamingNormalizer
 from batchrl.parts.returns import gae, generalized_advantage
@@ -362,7 +362,7 @@ class BatchPPO(Algorithm):
             self.reward_normalizer.update(running)
         else:
             self.reward_normalizer.update(reward)
-        done_array = host.view(done)
+        done_array = numpy_views.view(done)
         any_done = done_array.any() if done_array is not None else bool(done.any())
         if self.config.rollout_length is None:
             if any_done:

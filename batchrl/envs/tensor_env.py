@@ -7,6 +7,7 @@ preallocated tensors that algorithms read directly.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import gymnasium as gym
@@ -14,6 +15,58 @@ import numpy as np
 import torch
 
 from batchrl.envs.batch import BatchEnv
+from batchrl.parts import numpy_views
+
+
+@dataclass
+class Episodes:
+    """The running episodes of a ``TensorBatchEnv``'s agents, as
+    ``batchrl.simulate.simulate`` tracks them between its calls (all tensors
+    on the env's device; ``N`` agents).
+
+    Attributes:
+      score: ``(N,)`` float32, the return of each agent's current episode so
+        far (its full return right after it finished).
+      length: ``(N,)`` int64, the steps of each agent's current episode.
+      agents: ``(N,)`` int64, ``arange(N)``: every step acts for all agents.
+      starting: ``(K,)`` int64, the agents to reset before the next step
+        (done on the previous one; all of them before the first), or ``None``.
+      finished_score, finished_length, finished_count: scalar sums over the
+        episodes finished since ``simulate`` last logged them.
+      late: with ``simulate(..., overlap=True)``, the step whose
+        ``experience()`` is still due, as ``(algorithm, observ, action)``;
+        its reward, done flags and next observation are still the env's.
+      fast: on the CPU, ``(done, reward)`` of the env and numpy views of
+        them and of ``score`` and ``length`` (see ``batchrl.parts.numpy_views``).
+    """
+
+    score: torch.Tensor
+    length: torch.Tensor
+    agents: torch.Tensor
+    starting: torch.Tensor | None
+    finished_score: torch.Tensor
+    finished_length: torch.Tensor
+    finished_count: torch.Tensor
+    late: tuple[Any, torch.Tensor, torch.Tensor] | None = None
+    fast: tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray, np.ndarray,
+                np.ndarray] | None = None
+
+    @classmethod
+    def start(cls, done: torch.Tensor, reward: torch.Tensor) -> "Episodes":
+        """No episode begun yet, for an env with these ``done`` and ``reward`` buffers."""
+        n, device = len(done), done.device
+        zero = torch.zeros((), device=device)
+        episodes = cls(score=torch.zeros(n, device=device),
+                       length=torch.zeros(n, dtype=torch.int64, device=device),
+                       agents=torch.arange(n, device=device),
+                       starting=torch.arange(n, device=device),
+                       finished_score=zero.clone(), finished_length=zero.clone(),
+                       finished_count=zero.clone())
+        views = tuple(numpy_views.view(tensor) for tensor in
+                      (done, reward, episodes.score, episodes.length))
+        if all(view is not None for view in views):
+            episodes.fast = (done, reward, *views)
+        return episodes
 
 
 class TensorBatchEnv:
@@ -30,6 +83,7 @@ class TensorBatchEnv:
         terminal state; ``done - terminated`` marks truncations.
       infos: the info dicts of the last ``step`` (a sequence, on the host;
         ``reset`` leaves it alone).
+      episodes: the running episodes, as ``simulate`` tracks them (``Episodes``).
       restarted: ``None``, or the ``(K,)`` int64 indices of the envs whose
         worker the last ``step`` or ``reset`` restarted after a failure (see
         ``BatchEnv``'s ``max_restarts``): they are in new episodes, their
@@ -38,7 +92,7 @@ class TensorBatchEnv:
 
     ``step`` and ``reset`` update these buffers in place and return them (or
     the reset rows); a caller that needs a value after the next step must
-    clone it. On CUDA, host staging buffers are pinned and copies are
+    clone it. On CUDA, staging buffers are pinned and copies are
     ``non_blocking``. Envs are not reset automatically: ``simulate()`` resets
     the ones that are done before it steps them again.
     """
@@ -54,21 +108,23 @@ class TensorBatchEnv:
 
         def buffers(shape: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
             device_buffer = torch.zeros(tuple(shape), dtype=dtype, device=self.device)
-            host = torch.zeros(tuple(shape), dtype=dtype, pin_memory=True) if cuda else device_buffer
-            return device_buffer, host
+            staging = (torch.zeros(tuple(shape), dtype=dtype, pin_memory=True) if cuda
+                       else device_buffer)
+            return device_buffer, staging
 
-        self.observ, self._host_observ = buffers((n, *obs_space.shape), torch.float32)
-        self.action, self._host_action = buffers((n, *act_space.shape), action_dtype)
-        self.reward, self._host_reward = buffers((n,), torch.float32)
-        self.done, self._host_done = buffers((n,), torch.float32)
-        self.terminated, self._host_terminated = buffers((n,), torch.float32)
-        # numpy views of the host buffers: numpy copies small arrays in about
+        self.observ, self._staging_observ = buffers((n, *obs_space.shape), torch.float32)
+        self.action, self._staging_action = buffers((n, *act_space.shape), action_dtype)
+        self.reward, self._staging_reward = buffers((n,), torch.float32)
+        self.done, self._staging_done = buffers((n,), torch.float32)
+        self.terminated, self._staging_terminated = buffers((n,), torch.float32)
+        # numpy views of the staging buffers: numpy copies small arrays in about
         # a microsecond, a third of a torch copy_ with from_numpy.
-        self._np = {name: getattr(self, f"_host_{name}").numpy()
+        self._np = {name: getattr(self, f"_staging_{name}").numpy()
                     for name in ("observ", "action", "reward", "done", "terminated")}
         self.infos: Sequence[dict] = [{} for _ in range(n)]
         self.restarted: torch.Tensor | None = None
-        # The host buffers may only be rewritten once the last upload finished.
+        self.episodes = Episodes.start(self.done, self.reward)
+        # The staging buffers may only be rewritten once the last upload finished.
         self._uploaded = torch.cuda.Event() if cuda else None
 
     @property
@@ -84,12 +140,12 @@ class TensorBatchEnv:
 
     def _upload(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if self._uploaded is None:
-            return  # on the CPU the host buffers are the device buffers
-        for device_buffer, host in pairs:
-            device_buffer.copy_(host, non_blocking=True)
+            return  # on the CPU the staging buffers are the device buffers
+        for device_buffer, staging in pairs:
+            device_buffer.copy_(staging, non_blocking=True)
         self._uploaded.record()
 
-    def _host_ready(self) -> None:
+    def _staging_ready(self) -> None:
         if self._uploaded is not None:
             self._uploaded.synchronize()
 
@@ -120,25 +176,25 @@ class TensorBatchEnv:
             raise TypeError(f"actions for {self.action_space} must be integers, got "
                             f"{action.dtype}")
         self.action.copy_(action)
-        self._host_ready()
+        self._staging_ready()
         if self._uploaded is not None:
-            self._host_action.copy_(self.action, non_blocking=True)
+            self._staging_action.copy_(self.action, non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()
         self.batch_env.step_async(self._np["action"])
 
     def step_wait(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Finish the step begun by ``step_async``; returns what ``step`` returns."""
-        host = self._np
+        staging = self._np
         obs, reward, terminated, truncated, infos = self.batch_env.step_wait()
-        np.copyto(host["observ"], obs, casting="unsafe")
-        np.copyto(host["reward"], reward, casting="unsafe")
-        np.copyto(host["terminated"], terminated)
-        np.logical_or(terminated, truncated, out=host["done"])
+        np.copyto(staging["observ"], obs, casting="unsafe")
+        np.copyto(staging["reward"], reward, casting="unsafe")
+        np.copyto(staging["terminated"], terminated)
+        np.logical_or(terminated, truncated, out=staging["done"])
         self.infos = infos
         self._note_restarts()
-        self._upload([(self.observ, self._host_observ), (self.reward, self._host_reward),
-                      (self.done, self._host_done),
-                      (self.terminated, self._host_terminated)])
+        self._upload([(self.observ, self._staging_observ), (self.reward, self._staging_reward),
+                      (self.done, self._staging_done),
+                      (self.terminated, self._staging_terminated)])
         return self.observ, self.reward, self.done
 
     def reset(self, indices: torch.Tensor | Sequence[int] | None = None,
@@ -163,31 +219,31 @@ class TensorBatchEnv:
         rows = rows.astype(np.int64)
         if rows.size == 0:
             return self.observ[:0]
-        self._host_ready()
-        host_rows = torch.from_numpy(rows)
-        self._set_rows(host_rows, obs)
+        self._staging_ready()
+        cpu_rows = torch.from_numpy(rows)
+        self._set_rows(cpu_rows, obs)
         self._note_restarts()
-        self._upload([(self.observ, self._host_observ), (self.reward, self._host_reward),
-                      (self.done, self._host_done),
-                      (self.terminated, self._host_terminated)])
-        return self.observ[host_rows.to(self.device)]
+        self._upload([(self.observ, self._staging_observ), (self.reward, self._staging_reward),
+                      (self.done, self._staging_done),
+                      (self.terminated, self._staging_terminated)])
+        return self.observ[cpu_rows.to(self.device)]
 
-    def _set_rows(self, host_rows: torch.Tensor, obs: np.ndarray) -> None:
+    def _set_rows(self, cpu_rows: torch.Tensor, obs: np.ndarray) -> None:
         """Fresh episodes in these rows: observations set, the rest zeroed."""
-        self._host_observ[host_rows] = torch.from_numpy(np.asarray(obs)).to(torch.float32)
-        for host in (self._host_reward, self._host_done, self._host_terminated):
-            host[host_rows] = 0.0
+        self._staging_observ[cpu_rows] = torch.from_numpy(np.asarray(obs)).to(torch.float32)
+        for staging in (self._staging_reward, self._staging_done, self._staging_terminated):
+            staging[cpu_rows] = 0.0
 
     def _note_restarts(self) -> None:
         """Take over the envs that the batch env restarted in its last call
-        (before the upload of the host buffers)."""
+        (before the upload of the staging buffers)."""
         rows, obs = self.batch_env.restarted
         if not len(rows):
             self.restarted = None
             return
-        host_rows = torch.from_numpy(rows)
-        self._set_rows(host_rows, obs)  # after reset(): also rows not asked for
-        self.restarted = host_rows.to(self.device)
+        cpu_rows = torch.from_numpy(rows)
+        self._set_rows(cpu_rows, obs)  # after reset(): also rows not asked for
+        self.restarted = cpu_rows.to(self.device)
 
     def close(self) -> None:
         """Close the underlying batch env."""

@@ -6,7 +6,7 @@ from typing import Mapping
 
 import torch
 
-from batchrl.parts import host
+from batchrl.parts import numpy_views
 
 
 class EpisodeMemory:
@@ -55,23 +55,23 @@ class EpisodeMemory:
 
     def _make_views(self) -> None:
         """``_flat``: ``(N * T, *shape)`` views of the running step buffers
-        (``None`` for zero-width fields); ``_host``: numpy views of
+        (``None`` for zero-width fields); ``_views``: numpy views of
         ``running_length`` and of those, for ``append`` on the CPU (see
-        ``batchrl.parts.host``), or ``None`` for torch operations."""
+        ``batchrl.parts.numpy_views``), or ``None`` for torch operations."""
         rows = self.num_agents * self.max_length
         self._flat = {name: self.running[name].view(rows, *shape)
                       if self.running[name].numel() else None
                       for name, shape in self._shapes.items()}
-        length = host.view(self.running_length)
-        self._host = None if length is None else (
-            length, {name: None if flat is None else host.view(flat)
+        length = numpy_views.view(self.running_length)
+        self._views = None if length is None else (
+            length, {name: None if flat is None else numpy_views.view(flat)
                      for name, flat in self._flat.items()})
 
     # A copy (deepcopy, pickle) makes views of its own buffers: copied views
     # would be copies.
     def __getstate__(self) -> dict[str, object]:
         return {name: value for name, value in self.__dict__.items()
-                if name not in ("_flat", "_host")}
+                if name not in ("_flat", "_views")}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
@@ -99,7 +99,7 @@ class EpisodeMemory:
                 raise RuntimeError(
                     f"an episode ran longer than max_length={self.max_length} steps; set "
                     f"max_length to at least the env's time limit")
-        if self._host is not None and self._append_host(agent_indices, values):
+        if self._views is not None and self._append_views(agent_indices, values):
             return
         steps = self.running_length[agent_indices]
         # Rows of the (N * T, *shape) views: one index_copy_ per field, the
@@ -115,13 +115,13 @@ class EpisodeMemory:
         self.running_length.index_add_(0, agent_indices, self._ones[:agent_indices.shape[0]])
         self._longest += 1
 
-    def _append_host(self, agent_indices: torch.Tensor, values: dict[str, torch.Tensor]) -> bool:
+    def _append_views(self, agent_indices: torch.Tensor, values: dict[str, torch.Tensor]) -> bool:
         """``append`` in numpy; False (nothing written) when some tensor is not
         readable by numpy."""
-        length, flats = self._host
-        arrays = {name: host.view(value) for name, value in values.items()
+        length, flats = self._views
+        arrays = {name: numpy_views.view(value) for name, value in values.items()
                   if flats[name] is not None}
-        agents = host.view(agent_indices)
+        agents = numpy_views.view(agent_indices)
         if agents is None or any(array is None for array in arrays.values()):
             return False
         rows = length[agents]

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from batchrl.parts import host
+from batchrl.parts import numpy_views
 
 
 class StreamingNormalizer(nn.Module):
@@ -21,7 +21,7 @@ class StreamingNormalizer(nn.Module):
     step, where each saved tensor operation counts.
 
     On the CPU, ``update`` (of CPU tensors) and the derivation of the float32
-    copies work in numpy on views of the same memory (``batchrl.parts.host``);
+    copies work in numpy on views of the same memory (``batchrl.parts.numpy_views``);
     results are the same up to float rounding.
 
     With ``defer``, ``update`` only copies values into a buffer and merges
@@ -86,10 +86,10 @@ class StreamingNormalizer(nn.Module):
 
     def _arrays(self) -> tuple[np.ndarray, ...]:
         """numpy views of ``(mean, sum_sq, count)``; empty where numpy cannot
-        work on the buffers (see ``batchrl.parts.host``)."""
+        work on the buffers (see ``batchrl.parts.numpy_views``)."""
         arrays = self._cache.arrays
         if arrays is None:
-            views = tuple(host.view(buffer) for buffer in (self.mean, self.sum_sq, self.count))
+            views = tuple(numpy_views.view(buffer) for buffer in (self.mean, self.sum_sq, self.count))
             arrays = self._cache.arrays = () if any(v is None for v in views) else views
         return arrays
 
@@ -124,11 +124,11 @@ class StreamingNormalizer(nn.Module):
             # float64, as the statistics: held values lose nothing
             cache.pending = torch.empty((self.defer, *self.shape), dtype=torch.float64,
                                         device=device)
-            cache.pending_host = host.view(cache.pending)
+            cache.pending_view = numpy_views.view(cache.pending)
         rows = slice(cache.held, cache.held + n)
-        batch = host.view(values) if cache.pending_host is not None else None
+        batch = numpy_views.view(values) if cache.pending_view is not None else None
         if batch is not None:
-            cache.pending_host[rows] = batch
+            cache.pending_view[rows] = batch
         else:
             cache.pending[rows] = values.detach()
         cache.held += n
@@ -139,7 +139,7 @@ class StreamingNormalizer(nn.Module):
         count = cache.count
         total = count + n
         arrays = self._arrays()
-        batch = host.view(values) if arrays else None
+        batch = numpy_views.view(values) if arrays else None
         if batch is not None:
             mean, sum_sq, count_array = arrays
             centered = batch.astype(np.float64)
@@ -178,13 +178,13 @@ class StreamingNormalizer(nn.Module):
         cache = self._cache
         if not cache.fresh:
             if self._arrays():
-                if cache.host is None:
-                    cache.host = (np.empty(self.shape, np.float32),
-                                  np.empty(self.shape, np.float32),
-                                  np.empty(self.shape, np.float64))
-                    cache.offset = torch.from_numpy(cache.host[0])
-                    cache.inverse_std = torch.from_numpy(cache.host[1])
-                offset, inverse_std, scratch = cache.host
+                if cache.copies is None:
+                    cache.copies = (np.empty(self.shape, np.float32),
+                                    np.empty(self.shape, np.float32),
+                                    np.empty(self.shape, np.float64))
+                    cache.offset = torch.from_numpy(cache.copies[0])
+                    cache.inverse_std = torch.from_numpy(cache.copies[1])
+                offset, inverse_std, scratch = cache.copies
                 mean, sum_sq, _ = cache.arrays
                 np.copyto(offset, mean, casting="same_kind")
                 if cache.count >= 2:
@@ -227,7 +227,7 @@ class _Derived:
     when not on the CPU, ``None`` when not yet made) and, on the CPU, the
     arrays behind the float32 copies and a float64 scratch array. Also the
     values ``update`` held back: the first ``held`` rows of ``pending``
-    (made at the first one; ``pending_host`` is its numpy view, or ``None``).
+    (made at the first one; ``pending_view`` is its numpy view, or ``None``).
     """
 
     def __init__(self) -> None:
@@ -236,10 +236,10 @@ class _Derived:
         self.offset: torch.Tensor | None = None
         self.inverse_std: torch.Tensor | None = None
         self.arrays: tuple[np.ndarray, ...] | None = None
-        self.host: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.copies: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.held = 0
         self.pending: torch.Tensor | None = None
-        self.pending_host: np.ndarray | None = None
+        self.pending_view: np.ndarray | None = None
 
     def stale(self) -> None:
         self.fresh = False
