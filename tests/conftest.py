@@ -105,3 +105,15 @@ def host_path(request, monkeypatch):
     (``batchrl.parts.numpy_views``) and with torch operations."""
     monkeypatch.setattr(numpy_views, "enabled", request.param)
     return request.param
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A real Ray cluster on 127.0.0.1 (``ray_nodes.running_cluster``): a
+    head node (2 CPUs, resource ``head_node``) and a second node (1 CPU,
+    ``second_node``), with this process connected as driver. Skips the test
+    when Ray is not installed."""
+    pytest.importorskip("ray")
+    from ray_nodes import running_cluster
+    with running_cluster() as nodes:
+        yield nodes

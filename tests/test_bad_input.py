@@ -26,9 +26,7 @@ from batchrl.envs.errors import UnsupportedSpaceError
 from batchrl.envs.external import ExternalProcess
 from batchrl.envs.workers import EnvWorker
 from batchrl.trainer import Trainer
-
-REPO = Path(__file__).resolve().parent.parent
-TRAIN_PY = REPO / "train.py"
+from helpers import REPO, TRAIN_PY
 TINY = ["--set", "env.num_agents=2", "--set", "ppo.update_every=2", "--set",
         "train.eval_episodes=2", "--set", "train.device=cpu", "--set", "train.steps=200"]
 

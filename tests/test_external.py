@@ -23,7 +23,7 @@ import pytest
 
 from batchrl.envs import (BatchEnv, EnvAttributeError, EnvCrashedError, EnvError,
                           EnvRaisedError, EnvTimeoutError, ExternalProcess, RemoteAttribute)
-from test_workers import raise_site
+from helpers import raise_site
 
 # Ship this module's env classes and constructors to the workers by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

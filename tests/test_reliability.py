@@ -24,17 +24,11 @@ from batchrl.checkpoint import (CheckpointError, latest_checkpoint, list_checkpo
 from batchrl.config import load_config
 from batchrl.metrics import read_metrics
 from batchrl.trainer import Trainer
-from test_shutdown import running, wait_gone  # the same process checks
+from helpers import REPO, TRAIN_PY, running, sets, wait_gone
 
-REPO = Path(__file__).resolve().parent.parent
-TRAIN_PY = REPO / "train.py"
 ENVIRON = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
 CARTPOLE = ["env.num_agents=4", "ppo.update_every=4", "train.eval_episodes=4",
             "train.device=cpu"]
-
-
-def sets(*overrides: str) -> list[str]:
-    return [arg for override in overrides for arg in ("--set", override)]
 
 
 def kill_all(pids: list[int]) -> None:

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
-import psutil
 import pytest
 import torch
 
@@ -27,17 +26,12 @@ from batchrl.algos.ppo import BatchPPO, PPOConfig
 from batchrl.checkpoint import list_checkpoints, load_checkpoint
 from batchrl.interrupt import Interrupted
 from batchrl.metrics import read_metrics
+from helpers import REPO, TRAIN_PY, descendants, sets, wait_for, wait_gone
 
-REPO = Path(__file__).resolve().parent.parent
-TRAIN_PY = REPO / "train.py"
 # CartPole with 4 agents and an update every 4 episodes: a phase takes ~0.1 s.
 CARTPOLE = ["env.num_agents=4", "ppo.update_every=4", "train.eval_episodes=4",
             "train.device=cpu", "train.checkpoint_every=3", "train.keep_checkpoints=100",
             "ppo.update_threads=1"]  # several threads crawl on a busy 2-core machine
-
-
-def sets(*overrides: str) -> list[str]:
-    return [arg for override in overrides for arg in ("--set", override)]
 
 
 def start_train_py(*args: str, cwd: Path = REPO) -> subprocess.Popen:
@@ -47,48 +41,6 @@ def start_train_py(*args: str, cwd: Path = REPO) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(TRAIN_PY), *args, "--no-progress"],
                             cwd=cwd, env=environ, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
-
-
-def descendants(pid: int) -> list[int]:
-    try:
-        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def running(pids: list[int]) -> list[int]:
-    """The pids of ``pids`` that still run (zombies count as gone)."""
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
-def wait_gone(pids: list[int], timeout: float) -> list[str]:
-    """Wait until none of ``pids`` runs; the command lines of those still running."""
-    deadline = time.monotonic() + timeout
-    while running(pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = []
-    for pid in running(pids):
-        try:
-            left.append(f"{pid}: {' '.join(psutil.Process(pid).cmdline())[:120]}")
-            os.kill(pid, signal.SIGKILL)  # never leave them behind
-        except (psutil.Error, ProcessLookupError):
-            pass
-    return left
 
 
 def finish(process: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:

@@ -23,9 +23,7 @@ from batchrl.checkpoint import list_checkpoints
 from batchrl.config import Config, load_config
 from batchrl.metrics import read_metrics
 from batchrl.trainer import Trainer, load_saved_config
-
-REPO = Path(__file__).resolve().parent.parent
-TRAIN_PY = REPO / "train.py"
+from helpers import REPO, TRAIN_PY, sets
 RECORD_KEYS = {"step", "phase", "score", "score_std", "length", "episodes", "wall_time",
                "steps_per_s"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -40,10 +38,6 @@ def train_py(*args: str, cwd: Path = REPO, timeout: float = 120,
              env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(TRAIN_PY), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
-
-
-def sets(*overrides: str) -> list[str]:
-    return [arg for override in overrides for arg in ("--set", override)]
 
 
 def scalar_events(logdir: Path) -> dict[str, list[tuple[int, float]]]:

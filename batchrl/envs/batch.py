@@ -239,7 +239,7 @@ class BatchEnv:
         start = self._starts[position]
         indices = range(start, start + count)
         while True:
-            member = self._members[position] = member.restarted()
+            member = self._members[position] = member.restart()
             self.restart_events.append(RestartEvent(indices, str(exc), self.restarts + 1))
             try:
                 observ, _ = member.reset(list(range(count)), [None] * count, None, True)

@@ -118,7 +118,7 @@ class ExternalProcess(WorkerHandle):
 
     # -- life cycle --------------------------------------------------------
 
-    def restarted(self) -> "ExternalProcess":
+    def restart(self) -> "ExternalProcess":
         """Close this process (killing it if it hangs) and return a fresh
         ``ExternalProcess`` with the same constructor, label and timeout."""
         self._discard()
@@ -236,8 +236,8 @@ class ProcessWorker(Worker):
 
         return result() if blocking else result
 
-    def restarted(self) -> "ProcessWorker":
-        return ProcessWorker(self.process.restarted())
+    def restart(self) -> "ProcessWorker":
+        return ProcessWorker(self.process.restart())
 
     def env(self, index: int) -> ExternalProcess:
         if index != 0:

@@ -83,7 +83,7 @@ class LocalWorker(Worker):
         error.worker_env_index = index
         return error
 
-    def restarted(self) -> "LocalWorker":
+    def restart(self) -> "LocalWorker":
         raise RuntimeError("envs stepped in this process cannot be restarted")
 
     def env(self, index: int) -> gym.Env:

@@ -135,7 +135,7 @@ class RayEnvWorker(RemoteWorker):
       scheduling_strategy: Ray's placement of the actor; ``"SPREAD"`` puts
         the workers of a batch on different nodes where resources allow.
 
-    ``step``, ``reset``, ``get_attr``, ``call``, ``env(i)`` and ``restarted``
+    ``step``, ``reset``, ``get_attr``, ``call``, ``env(i)`` and ``restart``
     behave as ``EnvWorker``'s (results of ``step`` may be read-only arrays).
     Errors: ``EnvRaisedError`` (with the actor's traceback and the env's
     index in ``worker_env_index``) when an env raised, ``EnvTimeoutError``,
@@ -199,7 +199,7 @@ class RayEnvWorker(RemoteWorker):
         finally:
             ray_cluster.release()
 
-    def restarted(self) -> "RayEnvWorker":
+    def restart(self) -> "RayEnvWorker":
         """Kill this worker's actor and return a fresh ``RayEnvWorker`` with
         the same constructors and options (placed wherever Ray finds room)."""
         constructors, label, construct_timeout, prefetch_reset, infos, resources, address, \

@@ -70,7 +70,7 @@ class Worker(abc.ABC):
         seed (or ``None``) each."""
 
     @abc.abstractmethod
-    def restarted(self) -> "Worker":
+    def restart(self) -> "Worker":
         """Close this worker (killing it if it hangs) and return a fresh one
         with the same envs and options."""
 

@@ -140,7 +140,7 @@ class EnvWorker(WorkerHandle, RemoteWorker):
         for a whole step, which costs up to 20% of the step rate on small
         machines.
 
-    ``step``, ``reset``, ``env(i)`` and ``restarted`` follow the ``Worker``
+    ``step``, ``reset``, ``env(i)`` and ``restart`` follow the ``Worker``
     protocol (``batchrl.envs.worker``). Errors are those of
     ``ExternalProcess``; an ``EnvError`` from one env carries its local index
     in ``worker_env_index``.
@@ -180,7 +180,7 @@ class EnvWorker(WorkerHandle, RemoteWorker):
             self._shm.close()
             self._shm = None
 
-    def restarted(self) -> "EnvWorker":
+    def restart(self) -> "EnvWorker":
         """Close this worker (killing it if it hangs) and return a fresh
         ``EnvWorker`` with the same constructors and options."""
         self._discard()

@@ -1,0 +1,194 @@
+"""Helpers shared by the tests: envs with scripted faults, rollouts compared
+across transports, and checks on real processes.
+
+Env classes and constructors defined here reach worker processes and Ray
+actors by value (cloudpickle), so that they need not be importable there.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import cloudpickle
+import gymnasium as gym
+import numpy as np
+import psutil
+
+from batchrl.envs import BatchEnv, InfoList
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+SEED = 123
+NUM_STEPS = 200
+make_cartpole = functools.partial(gym.make, "CartPole-v1")
+make_cheetah = functools.partial(gym.make, "HalfCheetah-v5", max_episode_steps=30)
+
+
+class CountingEnv(gym.Env):
+    """Observation and reward are the number of steps since the last reset.
+
+    Raises ``ValueError("boom at step N")`` in step ``fail_at`` and sleeps
+    ``sleep`` seconds in step ``sleep_at``.
+    """
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, fail_at=None, sleep_at=None, sleep=0.0):
+        self.fail_at = fail_at
+        self.sleep_at = sleep_at
+        self.sleep = sleep
+        self.count = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.count = 0
+        return np.zeros(1, np.float32), {"reset": True}
+
+    def step(self, action):
+        self.count += 1
+        if self.count == self.fail_at:
+            raise ValueError(f"boom at step {self.count}")
+        if self.count == self.sleep_at:
+            time.sleep(self.sleep)
+        return (np.array([self.count], np.float32), float(self.count), False, False,
+                {"count": self.count})
+
+    def double(self, x, offset=0):
+        return 2 * x + offset
+
+
+def fails_at(step):
+    return lambda: CountingEnv(fail_at=step)
+
+
+def sleeps_at(step, seconds):
+    return lambda: CountingEnv(sleep_at=step, sleep=seconds)
+
+
+def raise_site(function, statement: str) -> str:
+    """How a traceback names the line of ``function`` holding ``statement``.
+
+    Returns ``"line N, in name"``. cloudpickle ships code defined in a test
+    module by value under a placeholder file name (``<dynamic-code>`` since
+    cloudpickle 3.1.3), so a worker's traceback may not quote the source line;
+    the line number and the function name are there with any version.
+    """
+    lines, first = inspect.getsourcelines(function)
+    offset = next(i for i, line in enumerate(lines) if statement in line)
+    return f"line {first + offset}, in {function.__name__}"
+
+
+def kill_and_wait(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.01)
+
+
+def rollout(batch: BatchEnv, dtype) -> list[tuple]:
+    """Seeded reset, then NUM_STEPS steps with seeded random actions. Finished
+    envs are reset without a seed (answered by the prefetched reset in a
+    worker); now and then one more env is reset mid-episode (a real reset in
+    the worker, possibly in the same request as prefetched ones), some resets
+    are repeated at once, and some finished envs are reset with a seed."""
+    rng = np.random.default_rng(0)
+    n = len(batch)
+    space = batch.action_space
+    log = [("reset", list(range(n)), batch.reset(seed=SEED))]
+    for t in range(NUM_STEPS):
+        if isinstance(space, gym.spaces.Discrete):
+            actions = rng.integers(0, space.n, size=n)
+        else:
+            actions = rng.uniform(-1.0, 1.0, size=(n, *space.shape)).astype(dtype)
+        obs, rewards, terminated, truncated, infos = batch.step(actions)
+        assert isinstance(infos, InfoList) and len(infos) == n
+        log.append(("step", obs, rewards, terminated, truncated, list(infos)))
+        indices = np.flatnonzero(terminated | truncated).tolist()
+        if t % 9 == 4 and (t // 9) % n not in indices:
+            indices.append((t // 9) % n)
+        if not indices:
+            continue
+        if t % 50 == 25:
+            log.append(("seeded reset", indices, batch.reset(indices, seed=1000 + t)))
+        else:
+            log.append(("reset", indices, batch.reset(indices)))
+        if t % 4 == 0:
+            log.append(("reset again", indices, batch.reset(indices)))
+    return log
+
+
+def assert_same_log(got: list[tuple], expected: list[tuple]) -> None:
+    assert len(got) == len(expected)
+    for entry, (g, e) in enumerate(zip(got, expected)):
+        assert g[0] == e[0], f"entry {entry}"
+        for g_item, e_item in zip(g[1:], e[1:]):
+            if isinstance(e_item, list):
+                assert g_item == e_item, f"entry {entry} ({e[0]})"
+            else:
+                assert g_item.dtype == e_item.dtype, f"entry {entry} ({e[0]})"
+                assert g_item.shape == e_item.shape, f"entry {entry} ({e[0]})"
+                np.testing.assert_array_equal(g_item, e_item, err_msg=f"entry {entry} ({e[0]})")
+
+
+# -- processes ------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN_PY = REPO / "train.py"
+
+
+def sets(*overrides: str) -> list[str]:
+    return [arg for override in overrides for arg in ("--set", override)]
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def descendants(pid: int) -> list[int]:
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def running(pids: list[int]) -> list[int]:
+    """The pids of ``pids`` that still run (zombies count as gone)."""
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[str]:
+    """Wait until none of ``pids`` runs; the command lines of those still running."""
+    deadline = time.monotonic() + timeout
+    while running(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = []
+    for pid in running(pids):
+        try:
+            left.append(f"{pid}: {' '.join(psutil.Process(pid).cmdline())[:120]}")
+            os.kill(pid, signal.SIGKILL)  # never leave them behind
+        except (psutil.Error, ProcessLookupError):
+            pass
+    return left

@@ -1,0 +1,118 @@
+"""One conformance suite for every transport of the ``Worker`` protocol.
+
+The same envs, seeds and actions go through envs in this process, one child
+process per env (``ExternalProcess``), shared-memory workers (``EnvWorker``)
+and Ray actors (``RayEnvWorker``, on a real cluster on 127.0.0.1). Each must
+give the trajectories of plain in-process envs, raise the same errors for the
+same faults, forward attribute access, and (except in-process envs) restart a
+failed worker. A new transport joins by adding an entry to ``TRANSPORTS``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import numpy as np
+import pytest
+
+from batchrl.envs import BatchEnv, EnvRaisedError, EnvWorker, ExternalProcess
+from helpers import (CountingEnv, assert_same_log, fails_at, make_cartpole, make_cheetah,
+                     raise_site, rollout)
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _local(constructors):
+    return [make() for make in constructors]
+
+
+def _process(constructors):
+    return [ExternalProcess(make) for make in constructors]
+
+
+def _shared_memory(constructors):
+    # Two workers, so that the batch has more than one member.
+    half = len(constructors) // 2
+    return [EnvWorker(constructors[:half]), EnvWorker(constructors[half:])]
+
+
+def _ray(constructors):
+    from batchrl.envs.ray_workers import RayEnvWorker
+    half = len(constructors) // 2
+    return [RayEnvWorker(constructors[:half], timeout=60),
+            RayEnvWorker(constructors[half:], timeout=60)]
+
+
+TRANSPORTS = {"local": _local, "process": _process, "shared-memory": _shared_memory,
+              "ray": _ray}
+
+
+@pytest.fixture(params=list(TRANSPORTS))
+def transport(request):
+    """``build(constructors, **batch_kwargs)``: a ``BatchEnv`` of the
+    transport's members, closed when the test ends."""
+    if request.param == "ray":
+        pytest.importorskip("ray")
+        request.getfixturevalue("cluster")
+    created = []
+
+    def build(constructors, **kwargs):
+        members = TRANSPORTS[request.param](constructors)
+        batch = BatchEnv(members, **kwargs)
+        created.append(batch)
+        return batch
+
+    build.name = request.param
+    yield build
+    for batch in created:
+        batch.close()
+
+
+@pytest.mark.parametrize("make, dtype", [(make_cartpole, None), (make_cheetah, np.float32)],
+                         ids=["CartPole", "HalfCheetah"])
+def test_trajectories_are_those_of_in_process_envs(transport, make, dtype):
+    reference = BatchEnv([make() for _ in range(4)])
+    try:
+        expected = rollout(reference, dtype)
+    finally:
+        reference.close()
+    assert_same_log(rollout(transport([make] * 4), dtype), expected)
+
+
+def test_an_env_raising_in_step_is_named_with_its_batch_index(transport):
+    batch = transport([CountingEnv, CountingEnv, CountingEnv, fails_at(3)])
+    batch.reset(seed=0)
+    batch.step(np.zeros(4, np.int64))
+    batch.step(np.zeros(4, np.int64))
+    with pytest.raises(EnvRaisedError) as info:
+        batch.step(np.zeros(4, np.int64))
+    error = info.value
+    assert error.env_index == 3 and error.operation == "step"
+    assert error.remote_type == "ValueError" and "boom at step 3" in str(error)
+    assert raise_site(CountingEnv.step, "raise ValueError") in error.remote_traceback
+
+
+def test_attributes_and_methods_reach_the_env(transport):
+    batch = transport([CountingEnv] * 4)
+    batch.reset(seed=0)
+    batch.step(np.zeros(4, np.int64))
+    assert [env.count for env in batch.envs] == [1, 1, 1, 1]
+    assert batch.envs[2].double(3, offset=1) == 7
+
+
+def test_a_failed_worker_restarts_or_in_process_envs_raise(transport):
+    batch = transport([CountingEnv, CountingEnv, CountingEnv, fails_at(2)], max_restarts=1)
+    batch.reset(seed=0)
+    batch.step(np.zeros(4, np.int64))
+    if transport.name == "local":
+        with pytest.raises(EnvRaisedError, match="boom at step 2"):
+            batch.step(np.zeros(4, np.int64))
+        return
+    observ, reward, *_ = batch.step(np.zeros(4, np.int64))
+    rows, first = batch.restarted
+    # The failed env's worker was replaced: its envs are in new episodes.
+    assert 3 in rows.tolist() and batch.restarts == 1
+    assert np.array_equal(observ[rows], first) and not reward[rows].any()
+    kept = [i for i in range(4) if i not in rows.tolist()]
+    assert observ[kept, 0].tolist() == [2.0] * len(kept)
