@@ -24,7 +24,7 @@ else:  # pragma: no cover - Python 3.10
 
 from batchrl.algos.ppo import PPOConfig
 from batchrl.envs.factory import BACKENDS
-from batchrl.envs.ray_cluster import check_resources
+from batchrl.envs.ray.cluster import check_resources
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 

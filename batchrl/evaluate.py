@@ -52,7 +52,7 @@ from batchrl.config import Config, ConfigError
 from batchrl.envs.batch import BatchEnv
 from batchrl.envs.errors import EnvRaisedError, EnvSpecError
 from batchrl.envs.factory import make_batch_env, resolve_constructor
-from batchrl.envs.tensor_env import TensorBatchEnv
+from batchrl.tensor_env import TensorBatchEnv
 from batchrl.envs.wrappers import wrap_env
 from batchrl.simulate import episode_length, simulate
 from batchrl.trainer import CONFIG_FILE, load_saved_config, resolve_device

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from batchrl.algos.base import Algorithm, Summary
-from batchrl.envs.tensor_env import Episodes, TensorBatchEnv
+from batchrl.tensor_env import Episodes, TensorBatchEnv
 
 
 def _begin(tracker: Episodes, algo: Algorithm, agents: torch.Tensor,

@@ -40,7 +40,7 @@ from batchrl.config import (Config, ConfigError, apply_overrides, build_config,
                             strip_derived)
 from batchrl.envs.errors import EnvError
 from batchrl.envs.factory import make_batch_env
-from batchrl.envs.tensor_env import TensorBatchEnv
+from batchrl.tensor_env import TensorBatchEnv
 from batchrl.interrupt import Interrupted, StopSignals
 from batchrl.metrics import RunLog
 from batchrl.simulate import episode_length, flush, simulate

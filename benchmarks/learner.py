@@ -25,7 +25,7 @@ import torch
 
 from batchrl.algos.ppo import BatchPPO, PPOConfig
 from batchrl.envs.batch import BatchEnv
-from batchrl.envs.tensor_env import TensorBatchEnv
+from batchrl.tensor_env import TensorBatchEnv
 from batchrl.simulate import simulate
 
 

@@ -61,8 +61,8 @@ import torch
 
 from batchrl.algos.ppo import BatchPPO, PPOConfig
 from batchrl.envs.factory import make_batch_env
-from batchrl.envs.process import context
-from batchrl.envs.tensor_env import TensorBatchEnv
+from batchrl.envs.process.channel import context
+from batchrl.tensor_env import TensorBatchEnv
 from batchrl.hardware import usable_cores
 from batchrl.simulate import simulate
 

@@ -34,7 +34,7 @@ import torch
 
 from batchrl.algos.ppo import BatchPPO, PPOConfig
 from batchrl.envs.factory import make_batch_env
-from batchrl.envs.tensor_env import TensorBatchEnv
+from batchrl.tensor_env import TensorBatchEnv
 from batchrl.simulate import flush, simulate
 
 

@@ -49,9 +49,9 @@ import torch
 
 from batchrl.algos.ppo import BatchPPO, PPOConfig
 from batchrl.envs.factory import batch_env_from
-from batchrl.envs.faults import FAULTS, FaultyEnv
-from batchrl.envs.process import context
-from batchrl.envs.tensor_env import TensorBatchEnv
+from batchrl.testing.faults import FAULTS, FaultyEnv
+from batchrl.envs.process.channel import context
+from batchrl.tensor_env import TensorBatchEnv
 from batchrl.envs.wrappers import wrap_env
 from batchrl.simulate import episode_length, simulate
 from memory import alive, growth, shm_mappings

@@ -23,8 +23,8 @@ import pytest
 from batchrl.config import load_config
 from batchrl.envs.batch import BatchEnv
 from batchrl.envs.errors import UnsupportedSpaceError
-from batchrl.envs.external import ExternalProcess
-from batchrl.envs.workers import EnvWorker
+from batchrl.envs.process.external import ExternalProcess
+from batchrl.envs.process.shared_memory import EnvWorker
 from batchrl.trainer import Trainer
 from helpers import REPO, TRAIN_PY
 TINY = ["--set", "env.num_agents=2", "--set", "ppo.update_every=2", "--set",
@@ -143,7 +143,7 @@ def make_cases(tmp: Path) -> dict[str, tuple[list[str], int, list[str]]]:
             ["env 0 (userenvs:raises) failed in construct(): RuntimeError: the simulator "
              "licence file is missing", 'userenvs.py", line 6, in raises']),
         "env raises mid-training": (
-            [*envs, "--set", "env.id=batchrl.envs.faults:make", "--set",
+            [*envs, "--set", "env.id=batchrl.testing.faults:make", "--set",
              'env.kwargs={fault = "raise", at_step = 40}', "--set", "env.backend=process"], 1,
             ["failed in step(): RuntimeError: injected fault in step 40",
              "Traceback in the env worker", 'faults.py", line']),

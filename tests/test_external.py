@@ -162,7 +162,7 @@ def test_spaces_are_cached_in_the_parent(external):
 
 
 def test_workers_do_not_import_torch(external):
-    # Workers fork from a server that preloads batchrl.envs.external; torch
+    # Workers fork from a server that preloads batchrl.envs.process.external; torch
     # (seconds to import) must not come with it.
     env = external(CountingEnv)
     assert env.call("imported", "gymnasium") is True

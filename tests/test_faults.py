@@ -20,11 +20,11 @@ from batchrl.config import load_config
 from batchrl.envs.batch import BatchEnv
 from batchrl.envs.errors import (EnvCrashedError, EnvError, EnvNonFiniteError,
                                  EnvRaisedError, EnvSpecError, EnvTimeoutError)
-from batchrl.envs.external import ExternalProcess
+from batchrl.envs.process.external import ExternalProcess
 from batchrl.envs.factory import batch_env_from
-from batchrl.envs.faults import FaultyEnv, make
-from batchrl.envs.tensor_env import TensorBatchEnv
-from batchrl.envs.workers import EnvWorker
+from batchrl.testing.faults import FaultyEnv, make
+from batchrl.tensor_env import TensorBatchEnv
+from batchrl.envs.process.shared_memory import EnvWorker
 from batchrl.simulate import simulate
 from batchrl.trainer import Trainer
 
@@ -129,10 +129,10 @@ def test_an_env_stepped_in_this_process_names_itself(closing):
 
 def test_the_factory_label_names_the_constructor(closing):
     batch = closing(batch_env_from(cartpole("raise", 2), 2, workers=1, share_main=False,
-                                   label="batchrl.envs.faults:make"))
+                                   label="batchrl.testing.faults:make"))
     batch.reset(seed=0)
     error = step_until_error(batch, 3)
-    assert "batchrl.envs.faults:make" in str(error)
+    assert "batchrl.testing.faults:make" in str(error)
 
 
 @pytest.mark.parametrize("fault, what", [("nan_observ", "observation"),
@@ -278,7 +278,7 @@ def test_simulate_begins_new_episodes_for_restarted_agents(closing, tmp_path):
 def test_training_survives_a_crashed_env_and_counts_the_restart(tmp_path, capsys):
     once = str(tmp_path / "fired")
     config = load_config("cartpole", [
-        'env.id="batchrl.envs.faults:make"', "env.backend=process", "env.num_agents=3",
+        'env.id="batchrl.testing.faults:make"', "env.backend=process", "env.num_agents=3",
         f'env.kwargs={{env_id="CartPole-v1", fault="abort", at_step=40, once_file="{once}"}}',
         "env.restart_crashed_envs=true", "env.max_restarts=2", "ppo.update_every=3",
         "train.eval_episodes=3", "train.steps=300", "train.device=cpu"])

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from batchrl.algos import BatchPPO, PPOConfig
-from batchrl.envs import BatchEnv, TensorBatchEnv, wrap_env
+from batchrl.envs import BatchEnv, wrap_env
+from batchrl.tensor_env import TensorBatchEnv
 from batchrl.simulate import simulate
 
 pytestmark = pytest.mark.slow

@@ -38,7 +38,7 @@ def _shared_memory(constructors):
 
 
 def _ray(constructors):
-    from batchrl.envs.ray_workers import RayEnvWorker
+    from batchrl.envs.ray.worker import RayEnvWorker
     half = len(constructors) // 2
     return [RayEnvWorker(constructors[:half], timeout=60),
             RayEnvWorker(constructors[half:], timeout=60)]

@@ -31,7 +31,7 @@ ray = pytest.importorskip("ray")
 from batchrl.envs import BatchEnv, EnvCrashedError, EnvRaisedError, EnvTimeoutError  # noqa: E402
 from batchrl.envs.errors import EnvSpecError, RayWorkerCrashedError  # noqa: E402
 from batchrl.envs.factory import batch_env_from  # noqa: E402
-from batchrl.envs.ray_workers import RayEnvWorker  # noqa: E402
+from batchrl.envs.ray.worker import RayEnvWorker  # noqa: E402
 from ray_nodes import PATIENCE, ROOT  # noqa: E402
 from helpers import (CountingEnv, assert_same_log, fails_at, make_cartpole,  # noqa: E402
                      make_cheetah, raise_site, rollout, sleeps_at)
@@ -253,7 +253,7 @@ def test_resources_the_cluster_lacks_are_an_error_before_any_actor(closing):
 
 
 def test_missing_ray_names_the_extra_to_install(monkeypatch):
-    from batchrl.envs import ray_cluster
+    from batchrl.envs.ray import cluster as ray_cluster
     monkeypatch.setitem(sys.modules, "ray", None)  # makes `import ray` fail
     with pytest.raises(EnvSpecError, match=r"pip install 'batchrl\[ray\]'"):
         ray_cluster.require_ray()

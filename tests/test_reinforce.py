@@ -11,7 +11,8 @@ import torch
 
 from batchrl.algos import Reinforce
 from batchrl.parts import discounted_return
-from batchrl.envs import BatchEnv, TensorBatchEnv, wrap_env
+from batchrl.envs import BatchEnv, wrap_env
+from batchrl.tensor_env import TensorBatchEnv
 from batchrl.simulate import simulate
 
 

@@ -246,7 +246,7 @@ def test_env_failure_saves_the_last_phase_boundary(tmp_path):
     from batchrl.envs.errors import EnvRaisedError
     logdir = tmp_path / "run"
     config = load_config("cartpole", CARTPOLE + [
-        "env.id=batchrl.envs.faults:make", 'env.kwargs={fault = "raise", at_step = 300}',
+        "env.id=batchrl.testing.faults:make", 'env.kwargs={fault = "raise", at_step = 300}',
         "train.checkpoint_every=1000", "train.steps=100000"])
     with pytest.raises(EnvRaisedError, match="injected fault in step 300"):
         Trainer(config, logdir, progress=False).run()

@@ -208,7 +208,7 @@ def test_second_ctrl_c_quits_at_once_and_no_worker_survives(tmp_path):
     process = start_train_py(
         "--config", "cartpole", "--logdir", str(logdir),
         *sets(*CARTPOLE, "env.backend=process", "env.timeout=0",
-              "env.id=batchrl.envs.faults:make",
+              "env.id=batchrl.testing.faults:make",
               f'env.kwargs={{fault = "hang", at_step = 30, log_dir = "{faults}"}}'))
     try:
         # The processes exist once the trainer has taken over Ctrl-C.

@@ -11,7 +11,8 @@ import torch
 from gymnasium.wrappers import TimeLimit
 
 from batchrl.algos import Algorithm, Summary
-from batchrl.envs import BatchEnv, TensorBatchEnv
+from batchrl.envs import BatchEnv
+from batchrl.tensor_env import TensorBatchEnv
 from batchrl.simulate import flush, simulate
 
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from batchrl.envs import BatchEnv, ExternalProcess, TensorBatchEnv, wrap_env
+from batchrl.envs import BatchEnv, ExternalProcess, wrap_env
+from batchrl.tensor_env import TensorBatchEnv
 
 NUM_ENVS = 3
 

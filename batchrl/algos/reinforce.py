@@ -30,7 +30,8 @@ about 4000 calls, a few seconds on a CPU)::
 
     import gymnasium as gym
     from batchrl.algos import Reinforce
-    from batchrl.envs import BatchEnv, TensorBatchEnv, wrap_env
+    from batchrl.envs import BatchEnv, wrap_env
+    from batchrl.tensor_env import TensorBatchEnv
     from batchrl.simulate import simulate
 
     env = TensorBatchEnv(BatchEnv([wrap_env(gym.make("CartPole-v1")) for _ in range(8)]))

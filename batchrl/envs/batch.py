@@ -9,7 +9,7 @@ import gymnasium as gym
 import numpy as np
 
 from batchrl.envs.errors import EnvError, EnvNonFiniteError, SpaceMismatchError
-from batchrl.envs.external import ExternalProcess, ProcessWorker
+from batchrl.envs.process.external import ExternalProcess, ProcessWorker
 from batchrl.envs.infos import InfoList
 from batchrl.envs.local import LocalWorker
 from batchrl.envs.spaces import check_space

@@ -11,8 +11,8 @@ import gymnasium as gym
 
 from batchrl.envs.batch import BatchEnv
 from batchrl.envs.errors import EnvRaisedError, EnvSpecError
-from batchrl.envs.external import ExternalProcess
-from batchrl.envs.workers import EnvWorker
+from batchrl.envs.process.external import ExternalProcess
+from batchrl.envs.process.shared_memory import EnvWorker
 from batchrl.envs.wrappers import TimeLimit, check_time_limit, wrap_env
 from batchrl.hardware import usable_cores
 
@@ -190,8 +190,8 @@ def _ray_workers(constructor: Callable[[], gym.Env], num_envs: int, workers: int
                  label: str | None, timeout: float | None, construct_timeout: float | None,
                  infos: bool, address: str, resources: dict[str, float] | None) -> list[Any]:
     """The ``RayEnvWorker``s of the ``"ray"`` backend (Ray imported only here)."""
-    from batchrl.envs import ray_cluster
-    from batchrl.envs.ray_workers import RayEnvWorker
+    from batchrl.envs.ray import cluster as ray_cluster
+    from batchrl.envs.ray.worker import RayEnvWorker
     resources = {"CPU": 1} if resources is None else dict(resources)
     ray_cluster.check_resources(resources)
     ray = ray_cluster.acquire(address)  # held while the workers connect, then theirs

@@ -1,7 +1,7 @@
 """The env side of every transport: build a worker's envs and serve it.
 
 An ``EnvHost`` runs where the envs live: in a worker process
-(``batchrl.envs.workers``) or in a Ray actor (``batchrl.envs.ray_workers``).
+(``batchrl.envs.process.shared_memory``) or in a Ray actor (``batchrl.envs.ray.worker``).
 It steps all envs of the worker into ``StepArrays``, resets a finished env at
 once ("prefetched reset"), answers attribute requests, and turns every
 exception of an env into an error answer, so that the transport only moves

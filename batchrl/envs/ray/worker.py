@@ -1,6 +1,6 @@
 """Several Gymnasium envs in one Ray actor, anywhere in a Ray cluster.
 
-``RayEnvWorker`` is ``EnvWorker`` (``batchrl.envs.workers``) for a cluster:
+``RayEnvWorker`` is ``EnvWorker`` (``batchrl.envs.process.shared_memory``) for a cluster:
 the same interface, the same error types and the same trajectories, but the
 envs live in a Ray actor that may sit on another machine. A batch step is one
 actor call per worker: the call carries the numpy actions of all of the
@@ -27,11 +27,11 @@ import cloudpickle
 import gymnasium as gym
 import numpy as np
 
-from batchrl.envs import ray_cluster
+from batchrl.envs.ray import cluster as ray_cluster
 from batchrl.envs.errors import (EnvRaisedError, EnvTimeoutError,
                                  RayWorkerCrashedError, error_from_answer)
 from batchrl.envs.host import EnvHost, StepArrays
-from batchrl.envs.process import constructor_label
+from batchrl.envs.process.channel import constructor_label
 from batchrl.envs.spaces import worker_spaces
 from batchrl.envs.worker import Promise, RemoteWorker, check_constructors
 

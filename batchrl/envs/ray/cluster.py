@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any
 
 from batchrl.envs.errors import EnvSpecError
-from batchrl.envs.ray_guard import RayGuard
+from batchrl.envs.ray.guard import RayGuard
 
 INSTALL_HINT = "pip install 'batchrl[ray]'"
 # Ray's resource names that ``.options()`` takes as their own arguments.

@@ -33,8 +33,8 @@ from batchrl.envs.errors import EnvCrashedError, EnvError, EnvTimeoutError, erro
 
 _POLL_SECONDS = 0.2
 # The fork server imports these before it forks any worker.
-_WORKER_MODULES = ["batchrl.envs.forkserver_signals", "batchrl.envs.external",
-                   "batchrl.envs.workers"]
+_WORKER_MODULES = ["batchrl.envs.process.forkserver_signals", "batchrl.envs.process.external",
+                   "batchrl.envs.process.shared_memory"]
 
 
 def context() -> mp.context.BaseContext:

@@ -26,7 +26,7 @@ import numpy as np
 
 from batchrl.envs.errors import EnvError, UnsupportedSpaceError
 from batchrl.envs.host import ACTION_ITEMSIZE, EnvHost, StepArrays, error_answer
-from batchrl.envs.process import Channel, Frames, WorkerHandle, constructor_label, start_worker
+from batchrl.envs.process.channel import Channel, Frames, WorkerHandle, constructor_label, start_worker
 from batchrl.envs.spaces import check_space, worker_spaces
 from batchrl.envs.worker import Promise, RemoteWorker, check_constructors
 

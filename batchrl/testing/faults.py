@@ -4,7 +4,7 @@
 raises, aborts the process, segfaults, exits, hangs, or returns a NaN
 observation or an infinite reward. The test suite and
 ``benchmarks/soak.py`` use it; users can point a config at it to check their
-own set-up (``env.id = "batchrl.envs.faults:make"``, see ``make``).
+own set-up (``env.id = "batchrl.testing.faults:make"``, see ``make``).
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def make(env_id: str = "CartPole-v1", fault: str | Sequence[str] = "raise",
          hang_seconds: float = 3600.0, log_dir: str | None = None,
          **kwargs: Any) -> FaultyEnv:
     """``gymnasium.make(env_id, **kwargs)`` wrapped in ``FaultyEnv``; usable as
-    a config's env: ``env.id = "batchrl.envs.faults:make"`` with
+    a config's env: ``env.id = "batchrl.testing.faults:make"`` with
     ``env.kwargs = {env_id = "Pendulum-v1", fault = "abort", at_step = 500}``."""
     return FaultyEnv(gym.make(env_id, **kwargs), fault, at_step, every, in_reset,
                      once_file, seed, hang_seconds, log_dir)

@@ -1,8 +1,8 @@
 """Run a Gymnasium environment in a child process (one env per process).
 
 The parent talks to the child over a ``multiprocessing`` pipe; the protocol and
-the process life cycle are ``batchrl.envs.process``'s. Observations travel
-pickled, so any space works here. ``EnvWorker`` (``batchrl.envs.workers``)
+the process life cycle are ``batchrl.envs.process.channel``'s. Observations travel
+pickled, so any space works here. ``EnvWorker`` (``batchrl.envs.process.shared_memory``)
 hosts several envs per process instead, with arrays in shared memory. In a
 ``BatchEnv`` an ``ExternalProcess`` is a ``ProcessWorker`` of one env.
 """
@@ -18,7 +18,7 @@ import numpy as np
 
 from batchrl.envs.errors import EnvCrashedError, EnvError, EnvRaisedError
 from batchrl.envs.host import attribute_answer, error_answer, resolve
-from batchrl.envs.process import Channel, WorkerHandle, constructor_label, start_worker
+from batchrl.envs.process.channel import Channel, WorkerHandle, constructor_label, start_worker
 from batchrl.envs.worker import RemoteAttribute, Worker, reset_arguments
 
 

@@ -16,7 +16,7 @@ raylet may be gone and its agents adopted by init. ``stop()`` ends the
 guard without killing anything. Linux only (``/proc``); elsewhere no guard
 is started.
 
-The guard is this file run as a script: ``python ray_guard.py PID``.
+The guard is this file run as a script: ``python guard.py PID``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Tools for testing code that uses batchrl: envs that fail on demand."""
