@@ -52,37 +52,37 @@ def fill_memory(algo: BatchPPO, lengths, seed: int, mean_shift: float = 0.0,
     bootstrap_observ = torch.randn(episodes, OBS_SIZE, generator=generator)
     terminated = (torch.arange(episodes) % 2).float()
     state = torch.zeros(episodes, algo.state_size)
-    states, params_a, params_b = [], [], []
+    states, means_or_logits, log_stds = [], [], []
     with torch.no_grad():
         for t in range(steps):  # step by step, as perform() does
             states.append(state)
-            param_a, param_b, state = algo.policy(observ[:, t:t + 1], state)
-            params_a.append(param_a[:, 0])
-            params_b.append(param_b if algo.discrete else param_b[:, 0])
+            mean_or_logits, log_std, state = algo.policy(observ[:, t:t + 1], state)
+            means_or_logits.append(mean_or_logits[:, 0])
+            log_stds.append(log_std if algo.discrete else log_std[:, 0])
     state = torch.stack(states, 1)
-    param_a = torch.stack(params_a, 1)
+    mean_or_logits = torch.stack(means_or_logits, 1)
     if algo.discrete:
-        param_a = param_a + mean_shift * torch.randn(param_a.shape, generator=generator)
-        param_b = torch.zeros(episodes, steps, 0)
-        probs = torch.softmax(param_a, -1).reshape(-1, param_a.shape[-1])
+        mean_or_logits = mean_or_logits + mean_shift * torch.randn(mean_or_logits.shape, generator=generator)
+        log_std = torch.zeros(episodes, steps, 0)
+        probs = torch.softmax(mean_or_logits, -1).reshape(-1, mean_or_logits.shape[-1])
         action = torch.multinomial(probs, 1, generator=generator).reshape(episodes, steps)
     else:
-        param_a = param_a + mean_shift
+        mean_or_logits = mean_or_logits + mean_shift
         # The log std is a view of a parameter, so it requires grad even when made
         # under no_grad; store it without autograd history, as experience() does.
-        param_b = torch.stack(params_b, 1).detach() + log_std_shift
-        action = param_a + param_b.exp() * torch.randn(param_a.shape, generator=generator)
+        log_std = torch.stack(log_stds, 1).detach() + log_std_shift
+        action = mean_or_logits + log_std.exp() * torch.randn(mean_or_logits.shape, generator=generator)
     for t in range(steps):
         agents = torch.nonzero(length > t).squeeze(1)
         if agents.numel():
             algo.memory.append(agents, observ=observ[agents, t], action=action[agents, t],
-                               param_a=param_a[agents, t], param_b=param_b[agents, t],
+                               mean_or_logits=mean_or_logits[agents, t], log_std=log_std[agents, t],
                                reward=reward[agents, t], state=state[agents, t])
     agents = torch.arange(episodes)
     algo.memory.set_episode(agents, bootstrap_observ=bootstrap_observ, terminated=terminated)
     assert algo.memory.finish(agents) == episodes
     return {"observ": observ, "reward": reward, "bootstrap_observ": bootstrap_observ,
-            "terminated": terminated, "state": state, "param_a": param_a, "param_b": param_b,
+            "terminated": terminated, "state": state, "mean_or_logits": mean_or_logits, "log_std": log_std,
             "action": action, "length": length}
 
 
@@ -92,7 +92,7 @@ def scribble_padding(algo: BatchPPO, seed: int, scale: float = 1.0) -> None:
     memory = algo.memory
     for episode in range(memory.count):
         start = int(memory.stored_length[episode])
-        for name in ("observ", "action", "param_a", "param_b", "reward", "state"):
+        for name in ("observ", "action", "mean_or_logits", "log_std", "reward", "state"):
             pad = memory.stored[name][episode, start:]
             if pad.numel() == 0:
                 continue
@@ -133,13 +133,13 @@ def params_of(algo: BatchPPO) -> dict[str, torch.Tensor]:
 # -- numpy references for the loss -----------------------------------------------------
 
 
-def np_log_prob(discrete, param_a, param_b, action):
+def np_log_prob(discrete, mean_or_logits, log_std, action):
     if discrete:
-        logits = param_a - param_a.max(-1, keepdims=True)
+        logits = mean_or_logits - mean_or_logits.max(-1, keepdims=True)
         log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
         return np.take_along_axis(log_p, action[..., None], -1)[..., 0]
-    std = np.exp(param_b)
-    return (-0.5 * ((action - param_a) / std) ** 2 - param_b - 0.5 * np.log(2 * np.pi)).sum(-1)
+    std = np.exp(log_std)
+    return (-0.5 * ((action - mean_or_logits) / std) ** 2 - log_std - 0.5 * np.log(2 * np.pi)).sum(-1)
 
 
 def np_kl(discrete, old_a, old_b, new_a, new_b):
@@ -180,7 +180,7 @@ def expected_first_step(algo: BatchPPO, data: dict[str, torch.Tensor]) -> dict[s
     advantage = (returns - value)[valid]
     advantage = (advantage - advantage.mean()) / (advantage.std(ddof=1) + 1e-8)
     new_a, new_b = new_a.detach().double().numpy()[valid], new_b.detach().double().numpy()
-    old_a, old_b = data["param_a"].double().numpy()[valid], data["param_b"].double().numpy()
+    old_a, old_b = data["mean_or_logits"].double().numpy()[valid], data["log_std"].double().numpy()
     if not algo.discrete:
         new_b, old_b = new_b[valid], old_b[valid]
     action = data["action"].numpy()[valid]
@@ -239,7 +239,7 @@ def test_policy_terms_match_hand_computation(space):
         new_a, new_b, _ = algo.policy(data["observ"], data["state"][:, 0])
     mask = valid.numpy()
     new_a, new_b = new_a.detach().double().numpy(), new_b.detach().double().numpy()
-    old_a, old_b = data["param_a"].double().numpy(), data["param_b"].double().numpy()
+    old_a, old_b = data["mean_or_logits"].double().numpy(), data["log_std"].double().numpy()
     action = data["action"].numpy()
     expected_log_ratio = (np_log_prob(algo.discrete, new_a, new_b, action)
                           - np_log_prob(algo.discrete, old_a, old_b, action))
@@ -373,13 +373,13 @@ def test_script_and_eager_actors_agree(space, network):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         return out_eager
 
-    sampled, param_a, param_b, new_state = both(False)
+    sampled, mean_or_logits, log_std, new_state = both(False)
     mean_action = both(True)[0]
     assert new_state.shape == (6, algo.state_size)
     if algo.discrete:
         assert sampled.dtype == torch.int64 and sampled.shape == (6,)
-        assert torch.equal(mean_action, param_a.argmax(-1))
-        assert param_b.numel() == 0
+        assert torch.equal(mean_action, mean_or_logits.argmax(-1))
+        assert log_std.numel() == 0
     else:
         assert sampled.shape == (6, 2)
         with torch.no_grad():
@@ -510,8 +510,8 @@ def test_eval_mode_acts_with_the_mean_and_learns_nothing(space):
     with torch.no_grad():
         normalized = algo.observ_normalizer.transform(observ)
         assert not torch.allclose(normalized, observ)
-        param_a, _, _ = algo.policy(normalized.unsqueeze(1), torch.zeros(3, 0))
-    expected = param_a[:, 0].argmax(-1) if algo.discrete else param_a[:, 0]
+        mean_or_logits, _, _ = algo.policy(normalized.unsqueeze(1), torch.zeros(3, 0))
+    expected = mean_or_logits[:, 0].argmax(-1) if algo.discrete else mean_or_logits[:, 0]
     assert torch.equal(action, expected)
     if not algo.discrete:
         assert bool((action.abs() < 1).all())

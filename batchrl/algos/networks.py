@@ -4,11 +4,11 @@ A policy is a body (MLP, or MLP followed by a GRU) and a head (Gaussian or
 categorical). All policies share one calling convention so that feed-forward
 and recurrent ones are trained by the same code:
 
-    policy(observ (B, T, *obs), state (B, H)) -> (param_a, param_b, state)
+    policy(observ (B, T, *obs), state (B, H)) -> (mean_or_logits, log_std, state)
 
-For a Gaussian head ``param_a`` is the mean ``(B, T, A)`` and ``param_b`` the
+For a Gaussian head ``mean_or_logits`` is the mean ``(B, T, A)`` and ``log_std`` the
 log standard deviation, broadcast to ``(B, T, A)``; for a categorical head
-``param_a`` holds the logits ``(B, T, n)`` and ``param_b`` is empty. Feed-forward
+``mean_or_logits`` holds the logits ``(B, T, n)`` and ``log_std`` is empty. Feed-forward
 bodies have ``H = 0``.
 """
 
@@ -121,15 +121,15 @@ class Policy(nn.Module):
     def forward(self, observ: torch.Tensor,
                 state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         features, state = self.body(observ, state)
-        param_a, param_b = self.head(features)
-        return param_a, param_b, state
+        mean_or_logits, log_std = self.head(features)
+        return mean_or_logits, log_std, state
 
 
 class Actor(nn.Module):
     """One inference step of a ``Policy``: distribution parameters and an action.
 
     ``forward(observ (B, *obs), state (B, H), deterministic)`` returns
-    ``(action, param_a, param_b, state)`` with parameters of shape ``(B, ...)``.
+    ``(action, mean_or_logits, log_std, state)`` with parameters of shape ``(B, ...)``.
     With ``deterministic`` the action is the mean (Gaussian) or the most likely
     action (categorical); otherwise it is sampled with torch's global RNG, so
     the same seed gives the same actions in eager and TorchScript modes.
@@ -144,22 +144,22 @@ class Actor(nn.Module):
     def forward(self, observ: torch.Tensor, state: torch.Tensor,
                 deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.recurrent:
-            param_a, param_b, state = self.policy(observ.unsqueeze(1), state)
-            param_a = param_a.squeeze(1)
+            mean_or_logits, log_std, state = self.policy(observ.unsqueeze(1), state)
+            mean_or_logits = mean_or_logits.squeeze(1)
             if not self.discrete:
-                param_b = param_b.squeeze(1)
+                log_std = log_std.squeeze(1)
         else:  # no time axis: three fewer operations and 2-D matrix products
-            param_a, param_b, state = self.policy(observ, state)
+            mean_or_logits, log_std, state = self.policy(observ, state)
         if not self.discrete:
             if deterministic:
-                action = param_a
+                action = mean_or_logits
             else:
-                action = param_a + param_b.exp() * torch.randn_like(param_a)
+                action = mean_or_logits + log_std.exp() * torch.randn_like(mean_or_logits)
         elif deterministic:
-            action = param_a.argmax(-1)
+            action = mean_or_logits.argmax(-1)
         else:
-            action = torch.multinomial(torch.softmax(param_a, -1), 1).squeeze(-1)
-        return action, param_a, param_b, state
+            action = torch.multinomial(torch.softmax(mean_or_logits, -1), 1).squeeze(-1)
+        return action, mean_or_logits, log_std, state
 
 
 class ValueNet(nn.Module):

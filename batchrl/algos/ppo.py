@@ -208,12 +208,12 @@ class BatchPPO(Algorithm):
             head = CategoricalHead(body.out_size, int(action_space.n), config.init_output_factor)
             output = head.logits
             param_shape = (int(action_space.n),)
-            param_b_shape = (0,)
+            log_std_shape = (0,)
         else:
             head = GaussianHead(body.out_size, action_shape[0], config.init_std,
                                 config.init_output_factor)
             output = head.mean
-            param_shape = param_b_shape = action_shape
+            param_shape = log_std_shape = action_shape
         self.policy = Policy(body, head, self.discrete).to(self.device)
         self.value = ValueNet(obs_size, config.value_layers, config.activation).to(self.device)
         if config.init == "orthogonal":
@@ -244,8 +244,8 @@ class BatchPPO(Algorithm):
         self._no_state = torch.zeros(num_agents, 0, device=self.device)
         step_fields = {"observ": ((obs_size,), torch.float32),
                        "action": (action_shape, action_dtype),
-                       "param_a": (param_shape, torch.float32),
-                       "param_b": (param_b_shape, torch.float32),
+                       "mean_or_logits": (param_shape, torch.float32),
+                       "log_std": (log_std_shape, torch.float32),
                        "reward": ((), torch.float32),
                        "state": ((self.state_size,), torch.float32)}
         # The state after an episode's (or a rollout's) last step, to bootstrap from.
@@ -288,11 +288,11 @@ class BatchPPO(Algorithm):
             return self.observ_normalizer.transform(observ)
         return observ
 
-    def distribution(self, param_a: torch.Tensor, param_b: torch.Tensor) -> Distribution:
+    def distribution(self, mean_or_logits: torch.Tensor, log_std: torch.Tensor) -> Distribution:
         """The action distribution for parameters from the policy (any batch shape)."""
         if self.discrete:
-            return Categorical(logits=param_a)
-        return Independent(Normal(param_a, param_b.exp()), 1)
+            return Categorical(logits=mean_or_logits)
+        return Independent(Normal(mean_or_logits, log_std.exp()), 1)
 
     # -- Algorithm interface -------------------------------------------------------
 
@@ -330,12 +330,14 @@ class BatchPPO(Algorithm):
         else:  # feed-forward: skip two indexing operations per step
             count = agent_indices.shape[0]
             state = self._no_state if count == self.num_agents else self._no_state[:count]
-        action, param_a, param_b, new_state = self._act(norm_observ, state, not self.training)
+        action, mean_or_logits, log_std, new_state = self._act(norm_observ, state,
+                                                               not self.training)
         if self.state_size:
             self.recurrent_state[agent_indices] = new_state
         if self.training:
             self._performed.append({"agents": agent_indices, "observ": norm_observ,
-                                    "param_a": param_a, "param_b": param_b, "state": state})
+                                    "mean_or_logits": mean_or_logits, "log_std": log_std,
+                                    "state": state})
             # The statistics change only after this step's observation was
             # normalised with the ones the stored data and the action used.
             self.observ_normalizer.update(flat)
@@ -353,7 +355,7 @@ class BatchPPO(Algorithm):
                             and not torch.equal(last["agents"], agent_indices)):
             raise RuntimeError("experience() must follow perform() for the same agents")
         self.memory.append(agent_indices, observ=last["observ"], action=action,
-                           param_a=last["param_a"], param_b=last["param_b"],
+                           mean_or_logits=last["mean_or_logits"], log_std=last["log_std"],
                            reward=reward, state=last["state"])
         self.env_steps += agent_indices.shape[0]
         if self.config.reward_scale == "return":
@@ -465,9 +467,9 @@ class BatchPPO(Algorithm):
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Surrogate, KL(old || new), entropy (masked means) and the per-step log-ratio
         (zero at padded steps)."""
-        param_a, param_b, _ = self.policy(batch["observ"], batch["state"][:, 0])
-        new = self.distribution(param_a, param_b)
-        old = self.distribution(batch["param_a"], batch["param_b"])
+        mean_or_logits, log_std, _ = self.policy(batch["observ"], batch["state"][:, 0])
+        new = self.distribution(mean_or_logits, log_std)
+        old = self.distribution(batch["mean_or_logits"], batch["log_std"])
         # Padded steps hold arbitrary data whose ratio or KL can overflow to inf, and
         # inf * 0 is nan: select them away with where() before masking, not after.
         valid = mask > 0
