@@ -43,7 +43,7 @@ from batchrl.config import Config, ConfigError
 from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.factory import make_batch_env
 from batchrl.tensor_env import TensorBatchEnv
-from batchrl.simulate import episode_length, simulate
+from batchrl.simulation import episode_length, simulate
 from batchrl.trainer import CONFIG_FILE, load_saved_config, resolve_device
 from batchrl.video import (VideoError, find_gl_backend, from_opengl, opengl_failure, record_video,
                            select_gl_backend, video_writer_problem)

@@ -21,7 +21,7 @@ from batchrl.parts import numpy_views
 @dataclass
 class Episodes:
     """The running episodes of a ``TensorBatchEnv``'s agents, as
-    ``batchrl.simulate.simulate`` tracks them between its calls (all tensors
+    ``batchrl.simulation.simulate`` tracks them between its calls (all tensors
     on the env's device; ``N`` agents).
 
     Attributes:

@@ -43,7 +43,7 @@ from batchrl.envs.factory import make_batch_env
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.interrupt import Interrupted, StopSignals
 from batchrl.metrics import RunLog
-from batchrl.simulate import episode_length, flush, simulate
+from batchrl.simulation import episode_length, flush, simulate
 
 CONFIG_FILE = "config.json"
 

@@ -28,7 +28,7 @@ from batchrl.envs.batch import BatchEnv
 from batchrl.envs.errors import EnvRaisedError
 from batchrl.envs.factory import resolve_constructor
 from batchrl.envs.wrappers import wrap_env
-from batchrl.simulate import simulate
+from batchrl.simulation import simulate
 from batchrl.tensor_env import TensorBatchEnv
 
 __all__ = ["VideoError", "find_gl_backend", "select_gl_backend", "video_writer_problem",

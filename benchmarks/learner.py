@@ -26,7 +26,7 @@ import torch
 from batchrl.algos.ppo import BatchPPO, PPOConfig
 from batchrl.envs.batch import BatchEnv
 from batchrl.tensor_env import TensorBatchEnv
-from batchrl.simulate import simulate
+from batchrl.simulation import simulate
 
 
 class NullEnv(gym.Env):

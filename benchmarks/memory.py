@@ -64,7 +64,7 @@ from batchrl.envs.factory import make_batch_env
 from batchrl.envs.process.channel import context
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.hardware import usable_cores
-from batchrl.simulate import simulate
+from batchrl.simulation import simulate
 
 MIB = 1024 * 1024
 MAX_LENGTH = 1000

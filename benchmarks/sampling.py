@@ -35,7 +35,7 @@ import torch
 from batchrl.algos.ppo import BatchPPO, PPOConfig
 from batchrl.envs.factory import make_batch_env
 from batchrl.tensor_env import TensorBatchEnv
-from batchrl.simulate import flush, simulate
+from batchrl.simulation import flush, simulate
 
 
 def raw_rate(batch_env, actions: np.ndarray) -> float:

@@ -53,7 +53,7 @@ from batchrl.testing.faults import FAULTS, FaultyEnv
 from batchrl.envs.process.channel import context
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.envs.wrappers import wrap_env
-from batchrl.simulate import episode_length, simulate
+from batchrl.simulation import episode_length, simulate
 from memory import alive, growth, shm_mappings
 
 MIB = 1024 * 1024

@@ -314,6 +314,27 @@ def test_empty_batch_is_rejected():
         BatchEnv([])
 
 
+def make_cartpole_env():
+    return gym.make("CartPole-v1")
+
+
+class CartPoleEnv(gym.Env):
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,))
+    action_space = gym.spaces.Discrete(2)
+
+    def step(self, action):
+        raise AssertionError("never stepped")
+
+
+@pytest.mark.parametrize("constructor", [make_cartpole_env, CartPoleEnv,
+                                         lambda: gym.make("CartPole-v1")],
+                         ids=["function", "class", "lambda"])
+def test_constructors_instead_of_envs_say_what_to_pass(constructor):
+    with pytest.raises(TypeError, match=r"BatchEnv takes envs, got the constructor .*: pass "
+                                        r"make\(\) .* or ExternalProcess\(make\) / EnvWorker"):
+        BatchEnv([constructor, constructor])
+
+
 # -- action validation -------------------------------------------------------------
 
 

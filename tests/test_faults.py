@@ -25,7 +25,7 @@ from batchrl.envs.factory import batch_env_from
 from batchrl.testing.faults import FaultyEnv, make
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.envs.process.shared_memory import EnvWorker
-from batchrl.simulate import simulate
+from batchrl.simulation import simulate
 from batchrl.trainer import Trainer
 
 ZEROS = np.zeros(4, np.int64)

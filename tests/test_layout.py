@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
+
+import pytest
 
 import batchrl
 
@@ -96,3 +100,29 @@ def test_no_module_imports_private_names():
                  for path in ROOT.rglob("*.py") for target, names in imports(path)
                  for name in names if name.startswith("_")]
     assert offenders == []
+
+
+def test_main_names_import_from_the_top_level():
+    from batchrl import (Algorithm, BatchEnv, BatchPPO, EnvWorker, ExternalProcess, Reinforce,
+                         TensorBatchEnv, make_batch_env, simulate)
+    from batchrl.simulation import simulate as the_function
+    assert simulate is the_function and callable(simulate)
+    assert issubclass(BatchPPO, Algorithm) and issubclass(Reinforce, Algorithm)
+    assert all(callable(x) for x in (BatchEnv, EnvWorker, ExternalProcess, TensorBatchEnv,
+                                     make_batch_env))
+    assert set(batchrl.__all__) <= set(dir(batchrl))
+    with pytest.raises(AttributeError, match="no attribute 'simulat'"):
+        batchrl.simulat  # noqa: B018
+
+
+def test_every_export_of_the_env_layer_is_listed_and_there():
+    import batchrl.envs
+    assert set(batchrl.envs.__all__) <= set(dir(batchrl.envs))
+    assert all(hasattr(batchrl.envs, name) for name in batchrl.envs.__all__)
+
+
+def test_importing_batchrl_or_its_env_layer_does_not_import_torch():
+    # Env worker processes import the package: torch there would cost seconds.
+    code = ("import sys, batchrl, batchrl.envs; "
+            "assert 'torch' not in sys.modules and 'ray' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -13,7 +13,7 @@ import torch
 from batchrl.algos import BatchPPO, PPOConfig
 from batchrl.envs import BatchEnv, wrap_env
 from batchrl.tensor_env import TensorBatchEnv
-from batchrl.simulate import simulate
+from batchrl.simulation import simulate
 
 pytestmark = pytest.mark.slow
 

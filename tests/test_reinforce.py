@@ -13,7 +13,7 @@ from batchrl.algos import Reinforce
 from batchrl.parts import discounted_return
 from batchrl.envs import BatchEnv, wrap_env
 from batchrl.tensor_env import TensorBatchEnv
-from batchrl.simulate import simulate
+from batchrl.simulation import simulate
 
 
 @pytest.fixture(autouse=True)

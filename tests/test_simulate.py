@@ -13,7 +13,7 @@ from gymnasium.wrappers import TimeLimit
 from batchrl.algos import Algorithm, Summary
 from batchrl.envs import BatchEnv
 from batchrl.tensor_env import TensorBatchEnv
-from batchrl.simulate import flush, simulate
+from batchrl.simulation import flush, simulate
 
 
 class CountdownEnv(gym.Env):
@@ -256,6 +256,57 @@ def test_seed_without_reset_is_an_error():
     env, algo = make_env(), Recorder()
     with pytest.raises(ValueError, match="reset=True"):
         simulate(env, algo, seed=3)
+
+
+def test_a_batch_env_instead_of_a_tensor_batch_env_is_named():
+    env = make_env()
+    with pytest.raises(TypeError, match=r"simulate\(\) needs a TensorBatchEnv .*got a "
+                                        r"BatchEnv: wrap it as TensorBatchEnv\(batch_env, device\)"):
+        simulate(env.batch_env, Recorder())
+
+
+class Broken(Recorder):
+    """A Recorder with one method's return value replaced."""
+
+    def __init__(self, method: str, value: Any):
+        super().__init__()
+        self.method, self.value = method, value
+
+    def begin_episodes(self, agent_indices):
+        result = super().begin_episodes(agent_indices)
+        return self.value if self.method == "begin_episodes" else result
+
+    def perform(self, agent_indices, observ):
+        result = super().perform(agent_indices, observ)
+        if self.method == "perform-action-only":
+            return result[0]
+        if self.method == "perform-numpy":
+            return result[0].numpy(), {}
+        return (result[0], self.value) if self.method == "perform" else result
+
+    def experience(self, *args):
+        result = super().experience(*args)
+        return self.value if self.method == "experience" else result
+
+    def end_episodes(self, agent_indices):
+        result = super().end_episodes(agent_indices)
+        return self.value if self.method == "end_episodes" else result
+
+
+@pytest.mark.parametrize("method, message", [
+    ("begin_episodes", r"Broken.begin_episodes\(\) returned None; it must return a dict"),
+    ("perform", r"Broken.perform\(\) returned None; it must return a dict"),
+    ("experience", r"Broken.experience\(\) returned None; it must return a dict"),
+    ("end_episodes", r"Broken.end_episodes\(\) returned None; it must return a dict"),
+    ("perform-action-only", r"Broken.perform\(\) returned tensor\(.*\); it must return "
+                            r"\(action, summary\)"),
+    ("perform-numpy", r"Broken.perform\(\) returned a ndarray as the action; it must be a "
+                      r"torch.Tensor"),
+])
+def test_what_an_algorithm_returns_is_checked_and_named(method, message):
+    env, algo = make_env(), Broken(method, None)
+    with pytest.raises(TypeError, match=message):
+        simulate(env, algo)  # env 0 ends its episode at the first step
 
 
 class LaggingRecorder(Recorder):

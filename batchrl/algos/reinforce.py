@@ -32,7 +32,7 @@ about 4000 calls, a few seconds on a CPU)::
     from batchrl.algos import Reinforce
     from batchrl.envs import BatchEnv, wrap_env
     from batchrl.tensor_env import TensorBatchEnv
-    from batchrl.simulate import simulate
+    from batchrl.simulation import simulate
 
     env = TensorBatchEnv(BatchEnv([wrap_env(gym.make("CartPole-v1")) for _ in range(8)]))
     algo = Reinforce(env.observation_space, env.action_space, len(env), max_length=500)

@@ -89,6 +89,11 @@ class BatchEnv:
                     members.append(LocalWorker(local))
                     local = []
                 members.append(env if isinstance(env, Worker) else ProcessWorker(env))
+            elif isinstance(env, type) or (callable(env) and not hasattr(env, "step")):
+                raise TypeError(
+                    f"BatchEnv takes envs, got the constructor {env!r}: pass make() to step "
+                    f"the env in this process, or ExternalProcess(make) / EnvWorker([make, "
+                    f"...]) to build it in a worker process")
             else:
                 local.append(env)
         if local:

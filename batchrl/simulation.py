@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -9,12 +12,37 @@ from batchrl.algos.base import Algorithm, Summary
 from batchrl.tensor_env import Episodes, TensorBatchEnv
 
 
+def _merge(summary: Summary, returned: Any, algo: Algorithm, method: str) -> None:
+    """Add what ``algo.method()`` returned to ``summary``; it must be a dict."""
+    if type(returned) is not dict and not isinstance(returned, Mapping):
+        raise TypeError(f"{type(algo).__name__}.{method}() returned {_short(returned)}; it "
+                        f"must return a dict of scalars to log ({{}} when there is nothing)")
+    summary.update(returned)
+
+
+def _performed(returned: Any, algo: Algorithm) -> tuple[torch.Tensor, Summary]:
+    """``perform``'s ``(action, summary)``, checked."""
+    if not isinstance(returned, tuple) or len(returned) != 2:
+        raise TypeError(f"{type(algo).__name__}.perform() returned {_short(returned)}; it must "
+                        f"return (action, summary): a tensor of actions and a dict")
+    if not isinstance(returned[0], torch.Tensor):
+        raise TypeError(f"{type(algo).__name__}.perform() returned a "
+                        f"{type(returned[0]).__name__} as the action; it must be a "
+                        f"torch.Tensor of shape (N, *action_shape) on the algorithm's device")
+    return returned
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"a {type(value).__name__}"
+
+
 def _begin(tracker: Episodes, algo: Algorithm, agents: torch.Tensor,
            summary: Summary) -> None:
     """Start new episodes for ``agents`` (``(K,)`` int64, on the env's device)."""
     tracker.score[agents] = 0.0
     tracker.length[agents] = 0
-    summary.update(algo.begin_episodes(agents))
+    _merge(summary, algo.begin_episodes(agents), algo, "begin_episodes")
 
 
 def flush(env: TensorBatchEnv, summary: Summary | None = None) -> Summary:
@@ -28,8 +56,8 @@ def flush(env: TensorBatchEnv, summary: Summary | None = None) -> Summary:
     if tracker.late is not None:
         algo, observ, action = tracker.late
         tracker.late = None
-        summary.update(algo.experience(tracker.agents, observ, action, env.reward, env.done,
-                                       env.observ, env.terminated))
+        _merge(summary, algo.experience(tracker.agents, observ, action, env.reward, env.done,
+                                        env.observ, env.terminated), algo, "experience")
     return summary
 
 
@@ -98,6 +126,9 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
       far in its episode (the full return where ``done``); ``summary``, the
       merged summaries of the algorithm's calls plus the logged means.
     """
+    if not isinstance(env, TensorBatchEnv):
+        raise TypeError(f"simulate() needs a TensorBatchEnv (the batch as torch tensors), got "
+                        f"a {type(env).__name__}: wrap it as TensorBatchEnv(batch_env, device)")
     if seed is not None and not reset:
         raise ValueError("simulate(seed=...) seeds the resets of all agents: it needs "
                          "reset=True")
@@ -117,8 +148,8 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
 
     agents = tracker.agents
     observ = env.observ.clone()  # the env overwrites its buffer when it steps
-    action, performed = algo.perform(agents, observ)
-    summary.update(performed)
+    action, performed = _performed(algo.perform(agents, observ), algo)
+    _merge(summary, performed, algo, "perform")
     if lag:
         env.step_async(action)
         flush(env, summary)  # the previous step's, while the workers step this one
@@ -127,8 +158,8 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
         next_observ, reward, done = env.step(action)
     finished, ended, score = _count_step(tracker, reward, done)
     if not lag or env.restarted is not None or ended is not None:
-        summary.update(algo.experience(agents, observ, env.action, reward, done, next_observ,
-                                       env.terminated))
+        _merge(summary, algo.experience(agents, observ, env.action, reward, done, next_observ,
+                                        env.terminated), algo, "experience")
     else:  # nothing ends or starts before the next call: deliver it then
         tracker.late = (algo, observ, env.action.clone())
 
@@ -139,7 +170,7 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
         score = tracker.score.clone()
     if ended is not None:
         tracker.starting = ended
-        summary.update(algo.end_episodes(ended))
+        _merge(summary, algo.end_episodes(ended), algo, "end_episodes")
         tracker.finished_score += tracker.score[ended].sum()
         tracker.finished_length += tracker.length[ended].sum()
         tracker.finished_count += ended.numel()
