@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Train BatchPPO on a task from configs/.
+"""Train an algorithm (BatchPPO unless the config names another) on a task from configs/.
 
   python train.py --config halfcheetah
-  python train.py --config pendulum --logdir logs/pendulum --set ppo.policy_lr=3e-4
+  python train.py --config pendulum --logdir logs/pendulum --set algorithm.policy_lr=3e-4
 
 Running again with an existing --logdir resumes that run from its latest
 checkpoint, with the config saved there; --steps N (unlike --set) may then
@@ -32,16 +32,18 @@ from pathlib import Path
 
 
 def _config_help() -> str:
-    from batchrl.config import Config, available_configs
+    from batchrl.config import DERIVED_KEYS, SECTIONS, available_configs
     lines = [f"available configs: {', '.join(available_configs())}", "",
-             "config keys (--set section.key=value; values are TOML: 3e-4, true, [64, 64], \"Hopper-v5\"):"]
-    for section in dataclasses.fields(Config):
-        default = section.default_factory()
+             "config keys (--set section.key=value; values are TOML: 3e-4, true, [64, 64], "
+             "\"Hopper-v5\"); [algorithm] lists BatchPPO's, the default (another class: "
+             "algorithm.class = \"package.module:Class\" and its constructor's keywords):"]
+    for name, factory in SECTIONS.items():
+        default = factory()
         for field in dataclasses.fields(default):
-            if section.name == "ppo" and field.name == "max_length":
+            if field.name in DERIVED_KEYS.get(name, {}):
                 continue
             value = _toml(getattr(default, field.name))
-            lines.append(f"  {section.name}.{field.name} = {value}")
+            lines.append(f"  {name}.{field.name} = {value}")
     return "\n".join(lines)
 
 
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="where to write the run (default: logs/CONFIG-YYYYmmdd-HHMMSS); "
                              "an existing run there is resumed")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="override a config key, e.g. ppo.discount=0.98")
+                        metavar="KEY=VALUE", help="override a config key, e.g. algorithm.discount=0.98")
     parser.add_argument("--steps", type=int, default=None, metavar="N",
                         help="training budget in env steps (train.steps); unlike --set also "
                              "allowed when resuming, to train a run further")

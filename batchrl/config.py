@@ -10,6 +10,8 @@ errors name the key and what is valid.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
 import sys
 import types
 import typing
@@ -90,21 +92,121 @@ class TrainConfig:
                              f"got {self.device!r}")
 
 
+BATCHPPO = "batchrl.algos.ppo:BatchPPO"
+# Set by the trainer, not by an [algorithm] section.
+TRAINER_ARGUMENTS = ("observation_space", "action_space", "num_agents", "max_length", "device")
+
+
+@dataclass
+class AlgorithmConfig:
+    """The ``[algorithm]`` section: the ``Algorithm`` class and its keyword
+    arguments. ``path`` is ``"package.module:Class"`` (``""``: BatchPPO, whose
+    arguments are the typed ``ppo``); another class gets ``kwargs``."""
+
+    path: str = ""
+    ppo: PPOConfig | None = field(default_factory=PPOConfig)
+    kwargs: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """``"package.module:Class"`` of the algorithm."""
+        return self.path or BATCHPPO
+
+    @property
+    def cls(self) -> type:
+        """The ``Algorithm`` subclass (imported)."""
+        return algorithm_class(self.name)
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.ppo is not None:
+            return dataclasses.asdict(self.ppo)
+        return {"class": self.path, **self.kwargs}
+
+
 @dataclass
 class Config:
     """The whole configuration of a training run."""
 
     env: EnvConfig = field(default_factory=EnvConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    ppo: PPOConfig = field(default_factory=PPOConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
 
     def __post_init__(self) -> None:
         # The keys of DERIVED_KEYS follow their sources in every Config.
-        self.ppo = dataclasses.replace(self.ppo, max_length=self.env.max_length,
-                                       total_steps=self.train.steps)
+        if self.algorithm.ppo is not None:
+            ppo = dataclasses.replace(self.algorithm.ppo, max_length=self.env.max_length,
+                                      total_steps=self.train.steps)
+            self.algorithm = dataclasses.replace(self.algorithm, ppo=ppo)
+
+    @property
+    def ppo(self) -> PPOConfig:
+        """BatchPPO's hyperparameters (``ConfigError`` for another algorithm)."""
+        if self.algorithm.ppo is None:
+            raise ConfigError(f"this config trains {self.algorithm.path}, not BatchPPO")
+        return self.algorithm.ppo
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"env": dataclasses.asdict(self.env), "train": dataclasses.asdict(self.train),
+                "algorithm": self.algorithm.to_dict()}
+
+    def make_algorithm(self, observation_space: Any, action_space: Any, num_agents: int,
+                       device: Any) -> Any:
+        """The configured ``Algorithm``: ``Class(observation_space,
+        action_space, num_agents, max_length=env.max_length, device=device,
+        **the [algorithm] section's other keys)``."""
+        cls = self.algorithm.cls
+        if self.algorithm.ppo is not None:
+            return cls(observation_space, action_space, num_agents, self.algorithm.ppo, device)
+        return cls(observation_space, action_space, num_agents,
+                   max_length=self.env.max_length, device=device, **self.algorithm.kwargs)
+
+
+def algorithm_class(path: str) -> type:
+    """The ``Algorithm`` subclass named ``"package.module:Class"`` (the current
+    directory is importable, as for ``env.id``); ``ConfigError`` saying what
+    is wrong otherwise."""
+    from batchrl.algos.base import Algorithm
+    module_name, _, name = path.partition(":")
+    if not module_name or not name:
+        raise ConfigError(f"algorithm.class must be 'package.module:Class', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"algorithm.class = {path!r}: cannot import module {module_name!r} "
+                          f"({exc}); it must be importable from the current directory or "
+                          f"the Python path") from None
+    cls = getattr(module, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        found = "nothing" if cls is None else repr(cls)
+        raise ConfigError(f"algorithm.class = {path!r}: {module_name}.{name} must be a "
+                          f"subclass of batchrl.algos.Algorithm, found {found}")
+    return cls
+
+
+def _check_arguments(cls: type, path: str, kwargs: dict[str, Any]) -> None:
+    """``ConfigError`` unless ``cls``'s constructor takes the trainer's
+    arguments and the section's keys."""
+    for key in kwargs:
+        if key in TRAINER_ARGUMENTS:
+            raise ConfigError(f"algorithm.{key} is the trainer's to pass (from "
+                              f"{'env.max_length' if key == 'max_length' else 'the env'} "
+                              f"and train.device); remove it from [algorithm]")
+    signature = inspect.signature(cls)
+    parameters = signature.parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    named = [name for name, p in parameters.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    valid = [name for name in named if name not in TRAINER_ARGUMENTS]
+    unknown = [key for key in kwargs if key not in named]
+    if unknown and not takes_any:
+        raise ConfigError(f"unknown key algorithm.{unknown[0]}: {path}() takes "
+                          f"{', '.join(valid) or 'no keyword arguments'}")
+    try:
+        signature.bind(None, None, 1, max_length=1, device="cpu", **kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"[algorithm] does not fit {path}(observation_space, action_space, "
+                          f"num_agents, max_length=..., device=..., **keys): {exc}; its "
+                          f"keys: {', '.join(valid)}") from None
 
 
 def _check_range(obj: Any, name: str, minimum: int) -> None:
@@ -113,15 +215,16 @@ def _check_range(obj: Any, name: str, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+SECTIONS = {"env": EnvConfig, "train": TrainConfig, "algorithm": PPOConfig}
 # Keys set from other keys, not by users: key -> (the key it follows, what that is).
-DERIVED_KEYS = {"ppo": {"max_length": ("env.max_length", "the episode time limit"),
-                        "total_steps": ("train.steps", "the run's training budget")}}
+DERIVED_KEYS = {"algorithm": {"max_length": ("env.max_length", "the episode time limit"),
+                              "total_steps": ("train.steps", "the run's training budget")}}
 
 
 def strip_derived(values: dict[str, Any]) -> dict[str, Any]:
     """Drop the derived keys from a nested dict (as a run's config.json holds
     them), so that ``build_config`` derives them again; returns ``values``."""
+    _rename_ppo(values)
     for section, keys in DERIVED_KEYS.items():
         if isinstance(values.get(section), dict):
             for key in keys:
@@ -179,12 +282,12 @@ def _convert(key: str, value: Any, annotation: Any) -> Any:
     raise ConfigError(f"{key}: unsupported type {annotation}")  # a schema bug
 
 
-def _build(section: str, factory: Any, values: dict[str, Any]) -> Any:
+def _build(section: str, factory: Any, values: dict[str, Any], skip: Any = ()) -> Any:
     hints = typing.get_type_hints(factory)
     fields = {f.name for f in dataclasses.fields(factory)}
     unknown = sorted(set(values) - fields)
     if unknown:
-        valid = sorted(fields - set(DERIVED_KEYS.get(section, {})))
+        valid = sorted(fields - set(skip))
         raise ConfigError(f"unknown key {section}.{unknown[0]}; valid keys of [{section}]: "
                           f"{', '.join(valid)}")
     converted = {name: _convert(f"{section}.{name}", value, hints[name])
@@ -198,24 +301,63 @@ def _build(section: str, factory: Any, values: dict[str, Any]) -> Any:
         raise ConfigError(message) from None
 
 
+def _rename_ppo(values: dict[str, Any]) -> str:
+    """Move an ``[ppo]`` section (the old name of ``[algorithm]``, and what
+    ``--set ppo.key=...`` writes) into ``[algorithm]``; returns the name to
+    use in messages."""
+    if "ppo" not in values:
+        return "algorithm"
+    ppo = values.pop("ppo")
+    if not isinstance(ppo, dict):
+        raise ConfigError(f"[ppo] must be a table of keys, got {ppo!r}")
+    algorithm = values.setdefault("algorithm", {})
+    if not isinstance(algorithm, dict):
+        raise ConfigError(f"[algorithm] must be a table of keys, got {algorithm!r}")
+    if algorithm.get("class", "") not in ("", BATCHPPO):
+        raise ConfigError(f"[ppo] holds BatchPPO's keys, but [algorithm] names "
+                          f"{algorithm['class']}: put that class's keys in [algorithm]")
+    algorithm.update(ppo)
+    return "ppo"
+
+
 def build_config(values: dict[str, Any]) -> Config:
-    """Validate a nested dict (as read from TOML) and build a ``Config``."""
+    """Validate a nested dict (as read from TOML) and build a ``Config``.
+
+    ``[algorithm]`` names the class in ``class`` (BatchPPO without it); its
+    other keys are BatchPPO's typed hyperparameters or, for another class,
+    keyword arguments checked against its constructor. ``[ppo]`` is read as
+    ``[algorithm]`` (its old name)."""
+    values = dict(values)
+    label = _rename_ppo(values)
     unknown = sorted(set(values) - set(SECTIONS))
     if unknown:
         raise ConfigError(f"unknown section [{unknown[0]}]; valid sections: "
-                          f"{', '.join(SECTIONS)}")
-    for section, keys in DERIVED_KEYS.items():
-        for key, (source, meaning) in keys.items():
-            if isinstance(values.get(section), dict) and key in values[section]:
-                raise ConfigError(f"{section}.{key} follows {source} ({meaning}); "
-                                  f"set {source} instead")
-    sections = {}
-    for name, factory in SECTIONS.items():
+                          f"{', '.join(SECTIONS)} ([ppo] is read as [algorithm])")
+    sections: dict[str, Any] = {}
+    for name in ("env", "train"):
         section = values.get(name, {})
         if not isinstance(section, dict):
             raise ConfigError(f"[{name}] must be a table of keys, got {section!r}")
-        sections[name] = _build(name, factory, section)
-    return Config(**sections)
+        sections[name] = _build(name, SECTIONS[name], section)
+    section = values.get("algorithm", {})
+    if not isinstance(section, dict):
+        raise ConfigError(f"[algorithm] must be a table of keys, got {section!r}")
+    section = dict(section)
+    path = section.pop("class", "")
+    if not isinstance(path, str):
+        raise ConfigError(f"algorithm.class must be a string 'package.module:Class', got "
+                          f"{path!r}")
+    if path in ("", BATCHPPO):
+        for key, (source, meaning) in DERIVED_KEYS["algorithm"].items():
+            if key in section:
+                raise ConfigError(f"{label}.{key} follows {source} ({meaning}); "
+                                  f"set {source} instead")
+        ppo = _build(label, PPOConfig, section, skip=DERIVED_KEYS["algorithm"])
+        algorithm = AlgorithmConfig(ppo=ppo)
+    else:
+        _check_arguments(algorithm_class(path), path, section)
+        algorithm = AlgorithmConfig(path=path, ppo=None, kwargs=section)
+    return Config(**sections, algorithm=algorithm)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

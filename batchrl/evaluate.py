@@ -4,7 +4,7 @@
   python -m batchrl.evaluate logs/cheetah --episodes 30 --video cheetah.mp4
 
 The run's saved ``config.json`` rebuilds the env (stepped in this process,
-so no worker processes) and a ``BatchPPO`` with the same settings, which
+so no worker processes) and the run's algorithm with the same settings, which
 loads the checkpoint's weights and observation statistics and acts with its
 mean (mode) action, as the trainer's evaluation phases do. ``K`` agents
 (default ``min(episodes, env.num_agents)``) run exactly ``episodes`` whole
@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchrl.algos.ppo import BatchPPO
+from batchrl.algos.base import Algorithm
 from batchrl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from batchrl.config import Config, ConfigError
 from batchrl.envs.errors import EnvSpecError
@@ -93,26 +93,26 @@ def _load_run(logdir: Path, checkpoint: Path | None) -> tuple[Config, Path]:
 
 
 def _build_algorithm(env: TensorBatchEnv, config: Config, algorithm_state: dict[str, Any],
-                     device: torch.device, source: Path) -> BatchPPO:
-    """A ``BatchPPO`` for ``len(env)`` agents with the checkpoint's learned state.
+                     device: torch.device, source: Path) -> Algorithm:
+    """The run's algorithm for ``len(env)`` agents with the checkpoint's state.
 
-    The per-agent entries (``BatchPPO.PER_AGENT_STATE``) are sized by the
-    training run's agent count and hold nothing evaluation needs, so this
-    algorithm keeps its own (fresh) ones.
+    The per-agent entries (``per_agent_state``) are sized by the training
+    run's agent count and hold nothing evaluation needs, so this algorithm
+    keeps its own (fresh) ones.
     """
-    algo = BatchPPO(env.observation_space, env.action_space, len(env), config.ppo, device)
+    algo = config.make_algorithm(env.observation_space, env.action_space, len(env), device)
     fresh = algo.state_dict()
-    state = {**algorithm_state, **{key: fresh[key] for key in BatchPPO.PER_AGENT_STATE}}
+    state = {**algorithm_state, **{key: fresh[key] for key in algo.per_agent_state}}
     try:
         algo.load_state_dict(state)
     except (KeyError, RuntimeError, ValueError) as exc:
         raise EvaluationError(f"{source} does not fit the run's config ({config.env.id}, "
-                              f"{config.ppo.network} policy): {exc}") from None
+                              f"{config.algorithm.name}): {exc}") from None
     algo.eval()
     return algo
 
 
-def _run_episodes(env: TensorBatchEnv, algo: BatchPPO, episodes: int,
+def _run_episodes(env: TensorBatchEnv, algo: Algorithm, episodes: int,
                   seed: int) -> tuple[list[float], list[int]]:
     """Exactly ``episodes`` whole episodes: agent ``i`` counts its first
     ``quota[i]`` ones (later ones it runs meanwhile are ignored)."""
@@ -188,6 +188,9 @@ def evaluate(logdir: str | Path, episodes: int = 10, checkpoint: str | Path | No
         raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r} "
                           f"({exc})") from None
     num_agents = min(agents or config.env.num_agents, max(episodes, 1))
+    if not config.algorithm.cls.per_agent_state:
+        # Its state_dict() may be sized by the training run's agents throughout.
+        num_agents = config.env.num_agents
 
     try:
         state = load_checkpoint(checkpoint_path, torch_device)

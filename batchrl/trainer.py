@@ -1,11 +1,13 @@
 """The training loop: alternate training and mean-action evaluation phases.
 
-As TF Agents' ``Loop``: a training phase collects ``ppo.update_every``
-episodes with sampled actions (the algorithm updates when the last one ends);
-every ``train.eval_every`` training phases an evaluation phase runs
-``train.eval_episodes`` episodes with mean actions and learns nothing. With
-fixed-length rollouts (``ppo.rollout_length``) a training phase is
-``train.eval_every`` rollouts long instead, each ending with an update, so
+As TF Agents' ``Loop``, for any ``Algorithm`` (the config's ``[algorithm]``
+section; see ``Algorithm`` for the contract): with whole-episode updates
+(``episodes_per_phase``, BatchPPO's ``update_every``) a training phase
+collects one update's episodes with sampled actions, and every
+``train.eval_every`` training phases an evaluation phase runs
+``train.eval_episodes`` episodes with mean actions and learns nothing.
+Otherwise (fixed-length rollouts: ``steps_per_update``, BatchPPO's
+``rollout_length``) a training phase is ``train.eval_every`` updates long, so
 that episodes run on across updates, and an evaluation follows every phase.
 Each phase starts with ``simulate(..., reset=True)``, which discontinues the
 running episodes. Env resets at phase starts are seeded from the run's seed
@@ -34,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from batchrl.algos.ppo import BatchPPO
+from batchrl.algos.base import Algorithm
 from batchrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, serialize
 from batchrl.config import (Config, ConfigError, apply_overrides, build_config,
                             strip_derived)
@@ -151,7 +153,7 @@ class Trainer:
         self._restarts_seen = 0
         self._batch_env: Any = None  # the run's BatchEnv, for its restart events
 
-    def _phase(self, env: TensorBatchEnv, algo: BatchPPO, phase: str, episodes: int,
+    def _phase(self, env: TensorBatchEnv, algo: Algorithm, phase: str, episodes: int | None,
                bar: Any, batch_steps: int | None = None) -> dict[str, Any]:
         """Run one phase until ``episodes`` episodes finished, or for
         ``batch_steps`` steps of the whole batch when given; returns its record."""
@@ -238,7 +240,7 @@ class Trainer:
             return save_checkpoint(self.logdir, step, state, self.config.train.keep_checkpoints)
         return latest_checkpoint(self.logdir)
 
-    def _state(self, algo: BatchPPO) -> dict[str, Any]:
+    def _state(self, algo: Algorithm) -> dict[str, Any]:
         return {"algorithm": algo.state_dict(), "counters": dataclasses.asdict(self.counters),
                 "rng": _rng_state(), "config": self.config.to_dict()}
 
@@ -282,12 +284,12 @@ class Trainer:
         last_eval: dict[str, Any] = {}
         try:
             env = TensorBatchEnv(batch_env, self.device)
-            algo = BatchPPO(env.observation_space, env.action_space, len(env), config.ppo,
-                            self.device)
+            algo = config.make_algorithm(env.observation_space, env.action_space, len(env),
+                                         self.device)
             # Only now that env and algorithm fit together (spaces) is this a run.
             self.logdir.mkdir(parents=True, exist_ok=True)
             save_config(config, self.logdir)
-            algo.interrupt_check = self._check_stop
+            algo.interrupt_check = self._check_stop  # Ctrl-C within an update
             checkpoint = latest_checkpoint(self.logdir)
             if checkpoint is not None:
                 state = load_checkpoint(checkpoint, self.device)
@@ -313,17 +315,19 @@ class Trainer:
                 bar = tqdm(total=config.train.steps, initial=self.counters.steps,
                            unit="step", unit_scale=True, dynamic_ncols=True)
             evals = self.counters.phases - self.counters.train_phases  # over all sessions
-            # Whole-episode updates: a training phase collects the episodes of
-            # one update, and every eval_every-th phase is followed by an
-            # evaluation. Fixed-length rollouts: a phase is eval_every rollouts
-            # (updates) long, so that episodes run on across updates, and every
-            # phase is followed by an evaluation.
-            rollout = config.ppo.rollout_length
-            phase_steps = None if rollout is None else rollout * config.train.eval_every
-            eval_every = 1 if rollout is not None else config.train.eval_every
+            # Whole-episode updates (episodes_per_phase): a training phase
+            # collects the episodes of one update, and every eval_every-th
+            # phase is followed by an evaluation. Otherwise a phase is
+            # eval_every updates of steps_per_update batch steps (1 if the
+            # algorithm does not say), so that episodes run on across updates,
+            # and every phase is followed by an evaluation.
+            episodes = algo.episodes_per_phase
+            phase_steps = None
+            eval_every = config.train.eval_every
+            if episodes is None:
+                phase_steps, eval_every = (algo.steps_per_update or 1) * eval_every, 1
             while self.counters.steps < config.train.steps:
-                record = self._phase(env, algo, "train", config.ppo.update_every, bar,
-                                     phase_steps)
+                record = self._phase(env, algo, "train", episodes, bar, phase_steps)
                 self._report(record, bar)
                 due = self.counters.train_phases % eval_every == 0
                 final = self.counters.steps >= config.train.steps

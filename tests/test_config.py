@@ -36,8 +36,9 @@ def test_configs_dir_holds_the_documented_tasks():
 def test_every_config_loads_validates_and_names_a_known_env(name):
     config = load_config(name)
     assert isinstance(config, Config)
-    # ppo.max_length is derived from the episode time limit.
-    assert config.ppo.max_length == config.env.max_length
+    # BatchPPO's max_length is derived from the episode time limit.
+    if config.algorithm.ppo is not None:
+        assert config.ppo.max_length == config.env.max_length
     assert config.train.steps >= config.env.num_agents
     # The env id resolves (a registered Gymnasium id; MuJoCo need not be installed).
     assert callable(resolve_constructor(config.env.id, config.env.kwargs))
@@ -431,3 +432,31 @@ def test_ray_backend_keys_from_the_command_line():
     assert config.env.backend == "ray" and config.env.ray_address == "auto"
     assert config.env.ray_resources == {"CPU": 1, "env_node": 0.5}
     assert load_config("halfcheetah").env.ray_resources == {"CPU": 1}
+
+
+def test_algorithm_section_and_its_old_name_ppo_read_the_same(tmp_path):
+    new, old = tmp_path / "new.toml", tmp_path / "old.toml"
+    new.write_text("[algorithm]\ndiscount = 0.98\nupdate_every = 7\n")
+    old.write_text("[ppo]\ndiscount = 0.98\nupdate_every = 7\n")
+    assert load_config(str(new)) == load_config(str(old))
+    assert load_config(str(new)).ppo.update_every == 7
+    # --set ppo.key (as the README's older commands write it) reaches [algorithm].
+    assert load_config(str(new), ["ppo.discount=0.9"]).ppo.discount == 0.9
+    explicit = tmp_path / "explicit.toml"
+    explicit.write_text('[algorithm]\nclass = "batchrl.algos.ppo:BatchPPO"\ndiscount = 0.98\n'
+                        'update_every = 7\n')
+    assert load_config(str(explicit)) == load_config(str(new))
+
+
+def test_another_algorithm_keeps_its_keys_and_round_trips(tmp_path):
+    config = load_config("cartpole_reinforce", ["algorithm.learning_rate=0.005"])
+    assert config.algorithm.path == "batchrl.algos.reinforce:Reinforce"
+    assert config.algorithm.kwargs == {"discount": 0.99, "learning_rate": 0.005,
+                                       "update_every": 16, "hidden": [64, 64]}
+    values = json.loads(json.dumps(config.to_dict()))
+    assert build_config(strip_derived(values)) == config
+    with pytest.raises(ConfigError, match="trains batchrl.algos.reinforce:Reinforce, not BatchPPO"):
+        config.ppo  # noqa: B018
+    with pytest.raises(ConfigError, match=r"\[ppo\] holds BatchPPO's keys, but \[algorithm\] "
+                                          r"names batchrl.algos.reinforce:Reinforce"):
+        load_config("cartpole_reinforce", ["ppo.discount=0.9"])

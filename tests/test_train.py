@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from batchrl.checkpoint import list_checkpoints
-from batchrl.config import Config, load_config
+from batchrl.config import DERIVED_KEYS, SECTIONS, Config, load_config
 from batchrl.metrics import read_metrics
 from batchrl.trainer import Trainer, load_saved_config
 from helpers import REPO, TRAIN_PY, sets
@@ -423,17 +423,18 @@ def test_train_py_help_lists_the_config_keys():
         assert option in text
     for name in ("cartpole", "pendulum", "halfcheetah"):
         assert name in text
-    for section in dataclasses.fields(Config):
-        for field in dataclasses.fields(section.default_factory()):
-            key = f"{section.name}.{field.name}"
-            if key == "ppo.max_length":
-                assert f"{key} =" not in text  # derived from env.max_length
+    for section, factory in SECTIONS.items():
+        for field in dataclasses.fields(factory):
+            key = f"{section}.{field.name}"
+            if field.name in DERIVED_KEYS.get(section, {}):
+                assert f"{key} =" not in text  # derived from env.max_length, train.steps
             else:
                 assert f"  {key} = " in text, key
+    assert 'algorithm.class = "package.module:Class"' in text
     # Defaults are shown as --set takes them (TOML).
     assert 'env.id = "CartPole-v1"' in text
     assert "env.backend = \"workers\"" in text
-    assert "ppo.policy_layers = [200, 100]" in text
+    assert "algorithm.policy_layers = [200, 100]" in text
 
 
 def test_run_without_evaluations_still_plots_and_checkpoints(tmp_path):

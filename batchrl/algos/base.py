@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -52,9 +52,43 @@ class Algorithm(abc.ABC):
     In evaluation an algorithm acts with its mean (mode) action and learns
     nothing. ``state_dict()`` / ``load_state_dict()`` must cover everything
     needed to resume training exactly (weights, optimisers, statistics).
+
+    Under ``simulate`` every call covers all ``N`` agents (``agent_indices``
+    is ``arange(N)``), so per-agent state can be indexed by it directly.
+    Gradient steps may happen in any method (typically ``end_episodes`` or
+    ``experience``): only ``perform`` should run under ``torch.no_grad()``.
+    An algorithm given an env that something else stepped before must start
+    with ``simulate(..., reset=True)``.
+
+    Built by ``train.py``: a config's ``[algorithm]`` section names the class
+    (``class = "package.module:Class"``; BatchPPO without it) and every other
+    key of the section is a keyword argument, so the trainer calls
+    ``Class(observation_space, action_space, num_agents,
+    max_length=env.max_length, device=train.device, **keys)``. It then offers
+    everything it has (evaluation phases, TensorBoard, checkpoints of
+    ``state_dict()``, exact resume, Ctrl-C, ``python -m batchrl.evaluate``).
+    Optional attributes tell it more:
+
+    - ``episodes_per_phase``: an update's worth of whole episodes. A training
+      phase then ends once that many episodes finished, and an evaluation
+      follows every ``train.eval_every`` phases. Without it, a training phase
+      is ``train.eval_every`` updates of ``steps_per_update`` batch steps
+      (one batch step when that is ``None`` too), and an evaluation follows
+      every phase. Every phase starts new episodes (seeded resets).
+    - ``per_agent_state``: the ``state_dict()`` entries whose first
+      dimension is the agent, which ``batchrl.evaluate`` takes fresh when it
+      runs another number of agents than the training run did (without them
+      it runs the training run's number).
+    - ``interrupt_check``: set by the trainer; a long computation (an update)
+      calls ``self.check_interrupt()`` between its steps, so that Ctrl-C
+      stops the run within a step.
     """
 
     experience_may_lag: bool = False
+    episodes_per_phase: int | None = None
+    steps_per_update: int | None = None
+    per_agent_state: tuple[str, ...] = ()
+    interrupt_check: Callable[[], None] | None = None
 
     def __init__(self, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
@@ -68,6 +102,12 @@ class Algorithm(abc.ABC):
     def eval(self) -> "Algorithm":
         """Switch to evaluation: mean actions, nothing learned."""
         return self.train(False)
+
+    def check_interrupt(self) -> None:
+        """Call ``interrupt_check`` if the trainer set one: it raises when a
+        signal asked the run to stop."""
+        if self.interrupt_check is not None:
+            self.interrupt_check()
 
     @abc.abstractmethod
     def begin_episodes(self, agent_indices: torch.Tensor) -> Summary:

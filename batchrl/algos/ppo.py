@@ -17,7 +17,7 @@ import copy
 import math
 import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 import gymnasium as gym
 import torch
@@ -165,14 +165,29 @@ class BatchPPO(Algorithm):
       observation_space: a Box space (observations are flattened to float32).
       action_space: Box (Gaussian policy) or Discrete (categorical policy).
       num_agents: the batch size N of the env.
-      config: hyperparameters (``PPOConfig``).
+      config: hyperparameters (``PPOConfig``); or give them as keyword
+        arguments (``max_length`` and any ``PPOConfig`` field), as
+        ``train.py`` does with a config's ``[algorithm]`` section.
       device: where networks, memory and statistics live.
     """
 
+    # state_dict() entries sized by num_agents: they hold the agents'
+    # unfinished episodes, not what was learned (see Algorithm).
+    per_agent_state = ("recurrent_state", "running_return", "memory")
+
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, num_agents: int,
-                 config: PPOConfig | None = None, device: str | torch.device = "cpu"):
+                 config: PPOConfig | None = None, device: str | torch.device = "cpu",
+                 **options: Any):
         super().__init__(device)
-        self.config = config = config or PPOConfig()
+        if config is not None and options:
+            raise TypeError(f"BatchPPO takes a PPOConfig or keyword arguments, not both "
+                            f"(got config and {sorted(options)})")
+        self.config = config = config or PPOConfig(**options)
+        # For the trainer: whole-episode updates collect update_every episodes;
+        # fixed-length ones update every rollout_length batch steps.
+        if config.rollout_length is None:
+            self.episodes_per_phase = config.update_every
+        self.steps_per_update = config.rollout_length
         if config.lr_schedule == "linear" and config.total_steps is None:
             # (checked here, not in PPOConfig: a run's Config sets total_steps
             # after the [ppo] section is read)
@@ -263,11 +278,6 @@ class BatchPPO(Algorithm):
         # when the last update began (the learning-rate schedule's clock).
         self.env_steps = 0
         self.updated_steps = 0
-        # Called before every gradient step of an update; it may raise (the
-        # trainer's Ctrl-C check) to abandon the update within a fraction of a
-        # second. The algorithm's state is then half-updated: the caller must
-        # discard it (the trainer keeps a snapshot from the last phase boundary).
-        self.interrupt_check: Callable[[], None] | None = None
         # What perform() saw, kept for experience(): oldest first, as the
         # experience of a step may come after the next perform (overlap).
         self._performed: collections.deque[dict[str, torch.Tensor]] = collections.deque(maxlen=2)
@@ -566,8 +576,9 @@ class BatchPPO(Algorithm):
         for _ in range(config.update_epochs):
             order = torch.randperm(rows, device=self.device)
             for start in range(0, rows, size):  # every row once per epoch
-                if self.interrupt_check is not None:
-                    self.interrupt_check()
+                # May raise (Ctrl-C): the state is then half-updated, and the
+                # trainer discards it for its snapshot of the last phase boundary.
+                self.check_interrupt()
                 picked = order[start:start + size]
                 batch = {name: value[picked] for name, value in batches.items()}
                 batch_mask = mask[picked]
@@ -597,11 +608,6 @@ class BatchPPO(Algorithm):
         return summary
 
     # -- checkpoints -----------------------------------------------------------------
-
-    # Entries of state_dict() sized by num_agents: they hold the agents'
-    # unfinished episodes, not what was learned, so a BatchPPO for another
-    # agent count (evaluation) keeps its own.
-    PER_AGENT_STATE = ("recurrent_state", "running_return", "memory")
 
     def state_dict(self) -> dict[str, Any]:
         return {"config": asdict(self.config),

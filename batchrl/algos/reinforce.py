@@ -148,8 +148,8 @@ class Reinforce(Algorithm):
         # scales each weight's step by its own gradient statistics.
         self.optimizer = torch.optim.Adam(parameters, lr=learning_rate)
         self._generator = torch.Generator(device=self.device)
-        if seed is None:
-            self._generator.seed()
+        if seed is None:  # from torch's global RNG: reproducible under torch.manual_seed
+            self._generator.manual_seed(int(torch.randint(0, 2**62, ()).item()))
         else:
             self._generator.manual_seed(seed)
 

@@ -1,0 +1,184 @@
+"""A user's own Algorithm through every entry point: ``train.py`` with an
+``[algorithm]`` config, exact resume, ``python -m batchrl.evaluate``, the
+example Reinforce config, and the errors for a class that does not fit.
+
+The user's algorithm lives in a module written into the run's working
+directory (as a user's would), imported by ``train.py`` from there.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchrl.checkpoint import list_checkpoints, load_checkpoint
+from batchrl.metrics import read_metrics
+from helpers import REPO, TRAIN_PY
+
+USER_MODULE = textwrap.dedent('''
+    """A user's algorithm: a linear softmax policy on CartPole that moves its
+    weights towards the actions of episodes that beat the running mean."""
+    import torch
+    from batchrl.algos import Algorithm
+
+
+    class Hill(Algorithm):
+        def __init__(self, observation_space, action_space, num_agents, max_length,
+                     device="cpu", step_size=0.1):
+            super().__init__(device)
+            self.step_size = step_size
+            n, size = num_agents, observation_space.shape[0]
+            self.weights = torch.zeros(size, action_space.n)
+            self.baseline = torch.zeros(())
+            self.episodes = torch.zeros((), dtype=torch.int64)
+            self.returns = torch.zeros(n)
+            self.trace = torch.zeros(n, size, action_space.n)
+
+        def begin_episodes(self, agent_indices):
+            self.returns[agent_indices] = 0.0
+            self.trace[agent_indices] = 0.0
+            return {}
+
+        def perform(self, agent_indices, observ):
+            logits = observ @ self.weights
+            if not self.training:
+                return logits.argmax(-1), {}
+            action = torch.distributions.Categorical(logits=logits).sample()
+            return action, {}
+
+        def experience(self, agent_indices, observ, action, reward, done, next_observ,
+                       terminated):
+            self.returns[agent_indices] += reward
+            onehot = torch.nn.functional.one_hot(action, self.weights.shape[1]).float()
+            self.trace[agent_indices] += observ[:, :, None] * onehot[:, None, :]
+            return {}
+
+        def end_episodes(self, agent_indices):
+            if not self.training:
+                return {}
+            advantage = self.returns[agent_indices] - self.baseline
+            self.weights += self.step_size * (advantage[:, None, None]
+                                              * self.trace[agent_indices]).mean(0) / 100
+            self.baseline += 0.1 * (self.returns[agent_indices].mean() - self.baseline)
+            self.episodes += len(agent_indices)
+            return {"hill/baseline": float(self.baseline)}
+
+        def state_dict(self):
+            return {name: getattr(self, name).clone()
+                    for name in ("weights", "baseline", "episodes", "returns", "trace")}
+
+        def load_state_dict(self, state):
+            for name, value in state.items():
+                getattr(self, name).copy_(value)
+
+
+    class NotAnAlgorithm:
+        pass
+''')
+
+CONFIG = textwrap.dedent('''
+    [env]
+    id = "CartPole-v1"
+    num_agents = 4
+    max_length = 200
+    backend = "inline"
+
+    [train]
+    steps = 6_000
+    eval_every = 250
+    eval_episodes = 4
+    device = "cpu"
+
+    [algorithm]
+    class = "user_algos:Hill"
+    step_size = 0.5
+''')
+
+
+def train_py(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TRAIN_PY), *args, "--no-progress"], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A user's working directory: their algorithm module and a config."""
+    (tmp_path / "user_algos.py").write_text(USER_MODULE)
+    (tmp_path / "hill.toml").write_text(CONFIG)
+    return tmp_path
+
+
+def final_state(logdir: Path) -> dict:
+    return load_checkpoint(list_checkpoints(logdir)[-1], "cpu")["algorithm"]
+
+
+def test_a_user_algorithm_trains_resumes_exactly_and_evaluates(project):
+    done = train_py(project, "--config", "hill.toml", "--logdir", "straight")
+    assert done.returncode == 0, done.stderr
+    records = read_metrics(project / "straight")
+    # Phases of eval_every batch steps, each followed by an evaluation.
+    assert [r["phase"] for r in records] == ["train", "eval"] * 6
+    assert [r["step"] for r in records if r["phase"] == "train"] == [1000 * k
+                                                                    for k in range(1, 7)]
+    saved = json.loads((project / "straight" / "config.json").read_text())
+    assert saved["algorithm"] == {"class": "user_algos:Hill", "step_size": 0.5}
+    state = final_state(project / "straight")
+    assert int(state["episodes"]) > 0 and state["weights"].abs().sum() > 0
+
+    # The same run in two sessions ends in exactly the same state.
+    first = train_py(project, "--config", "hill.toml", "--logdir", "resumed", "--steps", "3000")
+    assert first.returncode == 0, first.stderr
+    second = train_py(project, "--config", "hill.toml", "--logdir", "resumed", "--steps", "6000")
+    assert second.returncode == 0, second.stderr
+    assert "Resuming from" in second.stdout
+    resumed = final_state(project / "resumed")
+    assert set(resumed) == set(state)
+    for name in state:
+        assert torch.equal(resumed[name], state[name]), name
+    assert ([r["score"] for r in read_metrics(project / "resumed")]
+            == [r["score"] for r in records])
+
+    evaluated = subprocess.run([sys.executable, "-m", "batchrl.evaluate", "straight",
+                                "--episodes", "2"], cwd=project,
+                               capture_output=True, text=True, timeout=120)
+    assert evaluated.returncode == 0, evaluated.stderr
+    # Without per_agent_state the run's 4 agents evaluate (2 episodes asked).
+    assert "mean actions, 4 agents" in evaluated.stdout
+    assert "over 2 episodes" in evaluated.stdout
+
+
+def test_the_reinforce_config_trains_the_example_algorithm(tmp_path):
+    done = train_py(REPO, "--config", "cartpole_reinforce", "--logdir", str(tmp_path / "run"),
+                    "--steps", "16000")
+    assert done.returncode == 0, done.stderr
+    evals = [r["score"] for r in read_metrics(tmp_path / "run") if r["phase"] == "eval"]
+    assert len(evals) == 2 and evals[-1] > 100  # CartPole's random policy scores about 20
+
+
+@pytest.mark.parametrize("setting, message", [
+    ('class = "no_such_module:Algo"',
+     r"^error: algorithm.class = 'no_such_module:Algo': cannot import module 'no_such_module'"),
+    ('class = "user_algos:NotAnAlgorithm"',
+     r"^error: algorithm.class = 'user_algos:NotAnAlgorithm': user_algos.NotAnAlgorithm must "
+     r"be a subclass of batchrl.algos.Algorithm"),
+    ('class = "user_algos:Hill"\nstep = 0.5',
+     r"^error: unknown key algorithm.step: user_algos:Hill\(\) takes step_size$"),
+    ('class = "user_algos:Hill"\nmax_length = 5',
+     r"^error: algorithm.max_length is the trainer's to pass"),
+    ('class = "Hill"', r"^error: algorithm.class must be 'package.module:Class', got 'Hill'"),
+])
+def test_an_algorithm_that_does_not_fit_is_a_user_error(project, setting, message):
+    config = CONFIG.replace('class = "user_algos:Hill"\nstep_size = 0.5', setting)
+    (project / "bad.toml").write_text(config)
+    done = train_py(project, "--config", "bad.toml", "--logdir", "bad")
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr  # one line, no traceback
+    assert re.search(message, done.stderr.strip()), done.stderr
+    assert not (project / "bad").exists()
