@@ -339,10 +339,11 @@ def main() -> int:
         config = batchrl["config"]
         if config["env"]["id"] != args.env_id:
             print(f"WARNING: batchrl trained {config['env']['id']}, SB3 {args.env_id}.")
-        update_threads = config["ppo"]["update_threads"] or cores
+        ppo = config["algorithm"]
+        update_threads = ppo["update_threads"] or cores
         updates = f"{batchrl['updates']} update" + ("s" if batchrl["updates"] != 1 else "")
         print(f"batchrl: {config['env']['num_agents']} agents, {updates} of "
-              f"{config['ppo']['update_every']} episodes x {config['ppo']['update_epochs']} "
+              f"{ppo['update_every']} episodes x {ppo['update_epochs']} "
               f"epochs, env backend {config['env']['backend']!r}, device "
               f"{config['train']['device']}, torch threads {config['train']['threads']} "
               f"while sampling and {update_threads} in updates; steps/s per phase: "
@@ -385,7 +386,7 @@ def main() -> int:
             "process_seconds": round(batchrl["process_seconds"], 2),
             "process_steps_per_s": round(batchrl["steps"] / batchrl["process_seconds"]),
             "threads": batchrl["config"]["train"]["threads"],
-            "update_threads": batchrl["config"]["ppo"]["update_threads"] or cores}
+            "update_threads": batchrl["config"]["algorithm"]["update_threads"] or cores}
     if sb3:
         summary["sb3"] = {"version": sb3["version"], "steps": sb3["steps"],
                           "seconds": round(sb3["seconds"], 2),
