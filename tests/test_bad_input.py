@@ -267,3 +267,37 @@ def test_unsupported_space_names_the_space_on_every_backend(where):
     finally:
         for member in members:
             member.close()
+
+
+UNGUARDED = '''
+import gymnasium as gym
+from batchrl import BatchEnv, EnvWorker, ExternalProcess
+
+make = lambda: gym.make("CartPole-v1")
+batch = BatchEnv([{member}])
+print("built", batch.reset(seed=0).shape)
+batch.close()
+'''
+
+
+@pytest.mark.parametrize("member", ["ExternalProcess(make)", "EnvWorker([make, make])"])
+def test_workers_built_at_the_top_level_of_a_script_are_one_clear_error(tmp_path, member):
+    script = tmp_path / "script.py"
+    script.write_text(UNGUARDED.format(member=member))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert done.returncode == 1 and "built" not in done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("batchrl.envs.errors.UnguardedMainError: ")
+    assert f"{script}, line 6, starts env worker processes" in last
+    assert 'under  if __name__ == "__main__":' in last
+    assert "bootstrapping" not in done.stderr and len(done.stderr.splitlines()) < 25
+    # The same code under the guard runs.
+    body = UNGUARDED.format(member=member).strip().splitlines()
+    guarded = "\n".join(body[:3] + ['if __name__ == "__main__":']
+                        + ["    " + line for line in body[3:]]) + "\n"
+    script.write_text(guarded)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "built (2," in done.stdout or "built (1," in done.stdout

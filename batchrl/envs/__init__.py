@@ -7,7 +7,8 @@ package); the batch as torch tensors is ``batchrl.tensor_env.TensorBatchEnv``.
 
 from batchrl.envs.batch import BatchEnv
 from batchrl.envs.errors import (EnvAttributeError, EnvCrashedError, EnvError,
-                                 EnvRaisedError, EnvTimeoutError, RayWorkerCrashedError)
+                                 EnvRaisedError, EnvTimeoutError, RayWorkerCrashedError,
+                                 UnguardedMainError)
 from batchrl.envs.infos import InfoList
 from batchrl.envs.local import LocalWorker
 from batchrl.envs.process.external import ExternalProcess
@@ -21,6 +22,6 @@ __all__ = [
     "BatchEnv", "Worker", "LocalWorker", "ExternalProcess", "EnvWorker", "RayEnvWorker",
     "WorkerEnv", "InfoList", "RemoteAttribute",
     "EnvError", "EnvRaisedError", "EnvAttributeError", "EnvCrashedError", "EnvTimeoutError",
-    "RayWorkerCrashedError",
+    "RayWorkerCrashedError", "UnguardedMainError",
     "ClipAction", "TimeLimit", "convert_to_32bit", "range_normalize", "wrap_env",
 ]

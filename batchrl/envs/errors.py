@@ -128,6 +128,11 @@ class EnvSpecError(ValueError):
     asks for (Ray, its resources) is not available."""
 
 
+class UnguardedMainError(RuntimeError):
+    """Env worker processes started at the top level of the main script,
+    outside ``if __name__ == "__main__":`` (each worker imports the script)."""
+
+
 class UnsupportedSpaceError(TypeError):
     """An observation or action space that cannot be batched or learned from
     (the message names the space and the supported kinds)."""

@@ -30,6 +30,7 @@ import weakref
 from typing import Any, Callable
 
 from batchrl.envs.errors import EnvCrashedError, EnvError, EnvTimeoutError, error_from_answer
+from batchrl.envs.process.main_guard import check_main_guard
 
 _POLL_SECONDS = 0.2
 # The fork server imports these before it forks any worker.
@@ -213,6 +214,7 @@ class Channel:
         self.pending: str | None = None
         self._stale = 0  # answers still due to requests that timed out
         self.closed = False
+        check_main_guard()
         ctx = context()
         self.conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(target=target, args=(child_conn, payload, os.getpid()),
