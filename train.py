@@ -101,6 +101,13 @@ def main(argv: list[str] | None = None) -> int:
                                   f"config; drop --set (--steps N may raise its budget) or "
                                   f"choose a new --logdir")
             config = load_saved_config(args.logdir, steps)
+            named = load_config(args.config, steps)
+            if (named.env.id, named.algorithm.name) != (config.env.id, config.algorithm.name):
+                raise ConfigError(
+                    f"{args.logdir} holds a run of {config.env.id} with "
+                    f"{config.algorithm.name}, but --config {args.config} trains "
+                    f"{named.env.id} with {named.algorithm.name}; resume with that run's "
+                    f"config or choose a new --logdir")
         else:
             config = load_config(args.config, args.overrides + steps)
         logdir = args.logdir or Path("logs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"

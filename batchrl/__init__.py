@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 _TORCH_NAMES = {
     "simulate": "batchrl.simulation",
     "flush": "batchrl.simulation",
+    "evaluate_episodes": "batchrl.simulation",
     "TensorBatchEnv": "batchrl.tensor_env",
     "Algorithm": "batchrl.algos.base",
     "BatchPPO": "batchrl.algos.ppo",

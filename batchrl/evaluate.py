@@ -43,7 +43,7 @@ from batchrl.config import Config, ConfigError
 from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.factory import make_batch_env
 from batchrl.tensor_env import TensorBatchEnv
-from batchrl.simulation import episode_length, simulate
+from batchrl.simulation import evaluate_episodes
 from batchrl.trainer import CONFIG_FILE, load_saved_config, resolve_device
 from batchrl.video import (VideoError, find_gl_backend, from_opengl, opengl_failure, record_video,
                            select_gl_backend, video_writer_problem)
@@ -110,28 +110,6 @@ def _build_algorithm(env: TensorBatchEnv, config: Config, algorithm_state: dict[
                               f"{config.algorithm.name}): {exc}") from None
     algo.eval()
     return algo
-
-
-def _run_episodes(env: TensorBatchEnv, algo: Algorithm, episodes: int,
-                  seed: int) -> tuple[list[float], list[int]]:
-    """Exactly ``episodes`` whole episodes: agent ``i`` counts its first
-    ``quota[i]`` ones (later ones it runs meanwhile are ignored)."""
-    num_agents = len(env)
-    quota = [episodes // num_agents + (i < episodes % num_agents) for i in range(num_agents)]
-    results: list[list[tuple[float, int]]] = [[] for _ in range(num_agents)]
-    reset = True
-    while any(len(results[i]) < quota[i] for i in range(num_agents)):
-        done, score, _ = simulate(env, algo, reset=reset, seed=seed if reset else None)
-        reset = False
-        if bool(done.any()):
-            lengths = episode_length(env)
-            for i in done.nonzero().squeeze(1).tolist():
-                if len(results[i]) < quota[i]:
-                    results[i].append((float(score[i]), int(lengths[i])))
-    # In episode order: the first episode of every agent, then the second...
-    ordered = [results[i][k] for k in range(max(quota)) for i in range(num_agents)
-               if k < len(results[i])]
-    return [s for s, _ in ordered], [n for _, n in ordered]
 
 
 def evaluate(logdir: str | Path, episodes: int = 10, checkpoint: str | Path | None = None,
@@ -217,7 +195,7 @@ def evaluate(logdir: str | Path, episodes: int = 10, checkpoint: str | Path | No
                 frames = record_video(config, algo, torch_device, video_path, seed, gl_failures)
             except VideoError as exc:
                 raise EvaluationError(str(exc)) from None
-        scores, lengths = _run_episodes(env, algo, episodes, seed) if episodes else ([], [])
+        scores, lengths = evaluate_episodes(env, algo, episodes, seed) if episodes else ([], [])
     finally:
         env.close()
     return {"score": float(np.mean(scores)) if scores else math.nan,

@@ -184,3 +184,38 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
         for total in (tracker.finished_score, tracker.finished_length, tracker.finished_count):
             total.zero_()
     return finished, score, summary
+
+
+def evaluate_episodes(env: TensorBatchEnv, algo: Algorithm, episodes: int,
+                      seed: int = 0) -> tuple[list[float], list[int]]:
+    """Returns and lengths of exactly ``episodes`` whole mean-action episodes.
+
+    The algorithm runs in evaluation mode (``algo.eval()``; its mode is
+    restored afterwards) from fresh episodes seeded with ``seed`` (env ``i``
+    gets ``seed + i``). Agent ``i`` counts its first ``quota[i]`` episodes,
+    an equal share of ``episodes``, so the mean is not biased towards short
+    episodes; the lists are in episode order (every agent's first episode,
+    then the second...).
+    """
+    if episodes < 1:
+        raise ValueError(f"episodes must be >= 1, got {episodes}")
+    num_agents = len(env)
+    quota = [episodes // num_agents + (i < episodes % num_agents) for i in range(num_agents)]
+    results: list[list[tuple[float, int]]] = [[] for _ in range(num_agents)]
+    training = algo.training
+    algo.eval()
+    try:
+        reset = True
+        while any(len(results[i]) < quota[i] for i in range(num_agents)):
+            done, score, _ = simulate(env, algo, reset=reset, seed=seed if reset else None)
+            reset = False
+            if bool(done.any()):
+                lengths = episode_length(env)
+                for i in done.nonzero().squeeze(1).tolist():
+                    if len(results[i]) < quota[i]:
+                        results[i].append((float(score[i]), int(lengths[i])))
+    finally:
+        algo.train(training)
+    ordered = [results[i][k] for k in range(max(quota)) for i in range(num_agents)
+               if k < len(results[i])]
+    return [s for s, _ in ordered], [n for _, n in ordered]

@@ -13,7 +13,7 @@ from gymnasium.wrappers import TimeLimit
 from batchrl.algos import Algorithm, Summary
 from batchrl.envs import BatchEnv
 from batchrl.tensor_env import TensorBatchEnv
-from batchrl.simulation import flush, simulate
+from batchrl.simulation import evaluate_episodes, flush, simulate
 
 
 class CountdownEnv(gym.Env):
@@ -307,6 +307,17 @@ def test_what_an_algorithm_returns_is_checked_and_named(method, message):
     env, algo = make_env(), Broken(method, None)
     with pytest.raises(TypeError, match=message):
         simulate(env, algo)  # env 0 ends its episode at the first step
+
+
+def test_evaluate_episodes_counts_equal_shares_in_episode_order():
+    env, algo = make_env(), Recorder()
+    scores, lengths = evaluate_episodes(env, algo, 6, seed=3)
+    # Quotas 2, 2, 1, 1: every agent's first episode, then agents 0 and 1's second.
+    assert scores == [1.0, 4.0, 9.0, 8.0, 1.0, 4.0]
+    assert lengths == [1, 2, 3, 2, 1, 2]
+    assert algo.training  # its mode is restored
+    with pytest.raises(ValueError, match="episodes must be >= 1"):
+        evaluate_episodes(env, algo, 0)
 
 
 class LaggingRecorder(Recorder):

@@ -183,6 +183,13 @@ def test_train_py_resumes_and_extends_the_budget(cartpole_run, tmp_path):
     assert "Traceback" not in refused.stderr
     assert read_metrics(logdir) == before
 
+    # Another config's task on this run's logdir is refused too, not resumed.
+    other = train_py("--config", "pendulum", "--logdir", str(logdir), "--no-progress")
+    assert other.returncode == 2
+    assert (f"{logdir} holds a run of CartPole-v1 with batchrl.algos.ppo:BatchPPO, but "
+            f"--config pendulum trains Pendulum-v1") in other.stderr
+    assert read_metrics(logdir) == before
+
     # --steps raises the budget: the step counter continues from the checkpoint,
     # twice in a row.
     budgets = [CARTPOLE_STEPS]
