@@ -161,7 +161,7 @@ def evaluate(logdir: str | Path, episodes: int = 10, checkpoint: str | Path | No
             raise EvaluationError(problem)
     config, checkpoint_path = _load_run(logdir, None if checkpoint is None else Path(checkpoint))
     try:
-        torch_device = resolve_device(device)
+        torch_device = resolve_device(device, "--device")
     except RuntimeError as exc:  # torch's own error for a malformed device string
         raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r} "
                           f"({exc})") from None

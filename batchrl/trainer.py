@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import json
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -50,20 +51,24 @@ from batchrl.simulation import episode_length, flush, simulate
 CONFIG_FILE = "config.json"
 
 
-def resolve_device(name: str) -> torch.device:
-    """``"auto"`` is CUDA when available, else the CPU; others are checked."""
+def resolve_device(name: str, key: str = "train.device") -> torch.device:
+    """``"auto"`` is CUDA when available, else the CPU; others are checked
+    (errors name the setting as ``key``)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={name!r} but CUDA is not available here; "
+        raise ConfigError(f"{key}={name!r} but CUDA is not available here; "
                           f"use 'auto' or 'cpu'")
     return device
 
 
 def save_config(config: Config, logdir: Path) -> None:
+    """Write the resolved config as ``config.json``: every key a config file
+    may set (the derived ones, such as BatchPPO's ``max_length``, follow
+    their sources when it is read back)."""
     with open(Path(logdir) / CONFIG_FILE, "w") as file:
-        json.dump(config.to_dict(), file, indent=2)
+        json.dump(strip_derived(config.to_dict()), file, indent=2)
         file.write("\n")
 
 
@@ -131,7 +136,7 @@ class Trainer:
     Args:
       config: the run's configuration.
       logdir: where the config, metrics, events, plot and checkpoints go.
-      progress: show a console progress bar.
+      progress: show a progress bar on a terminal, one line per phase otherwise.
       handle_signals: stop cleanly on SIGINT or SIGTERM (see the module
         docstring); only possible in the main thread.
     """
@@ -152,6 +157,7 @@ class Trainer:
         self.last_scores: dict[str, float | None] = {"train": None, "eval": None}
         self._restarts_seen = 0
         self._batch_env: Any = None  # the run's BatchEnv, for its restart events
+        self._lines = False  # progress as plain lines (not a terminal)
 
     def _phase(self, env: TensorBatchEnv, algo: Algorithm, phase: str, episodes: int | None,
                bar: Any, batch_steps: int | None = None) -> dict[str, Any]:
@@ -180,10 +186,8 @@ class Trainer:
             steps += stepped
             if training:
                 counters.steps += stepped
-                if bar is not None:
-                    # The last phase may run past the budget: grow the bar with it.
-                    bar.total = max(bar.total, counters.steps)
-                    bar.update(stepped)
+                if bar is not None:  # full at the budget (the last phase may run past it)
+                    bar.update(max(0, min(stepped, bar.total - bar.n)))
             if self._batch_env.restarts != self._restarts_seen:
                 self._report_restarts(bar)
             if bool(done.any()):
@@ -251,7 +255,7 @@ class Trainer:
         stopped the run.
         """
         stop = (StopSignals("stopping after this step, with a checkpoint of the last "
-                            "finished phase; the same signal again (Ctrl-C) quits at once")
+                            "finished phase; the same signal again quits at once")
                 if self.handle_signals else None)
         with stop or contextlib.nullcontext():
             self._stop = stop
@@ -310,7 +314,9 @@ class Trainer:
                 if self.counters.steps >= config.train.steps:
                     print(f"The run already reached train.steps={config.train.steps:,}; "
                           f"nothing to train (train.py --steps N extends its budget)")
-            if self.progress:
+            # A bar on a terminal; in a log file one plain line per phase instead.
+            self._lines = self.progress and not sys.stderr.isatty()
+            if self.progress and not self._lines:
                 from tqdm import tqdm
                 bar = tqdm(total=config.train.steps, initial=self.counters.steps,
                            unit="step", unit_scale=True, dynamic_ncols=True)
@@ -360,6 +366,11 @@ class Trainer:
         self.log.phase(record)
         if record["score"] is not None:
             self.last_scores[record["phase"]] = record["score"]
+        if self._lines:
+            score = "-" if record["score"] is None else f"{record['score']:.1f}"
+            print(f"step {record['step']:,} of {self.config.train.steps:,}: {record['phase']} "
+                  f"return {score} over {record['episodes']} episodes, "
+                  f"{record['steps_per_s']:,.0f} steps/s", flush=True)
         if bar is not None:
             bar.set_postfix({name: "-" if value is None else f"{value:.1f}"
                              for name, value in self.last_scores.items()}, refresh=True)

@@ -12,9 +12,12 @@ used as it is. Frames are written with imageio's ffmpeg writer (the
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -190,6 +193,17 @@ def _render_failure(env_id: str, exc: BaseException, failures: dict[str, str]) -
             f"{gl_hint(failures, str(exc))}")
 
 
+def _runtime_dir() -> None:
+    """Give SDL (pygame renders the classic-control envs) the private runtime
+    directory it expects, when the session has none: without one it prints
+    "XDG_RUNTIME_DIR is invalid or not set" on every video."""
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return
+    path = tempfile.mkdtemp(prefix="batchrl-runtime-")  # mode 0700, as SDL wants
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ["XDG_RUNTIME_DIR"] = path
+
+
 def record_video(config: Config, algo: Algorithm, device: torch.device, path: Path,
                   seed: int, failures: dict[str, str]) -> int:
     """Render one episode of ``algo`` (in its current mode: ``algo.eval()``
@@ -198,6 +212,7 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
     probe's (``select_gl_backend``), for the error messages."""
     import imageio.v2 as imageio
 
+    _runtime_dir()
     env_config = config.env
     try:
         raw = resolve_constructor(env_config.id, {**env_config.kwargs,

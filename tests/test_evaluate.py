@@ -97,13 +97,15 @@ def test_main_without_run_exits_2(tmp_path, capsys):
     assert "is empty" in capsys.readouterr().err
 
 
-def test_classic_control_video_needs_pygame_or_works(cartpole_run, tmp_path, monkeypatch):
+def test_classic_control_video_needs_pygame_or_works(cartpole_run, tmp_path, monkeypatch,
+                                                    capfd):
     problem = video_writer_problem()
     if problem:
         pytest.skip(problem)
     # CartPole renders with pygame, not OpenGL: pin MUJOCO_GL (restored after
     # the test) so that no backend is probed or set for this process.
     monkeypatch.setenv("MUJOCO_GL", "egl")
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)  # as in a bare session
     path = tmp_path / "cartpole.mp4"
     try:
         import pygame  # noqa: F401
@@ -113,6 +115,7 @@ def test_classic_control_video_needs_pygame_or_works(cartpole_run, tmp_path, mon
     else:
         result = evaluate(cartpole_run, episodes=0, video=path)
         assert result["video_frames"] >= 2 and path.stat().st_size > 1000
+        assert "XDG_RUNTIME_DIR" not in capfd.readouterr().err  # SDL's complaint
 
 
 def _video_skip_reason() -> str | None:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from batchrl.checkpoint import list_checkpoints
-from batchrl.config import DERIVED_KEYS, SECTIONS, Config, load_config
+from batchrl.config import DERIVED_KEYS, SECTIONS, Config, load_config, strip_derived
 from batchrl.metrics import read_metrics
 from batchrl.trainer import Trainer, load_saved_config
 from helpers import REPO, TRAIN_PY, sets
@@ -89,7 +89,8 @@ def check_logdir(logdir: Path, config: Config, budgets: list[int]) -> list[dict]
     """Everything a run writes; returns the records of metrics.jsonl."""
     # config.json: valid JSON, the resolved config.
     saved = json.loads((logdir / "config.json").read_text())
-    assert saved == json.loads(json.dumps(config.to_dict()))
+    assert saved == strip_derived(json.loads(json.dumps(config.to_dict())))
+    assert "max_length" not in saved["algorithm"]  # derived: not a key to set
     assert load_saved_config(logdir) == config
 
     # metrics.jsonl: one JSON object per line, one line per phase.
