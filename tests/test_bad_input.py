@@ -233,7 +233,8 @@ def test_evaluate_cli_bad_logdirs(tmp_path):
     for args, texts in (([empty], [f"{empty} holds no checkpoint", "config.json"]),
                         ([logdir], [f"cannot read checkpoint {damaged}", "Delete it"]),
                         ([logdir, "--checkpoint", missing],
-                         [f"checkpoint {missing} does not exist"])):
+                         [f"checkpoint {missing} does not exist"]),
+                        ([logdir, "--device", "tpu"], ["device must be 'auto', 'cpu', 'cuda'"])):
         result = subprocess.run([sys.executable, "-m", "batchrl.evaluate", *map(str, args)],
                                 cwd=REPO, env=environ, capture_output=True, text=True,
                                 timeout=120)
@@ -241,6 +242,15 @@ def test_evaluate_cli_bad_logdirs(tmp_path):
         assert "Traceback" not in result.stderr
         for text in texts:
             assert text in result.stderr, result.stderr
+
+
+def test_evaluate_device_without_cuda_names_the_flag(tmp_path):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("CUDA is available here")
+    from batchrl.trainer import resolve_device
+    from batchrl.config import ConfigError
+    with pytest.raises(ConfigError, match=r"^--device='cuda' but CUDA is not available here"):
+        resolve_device("cuda", "--device")
 
 
 # --- the env layer's space checks -------------------------------------------------------

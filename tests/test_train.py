@@ -452,3 +452,14 @@ def test_run_without_evaluations_still_plots_and_checkpoints(tmp_path):
     assert records and {r["phase"] for r in records} == {"train"}
     assert (tmp_path / "run" / "learning_curve.png").read_bytes()[:8] == PNG_MAGIC
     assert list_checkpoints(tmp_path / "run")[-1].name == f"ckpt-{records[-1]['step']:012d}.pt"
+
+
+def test_progress_in_a_log_file_is_one_plain_line_per_phase(tmp_path):
+    process = train_py("--config", "cartpole", "--logdir", str(tmp_path / "run"),
+                       *sets(*CARTPOLE, "train.steps=300"))  # stdout is a pipe, not a terminal
+    assert process.returncode == 0, process.stderr
+    lines = [line for line in process.stdout.splitlines() if line.startswith("step ")]
+    records = read_metrics(tmp_path / "run")
+    assert len(lines) == len(records) > 0
+    assert lines[0].startswith(f"step {records[0]['step']:,} of 300: train return ")
+    assert "\r" not in process.stdout + process.stderr  # no progress bar
