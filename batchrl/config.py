@@ -25,6 +25,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from batchrl.algos.ppo import PPOConfig
+from batchrl.envs.errors import UnsupportedSpaceError
 from batchrl.envs.factory import BACKENDS
 from batchrl.envs.ray.cluster import check_resources
 
@@ -157,8 +158,14 @@ class Config:
         cls = self.algorithm.cls
         if self.algorithm.ppo is not None:
             return cls(observation_space, action_space, num_agents, self.algorithm.ppo, device)
-        return cls(observation_space, action_space, num_agents,
-                   max_length=self.env.max_length, device=device, **self.algorithm.kwargs)
+        try:
+            return cls(observation_space, action_space, num_agents,
+                       max_length=self.env.max_length, device=device, **self.algorithm.kwargs)
+        except UnsupportedSpaceError:
+            raise
+        except (TypeError, ValueError) as exc:  # the constructor rejected a value
+            raise ConfigError(f"[algorithm] {self.algorithm.path}() rejected its arguments "
+                              f"{self.algorithm.kwargs}: {type(exc).__name__}: {exc}") from None
 
 
 def algorithm_class(path: str) -> type:
