@@ -23,44 +23,15 @@ import pytest
 
 from batchrl.envs import (BatchEnv, EnvAttributeError, EnvCrashedError, EnvError,
                           EnvRaisedError, EnvTimeoutError, ExternalProcess, RemoteAttribute)
+import helpers
 from helpers import raise_site
 
 # Ship this module's env classes and constructors to the workers by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-class CountingEnv(gym.Env):
-    """Observation and reward are the number of steps since the last reset.
-
-    Raises ``ValueError("boom at step N")`` in step ``fail_at`` and sleeps
-    ``sleep`` seconds in step ``sleep_at``.
-    """
-
-    observation_space = gym.spaces.Box(-np.inf, np.inf, (1,), np.float32)
-    action_space = gym.spaces.Discrete(2)
-
-    def __init__(self, fail_at=None, sleep_at=None, sleep=0.0):
-        self.fail_at = fail_at
-        self.sleep_at = sleep_at
-        self.sleep = sleep
-        self.count = 0
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.count = 0
-        return np.zeros(1, np.float32), {"reset": True}
-
-    def step(self, action):
-        self.count += 1
-        if self.count == self.fail_at:
-            raise ValueError(f"boom at step {self.count}")
-        if self.count == self.sleep_at:
-            time.sleep(self.sleep)
-        return (np.array([self.count], np.float32), float(self.count), False, False,
-                {"count": self.count})
-
-    def double(self, x, offset=0):
-        return 2 * x + offset
+class CountingEnv(helpers.CountingEnv):
+    """``helpers.CountingEnv`` that also says which modules its process imported."""
 
     def imported(self, module):
         return module in sys.modules
