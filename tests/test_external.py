@@ -24,7 +24,7 @@ import pytest
 from batchrl.envs import (BatchEnv, EnvAttributeError, EnvCrashedError, EnvError,
                           EnvRaisedError, EnvTimeoutError, ExternalProcess, RemoteAttribute)
 import helpers
-from helpers import raise_site
+from helpers import kill_and_wait, raise_site
 
 # Ship this module's env classes and constructors to the workers by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -249,18 +249,6 @@ def test_missing_attributes_are_attribute_errors(external):
 
 
 # -- crashes and timeouts --------------------------------------------------------------
-
-
-def kill_and_wait(pid: int) -> None:
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return
-        except psutil.NoSuchProcess:
-            return
-        time.sleep(0.01)
 
 
 @pytest.mark.timeout(30)
