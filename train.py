@@ -29,6 +29,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def _config_help() -> str:
@@ -39,11 +40,9 @@ def _config_help() -> str:
              "algorithm.class = \"package.module:Class\" and its constructor's keywords):"]
     for name, factory in SECTIONS.items():
         default = factory()
-        for field in dataclasses.fields(default):
-            if field.name in DERIVED_KEYS.get(name, {}):
-                continue
-            value = _toml(getattr(default, field.name))
-            lines.append(f"  {name}.{field.name} = {value}")
+        lines += [f"  {name}.{field.name} = {_toml(getattr(default, field.name))}"
+                  for field in dataclasses.fields(default)
+                  if field.name not in DERIVED_KEYS.get(name, {})]
     return "\n".join(lines)
 
 
@@ -72,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="where to write the run (default: logs/CONFIG-YYYYmmdd-HHMMSS); "
                              "an existing run there is resumed")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="override a config key, e.g. algorithm.discount=0.98")
+                        metavar="KEY=VALUE",
+                        help="override a config key, e.g. algorithm.discount=0.98")
     parser.add_argument("--steps", type=int, default=None, metavar="N",
                         help="training budget in env steps (train.steps); unlike --set also "
                              "allowed when resuming, to train a run further")
@@ -85,9 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from batchrl.checkpoint import CheckpointError
     from batchrl.config import ConfigError, load_config
-    from batchrl.envs.errors import (EnvError, EnvRaisedError, SpaceMismatchError,
-                                     UnsupportedSpaceError)
-    from batchrl.envs.errors import EnvSpecError
+    from batchrl.envs.errors import (EnvError, EnvRaisedError, EnvSpecError,
+                                     SpaceMismatchError, UnsupportedSpaceError)
     from batchrl.trainer import CONFIG_FILE, Trainer, TrainingInterrupted, load_saved_config
 
     user_errors = (ConfigError, EnvSpecError, CheckpointError, UnsupportedSpaceError,
@@ -110,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"config or choose a new --logdir")
         else:
             config = load_config(args.config, args.overrides + steps)
-        logdir = args.logdir or Path("logs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        logdir = args.logdir or (
+            Path("logs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
         created = _prepare_logdir(logdir, ConfigError)
         print(f"Training {config.env.id} with {config.env.num_agents} agents for "
               f"{config.train.steps:,} steps; writing to {logdir}", flush=True)
@@ -183,16 +183,16 @@ def _print_resume(logdir: Path, config: str) -> None:
               file=sys.stderr)
 
 
-def _interrupted_message(stop: "TrainingInterrupted", config: str, logdir: Path | None) -> str:  # noqa: F821
-    """What a stopped run saved (``stop`` is the trainer's ``TrainingInterrupted``),
-    and the command that resumes it."""
-    resume = shlex.join(["python", "train.py", "--config", config,
-                         "--logdir", str(logdir)])
+def _interrupted_message(stop: Any, config: str, logdir: Path | None) -> str:
+    """What a run stopped by ``stop`` (the trainer's ``TrainingInterrupted``)
+    saved, and the command that resumes it."""
+    resume = shlex.join(["python", "train.py", "--config", config, "--logdir", str(logdir)])
     if stop.checkpoint is None:
         return (f"Stopped by {stop.signal_name} before the first phase ended: no checkpoint. "
                 f"Run again to start over: {resume}")
     return (f"Stopped by {stop.signal_name}; checkpoint at step {stop.step:,}: "
             f"{stop.checkpoint}\nResume with: {resume}")
+
 
 if __name__ == "__main__":
     sys.exit(main())

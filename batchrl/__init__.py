@@ -5,10 +5,8 @@ The main names are importable from here::
     from batchrl import (simulate, BatchEnv, TensorBatchEnv, ExternalProcess, EnvWorker,
                          make_batch_env, Algorithm, BatchPPO, Reinforce)
 
-The env layer's names are imported at once. The names that need torch are
-imported on first use: every env worker process imports this package (its
-fork server preloads ``batchrl.envs``), and torch would add seconds to its
-start and memory to every worker.
+Those that need torch are imported on first use: every env worker process imports
+this package, and torch would add seconds to its start and memory to each.
 """
 
 import importlib

@@ -1,15 +1,14 @@
 """Crash-safe checkpoint files: write to a temporary file, fsync, rename.
 
-A checkpoint is never seen half-written: ``os.replace`` is atomic, so after a
-crash at any moment the directory holds only complete checkpoint files (and
-maybe a stray ``*.tmp`` that is ignored and cleaned up). A file that cannot
-be read anyway (damaged on disk, truncated by a copy) raises
-``CheckpointError`` naming it, rather than being skipped silently: training
-on from an older checkpoint would quietly repeat work and hide the damage.
+``os.replace`` is atomic, so after a crash the directory holds only complete
+checkpoints (and maybe a stray ``*.tmp``, ignored and cleaned up). A file that
+cannot be read anyway raises ``CheckpointError`` naming it rather than being
+skipped: training on from an older checkpoint would quietly hide the damage.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -25,16 +24,9 @@ class CheckpointError(RuntimeError):
     """A checkpoint file that cannot be read or is not a batchrl checkpoint."""
 
 
-def checkpoint_path(logdir: Path, step: int) -> Path:
-    return Path(logdir) / f"ckpt-{step:012d}.pt"
-
-
 def list_checkpoints(logdir: Path) -> list[Path]:
     """Complete checkpoints in ``logdir``, oldest first."""
-    logdir = Path(logdir)
-    if not logdir.is_dir():
-        return []
-    found = [(int(m.group(1)), path) for path in logdir.iterdir()
+    found = [(int(m.group(1)), path) for path in Path(logdir).glob("ckpt-*.pt")
              if (m := _NAME.match(path.name))]
     return [path for _, path in sorted(found)]
 
@@ -56,13 +48,10 @@ def save_checkpoint(logdir: Path, step: int, state: dict[str, Any] | bytes,
                     keep: int = 3) -> Path:
     """Atomically write ``state`` (a dict, or ``serialize``'s bytes) as the
     checkpoint of ``step``; keep the newest ``keep``."""
-    path = checkpoint_path(logdir, step)
+    path = Path(logdir) / f"ckpt-{step:012d}.pt"
     temporary = path.with_name(path.name + ".tmp")
     with open(temporary, "wb") as file:
-        if isinstance(state, bytes):
-            file.write(state)
-        else:
-            torch.save(state, file)
+        file.write(state if isinstance(state, bytes) else serialize(state))
         file.flush()
         os.fsync(file.fileno())
     os.replace(temporary, path)
@@ -75,11 +64,8 @@ def save_checkpoint(logdir: Path, step: int, state: dict[str, Any] | bytes,
 
 
 def load_checkpoint(path: Path, device: str | torch.device = "cpu") -> dict[str, Any]:
-    """Read a checkpoint written by ``save_checkpoint`` onto ``device``.
-
-    Raises ``CheckpointError`` naming the file when it cannot be read or does
-    not hold a batchrl checkpoint.
-    """
+    """Read a checkpoint written by ``save_checkpoint`` onto ``device``; raises
+    ``CheckpointError`` naming the file when it cannot be read or is not a checkpoint."""
     try:
         state = torch.load(path, map_location=device, weights_only=False)
     except FileNotFoundError:
@@ -95,13 +81,10 @@ def load_checkpoint(path: Path, device: str | torch.device = "cpu") -> dict[str,
 
 
 def _fsync_directory(directory: Path) -> None:
-    try:
+    """Make the rename durable (where the platform can fsync a directory)."""
+    with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,10 +1,8 @@
 """Training configuration: one typed schema, TOML files in ``configs/``, overrides.
 
-A config file sets any subset of the schema's keys; everything else keeps its
-default. ``--set section.key=value`` overrides are parsed as TOML values
-(``ppo.policy_layers=[64,64]``, ``env.id="Hopper-v5"``; a bare word is taken
-as a string). Every value is checked against its declared type and range, and
-errors name the key and what is valid.
+A config file sets any subset of the schema's keys; the rest keep their defaults.
+``--set section.key=value`` values are parsed as TOML (a bare word is a string).
+Every value is checked against its type and range; errors name the key and what is valid.
 """
 
 from __future__ import annotations
@@ -41,25 +39,23 @@ class EnvConfig:
     """Which env to train on and how many copies to step."""
 
     id: str = "CartPole-v1"       # Gymnasium id, or "package.module:function" returning an env
-    kwargs: dict = field(default_factory=dict)  # keyword arguments for gymnasium.make / the function
+    kwargs: dict = field(default_factory=dict)  # keyword arguments for gymnasium.make / function
     num_agents: int = 30          # envs stepped in lockstep (the paper's batch of agents)
     max_length: int = 1000        # time limit of an episode, in env steps
-    backend: str = "workers"      # "workers" (processes, shared memory), "process" (one per env), "inline", "ray"
-    workers: int = 0              # processes of "workers" (0: one per usable core) / actors of "ray" (0: cluster CPUs)
+    backend: str = "workers"      # "workers", "process" (one per env), "inline" or "ray"
+    workers: int = 0              # processes / Ray actors (0: one per usable core / cluster CPU)
     share_main: bool = True       # "workers": the main process steps a share of the envs too
     normalize_ranges: bool = True  # rescale finite Box observation/action ranges to [-1, 1]
     timeout: float = 10.0         # seconds a worker may take for a step or reset (0: no limit)
     restart_crashed_envs: bool = False  # replace a failed worker instead of stopping the run
     max_restarts: int = 10        # with restart_crashed_envs: restarts allowed in the run
-    ray_address: str = ""         # "ray": "" private Ray on this machine, "auto" (ray start here), "HOST:PORT"
-    ray_resources: dict = field(default_factory=lambda: {"CPU": 1})  # "ray": resources per actor
+    ray_address: str = ""         # "ray": "" private Ray here, "auto" (ray start), "HOST:PORT"
+    ray_resources: dict = field(default_factory=lambda: {"CPU": 1})  # "ray": per actor
 
     def __post_init__(self) -> None:
-        _check_range(self, "num_agents", 1)
-        _check_range(self, "max_length", 1)
-        _check_range(self, "workers", 0)
-        _check_range(self, "timeout", 0)
-        _check_range(self, "max_restarts", 1)
+        _check_range(self, 1, "num_agents", "max_length")
+        _check_range(self, 0, "workers", "timeout")
+        _check_range(self, 1, "max_restarts")
         if self.restart_crashed_envs and self.backend == "inline":
             raise ValueError("env.restart_crashed_envs needs envs in worker processes: set "
                              "env.backend to 'workers', 'process' or 'ray', not 'inline'")
@@ -84,10 +80,9 @@ class TrainConfig:
     keep_checkpoints: int = 3     # newest checkpoint files kept
 
     def __post_init__(self) -> None:
-        _check_range(self, "steps", 1)
-        _check_range(self, "eval_episodes", 0)
-        for name in ("eval_every", "threads", "checkpoint_every", "keep_checkpoints"):
-            _check_range(self, name, 1)
+        _check_range(self, 1, "steps")
+        _check_range(self, 0, "eval_episodes")
+        _check_range(self, 1, "eval_every", "threads", "checkpoint_every", "keep_checkpoints")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"train.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', "
                              f"got {self.device!r}")
@@ -100,9 +95,9 @@ TRAINER_ARGUMENTS = ("observation_space", "action_space", "num_agents", "max_len
 
 @dataclass
 class AlgorithmConfig:
-    """The ``[algorithm]`` section: the ``Algorithm`` class and its keyword
-    arguments. ``path`` is ``"package.module:Class"`` (``""``: BatchPPO, whose
-    arguments are the typed ``ppo``); another class gets ``kwargs``."""
+    """The ``[algorithm]`` section: ``path`` ``"package.module:Class"`` of the
+    ``Algorithm`` (``""``: BatchPPO, configured by the typed ``ppo``), and
+    ``kwargs`` for another class."""
 
     path: str = ""
     ppo: PPOConfig | None = field(default_factory=PPOConfig)
@@ -152,9 +147,8 @@ class Config:
 
     def make_algorithm(self, observation_space: Any, action_space: Any, num_agents: int,
                        device: Any) -> Any:
-        """The configured ``Algorithm``: ``Class(observation_space,
-        action_space, num_agents, max_length=env.max_length, device=device,
-        **the [algorithm] section's other keys)``."""
+        """The configured ``Algorithm``: ``Class(observation_space, action_space,
+        num_agents, max_length=env.max_length, device=device, **[algorithm] keys)``."""
         cls = self.algorithm.cls
         if self.algorithm.ppo is not None:
             return cls(observation_space, action_space, num_agents, self.algorithm.ppo, device)
@@ -169,9 +163,8 @@ class Config:
 
 
 def algorithm_class(path: str) -> type:
-    """The ``Algorithm`` subclass named ``"package.module:Class"`` (the current
-    directory is importable, as for ``env.id``); ``ConfigError`` saying what
-    is wrong otherwise."""
+    """The ``Algorithm`` subclass named ``"package.module:Class"`` (importable
+    from the current directory, as for ``env.id``); ``ConfigError`` otherwise."""
     from batchrl.algos.base import Algorithm
     module_name, _, name = path.partition(":")
     if not module_name or not name:
@@ -199,13 +192,11 @@ def _check_arguments(cls: type, path: str, kwargs: dict[str, Any]) -> None:
                               f"{'env.max_length' if key == 'max_length' else 'the env'} "
                               f"and train.device); remove it from [algorithm]")
     signature = inspect.signature(cls)
-    parameters = signature.parameters
-    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
-    named = [name for name, p in parameters.items()
-             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    parameters = signature.parameters.values()
+    named = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     valid = [name for name in named if name not in TRAINER_ARGUMENTS]
     unknown = [key for key in kwargs if key not in named]
-    if unknown and not takes_any:
+    if unknown and not any(p.kind is p.VAR_KEYWORD for p in parameters):
         raise ConfigError(f"unknown key algorithm.{unknown[0]}: {path}() takes "
                           f"{', '.join(valid) or 'no keyword arguments'}")
     try:
@@ -216,10 +207,11 @@ def _check_arguments(cls: type, path: str, kwargs: dict[str, Any]) -> None:
                           f"keys: {', '.join(valid)}") from None
 
 
-def _check_range(obj: Any, name: str, minimum: int) -> None:
-    value = getattr(obj, name)
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+def _check_range(obj: Any, minimum: int, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 SECTIONS = {"env": EnvConfig, "train": TrainConfig, "algorithm": PPOConfig}
@@ -240,8 +232,7 @@ def strip_derived(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def available_configs() -> list[str]:
-    """Names of the config files in ``configs/``: ``halfcheetah``, and
-    ``paper/halfcheetah`` for one in a subdirectory."""
+    """Names of the config files in ``configs/`` (``halfcheetah``, ``paper/halfcheetah``)."""
     return sorted(path.relative_to(CONFIG_DIR).with_suffix("").as_posix()
                   for path in CONFIG_DIR.rglob("*.toml"))
 
@@ -262,31 +253,26 @@ def _convert(key: str, value: Any, annotation: Any) -> Any:
         if type(None) in options and (value is None or value == "none"):
             return None
         for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _convert(key, value, option)
-            except ConfigError:
-                pass
+            if option is not type(None):
+                try:
+                    return _convert(key, value, option)
+                except ConfigError:
+                    pass
         raise ConfigError(f"{key}: expected {_type_name(annotation)}, got {value!r}")
     if origin is tuple:
         item_type = typing.get_args(annotation)[0]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list of {_type_name(item_type)}, got {value!r}")
         return tuple(_convert(f"{key}[{i}]", item, item_type) for i, item in enumerate(value))
-    if annotation is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
-    if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return value
-    if annotation in (bool, str, dict):
-        if not isinstance(value, annotation):
-            raise ConfigError(f"{key}: expected {annotation.__name__}, got {value!r}")
-        return value
-    raise ConfigError(f"{key}: unsupported type {annotation}")  # a schema bug
+    expected = {float: "a number", int: "an integer", bool: "bool", str: "str", dict: "dict"}
+    if annotation not in expected:
+        raise ConfigError(f"{key}: unsupported type {annotation}")  # a schema bug
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    # bool is an int, but not a valid value of an int, float, str or dict key.
+    if not isinstance(value, annotation) or (isinstance(value, bool) and annotation is not bool):
+        raise ConfigError(f"{key}: expected {expected[annotation]}, got {value!r}")
+    return value
 
 
 def _build(section: str, factory: Any, values: dict[str, Any], skip: Any = ()) -> Any:
@@ -294,9 +280,8 @@ def _build(section: str, factory: Any, values: dict[str, Any], skip: Any = ()) -
     fields = {f.name for f in dataclasses.fields(factory)}
     unknown = sorted(set(values) - fields)
     if unknown:
-        valid = sorted(fields - set(skip))
         raise ConfigError(f"unknown key {section}.{unknown[0]}; valid keys of [{section}]: "
-                          f"{', '.join(valid)}")
+                          f"{', '.join(sorted(fields - set(skip)))}")
     converted = {name: _convert(f"{section}.{name}", value, hints[name])
                  for name, value in values.items()}
     try:
@@ -308,48 +293,42 @@ def _build(section: str, factory: Any, values: dict[str, Any], skip: Any = ()) -
         raise ConfigError(message) from None
 
 
+def _table(values: dict[str, Any], name: str) -> dict[str, Any]:
+    section = values.get(name, {})
+    if not isinstance(section, dict):
+        raise ConfigError(f"[{name}] must be a table of keys, got {section!r}")
+    return section
+
+
 def _rename_ppo(values: dict[str, Any]) -> str:
-    """Move an ``[ppo]`` section (the old name of ``[algorithm]``, and what
-    ``--set ppo.key=...`` writes) into ``[algorithm]``; returns the name to
-    use in messages."""
+    """Merge ``[ppo]`` (``[algorithm]``'s old name, and what ``--set ppo.key=...``
+    writes) into ``[algorithm]``; returns the section name to use in messages."""
     if "ppo" not in values:
         return "algorithm"
-    ppo = values.pop("ppo")
-    if not isinstance(ppo, dict):
-        raise ConfigError(f"[ppo] must be a table of keys, got {ppo!r}")
-    algorithm = values.setdefault("algorithm", {})
-    if not isinstance(algorithm, dict):
-        raise ConfigError(f"[algorithm] must be a table of keys, got {algorithm!r}")
+    ppo, algorithm = _table(values, "ppo"), _table(values, "algorithm")
     if algorithm.get("class", "") not in ("", BATCHPPO):
         raise ConfigError(f"[ppo] holds BatchPPO's keys, but [algorithm] names "
                           f"{algorithm['class']}: put that class's keys in [algorithm]")
-    algorithm.update(ppo)
+    del values["ppo"]
+    values["algorithm"] = {**algorithm, **ppo}
     return "ppo"
 
 
 def build_config(values: dict[str, Any]) -> Config:
     """Validate a nested dict (as read from TOML) and build a ``Config``.
 
-    ``[algorithm]`` names the class in ``class`` (BatchPPO without it); its
-    other keys are BatchPPO's typed hyperparameters or, for another class,
-    keyword arguments checked against its constructor. ``[ppo]`` is read as
-    ``[algorithm]`` (its old name)."""
+    ``[algorithm]`` (or ``[ppo]``) names the class in ``class`` (BatchPPO without it);
+    its other keys are BatchPPO's typed hyperparameters or, for another class,
+    keyword arguments checked against its constructor."""
     values = dict(values)
     label = _rename_ppo(values)
     unknown = sorted(set(values) - set(SECTIONS))
     if unknown:
         raise ConfigError(f"unknown section [{unknown[0]}]; valid sections: "
                           f"{', '.join(SECTIONS)} ([ppo] is read as [algorithm])")
-    sections: dict[str, Any] = {}
-    for name in ("env", "train"):
-        section = values.get(name, {})
-        if not isinstance(section, dict):
-            raise ConfigError(f"[{name}] must be a table of keys, got {section!r}")
-        sections[name] = _build(name, SECTIONS[name], section)
-    section = values.get("algorithm", {})
-    if not isinstance(section, dict):
-        raise ConfigError(f"[algorithm] must be a table of keys, got {section!r}")
-    section = dict(section)
+    sections = {name: _build(name, SECTIONS[name], _table(values, name))
+                for name in ("env", "train")}
+    section = dict(_table(values, "algorithm"))
     path = section.pop("class", "")
     if not isinstance(path, str):
         raise ConfigError(f"algorithm.class must be a string 'package.module:Class', got "
@@ -359,8 +338,8 @@ def build_config(values: dict[str, Any]) -> Config:
             if key in section:
                 raise ConfigError(f"{label}.{key} follows {source} ({meaning}); "
                                   f"set {source} instead")
-        ppo = _build(label, PPOConfig, section, skip=DERIVED_KEYS["algorithm"])
-        algorithm = AlgorithmConfig(ppo=ppo)
+        algorithm = AlgorithmConfig(
+            ppo=_build(label, PPOConfig, section, skip=DERIVED_KEYS["algorithm"]))
     else:
         _check_arguments(algorithm_class(path), path, section)
         algorithm = AlgorithmConfig(path=path, ppo=None, kwargs=section)
@@ -382,14 +361,6 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path, value
 
 
-def read_toml(path: Path) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as file:
-            return tomllib.load(file)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-
-
 def load_config(name_or_path: str, overrides: list[str] = ()) -> Config:
     """Load ``configs/NAME.toml`` (or a path to a .toml file) and apply overrides."""
     path = Path(name_or_path)
@@ -398,15 +369,19 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> Config:
     if not path.is_file():
         raise ConfigError(f"no config named {name_or_path!r}; available: "
                           f"{', '.join(available_configs())} (or a path to a .toml file)")
-    return build_config(apply_overrides(read_toml(path), overrides))
+    try:
+        with open(path, "rb") as file:
+            values = tomllib.load(file)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return build_config(apply_overrides(values, overrides))
 
 
 def apply_overrides(values: dict[str, Any], overrides: list[str] = ()) -> dict[str, Any]:
     """Set the ``section.key=value`` overrides in the nested dict ``values``."""
     for text in overrides:
         (section, key), value = parse_override(text)
-        values.setdefault(section, {})
-        if not isinstance(values[section], dict):
+        if not isinstance(values.setdefault(section, {}), dict):
             raise ConfigError(f"[{section}] must be a table")
         values[section][key] = value
     return values

@@ -3,27 +3,15 @@
   python -m batchrl.evaluate logs/cartpole --episodes 10
   python -m batchrl.evaluate logs/cheetah --episodes 30 --video cheetah.mp4
 
-The run's saved ``config.json`` rebuilds the env (stepped in this process,
-so no worker processes) and the run's algorithm with the same settings, which
-loads the checkpoint's weights and observation statistics and acts with its
-mean (mode) action, as the trainer's evaluation phases do. ``K`` agents
-(default ``min(episodes, env.num_agents)``) run exactly ``episodes`` whole
-episodes between them, agent ``i`` its share of them, so the average is not
-biased towards short episodes; env ``i`` is seeded with ``seed + i``, so a
-result is reproducible.
+The run's ``config.json`` rebuilds the env (stepped in this process) and the
+algorithm, which loads the checkpoint and acts with its mean (mode) action. ``K``
+agents run exactly ``episodes`` whole episodes between them, so the average is not
+biased towards short episodes; env ``i`` is seeded with ``seed + i``.
 
-``--video PATH.mp4`` first renders one mean-action episode (the env made
-with ``render_mode="rgb_array"``) and writes it with imageio's ffmpeg writer:
-``pip install -e ".[video]"`` (imageio and imageio-ffmpeg, which ships an
-ffmpeg binary). Rendering needs, for MuJoCo envs, an offscreen OpenGL
-backend; for Gymnasium's classic-control envs, pygame
-(``pip install "gymnasium[classic-control]"``).
-
-MuJoCo renders offscreen with an OpenGL backend that ``--video`` probes and
-picks (``batchrl.video``). On our development and CI machines (Debian 12, no
-GPU, no display) ``MUJOCO_GL=egl`` works with the Mesa packages installed
-there (``libegl1``, ``libegl-mesa0``, ``libgl1-mesa-dri``; Mesa renders in
-software). A set ``MUJOCO_GL`` is always used as it is.
+``--video PATH.mp4`` first renders one mean-action episode (``render_mode="rgb_array"``)
+and writes it with imageio's ffmpeg writer (``pip install -e ".[video]"``). MuJoCo envs
+need an offscreen OpenGL backend (``batchrl.video`` picks one, e.g. EGL with Mesa's
+``libegl1 libegl-mesa0 libgl1-mesa-dri``); classic control needs pygame.
 """
 
 from __future__ import annotations
@@ -50,12 +38,10 @@ from batchrl.video import (VideoError, find_gl_backend, from_opengl, opengl_fail
 
 __all__ = ["EvaluationError", "evaluate", "find_gl_backend", "video_writer_problem", "main"]
 
+
 class EvaluationError(RuntimeError):
     """Evaluation cannot run: no run or checkpoint there, a checkpoint that does
     not fit the config, or a video that cannot be rendered or written."""
-
-
-# -- evaluation -------------------------------------------------------------------------
 
 
 def _listing(logdir: Path) -> str:
@@ -71,6 +57,7 @@ def _listing(logdir: Path) -> str:
 
 
 def _load_run(logdir: Path, checkpoint: Path | None) -> tuple[Config, Path]:
+    """The run's config and the checkpoint to load (``checkpoint``, or the newest)."""
     if not (logdir / CONFIG_FILE).is_file():
         raise EvaluationError(f"{logdir} holds no training run: no {CONFIG_FILE} "
                               f"({_listing(logdir)})")
@@ -94,12 +81,8 @@ def _load_run(logdir: Path, checkpoint: Path | None) -> tuple[Config, Path]:
 
 def _build_algorithm(env: TensorBatchEnv, config: Config, algorithm_state: dict[str, Any],
                      device: torch.device, source: Path) -> Algorithm:
-    """The run's algorithm for ``len(env)`` agents with the checkpoint's state.
-
-    The per-agent entries (``per_agent_state``) are sized by the training
-    run's agent count and hold nothing evaluation needs, so this algorithm
-    keeps its own (fresh) ones.
-    """
+    """The run's algorithm for ``len(env)`` agents with the checkpoint's state, but
+    fresh ``per_agent_state`` entries (sized by the training run's agent count)."""
     algo = config.make_algorithm(env.observation_space, env.action_space, len(env), device)
     fresh = algo.state_dict()
     state = {**algorithm_state, **{key: fresh[key] for key in algo.per_agent_state}}
@@ -120,28 +103,23 @@ def evaluate(logdir: str | Path, episodes: int = 10, checkpoint: str | Path | No
     Args:
       logdir: the run's log directory (``config.json`` and ``ckpt-*.pt``).
       episodes: whole episodes to average over (0 only together with ``video``).
-      checkpoint: a checkpoint file to load instead of the newest in ``logdir``
-        (the env and networks still follow ``logdir``'s config).
+      checkpoint: a checkpoint file instead of ``logdir``'s newest (the env and
+        networks still follow ``logdir``'s config).
       seed: env ``i`` of the batch is reset with seed ``seed + i`` first.
       device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``...
-      video: write one rendered mean-action episode to this ``.mp4`` file
-        (needs the ``video`` extra; see the module docstring for OpenGL).
-      agents: envs stepped in lockstep; default ``min(episodes,
-        config.env.num_agents)``.
+      video: write one rendered mean-action episode to this ``.mp4`` file.
+      agents: envs stepped in lockstep (default ``min(episodes, env.num_agents)``).
 
     Returns:
       A dict with ``score``, ``score_std`` (population std), ``length`` (mean
-      episode length), ``episodes``, ``scores`` and ``lengths`` (per episode),
-      ``checkpoint`` (path), ``step`` (training steps of the checkpoint),
-      ``env_id``, ``agents``, ``video`` (path or ``None``) and
-      ``video_frames`` (frames written, 0 without a video). Without episodes,
-      ``score``, ``score_std`` and ``length`` are NaN.
+      episode length; all three NaN without episodes), ``episodes``, ``scores`` and
+      ``lengths`` (per episode), ``checkpoint`` (path), ``step`` (its training step),
+      ``env_id``, ``agents``, ``video`` (path or ``None``), ``video_frames``.
 
     Raises:
-      EvaluationError: no run or checkpoint in ``logdir``, a checkpoint that
-        does not fit, or a video that cannot be rendered or written.
-      ConfigError, EnvSpecError: a bad argument or saved config, or an env
-        that cannot be built.
+      EvaluationError: no run or checkpoint in ``logdir``, a checkpoint that does
+        not fit, or a video that cannot be rendered or written.
+      ConfigError, EnvSpecError: a bad argument, saved config or env.
     """
     logdir = Path(logdir)
     if episodes < 0 or (episodes == 0 and video is None):
@@ -169,7 +147,6 @@ def evaluate(logdir: str | Path, episodes: int = 10, checkpoint: str | Path | No
     if not config.algorithm.cls.per_agent_state:
         # Its state_dict() may be sized by the training run's agents throughout.
         num_agents = config.env.num_agents
-
     try:
         state = load_checkpoint(checkpoint_path, torch_device)
     except CheckpointError as exc:

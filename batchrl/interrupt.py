@@ -1,11 +1,8 @@
 """Stop a long computation cleanly on Ctrl-C (SIGINT) or SIGTERM.
 
-``StopSignals`` installs handlers that only record the signal; the training
-loop polls ``requested`` at points where stopping is safe and raises
-``Interrupted`` there. A second signal means "now": the handler restores the
-default action and re-sends the signal, so the process dies at once with the
-conventional status (130 or 143 in a shell). Env workers tie their life to
-this process, so none outlives it either way.
+``StopSignals``' handlers only record the signal; the computation calls ``check()``
+where stopping is safe, which raises ``Interrupted``. A second signal kills the
+process at once, by that signal, so a shell sees the usual status (130 or 143).
 """
 
 from __future__ import annotations
@@ -21,16 +18,12 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class Interrupted(Exception):
-    """Raised where a computation stops because a signal asked it to.
+    """Raised where a computation stops because signal ``signum`` (``signal_name``)
+    asked it to; ``exit_code`` is ``128 + signum``, as a shell reports for that signal."""
 
-    ``signum`` is the signal's number; ``exit_code`` is ``128 + signum``,
-    what a shell reports for a process ended by that signal.
-    """
-
-    def __init__(self, signum: int, message: str = ""):
+    def __init__(self, signum: int):
         self.signum = signum
-        name = signal.Signals(signum).name
-        super().__init__(message or f"interrupted by {name}")
+        super().__init__(f"interrupted by {self.signal_name}")
 
     @property
     def signal_name(self) -> str:
@@ -42,17 +35,11 @@ class Interrupted(Exception):
 
 
 class StopSignals:
-    """Context manager: while active, SIGINT and SIGTERM set ``signum``
-    instead of raising ``KeyboardInterrupt`` or killing the process; the
-    previous handlers are restored on exit. A second signal kills the
-    process at once (default action of that signal).
-
-    Args:
-      notice: printed to stderr when the first signal arrives (e.g. that a
-        second one quits at once), since the stop itself may take a moment.
-
-    Outside the main thread (where Python cannot install handlers) it does
-    nothing and ``requested`` stays false.
+    """Context manager: while active, SIGINT and SIGTERM set ``signum`` instead of
+    raising ``KeyboardInterrupt`` or killing the process; a second signal kills it at
+    once, by that signal. Exit restores the previous handlers. Outside the main thread
+    (where Python cannot install handlers) it does nothing. ``notice`` is printed to
+    stderr at the first signal (e.g. that a second one quits at once).
     """
 
     def __init__(self, notice: str | None = None) -> None:
@@ -71,16 +58,13 @@ class StopSignals:
             raise Interrupted(self.signum)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is not None:
-            # The user insists: die now, by the signal itself, so that the
-            # parent shell sees the usual status.
+        if self.signum is not None:  # the user insists: die now, by the signal itself
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         self.signum = signum
         if self.notice:
-            print(f"\n{signal.Signals(signum).name}: {self.notice}", file=sys.stderr,
-                  flush=True)
+            print(f"\n{signal.Signals(signum).name}: {self.notice}", file=sys.stderr, flush=True)
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():

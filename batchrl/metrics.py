@@ -14,34 +14,28 @@ CURVE_FILE = "learning_curve.png"
 def read_metrics(logdir: Path) -> list[dict[str, Any]]:
     """The records of ``metrics.jsonl`` (one per phase), oldest first."""
     path = Path(logdir) / METRICS_FILE
-    if not path.exists():
-        return []
     records = []
-    with open(path) as file:
-        for line in file:
-            line = line.strip()
-            if line:
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break  # a line cut by a crash; everything after it is lost too
+    for line in path.read_text().splitlines() if path.exists() else ():
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a line cut by a crash; everything after it is lost too
     return records
 
 
 class RunLog:
     """Appends phase records to ``metrics.jsonl`` and scalars to TensorBoard.
 
-    On resume, ``truncate(step)`` first drops the records of phases after the
-    checkpoint the run restarts from, so that the resumed run neither repeats
-    nor loses a phase.
+    TensorBoard hides earlier sessions' events from ``purge_step`` on, and
+    ``truncate(step)`` drops their records after ``step``: a run resumed from
+    the checkpoint at ``step`` neither repeats nor loses a phase.
     """
 
     def __init__(self, logdir: Path, purge_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         self.logdir = Path(logdir)
-        # purge_step: TensorBoard hides the events of earlier sessions at steps
-        # from purge_step on (those after the checkpoint a resumed run restarts from).
         self.writer = SummaryWriter(str(self.logdir), purge_step=purge_step)
 
     def truncate(self, step: int) -> None:
@@ -57,7 +51,6 @@ class RunLog:
         """Append one phase's record and write its numbers to TensorBoard."""
         with open(self.logdir / METRICS_FILE, "a") as file:
             file.write(json.dumps(record) + "\n")
-            file.flush()
         for key in ("score", "length", "steps_per_s"):
             if record.get(key) is not None:
                 self.writer.add_scalar(f"{record['phase']}/{key}", record[key], record["step"])
@@ -80,11 +73,9 @@ class RunLog:
             points = [(r["step"], r["score"]) for r in records
                       if r["phase"] == phase and r.get("score") is not None]
             if points:
-                steps, scores = zip(*points)
-                axis.plot(steps, scores, label=label, color=color,
+                axis.plot(*zip(*points), label=label, color=color,
                           marker="o" if phase == "eval" else None, markersize=3)
-        axis.set_xlabel("env steps")
-        axis.set_ylabel("episode return")
+        axis.set(xlabel="env steps", ylabel="episode return")
         axis.grid(alpha=0.3)
         if axis.get_legend_handles_labels()[0]:
             axis.legend()

@@ -20,8 +20,8 @@ def _merge(summary: Summary, returned: Any, algo: Algorithm, method: str) -> Non
     summary.update(returned)
 
 
-def _performed(returned: Any, algo: Algorithm) -> tuple[torch.Tensor, Summary]:
-    """``perform``'s ``(action, summary)``, checked."""
+def _performed(returned: Any, algo: Algorithm, summary: Summary) -> torch.Tensor:
+    """The action of what ``perform`` returned, checked; its summary goes into ``summary``."""
     if not isinstance(returned, tuple) or len(returned) != 2:
         raise TypeError(f"{type(algo).__name__}.perform() returned {_short(returned)}; it must "
                         f"return (action, summary): a tensor of actions and a dict")
@@ -29,7 +29,8 @@ def _performed(returned: Any, algo: Algorithm) -> tuple[torch.Tensor, Summary]:
         raise TypeError(f"{type(algo).__name__}.perform() returned a "
                         f"{type(returned[0]).__name__} as the action; it must be a "
                         f"torch.Tensor of shape (N, *action_shape) on the algorithm's device")
-    return returned
+    _merge(summary, returned[1], algo, "perform")
+    return returned[0]
 
 
 def _short(value: Any) -> str:
@@ -37,8 +38,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else f"a {type(value).__name__}"
 
 
-def _begin(tracker: Episodes, algo: Algorithm, agents: torch.Tensor,
-           summary: Summary) -> None:
+def _begin(tracker: Episodes, algo: Algorithm, agents: torch.Tensor, summary: Summary) -> None:
     """Start new episodes for ``agents`` (``(K,)`` int64, on the env's device)."""
     tracker.score[agents] = 0.0
     tracker.length[agents] = 0
@@ -46,34 +46,27 @@ def _begin(tracker: Episodes, algo: Algorithm, agents: torch.Tensor,
 
 
 def flush(env: TensorBatchEnv, summary: Summary | None = None) -> Summary:
-    """Deliver the ``experience()`` that ``simulate(..., overlap=True)`` left
-    for its next call, if any; returns its summary (merged into ``summary``
-    when given). Call it before saving or inspecting the algorithm's state
-    in the middle of episodes. ``simulate`` flushes by itself whenever an
-    episode ends or starts, so phase boundaries need no flush."""
+    """Deliver the ``experience()`` that ``simulate(..., overlap=True)`` held back, if
+    any; returns its summary (merged into ``summary``). Call it before saving the
+    algorithm mid-episode; ``simulate`` flushes whenever an episode ends or starts."""
     summary = {} if summary is None else summary
     tracker = env.episodes
     if tracker.late is not None:
-        algo, observ, action = tracker.late
-        tracker.late = None
+        (algo, observ, action), tracker.late = tracker.late, None
         _merge(summary, algo.experience(tracker.agents, observ, action, env.reward, env.done,
                                         env.observ, env.terminated), algo, "experience")
     return summary
 
 
 def episode_length(env: TensorBatchEnv) -> torch.Tensor:
-    """``(N,)`` int64: steps of each agent's current episode (the full length
-    right after it finished), as tracked by ``simulate``."""
+    """``(N,)`` int64: steps of each agent's current (or just finished) episode."""
     return env.episodes.length
 
 
 def _count_step(tracker: Episodes, reward: torch.Tensor, done: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Count one step of ``reward`` ``(N,)`` into every running episode.
-
-    Returns ``(finished, ended, score)``: ``done`` as bool, the ``(K,)`` int64
-    indices of the done agents (``None`` when there are none) and a copy of
-    the running scores."""
+    """Count one step of ``reward`` ``(N,)`` into every running episode; returns
+    ``done`` as bool, the ``(K,)`` int64 done agents (or ``None``) and a copy of the scores."""
     fast = tracker.fast
     if fast is not None and done is fast[0] and reward is fast[1]:
         _, _, done_array, reward_array, score, length = fast
@@ -95,52 +88,37 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
              ) -> tuple[torch.Tensor, torch.Tensor, Summary]:
     """Advance every env of ``env`` by one step with actions from ``algo``.
 
-    Agents whose episode ended on the previous step (all of them on the first
-    call, or when ``reset`` is true, which discontinues running episodes) are
-    reset and passed to ``algo.begin_episodes``. Then ``perform`` chooses the
-    actions, the envs step, ``experience`` sees the transition and
-    ``end_episodes`` gets the agents that just finished. Agents whose env was
-    restarted after a failure (``env.restarted``) get ``begin_episodes``
-    again: their unfinished episode never reaches ``end_episodes``.
+    Agents done on the previous step (all on the first call or with ``reset``, which
+    discontinues running episodes) are reset and get ``begin_episodes``; then ``perform``
+    acts, the envs step, ``experience`` sees the transition and ``end_episodes`` the
+    finished agents. Agents whose env restarted after a failure (``env.restarted``)
+    get ``begin_episodes`` again, without ``end_episodes``.
 
     Args:
-      env: the batch env; its tensors live on ``env.device``, which should be
-        the algorithm's device.
-      algo: the algorithm acting for all ``N`` agents.
-      log: add ``score`` and ``length``, the means over the episodes finished
-        since the last call with ``log`` true, and ``episodes``, their number
-        (only when at least one finished).
+      env, algo: the batch env (on the algorithm's device) and the algorithm for its N agents.
+      log: add the mean ``score`` and ``length`` and the number ``episodes`` of the
+        episodes finished since the last call with ``log`` (if any finished).
       reset: start new episodes for all agents first.
-      seed: with ``reset``, seed the envs' resets: env ``i`` gets ``seed + i``
-        (``BatchEnv.reset``'s convention), so that a phase that starts with
-        ``reset=True, seed=s`` runs the same episodes whatever ran before it.
-      overlap: when the algorithm allows it (``experience_may_lag``), deliver
-        the experience of a step in which no episode ended during the next
-        call, while the worker processes step (``TensorBatchEnv.step_async``),
-        so that the learner's bookkeeping runs beside the env step. Actions,
-        trajectories and what the algorithm learns are the same as without;
-        only the moment of the call differs (see ``flush``).
+      overlap: when ``algo.experience_may_lag``, deliver the experience of a step that
+        ended no episode in the next call, while the env steps (see ``flush``).
+      seed: with ``reset``, env ``i``'s reset gets ``seed + i`` (reproducible phases).
     Returns:
-      ``(done, score, summary)``: ``done`` ``(N,)`` bool, agents whose episode
-      ended at this step; ``score`` ``(N,)`` float32, each agent's return so
-      far in its episode (the full return where ``done``); ``summary``, the
-      merged summaries of the algorithm's calls plus the logged means.
+      ``done`` ``(N,)`` bool: the episodes that ended at this step; ``score`` ``(N,)`` float32:
+      each agent's return so far (in full where done); ``summary``: all summaries and the log.
     """
     if not isinstance(env, TensorBatchEnv):
         raise TypeError(f"simulate() needs a TensorBatchEnv (the batch as torch tensors), got "
                         f"a {type(env).__name__}: wrap it as TensorBatchEnv(batch_env, device)")
     if seed is not None and not reset:
-        raise ValueError("simulate(seed=...) seeds the resets of all agents: it needs "
-                         "reset=True")
+        raise ValueError("simulate(seed=...) seeds the resets of all agents: it needs reset=True")
     tracker = env.episodes
     summary: Summary = {}
     lag = overlap and algo.experience_may_lag
     if tracker.late is not None and (reset or not lag or tracker.late[0] is not algo):
         flush(env, summary)  # before begin_episodes discards the running episodes
-    if reset:
-        tracker.starting = tracker.agents
-    if tracker.starting is not None:
-        starting, tracker.starting = tracker.starting, None
+    starting = tracker.agents if reset else tracker.starting
+    if starting is not None:
+        tracker.starting = None
         env.reset(starting, seed=seed)
         _begin(tracker, algo, starting, summary)
         if env.restarted is not None:  # a failed worker restarted other envs as well
@@ -148,14 +126,11 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
 
     agents = tracker.agents
     observ = env.observ.clone()  # the env overwrites its buffer when it steps
-    action, performed = _performed(algo.perform(agents, observ), algo)
-    _merge(summary, performed, algo, "perform")
+    action = _performed(algo.perform(agents, observ), algo, summary)
+    env.step_async(action)
     if lag:
-        env.step_async(action)
         flush(env, summary)  # the previous step's, while the workers step this one
-        next_observ, reward, done = env.step_wait()
-    else:
-        next_observ, reward, done = env.step(action)
+    next_observ, reward, done = env.step_wait()
     finished, ended, score = _count_step(tracker, reward, done)
     if not lag or env.restarted is not None or ended is not None:
         _merge(summary, algo.experience(agents, observ, env.action, reward, done, next_observ,
@@ -163,9 +138,7 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
     else:  # nothing ends or starts before the next call: deliver it then
         tracker.late = (algo, observ, env.action.clone())
 
-    if env.restarted is not None:
-        # Envs of a failed worker were replaced and are in new episodes: drop
-        # what the algorithm collected of their old ones (this step included).
+    if env.restarted is not None:  # their old episodes, this step included, are dropped
         _begin(tracker, algo, env.restarted, summary)
         score = tracker.score.clone()
     if ended is not None:
@@ -188,15 +161,9 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
 
 def evaluate_episodes(env: TensorBatchEnv, algo: Algorithm, episodes: int,
                       seed: int = 0) -> tuple[list[float], list[int]]:
-    """Returns and lengths of exactly ``episodes`` whole mean-action episodes.
-
-    The algorithm runs in evaluation mode (``algo.eval()``; its mode is
-    restored afterwards) from fresh episodes seeded with ``seed`` (env ``i``
-    gets ``seed + i``). Agent ``i`` counts its first ``quota[i]`` episodes,
-    an equal share of ``episodes``, so the mean is not biased towards short
-    episodes; the lists are in episode order (every agent's first episode,
-    then the second...).
-    """
+    """Returns and lengths of exactly ``episodes`` whole mean-action episodes (eval mode,
+    resets seeded ``seed + i`` for env ``i``). Each agent counts its first episodes, an
+    equal share, so short ones bias nothing; the lists hold all first episodes first."""
     if episodes < 1:
         raise ValueError(f"episodes must be >= 1, got {episodes}")
     num_agents = len(env)

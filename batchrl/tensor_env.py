@@ -1,9 +1,5 @@
-"""A batch env whose state lives in torch tensors on a device.
-
-This is the PyTorch counterpart of TF Agents' ``InGraphBatchEnv``: the current
-batch of observations, last actions, rewards and done flags is kept in
-preallocated tensors that algorithms read directly.
-"""
+"""A batch env whose state (observations, last actions, rewards, done flags) lives in
+preallocated torch tensors on a device: the PyTorch ``InGraphBatchEnv`` of TF Agents."""
 
 from __future__ import annotations
 
@@ -20,24 +16,19 @@ from batchrl.parts import numpy_views
 
 @dataclass
 class Episodes:
-    """The running episodes of a ``TensorBatchEnv``'s agents, as
-    ``batchrl.simulation.simulate`` tracks them between its calls (all tensors
-    on the env's device; ``N`` agents).
+    """The ``N`` agents' running episodes, as ``simulation.simulate`` tracks them (env's device).
 
     Attributes:
-      score: ``(N,)`` float32, the return of each agent's current episode so
-        far (its full return right after it finished).
+      score: ``(N,)`` float32, each agent's return so far (in full right after the end).
       length: ``(N,)`` int64, the steps of each agent's current episode.
       agents: ``(N,)`` int64, ``arange(N)``: every step acts for all agents.
-      starting: ``(K,)`` int64, the agents to reset before the next step
-        (done on the previous one; all of them before the first), or ``None``.
+      starting: ``(K,)`` int64, the agents to reset before the next step, or ``None``.
       finished_score, finished_length, finished_count: scalar sums over the
         episodes finished since ``simulate`` last logged them.
-      late: with ``simulate(..., overlap=True)``, the step whose
-        ``experience()`` is still due, as ``(algorithm, observ, action)``;
-        its reward, done flags and next observation are still the env's.
-      fast: on the CPU, ``(done, reward)`` of the env and numpy views of
-        them and of ``score`` and ``length`` (see ``batchrl.parts.numpy_views``).
+      late: ``(algorithm, observ, action)`` of the step whose ``experience()`` is
+        still due (``overlap=True``); its reward, done and next observation are the env's.
+      fast: on the CPU, the env's ``(done, reward)`` and numpy views of them and of
+        ``score`` and ``length`` (see ``batchrl.parts.numpy_views``).
     """
 
     score: torch.Tensor
@@ -62,8 +53,7 @@ class Episodes:
                        starting=torch.arange(n, device=device),
                        finished_score=zero.clone(), finished_length=zero.clone(),
                        finished_count=zero.clone())
-        views = tuple(numpy_views.view(tensor) for tensor in
-                      (done, reward, episodes.score, episodes.length))
+        views = [numpy_views.view(t) for t in (done, reward, episodes.score, episodes.length)]
         if all(view is not None for view in views):
             episodes.fast = (done, reward, *views)
         return episodes
@@ -72,29 +62,21 @@ class Episodes:
 class TensorBatchEnv:
     """Wraps a ``BatchEnv`` and exposes its state as tensors on ``device``.
 
-    Attributes (all on ``device``, first dimension ``N = len(batch_env)``):
+    Attributes (on ``device``, first dimension ``N = len(batch_env)``):
       observ: ``(N, *obs_shape)`` float32, the latest observation of each env.
-      action: ``(N, *act_shape)``, the last action: float32 for Box action
-        spaces, int64 for discrete ones.
+      action: ``(N, *act_shape)``, the last action: float32 (Box) or int64 (discrete).
       reward: ``(N,)`` float32, the last reward (0 after a reset).
-      done: ``(N,)`` float32, 1.0 where the last step ended the episode,
-        by termination or by truncation (time limit).
-      terminated: ``(N,)`` float32, 1.0 where the episode reached a true
-        terminal state; ``done - terminated`` marks truncations.
-      infos: the info dicts of the last ``step`` (a sequence, on the host;
-        ``reset`` leaves it alone).
+      done: ``(N,)`` float32, 1.0 where the last step ended the episode (terminated or truncated).
+      terminated: ``(N,)`` float32, 1.0 where it terminated (``done - terminated``: truncated).
+      infos: the info dicts of the last ``step`` (on the host; ``reset`` keeps them).
       episodes: the running episodes, as ``simulate`` tracks them (``Episodes``).
-      restarted: ``None``, or the ``(K,)`` int64 indices of the envs whose
-        worker the last ``step`` or ``reset`` restarted after a failure (see
-        ``BatchEnv``'s ``max_restarts``): they are in new episodes, their
-        ``observ`` rows hold the first observations, and what an algorithm
-        collected of their old episodes should be discarded.
+      restarted: ``None``, or the ``(K,)`` int64 envs whose worker the last ``step``
+        or ``reset`` restarted after a failure (``BatchEnv``'s ``max_restarts``):
+        their ``observ`` rows hold the first observations of new episodes.
 
-    ``step`` and ``reset`` update these buffers in place and return them (or
-    the reset rows); a caller that needs a value after the next step must
-    clone it. On CUDA, staging buffers are pinned and copies are
-    ``non_blocking``. Envs are not reset automatically: ``simulate()`` resets
-    the ones that are done before it steps them again.
+    ``step`` and ``reset`` update these buffers in place and return them (or the
+    reset rows): clone what must outlive the next step. On CUDA, staging buffers
+    are pinned and copies ``non_blocking``. Envs are not reset automatically.
     """
 
     def __init__(self, batch_env: BatchEnv, device: str | torch.device = "cpu"):
@@ -107,9 +89,8 @@ class TensorBatchEnv:
         cuda = self.device.type == "cuda"
 
         def buffers(shape: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-            device_buffer = torch.zeros(tuple(shape), dtype=dtype, device=self.device)
-            staging = (torch.zeros(tuple(shape), dtype=dtype, pin_memory=True) if cuda
-                       else device_buffer)
+            device_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
+            staging = torch.zeros(shape, dtype=dtype, pin_memory=True) if cuda else device_buffer
             return device_buffer, staging
 
         self.observ, self._staging_observ = buffers((n, *obs_space.shape), torch.float32)
@@ -117,10 +98,11 @@ class TensorBatchEnv:
         self.reward, self._staging_reward = buffers((n,), torch.float32)
         self.done, self._staging_done = buffers((n,), torch.float32)
         self.terminated, self._staging_terminated = buffers((n,), torch.float32)
-        # numpy views of the staging buffers: numpy copies small arrays in about
-        # a microsecond, a third of a torch copy_ with from_numpy.
-        self._np = {name: getattr(self, f"_staging_{name}").numpy()
-                    for name in ("observ", "action", "reward", "done", "terminated")}
+        names = ("observ", "action", "reward", "done", "terminated")
+        # numpy views of the staging buffers: cheaper to fill than torch copies
+        self._np = {name: getattr(self, f"_staging_{name}").numpy() for name in names}
+        self._uploads = [(getattr(self, name), getattr(self, f"_staging_{name}"))
+                         for name in names if name != "action"]  # (device, staging) pairs
         self.infos: Sequence[dict] = [{} for _ in range(n)]
         self.restarted: torch.Tensor | None = None
         self.episodes = Episodes.start(self.done, self.reward)
@@ -138,46 +120,33 @@ class TensorBatchEnv:
     def __len__(self) -> int:
         return len(self.batch_env)
 
-    def _upload(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _upload(self) -> None:
+        """Copy the staging buffers (but the action) to the device buffers."""
         if self._uploaded is None:
             return  # on the CPU the staging buffers are the device buffers
-        for device_buffer, staging in pairs:
+        for device_buffer, staging in self._uploads:
             device_buffer.copy_(staging, non_blocking=True)
         self._uploaded.record()
 
-    def _staging_ready(self) -> None:
-        if self._uploaded is not None:
-            self._uploaded.synchronize()
-
     def step(self, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Step all envs.
-
-        Args:
-          action: ``(N, *act_shape)`` tensor on any device.
-        Returns:
-          ``(observ, reward, done)``, the updated buffers on ``device``.
-        """
+        """Step all envs with ``action`` ``(N, *act_shape)`` (on any device); returns the
+        updated buffers ``(observ, reward, done)``."""
         self.step_async(action)
         return self.step_wait()
 
     def step_async(self, action: torch.Tensor) -> None:
-        """Start a step: ``action`` is copied into ``self.action`` and sent to
-        the worker processes, which step while the caller goes on. Until
-        ``step_wait`` the other buffers keep the previous step's values.
-
-        Args:
-          action: ``(N, *act_shape)`` tensor on any device.
-        """
+        """Start a step: ``action`` ``(N, *act_shape)`` (on any device) is copied into
+        ``self.action`` and sent to the workers, which step while the caller goes on;
+        until ``step_wait`` the other buffers keep the previous step's values."""
         action = action.detach()
         if action.shape != self.action.shape:
             raise ValueError(f"action must have shape {tuple(self.action.shape)} "
                              f"(num_envs, *action_space.shape), got {tuple(action.shape)}")
         if self._discrete and (action.is_floating_point() or action.is_complex()):
-            raise TypeError(f"actions for {self.action_space} must be integers, got "
-                            f"{action.dtype}")
+            raise TypeError(f"actions for {self.action_space} must be integers, got {action.dtype}")
         self.action.copy_(action)
-        self._staging_ready()
         if self._uploaded is not None:
+            self._uploaded.synchronize()  # the staging buffers' last upload is done
             self._staging_action.copy_(self.action, non_blocking=True)
             torch.cuda.current_stream(self.device).synchronize()
         self.batch_env.step_async(self._np["action"])
@@ -192,40 +161,31 @@ class TensorBatchEnv:
         np.logical_or(terminated, truncated, out=staging["done"])
         self.infos = infos
         self._note_restarts()
-        self._upload([(self.observ, self._staging_observ), (self.reward, self._staging_reward),
-                      (self.done, self._staging_done),
-                      (self.terminated, self._staging_terminated)])
+        self._upload()
         return self.observ, self.reward, self.done
 
     def reset(self, indices: torch.Tensor | Sequence[int] | None = None,
               seed: int | Sequence[int] | None = None) -> torch.Tensor:
-        """Reset the envs at ``indices`` (all when ``None``).
-
-        Their observation rows are replaced, reward, done and terminated set
-        to zero. ``seed`` is passed to ``BatchEnv.reset``.
-
-        Returns:
-          ``(len(indices), *obs_shape)`` float32 tensor on ``device``.
-        """
+        """Reset the envs at ``indices`` (all when ``None``), seeded as ``BatchEnv.reset``
+        does: their observation rows are replaced, reward, done and terminated zeroed.
+        Returns their observations ``(len(indices), *obs_shape)`` float32 on ``device``."""
         if indices is None:
             rows = np.arange(len(self))
         elif isinstance(indices, torch.Tensor):
             rows = indices.detach().cpu().numpy()
         else:
             rows = np.asarray(indices)
-        # Not cast to int first: BatchEnv rejects float or bool "indices" (such
-        # as a done mask) that a cast would silently turn into other env indices.
+        # Not cast to int first: BatchEnv rejects float or bool "indices" (a done mask).
         obs = self.batch_env.reset(rows, seed=seed)
         rows = rows.astype(np.int64)
         if rows.size == 0:
             return self.observ[:0]
-        self._staging_ready()
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
         cpu_rows = torch.from_numpy(rows)
         self._set_rows(cpu_rows, obs)
         self._note_restarts()
-        self._upload([(self.observ, self._staging_observ), (self.reward, self._staging_reward),
-                      (self.done, self._staging_done),
-                      (self.terminated, self._staging_terminated)])
+        self._upload()
         return self.observ[cpu_rows.to(self.device)]
 
     def _set_rows(self, cpu_rows: torch.Tensor, obs: np.ndarray) -> None:
@@ -235,8 +195,7 @@ class TensorBatchEnv:
             staging[cpu_rows] = 0.0
 
     def _note_restarts(self) -> None:
-        """Take over the envs that the batch env restarted in its last call
-        (before the upload of the staging buffers)."""
+        """Take over the envs the batch env restarted in its last call (before the upload)."""
         rows, obs = self.batch_env.restarted
         if not len(rows):
             self.restarted = None

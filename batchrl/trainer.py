@@ -1,26 +1,17 @@
 """The training loop: alternate training and mean-action evaluation phases.
 
-As TF Agents' ``Loop``, for any ``Algorithm`` (the config's ``[algorithm]``
-section; see ``Algorithm`` for the contract): with whole-episode updates
-(``episodes_per_phase``, BatchPPO's ``update_every``) a training phase
-collects one update's episodes with sampled actions, and every
-``train.eval_every`` training phases an evaluation phase runs
-``train.eval_episodes`` episodes with mean actions and learns nothing.
-Otherwise (fixed-length rollouts: ``steps_per_update``, BatchPPO's
-``rollout_length``) a training phase is ``train.eval_every`` updates long, so
-that episodes run on across updates, and an evaluation follows every phase.
-Each phase starts with ``simulate(..., reset=True)``, which discontinues the
-running episodes. Env resets at phase starts are seeded from the run's seed
-and the phase number, so a run resumed from a checkpoint (always written at
-a phase boundary) continues exactly as it would have.
+For any ``Algorithm`` (the config's ``[algorithm]``): with whole-episode updates
+(``episodes_per_phase``) a training phase collects one update's episodes, and every
+``train.eval_every`` training phases an evaluation phase runs ``train.eval_episodes``
+mean-action episodes. With fixed-length rollouts (``steps_per_update``) a training phase
+is ``train.eval_every`` updates long and an evaluation follows every phase. Each phase
+starts with seeded resets (``simulate(..., reset=True)``), so a run resumed from a
+checkpoint (written at phase boundaries) continues exactly as it would have.
 
-With ``handle_signals``, Ctrl-C (SIGINT) or SIGTERM stops the run within a
-step or a gradient step: the state at the last phase boundary, kept in memory
-as the bytes of a checkpoint, is written as the final checkpoint (an update
-cut short leaves the live model half-trained, and a checkpoint from the
-middle of a phase could not be resumed exactly), the env workers are closed
-and ``run()`` raises ``TrainingInterrupted``. An env failure also writes that
-snapshot before the error propagates.
+With ``handle_signals``, SIGINT or SIGTERM stops the run within a step or gradient step:
+the state at the last phase boundary, kept in memory, is written as the final checkpoint
+(a state from mid-phase could not be resumed exactly) and ``run()`` raises
+``TrainingInterrupted``. An env failure writes that snapshot too before it propagates.
 """
 
 from __future__ import annotations
@@ -64,9 +55,8 @@ def resolve_device(name: str, key: str = "train.device") -> torch.device:
 
 
 def save_config(config: Config, logdir: Path) -> None:
-    """Write the resolved config as ``config.json``: every key a config file
-    may set (the derived ones, such as BatchPPO's ``max_length``, follow
-    their sources when it is read back)."""
+    """Write the resolved config as ``config.json``, less the derived keys
+    (such as BatchPPO's ``max_length``), which follow their sources when read back."""
     with open(Path(logdir) / CONFIG_FILE, "w") as file:
         json.dump(strip_derived(config.to_dict()), file, indent=2)
         file.write("\n")
@@ -106,11 +96,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 class TrainingInterrupted(Interrupted):
-    """``Trainer.run()`` stopped on a signal, after writing its final checkpoint.
-
-    ``checkpoint`` is the newest checkpoint of the run (``None`` when it was
-    stopped before its first phase ended) and ``step`` its training step.
-    """
+    """``Trainer.run()`` stopped on a signal, after writing its final checkpoint:
+    ``checkpoint`` is the run's newest (``None``: it has none yet), ``step`` its step."""
 
     def __init__(self, signum: int, checkpoint: Path | None, step: int):
         super().__init__(signum)
@@ -137,8 +124,7 @@ class Trainer:
       config: the run's configuration.
       logdir: where the config, metrics, events, plot and checkpoints go.
       progress: show a progress bar on a terminal, one line per phase otherwise.
-      handle_signals: stop cleanly on SIGINT or SIGTERM (see the module
-        docstring); only possible in the main thread.
+      handle_signals: stop cleanly on SIGINT or SIGTERM (main thread only).
     """
 
     def __init__(self, config: Config, logdir: Path, progress: bool = True,
@@ -147,9 +133,7 @@ class Trainer:
         self.logdir = Path(logdir)
         self.progress = progress
         self.handle_signals = handle_signals
-        self._stop: StopSignals | None = None
-        # The state at the last phase boundary: (step, checkpoint bytes), and
-        # the step of the last checkpoint on disk.
+        # (step, checkpoint bytes) of the last phase boundary; step of the newest on disk.
         self._snapshot: tuple[int, bytes] | None = None
         self._written: int | None = None
         self.device = resolve_device(config.train.device)
@@ -172,15 +156,13 @@ class Trainer:
         counters.phases += 1
         scores: list[float] = []
         lengths: list[float] = []
-        start, steps = time.perf_counter(), 0
-        reset = True
-        calls = 0
+        start, steps, calls = time.perf_counter(), 0, 0
         while len(scores) < episodes if batch_steps is None else calls < batch_steps:
+            reset = calls == 0
             done, score, summary = simulate(env, algo, reset=reset, seed=seed if reset else None,
                                             overlap=training and config.train.overlap)
             calls += 1
-            self._check_stop()
-            reset = False
+            self._stop.check()
             # Envs restarted in this step did not step (they were reset).
             stepped = num_agents if env.restarted is None else num_agents - len(env.restarted)
             steps += stepped
@@ -230,11 +212,6 @@ class Trainer:
         self.log.scalars({"env/restarts": float(self.counters.env_restarts)},
                          self.counters.steps)
 
-    def _check_stop(self) -> None:
-        """Raise ``Interrupted`` once a signal asked the run to stop."""
-        if self._stop is not None:
-            self._stop.check()
-
     def _save_snapshot(self) -> Path | None:
         """Write the last phase boundary's state unless it is on disk already;
         returns the run's newest checkpoint."""
@@ -244,25 +221,14 @@ class Trainer:
             return save_checkpoint(self.logdir, step, state, self.config.train.keep_checkpoints)
         return latest_checkpoint(self.logdir)
 
-    def _state(self, algo: Algorithm) -> dict[str, Any]:
-        return {"algorithm": algo.state_dict(), "counters": dataclasses.asdict(self.counters),
-                "rng": _rng_state(), "config": self.config.to_dict()}
-
     def run(self) -> dict[str, Any]:
         """Train until ``train.steps`` env steps; returns the last evaluation record.
-
-        Raises ``TrainingInterrupted`` when ``handle_signals`` and a signal
-        stopped the run.
-        """
-        stop = (StopSignals("stopping after this step, with a checkpoint of the last "
-                            "finished phase; the same signal again quits at once")
-                if self.handle_signals else None)
-        with stop or contextlib.nullcontext():
-            self._stop = stop
-            try:
-                return self._run()
-            finally:
-                self._stop = None
+        Raises ``TrainingInterrupted`` when ``handle_signals`` and a signal stopped it."""
+        # Without handle_signals it is never entered, so check() never raises.
+        self._stop = StopSignals("stopping after this step, with a checkpoint of the last "
+                                 "finished phase; the same signal again quits at once")
+        with self._stop if self.handle_signals else contextlib.nullcontext():
+            return self._run()
 
     def _run(self) -> dict[str, Any]:
         config = self.config
@@ -273,16 +239,13 @@ class Trainer:
 
         # The env first: a bad env id fails here, before anything is written to
         # the log directory (a config.json there would make it a run to resume).
-        batch_env = make_batch_env(config.env.id, config.env.num_agents, config.env.max_length,
-                                   config.env.kwargs, config.env.backend, config.env.workers,
-                                   config.env.normalize_ranges,
-                                   share_main=config.env.share_main, infos=False,
-                                   timeout=config.env.timeout or None,
-                                   max_restarts=(config.env.max_restarts
-                                                 if config.env.restart_crashed_envs else 0),
-                                   ray_address=config.env.ray_address,
-                                   ray_resources=config.env.ray_resources)
-        self._batch_env = batch_env
+        env_config = config.env
+        batch_env = self._batch_env = make_batch_env(
+            env_config.id, env_config.num_agents, env_config.max_length, env_config.kwargs,
+            env_config.backend, env_config.workers, env_config.normalize_ranges,
+            share_main=env_config.share_main, infos=False, timeout=env_config.timeout or None,
+            max_restarts=env_config.max_restarts if env_config.restart_crashed_envs else 0,
+            ray_address=env_config.ray_address, ray_resources=env_config.ray_resources)
         self.log = None
         bar = None
         last_eval: dict[str, Any] = {}
@@ -293,7 +256,7 @@ class Trainer:
             # Only now that env and algorithm fit together (spaces) is this a run.
             self.logdir.mkdir(parents=True, exist_ok=True)
             save_config(config, self.logdir)
-            algo.interrupt_check = self._check_stop  # Ctrl-C within an update
+            algo.interrupt_check = self._stop.check  # Ctrl-C within an update
             checkpoint = latest_checkpoint(self.logdir)
             if checkpoint is not None:
                 state = load_checkpoint(checkpoint, self.device)
@@ -303,32 +266,24 @@ class Trainer:
                 self._written = self.counters.steps
                 if batch_env.max_restarts:  # the bound is per run, over all its sessions
                     batch_env.max_restarts = max(
-                        0, config.env.max_restarts - self.counters.env_restarts)
-            # Drop what earlier sessions logged after the checkpoint (everything when
-            # they stopped before the first one): records in metrics.jsonl, and
-            # TensorBoard hides their events from purge_step on.
-            self.log = RunLog(self.logdir, purge_step=self.counters.steps + 1)
-            self.log.truncate(self.counters.steps)
-            if checkpoint is not None:
+                        0, env_config.max_restarts - self.counters.env_restarts)
                 print(f"Resuming from {checkpoint} at step {self.counters.steps:,}")
                 if self.counters.steps >= config.train.steps:
                     print(f"The run already reached train.steps={config.train.steps:,}; "
                           f"nothing to train (train.py --steps N extends its budget)")
-            # A bar on a terminal; in a log file one plain line per phase instead.
+            # Drop what earlier sessions logged after the checkpoint (metrics.jsonl
+            # records; TensorBoard hides their events from purge_step on).
+            self.log = RunLog(self.logdir, purge_step=self.counters.steps + 1)
+            self.log.truncate(self.counters.steps)
+            # A bar on a terminal; one plain line per phase in a log file.
             self._lines = self.progress and not sys.stderr.isatty()
             if self.progress and not self._lines:
                 from tqdm import tqdm
                 bar = tqdm(total=config.train.steps, initial=self.counters.steps,
                            unit="step", unit_scale=True, dynamic_ncols=True)
             evals = self.counters.phases - self.counters.train_phases  # over all sessions
-            # Whole-episode updates (episodes_per_phase): a training phase
-            # collects the episodes of one update, and every eval_every-th
-            # phase is followed by an evaluation. Otherwise a phase is
-            # eval_every updates of steps_per_update batch steps (1 if the
-            # algorithm does not say), so that episodes run on across updates,
-            # and every phase is followed by an evaluation.
-            episodes = algo.episodes_per_phase
-            phase_steps = None
+            # See the module docstring (steps_per_update None: 1 batch step per update).
+            episodes, phase_steps = algo.episodes_per_phase, None
             eval_every = config.train.eval_every
             if episodes is None:
                 phase_steps, eval_every = (algo.steps_per_update or 1) * eval_every, 1
@@ -343,7 +298,10 @@ class Trainer:
                     self.log.plot()
                     evals += 1
                 # A phase boundary: the only state a run can resume from exactly.
-                self._snapshot = (self.counters.steps, serialize(self._state(algo)))
+                state = {"algorithm": algo.state_dict(),
+                         "counters": dataclasses.asdict(self.counters),
+                         "rng": _rng_state(), "config": config.to_dict()}
+                self._snapshot = (self.counters.steps, serialize(state))
                 if final or (due and evals % config.train.checkpoint_every == 0):
                     if not config.train.eval_episodes:
                         self.log.plot()  # else redrawn after every evaluation

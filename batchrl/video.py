@@ -1,13 +1,10 @@
 """Render a policy's episode into an MP4, offscreen.
 
-MuJoCo's OpenGL backend is chosen by the ``MUJOCO_GL`` environment variable
-(``egl``, ``osmesa`` or ``glfw``). When it is unset, ``select_gl_backend``
-probes the backends in a child process -- ``egl``, then ``osmesa``, then
-``glfw`` when a display is set -- and sets ``MUJOCO_GL`` to the first that
-renders, before MuJoCo's renderer is imported. (Gymnasium itself would try
-``glfw`` first, which fails without a display.) A set ``MUJOCO_GL`` is always
-used as it is. Frames are written with imageio's ffmpeg writer (the
-``video`` extra: imageio and imageio-ffmpeg, which ships an ffmpeg binary).
+MuJoCo's OpenGL backend is the ``MUJOCO_GL`` environment variable's (a set one is
+always used as it is). When it is unset, ``select_gl_backend`` probes ``egl``, ``osmesa``
+and, with a display, ``glfw`` in a child process and sets the first that renders, before
+MuJoCo's renderer is imported (Gymnasium would try ``glfw`` first, which fails without a
+display). Frames are written with imageio's ffmpeg writer (the ``video`` extra).
 """
 
 from __future__ import annotations
@@ -18,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -39,28 +37,22 @@ __all__ = ["VideoError", "find_gl_backend", "select_gl_backend", "video_writer_p
 
 GL_BACKENDS = ("egl", "osmesa", "glfw")
 
-# Builds MuJoCo's offscreen renderer (GL context and MjrContext), as an env's
-# render() would; exits non-zero where the backend in MUJOCO_GL cannot render.
+# Builds MuJoCo's offscreen renderer as an env's render() would; fails where MUJOCO_GL can't.
 _GL_PROBE = ("import mujoco\n"
              "mujoco.Renderer(mujoco.MjModel.from_xml_string('<mujoco/>'), 16, 16).close()\n")
 
 
 class VideoError(RuntimeError):
-    """A video cannot be rendered or written here; the message says why and
-    what to install or set."""
+    """A video cannot be rendered or written here; the message says why and what to do."""
 
 
 def find_gl_backend(timeout: float = 60.0) -> tuple[str | None, dict[str, str]]:
-    """Which MuJoCo OpenGL backend renders offscreen here.
+    """Which MuJoCo OpenGL backend renders offscreen here: ``(backend, failures)``,
+    the first that rendered (``None`` if none did) and the last line of each failure.
 
-    Each candidate is tried in a child process (a failed OpenGL set-up cannot
-    be undone in this one): ``MUJOCO_GL`` alone when it is set, otherwise
-    ``egl``, ``osmesa`` and, when a display is set, ``glfw``, in that order
-    (only the one matching ``PYOPENGL_PLATFORM`` when that is set).
-
-    Returns:
-      ``(backend, failures)``: the first backend that rendered (``None`` if
-      none did) and, for each one that failed, the last line of its error.
+    Each candidate is tried in a child process (a failed OpenGL set-up cannot be
+    undone): ``MUJOCO_GL`` alone when it is set, else the one ``PYOPENGL_PLATFORM``
+    names, else ``egl``, ``osmesa`` and, with a display, ``glfw``.
     """
     if os.environ.get("MUJOCO_GL"):
         candidates: Sequence[str] = [os.environ["MUJOCO_GL"]]
@@ -86,8 +78,7 @@ def find_gl_backend(timeout: float = 60.0) -> tuple[str | None, dict[str, str]]:
 
 
 def gl_hint(failures: dict[str, str], error: str = "") -> str:
-    """What to do about MuJoCo's OpenGL backend, for an error message that
-    already shows ``error``."""
+    """What to do about MuJoCo's OpenGL backend, for a message already showing ``error``."""
     backend = os.environ.get("MUJOCO_GL")
     install = ("MuJoCo renders offscreen with EGL (Debian/Ubuntu: apt-get install libegl1 "
                "libegl-mesa0 libgl1-mesa-dri) or OSMesa (apt-get install libosmesa6)")
@@ -105,11 +96,9 @@ def gl_hint(failures: dict[str, str], error: str = "") -> str:
 
 
 def select_gl_backend() -> dict[str, str]:
-    """Probe the OpenGL backend for rendering: the one in ``MUJOCO_GL``, or
-    when that is unset the first that works, which is then set in
-    ``MUJOCO_GL``. Returns the probe failures, for error messages: nothing
-    is raised here, as an env that is not MuJoCo may need no OpenGL at all
-    (classic control renders with pygame)."""
+    """Probe ``MUJOCO_GL``'s backend, or when it is unset set it to the first that
+    works; returns the probe failures for error messages (nothing is raised: an env
+    that is not MuJoCo may need no OpenGL)."""
     backend, failures = find_gl_backend()
     if backend is not None and not os.environ.get("MUJOCO_GL"):
         os.environ["MUJOCO_GL"] = backend
@@ -117,18 +106,13 @@ def select_gl_backend() -> dict[str, str]:
 
 
 def from_opengl(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised in MuJoCo's or PyOpenGL's code (such as
-    ``import mujoco`` with a ``MUJOCO_GL`` that cannot work here)."""
-    traceback = exc.__traceback__
-    while traceback is not None:
-        module = str(traceback.tb_frame.f_globals.get("__name__", ""))
-        if module.split(".")[0] in ("mujoco", "OpenGL"):
-            return True
-        traceback = traceback.tb_next
-    return False
+    """Whether ``exc`` was raised in MuJoCo's or PyOpenGL's code (e.g. a bad ``MUJOCO_GL``)."""
+    return any(str(frame.f_globals.get("__name__", "")).split(".")[0] in ("mujoco", "OpenGL")
+               for frame, _ in traceback.walk_tb(exc.__traceback__))
 
 
 def opengl_failure(env_id: str, exc: BaseException, failures: dict[str, str]) -> str:
+    """The message for an env that cannot be built because of OpenGL."""
     return (f"cannot build {env_id}: {type(exc).__name__}: {exc}; "
             f"{gl_hint(failures, str(exc))}")
 
@@ -154,8 +138,7 @@ class _RenderError(Exception):
 
 
 class FrameRecorder(gym.Wrapper):
-    """Passes every frame rendered after a reset or step to ``sink`` while
-    ``recording`` is true."""
+    """Passes each frame rendered after a reset or step to ``sink`` while ``recording``."""
 
     def __init__(self, env: gym.Env, sink: Callable[[np.ndarray], None]):
         super().__init__(env)
@@ -163,27 +146,23 @@ class FrameRecorder(gym.Wrapper):
         self.recording = False
 
     def reset(self, **kwargs: Any) -> Any:
-        result = self.env.reset(**kwargs)
-        self._capture()
-        return result
+        return self._capture(self.env.reset(**kwargs))
 
     def step(self, action: Any) -> Any:
-        result = self.env.step(action)
-        self._capture()
-        return result
+        return self._capture(self.env.step(action))
 
-    def _capture(self) -> None:
-        if not self.recording:
-            return
-        try:
-            frame = self.env.render()
-        except Exception as exc:  # the renderer's own errors vary: OpenGL, pygame, MuJoCo
-            raise _RenderError(exc) from exc
-        if not isinstance(frame, np.ndarray) or frame.ndim != 3:
-            raise _RenderError(TypeError(
-                f"render() returned {type(frame).__name__}, not an RGB array; the env must "
-                f"accept render_mode='rgb_array'"))
-        self.sink(frame)
+    def _capture(self, result: Any) -> Any:
+        if self.recording:
+            try:
+                frame = self.env.render()
+            except Exception as exc:  # the renderers' errors vary: OpenGL, pygame, MuJoCo
+                raise _RenderError(exc) from exc
+            if not isinstance(frame, np.ndarray) or frame.ndim != 3:
+                raise _RenderError(TypeError(
+                    f"render() returned {type(frame).__name__}, not an RGB array; the env "
+                    f"must accept render_mode='rgb_array'"))
+            self.sink(frame)
+        return result
 
 
 def _render_failure(env_id: str, exc: BaseException, failures: dict[str, str]) -> str:
@@ -194,9 +173,8 @@ def _render_failure(env_id: str, exc: BaseException, failures: dict[str, str]) -
 
 
 def _runtime_dir() -> None:
-    """Give SDL (pygame renders the classic-control envs) the private runtime
-    directory it expects, when the session has none: without one it prints
-    "XDG_RUNTIME_DIR is invalid or not set" on every video."""
+    """Give SDL (pygame renders classic control) the runtime directory it wants when the
+    session has none; else it prints "XDG_RUNTIME_DIR is invalid or not set"."""
     if os.environ.get("XDG_RUNTIME_DIR"):
         return
     path = tempfile.mkdtemp(prefix="batchrl-runtime-")  # mode 0700, as SDL wants
@@ -205,26 +183,24 @@ def _runtime_dir() -> None:
 
 
 def record_video(config: Config, algo: Algorithm, device: torch.device, path: Path,
-                  seed: int, failures: dict[str, str]) -> int:
-    """Render one episode of ``algo`` (in its current mode: ``algo.eval()``
-    for mean actions) in ``config``'s env, reset with ``seed``, into
-    ``path``; returns the number of frames. ``failures`` are the OpenGL
-    probe's (``select_gl_backend``), for the error messages."""
+                 seed: int, failures: dict[str, str]) -> int:
+    """Render one episode of ``algo`` (in its current mode: ``algo.eval()`` for mean
+    actions) in ``config``'s env, reset with ``seed``, into ``path``; returns the number
+    of frames. ``failures``: ``select_gl_backend``'s, for the error messages."""
     import imageio.v2 as imageio
 
     _runtime_dir()
     env_config = config.env
+    kwargs = {**env_config.kwargs, "render_mode": "rgb_array"}
     try:
-        raw = resolve_constructor(env_config.id, {**env_config.kwargs,
-                                                  "render_mode": "rgb_array"},
-                                  env_config.max_length)()
+        raw = resolve_constructor(env_config.id, kwargs, env_config.max_length)()
     except Exception as exc:
         if from_opengl(exc):
             raise VideoError(opengl_failure(env_config.id, exc, failures)) from None
         if not isinstance(exc, (gym.error.Error, TypeError)):
             raise
         raise VideoError(f"cannot build {env_config.id} with render_mode='rgb_array': "
-                              f"{exc}") from None
+                         f"{exc}") from None
     fps = float(raw.metadata.get("render_fps") or 30)
     frames = 0
     writer = None
@@ -248,23 +224,20 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
         frames += 1
 
     recorder = FrameRecorder(wrap_env(raw, normalize_ranges=env_config.normalize_ranges),
-                              write)
+                             write)
     env = TensorBatchEnv(BatchEnv([recorder]), device)
     completed = False
     try:
         recorder.recording = True
-        reset = True
-        while True:
-            done, _, _ = simulate(env, algo, reset=reset, seed=seed if reset else None)
-            reset = False
-            if bool(done[0]):
-                break
+        done, _, _ = simulate(env, algo, reset=True, seed=seed)
+        while not bool(done[0]):
+            done, _, _ = simulate(env, algo)
         completed = True
     except EnvRaisedError as exc:  # the env layer names the env; the cause is ours
         if not isinstance(exc.__cause__, _RenderError):
             raise
         raise VideoError(_render_failure(env_config.id, exc.__cause__.__cause__,
-                                              failures)) from None
+                                         failures)) from None
     finally:
         recorder.recording = False
         try:

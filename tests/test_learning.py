@@ -72,7 +72,7 @@ def test_ppo_learns_pendulum_on_rollouts():
     # every return is bootstrapped), minibatches of time steps, orthogonal
     # tanh networks, reward statistics of discounted returns.
     config = PPOConfig(max_length=200, discount=0.95, gae_lambda=0.95, rollout_length=50,
-                       update_epochs=10, minibatch_size=100, policy_layers=(64, 64),
+                       update_epochs=5, minibatch_size=100, policy_layers=(64, 64),
                        value_layers=(64, 64), activation="tanh", init="orthogonal",
                        init_output_factor=0.01, init_std=0.5, policy_lr=1e-3, value_lr=1e-3,
                        max_grad_norm=0.5, reward_scale="return")

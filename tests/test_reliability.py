@@ -146,7 +146,7 @@ WRITER_SCRIPT = textwrap.dedent("""
 @pytest.mark.timeout(180)
 def test_checkpoint_write_killed_at_random_moments_leaves_the_latest_loadable(tmp_path):
     rng = random.Random(0)
-    rounds, interrupted_writes, last_step = 12, 0, 0
+    rounds, interrupted_writes, last_step = 8, 0, 0
     for _ in range(rounds):
         writer = subprocess.Popen([sys.executable, "-c", WRITER_SCRIPT, str(tmp_path)],
                                   env=ENVIRON, stdout=subprocess.PIPE, text=True)

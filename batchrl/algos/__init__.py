@@ -4,11 +4,4 @@ from batchrl.algos.base import Algorithm, Summary
 from batchrl.algos.ppo import BatchPPO, KLPenalty, PPOConfig
 from batchrl.algos.reinforce import Reinforce
 
-__all__ = [
-    "Algorithm",
-    "Summary",
-    "BatchPPO",
-    "KLPenalty",
-    "PPOConfig",
-    "Reinforce",
-]
+__all__ = ["Algorithm", "Summary", "BatchPPO", "KLPenalty", "PPOConfig", "Reinforce"]

@@ -1,15 +1,9 @@
 """Policy and value networks of BatchPPO, written to compile with TorchScript.
 
-A policy is a body (MLP, or MLP followed by a GRU) and a head (Gaussian or
-categorical). All policies share one calling convention so that feed-forward
-and recurrent ones are trained by the same code:
-
-    policy(observ (B, T, *obs), state (B, H)) -> (mean_or_logits, log_std, state)
-
-For a Gaussian head ``mean_or_logits`` is the mean ``(B, T, A)`` and ``log_std`` the
-log standard deviation, broadcast to ``(B, T, A)``; for a categorical head
-``mean_or_logits`` holds the logits ``(B, T, n)`` and ``log_std`` is empty. Feed-forward
-bodies have ``H = 0``.
+A policy is a body (MLP, or MLP then GRU; state ``(B, H)``, ``H = 0`` for feed-forward)
+and a head: ``policy(observ (B, T, *obs), state) -> (mean_or_logits, log_std, state)``
+gives the mean and log std ``(B, T, A)`` (Gaussian) or the logits ``(B, T, n)`` and an
+empty ``log_std`` (categorical).
 """
 
 from __future__ import annotations
@@ -24,8 +18,7 @@ ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh}
 
 
 def mlp(in_size: int, layers: Sequence[int], activation: str = "relu") -> nn.Sequential:
-    """Multi-layer perceptron with ``activation`` (a name of ``ACTIVATIONS``)
-    after every layer; returns an empty Sequential for no layers."""
+    """MLP with ``activation`` (a name of ``ACTIVATIONS``) after every layer; empty for none."""
     modules: list[nn.Module] = []
     for size in layers:
         modules += [nn.Linear(in_size, size), ACTIVATIONS[activation]()]
@@ -34,9 +27,8 @@ def mlp(in_size: int, layers: Sequence[int], activation: str = "relu") -> nn.Seq
 
 
 def orthogonal_init(module: nn.Module, gain: float) -> None:
-    """Orthogonal weights scaled by ``gain`` and zero biases for every
-    ``nn.Linear`` in ``module`` (Saxe et al., 2014): each layer keeps the
-    scale of its input at the start of training."""
+    """Orthogonal weights scaled by ``gain`` and zero biases for every ``nn.Linear``
+    in ``module`` (Saxe et al., 2014): each layer keeps the scale of its input."""
     for layer in module.modules():
         if isinstance(layer, nn.Linear):
             nn.init.orthogonal_(layer.weight, gain)
@@ -56,16 +48,14 @@ class FeedForwardBody(nn.Module):
         return self.net(observ), state
 
 
-class RecurrentBody(nn.Module):
-    """MLP followed by a single-layer GRU over the time dimension."""
+class RecurrentBody(FeedForwardBody):
+    """``FeedForwardBody`` followed by a single-layer GRU over the time dimension."""
 
     def __init__(self, obs_size: int, layers: Sequence[int], gru_size: int,
                  activation: str = "relu"):
-        super().__init__()
-        self.net = mlp(obs_size, layers, activation)
-        self.gru = nn.GRU(layers[-1] if layers else obs_size, gru_size, batch_first=True)
-        self.out_size = gru_size
-        self.state_size = gru_size
+        super().__init__(obs_size, layers, activation)
+        self.gru = nn.GRU(self.out_size, gru_size, batch_first=True)
+        self.out_size = self.state_size = gru_size
 
     def forward(self, observ: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         features, final = self.gru(self.net(observ), state.unsqueeze(0).contiguous())
@@ -73,11 +63,8 @@ class RecurrentBody(nn.Module):
 
 
 class GaussianHead(nn.Module):
-    """``tanh``-squashed mean and a learned state-independent log std.
-
-    The mean layer's initial weights are scaled by ``init_output_factor`` so the
-    first policy acts close to zero; the log std starts at ``log(init_std)``.
-    """
+    """``tanh``-squashed mean and a learned state-independent log std, starting at
+    ``log(init_std)``; ``init_output_factor`` scales the mean layer's initial weights."""
 
     def __init__(self, in_size: int, action_size: int, init_std: float,
                  init_output_factor: float):
@@ -94,7 +81,7 @@ class GaussianHead(nn.Module):
 
 
 class CategoricalHead(nn.Module):
-    """Logits of a categorical distribution over ``n`` actions."""
+    """Logits over ``num_actions`` actions; ``init_output_factor`` scales the initial weights."""
 
     def __init__(self, in_size: int, num_actions: int, init_output_factor: float):
         super().__init__()
@@ -126,14 +113,11 @@ class Policy(nn.Module):
 
 
 class Actor(nn.Module):
-    """One inference step of a ``Policy``: distribution parameters and an action.
-
-    ``forward(observ (B, *obs), state (B, H), deterministic)`` returns
-    ``(action, mean_or_logits, log_std, state)`` with parameters of shape ``(B, ...)``.
-    With ``deterministic`` the action is the mean (Gaussian) or the most likely
-    action (categorical); otherwise it is sampled with torch's global RNG, so
-    the same seed gives the same actions in eager and TorchScript modes.
-    """
+    """One inference step of a ``Policy``: ``forward(observ (B, *obs), state (B, H),
+    deterministic)`` returns ``(action, mean_or_logits, log_std, state)``, parameters
+    ``(B, ...)``. A deterministic action is the mean (Gaussian) or the most likely one
+    (categorical); others are sampled with torch's global RNG, so a seed gives the
+    same actions in eager and TorchScript modes."""
 
     def __init__(self, policy: Policy):
         super().__init__()
@@ -150,15 +134,12 @@ class Actor(nn.Module):
                 log_std = log_std.squeeze(1)
         else:  # no time axis: three fewer operations and 2-D matrix products
             mean_or_logits, log_std, state = self.policy(observ, state)
-        if not self.discrete:
-            if deterministic:
-                action = mean_or_logits
-            else:
-                action = mean_or_logits + log_std.exp() * torch.randn_like(mean_or_logits)
-        elif deterministic:
-            action = mean_or_logits.argmax(-1)
-        else:
+        if deterministic:
+            action = mean_or_logits.argmax(-1) if self.discrete else mean_or_logits
+        elif self.discrete:
             action = torch.multinomial(torch.softmax(mean_or_logits, -1), 1).squeeze(-1)
+        else:
+            action = mean_or_logits + log_std.exp() * torch.randn_like(mean_or_logits)
         return action, mean_or_logits, log_std, state
 
 

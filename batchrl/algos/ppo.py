@@ -54,7 +54,7 @@ class PPOConfig:
     gru_size: int = 100                       # recurrent policies only
     chunk_length: int | None = None           # recurrent: train on chunks of episodes
     init_std: float = 0.35
-    init_output_factor: float = 0.1           # scale (orthogonal: gain) of the policy's output layer
+    init_output_factor: float = 0.1           # scale (orthogonal: gain) of the policy output
     update_every: int = 30                    # episodes per update (whole-episode updates)
     rollout_length: int | None = None         # steps per agent per update; None: whole episodes
     update_epochs: int = 25
@@ -73,27 +73,17 @@ class PPOConfig:
     max_grad_norm: float | None = None
     normalize_observ: bool = True
     normalize_reward: bool = True
-    reward_scale: str = "reward"              # normalize_reward divides by the std of "reward" or "return"
+    reward_scale: str = "reward"              # or "return": whose std normalize_reward divides by
     max_length: int = 1000                    # longest episode (the env's time limit)
     inference: str = "script"                 # "script", "eager" or "compile"
     update_threads: int | None = None         # torch threads in update(); None = all cores
 
     def __post_init__(self) -> None:
-        if self.network not in NETWORKS:
-            raise ValueError(f"network must be one of {NETWORKS}, got {self.network!r}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got "
-                             f"{self.activation!r}")
-        if self.init not in INITS:
-            raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
-        if self.reward_scale not in REWARD_SCALES:
-            raise ValueError(f"reward_scale must be one of {REWARD_SCALES}, got "
-                             f"{self.reward_scale!r}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got "
-                             f"{self.lr_schedule!r}")
-        if self.inference not in INFERENCE_MODES:
-            raise ValueError(f"inference must be one of {INFERENCE_MODES}, got {self.inference!r}")
+        for name, choices in (("network", NETWORKS), ("activation", tuple(ACTIVATIONS)),
+                              ("init", INITS), ("reward_scale", REWARD_SCALES),
+                              ("lr_schedule", LR_SCHEDULES), ("inference", INFERENCE_MODES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         for name in ("update_every", "update_epochs", "max_length", "gru_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -149,12 +139,9 @@ def compile_actor(actor: Actor, mode: str) -> nn.Module:
     if mode == "compile":
         return torch.compile(actor, dynamic=False)
     with warnings.catch_warnings():
-        # torch >= 2.10 deprecates TorchScript; it is still the fastest small-batch
-        # CPU inference path here, and the warning says nothing actionable to users.
-        warnings.filterwarnings("ignore", category=DeprecationWarning,
-                                message=r".*torch\.jit\.script.*")
-        warnings.filterwarnings("ignore", category=FutureWarning,
-                                message=r".*torch\.jit.*")
+        # torch >= 2.10 deprecates TorchScript, still the fastest small-batch CPU path here.
+        warnings.filterwarnings("ignore", r".*torch\.jit\.script.*", DeprecationWarning)
+        warnings.filterwarnings("ignore", r".*torch\.jit.*", FutureWarning)
         return torch.jit.script(actor)
 
 
@@ -171,8 +158,7 @@ class BatchPPO(Algorithm):
       device: where networks, memory and statistics live.
     """
 
-    # state_dict() entries sized by num_agents: they hold the agents'
-    # unfinished episodes, not what was learned (see Algorithm).
+    # state_dict() entries sized by num_agents: unfinished episodes, not what was learned.
     per_agent_state = ("recurrent_state", "running_return", "memory")
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, num_agents: int,
@@ -183,37 +169,25 @@ class BatchPPO(Algorithm):
             raise TypeError(f"BatchPPO takes a PPOConfig or keyword arguments, not both "
                             f"(got config and {sorted(options)})")
         self.config = config = config or PPOConfig(**options)
-        # For the trainer: whole-episode updates collect update_every episodes;
-        # fixed-length ones update every rollout_length batch steps.
-        if config.rollout_length is None:
+        if config.rollout_length is None:  # (else an update every rollout_length batch steps)
             self.episodes_per_phase = config.update_every
         self.steps_per_update = config.rollout_length
         if config.lr_schedule == "linear" and config.total_steps is None:
-            # (checked here, not in PPOConfig: a run's Config sets total_steps
-            # after the [ppo] section is read)
+            # (not checked in PPOConfig: a run's Config sets total_steps after reading it)
             raise ValueError("lr_schedule='linear' needs total_steps, the env steps over which "
-                             "the learning rates decay to zero (train.py sets it to "
-                             "train.steps)")
+                             "the learning rates decay to zero (train.py sets it to train.steps)")
         if not isinstance(observation_space, gym.spaces.Box):
             raise UnsupportedSpaceError(f"BatchPPO needs a Box observation space, got "
                                         f"{observation_space}")
-        if isinstance(action_space, gym.spaces.Box):
-            self.discrete = False
-            action_shape, action_dtype = tuple(action_space.shape), torch.float32
-            if len(action_shape) != 1:
-                raise UnsupportedSpaceError(f"BatchPPO needs a 1-D Box action space, got "
-                                            f"{action_space}")
-        elif isinstance(action_space, gym.spaces.Discrete):
-            self.discrete = True
-            action_shape, action_dtype = (), torch.int64
-        else:
+        self.discrete = isinstance(action_space, gym.spaces.Discrete)
+        if not self.discrete and not isinstance(action_space, gym.spaces.Box):
             raise UnsupportedSpaceError(f"BatchPPO supports Box and Discrete action spaces, got "
                                         f"{action_space}")
+        if not self.discrete and len(action_space.shape) != 1:
+            raise UnsupportedSpaceError(f"BatchPPO needs a 1-D Box action space, got "
+                                        f"{action_space}")
         self.num_agents = num_agents
-        obs_shape = tuple(observation_space.shape)
-        obs_size = math.prod(obs_shape)
-        self._obs_shape = obs_shape
-
+        obs_size = math.prod(observation_space.shape)
         if config.network == "recurrent":
             body = RecurrentBody(obs_size, config.policy_layers, config.gru_size,
                                  config.activation)
@@ -221,27 +195,23 @@ class BatchPPO(Algorithm):
             body = FeedForwardBody(obs_size, config.policy_layers, config.activation)
         if self.discrete:
             head = CategoricalHead(body.out_size, int(action_space.n), config.init_output_factor)
-            output = head.logits
-            param_shape = (int(action_space.n),)
-            log_std_shape = (0,)
+            output, action_shape, action_dtype = head.logits, (), torch.int64
+            param_shape, log_std_shape = (int(action_space.n),), (0,)
         else:
-            head = GaussianHead(body.out_size, action_shape[0], config.init_std,
+            head = GaussianHead(body.out_size, action_space.shape[0], config.init_std,
                                 config.init_output_factor)
-            output = head.mean
+            output, action_shape, action_dtype = head.mean, tuple(action_space.shape), torch.float32
             param_shape = log_std_shape = action_shape
         self.policy = Policy(body, head, self.discrete).to(self.device)
         self.value = ValueNet(obs_size, config.value_layers, config.activation).to(self.device)
         if config.init == "orthogonal":
-            # Hidden layers keep their input's scale (gain sqrt(2)); the policy's
-            # output starts near zero (gain init_output_factor), the value's at
-            # the scale of its features.
+            # Hidden layers keep their input's scale; the policy's output starts near zero.
             for module in (body.net, self.value.net):
                 orthogonal_init(module, math.sqrt(2.0))
             orthogonal_init(output, config.init_output_factor)
             orthogonal_init(self.value.out, 1.0)
         self.actor = compile_actor(Actor(self.policy), config.inference)
-        # A TorchScript module's forward, called directly, skips nn.Module's
-        # hook handling: 5 us of every step.
+        # A TorchScript module's forward, called directly, skips nn.Module's hook handling.
         self._act = self.actor.forward if config.inference == "script" else self.actor
         self.policy_optimizer = torch.optim.Adam(self.policy.parameters(), lr=config.policy_lr)
         self.value_optimizer = torch.optim.Adam(self.value.parameters(), lr=config.value_lr)
@@ -250,8 +220,7 @@ class BatchPPO(Algorithm):
         # Read only by update(): the rewards of 64 steps are merged at once.
         self.reward_normalizer = StreamingNormalizer(
             (), center=False, scale=True, clip=10.0, defer=64 * num_agents).to(self.device)
-        # With reward_scale "return", the statistics are those of each agent's
-        # discounted return so far, which keeps the value targets near unit scale.
+        # reward_scale "return": each agent's discounted return so far (unit-scale value targets).
         self.running_return = torch.zeros(num_agents, device=self.device)
         self.penalty = KLPenalty(config.kl_target, config.kl_init_penalty)
         self.state_size = body.state_size
@@ -261,8 +230,7 @@ class BatchPPO(Algorithm):
                        "action": (action_shape, action_dtype),
                        "mean_or_logits": (param_shape, torch.float32),
                        "log_std": (log_std_shape, torch.float32),
-                       "reward": ((), torch.float32),
-                       "state": ((self.state_size,), torch.float32)}
+                       "reward": ((), torch.float32), "state": ((self.state_size,), torch.float32)}
         # The state after an episode's (or a rollout's) last step, to bootstrap from.
         end_fields = {"bootstrap_observ": ((obs_size,), torch.float32),
                       "terminated": ((), torch.float32)}
@@ -274,12 +242,9 @@ class BatchPPO(Algorithm):
             self.memory = RolloutMemory(num_agents, config.rollout_length, step_fields,
                                         end_fields, self.device)
         self.updates = 0
-        # Env steps experienced in training, and how many of them had been
-        # when the last update began (the learning-rate schedule's clock).
-        self.env_steps = 0
-        self.updated_steps = 0
-        # What perform() saw, kept for experience(): oldest first, as the
-        # experience of a step may come after the next perform (overlap).
+        # Env steps in training, and those before the last update (the lr schedule's clock).
+        self.env_steps = self.updated_steps = 0
+        # What perform() saw, for experience(), which may come after the next perform().
         self._performed: collections.deque[dict[str, torch.Tensor]] = collections.deque(maxlen=2)
 
     # -- helpers ---------------------------------------------------------------
@@ -294,9 +259,7 @@ class BatchPPO(Algorithm):
 
     def _normalize(self, observ: torch.Tensor) -> torch.Tensor:
         observ = self._flatten(observ)
-        if self.config.normalize_observ:
-            return self.observ_normalizer.transform(observ)
-        return observ
+        return self.observ_normalizer.transform(observ) if self.config.normalize_observ else observ
 
     def distribution(self, mean_or_logits: torch.Tensor, log_std: torch.Tensor) -> Distribution:
         """The action distribution for parameters from the policy (any batch shape)."""
@@ -308,10 +271,8 @@ class BatchPPO(Algorithm):
 
     @property
     def experience_may_lag(self) -> bool:
-        """perform() updates the observation statistics it uses itself, so it
-        does not depend on the previous experience(); but the experience that
-        completes a rollout updates the policy, which the next perform() must
-        use: that one may not lag."""
+        """True except for the experience() that completes a rollout: it updates
+        the policy, which the next perform() must use."""
         memory = self.memory
         if self.config.rollout_length is None or not self.training:
             return True
@@ -348,8 +309,7 @@ class BatchPPO(Algorithm):
             self._performed.append({"agents": agent_indices, "observ": norm_observ,
                                     "mean_or_logits": mean_or_logits, "log_std": log_std,
                                     "state": state})
-            # The statistics change only after this step's observation was
-            # normalised with the ones the stored data and the action used.
+            # Only now: this step's data and action used the statistics before it.
             self.observ_normalizer.update(flat)
         return action, {}
 
@@ -374,27 +334,21 @@ class BatchPPO(Algorithm):
             self.reward_normalizer.update(running)
         else:
             self.reward_normalizer.update(reward)
-        done_array = numpy_views.view(done)
-        any_done = done_array.any() if done_array is not None else bool(done.any())
-        if self.config.rollout_length is None:
-            if any_done:
-                ended = done.bool()
-                self.memory.set_episode(agent_indices[ended],
-                                        bootstrap_observ=self._normalize(next_observ[ended]),
-                                        terminated=terminated[ended])
-            return {}
-        if self.memory.full:  # the rollout is cut here: every agent bootstraps
+        episodes = self.config.rollout_length is None
+        if not episodes and self.memory.full:  # the rollout is cut here: every agent bootstraps
             self.memory.end_segments(agent_indices,
                                      bootstrap_observ=self._normalize(next_observ),
                                      terminated=terminated)
             summary = self.update()
             self.memory.clear()
             return summary
+        done_array = numpy_views.view(done)
+        any_done = done_array.any() if done_array is not None else bool(done.any())
         if any_done:
             ended = done.bool()
-            self.memory.end_segments(agent_indices[ended],
-                                     bootstrap_observ=self._normalize(next_observ[ended]),
-                                     terminated=terminated[ended])
+            end = self.memory.set_episode if episodes else self.memory.end_segments
+            end(agent_indices[ended], bootstrap_observ=self._normalize(next_observ[ended]),
+                terminated=terminated[ended])
         return {}
 
     def end_episodes(self, agent_indices: torch.Tensor) -> Summary:
@@ -416,44 +370,38 @@ class BatchPPO(Algorithm):
         of valid steps. ``B`` counts episodes, or agents for rollouts."""
         config = self.config
         lambda_ = 1.0 if config.gae_lambda is None else config.gae_lambda  # 1: R - V
-        if isinstance(self.memory, RolloutMemory):
+        rollout = isinstance(self.memory, RolloutMemory)
+        if rollout:
             data = self.memory.data()
             mask = data["valid"]
-            value = self.value(data["observ"])
-            after = self.value(data["bootstrap_observ"]) * (1.0 - data["terminated"])
-            # Inside a segment the next state is the next stored one; at its
-            # end, the state stored with the end (every rollout ends with one).
-            next_value = torch.where(data["ends"], after,
-                                     torch.cat([value[:, 1:], after[:, -1:]], 1))
-            advantage = gae(self._rewards(data["reward"]), value, next_value, data["ends"],
-                            config.discount, lambda_)
         else:
             data, length = self.memory.data()
             mask = torch.arange(data["reward"].shape[1], device=self.device)[None] < length[:, None]
-            value = self.value(data["observ"])
-            bootstrap = self.value(data["bootstrap_observ"]) * (1.0 - data["terminated"])
-            advantage = generalized_advantage(self._rewards(data["reward"]), value, length,
-                                              config.discount, lambda_, bootstrap)
+        value = self.value(data["observ"])
+        after = self.value(data["bootstrap_observ"]) * (1.0 - data["terminated"])
+        reward = data["reward"]
+        if config.normalize_reward:
+            reward = self.reward_normalizer.transform(reward)
+        if rollout:
+            # Next state: the next stored one, or at a segment's end the one stored with it.
+            next_value = torch.where(data["ends"], after,
+                                     torch.cat([value[:, 1:], after[:, -1:]], 1))
+            advantage = gae(reward, value, next_value, data["ends"], config.discount, lambda_)
+        else:
+            advantage = generalized_advantage(reward, value, length, config.discount, lambda_,
+                                              after)
         data = {name: data[name] for name in self.memory.step_fields}
         data["returns"] = advantage + value
         valid = advantage[mask]
         data["advantage"] = (advantage - valid.mean()) / (valid.std() + 1e-8) * mask
         return data, mask
 
-    def _rewards(self, reward: torch.Tensor) -> torch.Tensor:
-        if self.config.normalize_reward:
-            return self.reward_normalizer.transform(reward)
-        return reward
-
     def _layout(self, data: dict[str, torch.Tensor], mask: torch.Tensor
                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The rows that minibatches are drawn from, ``(R, C, ...)``, and their mask.
-
-        With ``minibatch_size``, every valid step is a row of its own (``C = 1``),
-        so minibatches mix steps of all episodes. Recurrent policies with
-        ``chunk_length`` split sequences into chunks of that many steps, each
-        starting from the state stored at its first step; otherwise a row is
-        a whole sequence (an episode, or an agent's rollout).
+        """The rows that minibatches are drawn from, ``(R, C, ...)``, and their mask:
+        every valid step with ``minibatch_size`` (``C = 1``); chunks of
+        ``chunk_length`` steps for recurrent policies (each starting from the state
+        stored at its first step); else whole sequences (episodes or rollouts).
         """
         chunk = self.config.chunk_length
         if self.config.minibatch_size is not None:
@@ -475,13 +423,12 @@ class BatchPPO(Algorithm):
 
     def _policy_terms(self, batch: dict[str, torch.Tensor], mask: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Surrogate, KL(old || new), entropy (masked means) and the per-step log-ratio
-        (zero at padded steps)."""
+        """Surrogate, KL(old || new), entropy (masked means) and the per-step
+        log-ratio (zero at padded steps)."""
         mean_or_logits, log_std, _ = self.policy(batch["observ"], batch["state"][:, 0])
         new = self.distribution(mean_or_logits, log_std)
         old = self.distribution(batch["mean_or_logits"], batch["log_std"])
-        # Padded steps hold arbitrary data whose ratio or KL can overflow to inf, and
-        # inf * 0 is nan: select them away with where() before masking, not after.
+        # Padded steps' ratio or KL can be inf, and inf * 0 is nan: where() them away first.
         valid = mask > 0
         log_ratio = torch.where(
             valid, new.log_prob(batch["action"]) - old.log_prob(batch["action"]), 0.0)
@@ -520,25 +467,17 @@ class BatchPPO(Algorithm):
 
     def _adjust_penalty(self, batches: dict[str, torch.Tensor], mask: torch.Tensor
                         ) -> dict[str, float]:
-        """Measure the KL of the whole update and adapt beta to it; returns
-        what the summary reports of the new policy."""
+        """Adapt beta to the KL of the whole update; returns the summary of the new policy."""
         with torch.no_grad():
             _, kl, entropy, _ = self._policy_terms(batches, mask)
-        kl = float(kl)
-        beta_used = self.penalty.value
-        self.penalty.adapt(kl)
-        return {"ppo/kl": kl, "ppo/beta": beta_used, "ppo/beta_next": self.penalty.value,
+        kl, beta = float(kl), self.penalty.value
+        return {"ppo/kl": kl, "ppo/beta": beta, "ppo/beta_next": self.penalty.adapt(kl),
                 "ppo/entropy": float(entropy)}
 
     def update(self) -> Summary:
-        """Learn from the episodes (or the rollout) in memory; returns the
-        update's summary.
-
-        Runs with ``update_threads`` torch threads (all usable cores by
-        default): envs step in lockstep with the learner, so they are idle now.
-        Gradients are on even when called under ``no_grad`` (as from
-        ``experience``, which completes a rollout).
-        """
+        """Learn from the episodes (or the rollout) in memory; returns the summary. Runs
+        with ``update_threads`` torch threads (default: all usable cores, as the envs are
+        idle now), with gradients on even when called under ``no_grad``."""
         threads = torch.get_num_threads()
         torch.set_num_threads(self.config.update_threads or usable_cores())
         try:
@@ -548,10 +487,9 @@ class BatchPPO(Algorithm):
             torch.set_num_threads(threads)
 
     def _anneal(self) -> float:
-        """Set both optimisers' learning rates for the coming update: with the
-        ``linear`` schedule, ``1 - steps / total_steps`` of the configured ones,
-        ``steps`` counting the env steps before the data of this update (so
-        the first update uses the full rates). Returns that fraction."""
+        """Set both learning rates for the coming update to a fraction of the configured
+        ones, and return it: ``1 - steps / total_steps`` with the ``linear`` schedule,
+        ``steps`` counting the env steps before this update's data."""
         config = self.config
         if config.lr_schedule == "constant":
             return 1.0
@@ -576,8 +514,7 @@ class BatchPPO(Algorithm):
         for _ in range(config.update_epochs):
             order = torch.randperm(rows, device=self.device)
             for start in range(0, rows, size):  # every row once per epoch
-                # May raise (Ctrl-C): the state is then half-updated, and the
-                # trainer discards it for its snapshot of the last phase boundary.
+                # May raise (Ctrl-C): the trainer discards the half-updated state.
                 self.check_interrupt()
                 picked = order[start:start + size]
                 batch = {name: value[picked] for name, value in batches.items()}
@@ -624,8 +561,7 @@ class BatchPPO(Algorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.policy.load_state_dict(state["policy"])
         self.value.load_state_dict(state["value"])
-        # Adam keeps the moment tensors it is given: copy them, so two
-        # algorithms loaded from one state never share optimiser state.
+        # Adam keeps the moment tensors it is given: copy, so two loaded algorithms never share.
         self.policy_optimizer.load_state_dict(copy.deepcopy(state["policy_optimizer"]))
         self.value_optimizer.load_state_dict(copy.deepcopy(state["value_optimizer"]))
         self.observ_normalizer.load_state_dict(state["observ_normalizer"])

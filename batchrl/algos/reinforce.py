@@ -4,44 +4,28 @@ Read this file to learn how to implement an algorithm for ``simulate()``. It
 uses only public API: ``torch``, ``batchrl.algos.base.Algorithm`` and the
 vectorised ``batchrl.parts.discounted_return``.
 
-How ``simulate()`` drives an algorithm (see ``Algorithm`` for the contract):
-every call steps all ``N`` envs once and calls, in this order,
+Every ``simulate()`` call steps all ``N`` envs once and calls, in this order
+(see ``Algorithm`` for the contract):
 
-1. ``begin_episodes(agent_indices)``: these agents start a new episode, so we
-   forget whatever we recorded for them before;
-2. ``perform(agent_indices, observ)``: we return one action per agent;
-3. ``experience(...)``: we record the transition of every agent;
-4. ``end_episodes(agent_indices)``: these agents finished an episode, so we
-   move their episodes into the update memory and learn once it holds
-   ``update_every`` episodes.
+1. ``begin_episodes(agent_indices)``: forget what we recorded for these agents;
+2. ``perform(agent_indices, observ)``: return one action per agent;
+3. ``experience(...)``: record the transition of every agent;
+4. ``end_episodes(agent_indices)``: move these agents' finished episodes into
+   the update memory, and learn once it holds ``update_every`` episodes.
 
 The central design choice is to keep all per-agent state in preallocated
 tensors whose first dimension is the agent index. Each method then reads and
 writes the rows ``agent_indices`` with one indexing operation, however many
 agents there are: no Python loop over agents, no host round trip on a GPU.
 
-The algorithm itself is the classic Monte-Carlo policy gradient: the policy
-takes a gradient step on ``log pi(a_t | s_t) * (G_t - V(s_t))``, where ``G_t``
-is the discounted return from step ``t`` and the value network ``V`` is
-trained to predict it, which lowers the variance of the gradient.
+The algorithm is the classic Monte-Carlo policy gradient: the policy takes a
+gradient step on ``log pi(a_t | s_t) * (G_t - V(s_t))``, where ``G_t`` is the
+discounted return from step ``t`` and the value network ``V``, trained to
+predict it, lowers the variance of the gradient.
 
-Example (CartPole-v1: the greedy policy reaches returns near 500 after
-about 4000 calls, a few seconds on a CPU)::
-
-    import gymnasium as gym
-    from batchrl.algos import Reinforce
-    from batchrl.envs import BatchEnv, wrap_env
-    from batchrl.tensor_env import TensorBatchEnv
-    from batchrl.simulation import simulate
-
-    env = TensorBatchEnv(BatchEnv([wrap_env(gym.make("CartPole-v1")) for _ in range(8)]))
-    algo = Reinforce(env.observation_space, env.action_space, len(env), max_length=500)
-    for step in range(4000):
-        done, score, summary = simulate(env, algo, log=step % 500 == 499)
-        if "score" in summary:
-            print(step, summary["score"])  # mean return of the episodes since the last log
-    algo.eval()  # greedy actions, no learning; start fresh episodes:
-    done, score, summary = simulate(env, algo, reset=True)
+The README's "Writing an algorithm" runs it on CartPole-v1 with ``simulate()``
+(returns near 500 after about 4000 calls), and ``configs/cartpole_reinforce.toml``
+trains it with ``train.py``.
 """
 
 from __future__ import annotations
@@ -73,23 +57,19 @@ class Reinforce(Algorithm):
     """REINFORCE with a value baseline for ``Discrete`` or ``Box`` action spaces.
 
     The policy is categorical for ``Discrete`` actions and a diagonal Gaussian
-    with a learned, state-independent log standard deviation for ``Box``
-    actions (sampled actions are not clipped; ``wrap_env`` clips them in the
-    env). Observations must be a ``Box`` and are flattened; they are not
-    normalised.
-
-    In evaluation (``eval()``) it acts with the most likely action (Discrete)
-    or the mean (Box) and records nothing. Episodes are only recorded whole,
-    so after switching between ``train()`` and ``eval()`` start new episodes
-    with ``simulate(..., reset=True)``.
+    with a learned, state-independent log std for ``Box`` actions (not clipped:
+    ``wrap_env`` clips them in the env). Observations must be a ``Box``; they
+    are flattened, not normalised. In evaluation (``eval()``) it acts with the
+    most likely action (Discrete) or the mean (Box) and records nothing.
+    Episodes are only recorded whole, so after switching between ``train()``
+    and ``eval()`` start new episodes with ``simulate(..., reset=True)``.
 
     Args:
       observation_space: the (wrapped) env's observation space, a ``Box``.
       action_space: ``Discrete`` or ``Box``.
       num_agents: ``N``, the number of envs in the batch.
       max_length: the longest episode to expect, ``T``; ``experience`` raises
-        when an episode gets longer (wrap the env in a ``TimeLimit``). The
-        update uses a ``(T, T)`` discount matrix, fine up to a few thousand.
+        when an episode gets longer (wrap the env in a ``TimeLimit``).
       device: where the networks and all buffers live.
       discount: the discount factor ``gamma`` of the returns.
       learning_rate: Adam's learning rate, for both networks.
@@ -143,48 +123,38 @@ class Reinforce(Algorithm):
             # State-independent log std, one per action dimension; std starts at 1.
             self.log_std = nn.Parameter(torch.zeros(policy_outputs, device=self.device))
             parameters.append(self.log_std)
-        # One optimiser for both networks is fine: the policy loss only reaches
-        # the policy's weights and the value loss only the value's, and Adam
-        # scales each weight's step by its own gradient statistics.
+        # One optimiser suffices: each loss reaches only its own network's weights,
+        # and Adam scales each weight's step by its own gradient statistics.
         self.optimizer = torch.optim.Adam(parameters, lr=learning_rate)
-        self._generator = torch.Generator(device=self.device)
-        if seed is None:  # from torch's global RNG: reproducible under torch.manual_seed
-            self._generator.manual_seed(int(torch.randint(0, 2**62, ()).item()))
-        else:
-            self._generator.manual_seed(seed)
+        # Without a seed, draw one from torch's global RNG (reproducible under manual_seed).
+        sample_seed = int(torch.randint(0, 2**62, ()).item()) if seed is None else seed
+        self._generator = torch.Generator(device=self.device).manual_seed(sample_seed)
 
-        # Episodes in progress, one row per agent; step t of agent i's current
-        # episode is stored at [i, t]. ``final_observ`` and ``terminated`` hold
-        # the last transition's values, used to bootstrap truncated episodes.
-        n, t = num_agents, max_length
+        # Episodes in progress, one row per agent: step t of agent i's current
+        # episode is stored at [i, t]; ``final_observ`` and ``terminated`` hold
+        # the last transition's, to bootstrap truncated episodes.
         action_dtype = torch.int64 if self._discrete else torch.float32
 
-        def zeros(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, device=self.device)
-
         def episode_buffers(rows: int) -> dict[str, torch.Tensor]:
-            return {
-                "observ": zeros(rows, t, *self.observation_shape),  # (rows, T, *obs_shape)
-                "action": zeros(rows, t, *action_shape, dtype=action_dtype),  # (rows, T, *act)
-                "reward": zeros(rows, t),                            # (rows, T)
-                "length": zeros(rows, dtype=torch.int64),            # (rows,) steps recorded
-                "final_observ": zeros(rows, *self.observation_shape),  # (rows, *obs_shape)
-                "terminated": zeros(rows),                           # (rows,) 1.0 if terminal
-            }
-        self._episodes = episode_buffers(n)
+            shapes = {"observ": ((rows, max_length, *self.observation_shape), torch.float32),
+                      "action": ((rows, max_length, *action_shape), action_dtype),
+                      "reward": ((rows, max_length), torch.float32),
+                      "length": ((rows,), torch.int64),  # steps recorded
+                      "final_observ": ((rows, *self.observation_shape), torch.float32),
+                      "terminated": ((rows,), torch.float32)}  # 1.0 if terminal
+            return {name: torch.zeros(shape, dtype=dtype, device=self.device)
+                    for name, (shape, dtype) in shapes.items()}
+        self._episodes = episode_buffers(num_agents)
         # Finished episodes waiting for the next update. At most N episodes end
         # per step and we update as soon as ``update_every`` are stored, so
         # ``update_every + N - 1`` rows always suffice and no episode is dropped.
-        self._memory = episode_buffers(update_every + n - 1)
+        self._memory = episode_buffers(update_every + num_agents - 1)
         self._memory_size = 0  # rows of ``_memory`` in use, kept on the host
 
     # ----------------------------------------------------------------- policy
 
     def _distribution(self, observ: torch.Tensor) -> torch.distributions.Distribution:
-        """The policy's action distribution for ``observ`` of shape ``(B, *obs_shape)``.
-
-        Its batch shape is ``(B,)`` and ``log_prob`` returns ``(B,)``.
-        """
+        """The action distribution for ``observ`` ``(B, *obs_shape)``; ``log_prob`` is ``(B,)``."""
         # (B, n) logits for Discrete, (B, action size) means for Box.
         output = self.policy(observ.reshape(len(observ), -1))
         if self._discrete:
@@ -202,10 +172,8 @@ class Reinforce(Algorithm):
     def _sample(self, distribution: torch.distributions.Distribution) -> torch.Tensor:
         """Sample with our own generator (``Distribution.sample`` has no generator argument)."""
         if self._discrete:
-            probs = distribution.probs  # (B, n)
-            return torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
-        noise = torch.randn(distribution.mean.shape, generator=self._generator,
-                            device=self.device)
+            return torch.multinomial(distribution.probs, 1, generator=self._generator).squeeze(1)
+        noise = torch.randn(distribution.mean.shape, generator=self._generator, device=self.device)
         return distribution.mean + distribution.stddev * noise
 
     # ------------------------------------------------------ Algorithm methods
@@ -218,15 +186,8 @@ class Reinforce(Algorithm):
     @torch.no_grad()
     def perform(self, agent_indices: torch.Tensor,
                 observ: torch.Tensor) -> tuple[torch.Tensor, Summary]:
-        """Sample actions, or take the mode of the policy in evaluation.
-
-        Args:
-          agent_indices: ``(K,)`` int64 on ``device``.
-          observ: ``(K, *obs_shape)`` float32 on ``device``.
-        Returns:
-          ``(action, {})``; ``action`` is ``(K,)`` int64 for ``Discrete``,
-          ``(K, *act_shape)`` float32 for ``Box``.
-        """
+        """Sample actions, or take the mode of the policy in evaluation: ``(K,)`` int64
+        for ``Discrete``, ``(K, *act_shape)`` float32 for ``Box``."""
         distribution = self._distribution(observ)
         if self.training:
             action = self._sample(distribution)
@@ -242,12 +203,8 @@ class Reinforce(Algorithm):
     def experience(self, agent_indices: torch.Tensor, observ: torch.Tensor,
                    action: torch.Tensor, reward: torch.Tensor, done: torch.Tensor,
                    next_observ: torch.Tensor, terminated: torch.Tensor) -> Summary:
-        """Append one transition per agent to its episode in progress.
-
-        All tensors have first dimension ``K = len(agent_indices)`` and are on
-        ``device``. They may be the env's own buffers, which the next step
-        overwrites, so we copy them into ours rather than keep references.
-        """
+        """Append one transition per agent to its episode in progress. The tensors may
+        be the env's own buffers, which the next step overwrites, so we copy them."""
         if not self.training:
             return {}  # evaluation learns nothing, so it records nothing
         episodes = self._episodes
@@ -263,8 +220,8 @@ class Reinforce(Algorithm):
         episodes["action"][agent_indices, step] = action
         episodes["reward"][agent_indices, step] = reward
         episodes["length"][agent_indices] = step + 1
-        # Overwritten on every step; only the values of the last step are used.
-        # ``done`` is not needed: ``end_episodes`` tells us which episodes ended.
+        # Overwritten on every step, so they hold the last step's values. ``done``
+        # is not needed: ``end_episodes`` tells us which episodes ended.
         episodes["final_observ"][agent_indices] = next_observ
         episodes["terminated"][agent_indices] = terminated
         return {}
@@ -302,18 +259,15 @@ class Reinforce(Algorithm):
         # steps past each episode's end are computed too but masked out.
         flat_observ = observ.flatten(0, 1)  # (E * T', *obs_shape)
         value = self._value(flat_observ).view(mask.shape)  # (E, T')
-        log_prob = self._distribution(flat_observ).log_prob(action.flatten(0, 1))
-        log_prob = log_prob.view(mask.shape)  # (E, T')
+        log_prob = self._distribution(flat_observ).log_prob(action.flatten(0, 1)).view(mask.shape)
 
         with torch.no_grad():
-            # A truncated episode (time limit, not a terminal state) would have
-            # gone on: bootstrap from the current value estimate of the
-            # observation after its last step. Terminated ones get zero.
+            # A truncated episode (time limit, not a terminal state) would have gone on:
+            # bootstrap from the value of the observation after its last step (terminal: 0).
             bootstrap = (1.0 - batch["terminated"]) * self._value(batch["final_observ"])  # (E,)
             returns = discounted_return(reward, length, self.discount, bootstrap)
-            # The baseline removes the part of the return the state predicts;
-            # normalising the advantages keeps the step size independent of
-            # the reward scale.
+            # The baseline removes the part of the return the state predicts; normalising
+            # the advantages keeps the step size independent of the reward scale.
             advantage = returns - value
             count = mask.sum()
             mean = (advantage * mask).sum() / count
@@ -326,26 +280,18 @@ class Reinforce(Algorithm):
         self.optimizer.zero_grad()
         (policy_loss + value_loss).backward()
         self.optimizer.step()
-        return {"reinforce/loss": policy_loss.item(),
-                "reinforce/value_loss": value_loss.item(),
+        return {"reinforce/loss": policy_loss.item(), "reinforce/value_loss": value_loss.item(),
                 "reinforce/episodes": float(len(length))}
 
     # ------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """Weights, optimiser, sampling RNG and every buffer, to resume exactly.
-
-        The result is a snapshot (deep copy): training on does not change it.
-        """
+        """Weights, optimiser, sampling RNG and every buffer, to resume exactly:
+        a snapshot (deep copy) that training on does not change."""
         state: dict[str, Any] = {
-            "policy": self.policy.state_dict(),
-            "value": self.value.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "generator": self._generator.get_state(),
-            "episodes": self._episodes,
-            "memory": self._memory,
-            "memory_size": self._memory_size,
-        }
+            "policy": self.policy.state_dict(), "value": self.value.state_dict(),
+            "optimizer": self.optimizer.state_dict(), "generator": self._generator.get_state(),
+            "episodes": self._episodes, "memory": self._memory, "memory_size": self._memory_size}
         if not self._discrete:
             state["log_std"] = self.log_std.detach()
         # state_dict()s return references to the live tensors; copy them.
@@ -358,8 +304,7 @@ class Reinforce(Algorithm):
         if not self._discrete:
             with torch.no_grad():
                 self.log_std.copy_(state["log_std"])
-        # Adam's load_state_dict keeps the given moment tensors instead of
-        # copying them; copy, so two instances loaded from one state never share.
+        # Adam keeps the moment tensors it is given: copy, so two instances never share them.
         self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         self._generator.set_state(state["generator"])
         for ours, theirs in ((self._episodes, state["episodes"]), (self._memory, state["memory"])):

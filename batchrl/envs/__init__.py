@@ -1,9 +1,6 @@
 """The environment layer: envs in this process, in child processes or in Ray
-actors, stepped in lockstep as one ``BatchEnv``.
-
-Nothing here imports torch (the env workers' fork server preloads this
-package); the batch as torch tensors is ``batchrl.tensor_env.TensorBatchEnv``.
-"""
+actors, stepped in lockstep as one ``BatchEnv``. Nothing here imports torch
+(the env workers' fork server preloads this package)."""
 
 from batchrl.envs.batch import BatchEnv
 from batchrl.envs.errors import (EnvAttributeError, EnvCrashedError, EnvError,

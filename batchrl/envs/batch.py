@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Callable, Sequence
 
 import gymnasium as gym
@@ -18,8 +19,7 @@ from batchrl.envs.worker import Worker
 
 @dataclasses.dataclass(frozen=True)
 class RestartEvent:
-    """One restart of a worker: the batch indices of its envs, the error that
-    caused it, and the run's restart count after it."""
+    """One worker restart: its envs' batch indices, the error, and the restart count after it."""
 
     env_indices: range
     error: str
@@ -43,60 +43,49 @@ class _InFlight:
 
 
 class BatchEnv:
-    """Combines N environments with equal spaces into one batched env.
+    """N environments with equal observation and action spaces as one batched env.
 
     Args:
       envs: the members, in batch order: Gymnasium envs stepped in this
         process, ``ExternalProcess`` (one env in a child process), or any
-        ``Worker`` (``batchrl.envs.worker``): ``EnvWorker`` (several envs in
-        a child process, arrays in shared memory) or ``RayEnvWorker``
-        (several envs in a Ray actor), each counting as its ``num_envs``
-        envs. All envs must have equal observation and action spaces.
-      blocking: with ``False`` (the default) the child processes are stepped
-        in parallel: every request is sent before any result is received.
-        With ``True`` they are stepped one after the other.
+        ``Worker`` (``EnvWorker``, ``RayEnvWorker``), counting as its ``num_envs`` envs.
+      blocking: step the child processes one after the other instead of in
+        parallel (every request sent before any result is received).
       max_restarts: how many times in this env's life a failed worker process
         (an env that raised, a crash, a timeout, or a NaN/inf observation or
-        reward) is replaced by a fresh one instead of raising. 0 (the
-        default) raises every failure. In-process envs are never restarted.
+        reward) is replaced by a fresh one instead of raising. In-process
+        envs are never restarted.
 
-    ``step(actions)`` returns Gymnasium's 5-tuple batched: observations of
-    shape ``(N, *obs_shape)``, rewards ``(N,)`` float64, terminated and
-    truncated ``(N,)`` bool, and the N info dicts as an ``InfoList`` (a
-    read-only sequence that unpickles workers' infos on first access). Envs are not reset
-    automatically: reset the finished ones with ``reset(indices)`` before
-    stepping them again. All modes give the same trajectories for the same
-    seeds and actions.
+    ``step(actions)`` returns Gymnasium's 5-tuple batched: observations
+    ``(N, *obs_shape)``, rewards ``(N,)`` float64, terminated and truncated
+    ``(N,)`` bool, and the info dicts as an ``InfoList``. Finished envs are
+    not reset automatically. All modes give the same trajectories for the
+    same seeds and actions.
 
-    Failures raise an ``EnvError`` naming the env's batch index (or the
-    index range of a worker process that died), what happened and the env's
-    label. Observations and rewards that are NaN or infinite raise
-    ``EnvNonFiniteError`` with the env and its step in the episode. With
-    ``max_restarts``, the worker of a failed env is replaced instead and all
-    its envs start new episodes (unseeded): ``step`` returns their first
-    observations with zero rewards and false flags, and ``restarted`` lists
-    them, so that the caller can discard their unfinished episodes.
-    ``restart_events`` records every restart.
+    Failures raise an ``EnvError`` naming the env's batch index (or the index
+    range of a dead worker process); NaN or infinite observations and rewards
+    raise ``EnvNonFiniteError``. With ``max_restarts``, the failed env's worker
+    is replaced instead and all its envs start new (unseeded) episodes:
+    ``step`` returns their first observations with zero rewards and false
+    flags, ``restarted`` lists them and ``restart_events`` records every restart.
     """
 
     def __init__(self, envs: Sequence[gym.Env | ExternalProcess | Worker],
                  blocking: bool = False, max_restarts: int = 0):
         members: list[Worker] = []
-        local: list[gym.Env] = []  # consecutive in-process envs form one LocalWorker
-        for env in envs:
-            if isinstance(env, (Worker, ExternalProcess)):
-                if local:
-                    members.append(LocalWorker(local))
-                    local = []
-                members.append(env if isinstance(env, Worker) else ProcessWorker(env))
-            elif isinstance(env, type) or (callable(env) and not hasattr(env, "step")):
-                raise TypeError(
-                    f"BatchEnv takes envs, got the constructor {env!r}: pass make() to step "
-                    f"the env in this process, or ExternalProcess(make) / EnvWorker([make, "
-                    f"...]) to build it in a worker process")
-            else:
-                local.append(env)
-        if local:
+        # Each run of consecutive in-process envs forms one LocalWorker.
+        for remote, group in itertools.groupby(
+                envs, lambda env: isinstance(env, (Worker, ExternalProcess))):
+            if remote:
+                members += [env if isinstance(env, Worker) else ProcessWorker(env) for env in group]
+                continue
+            local = list(group)
+            for env in local:
+                if isinstance(env, type) or (callable(env) and not hasattr(env, "step")):
+                    raise TypeError(
+                        f"BatchEnv takes envs, got the constructor {env!r}: pass make() to "
+                        f"step the env in this process, or ExternalProcess(make) / "
+                        f"EnvWorker([make, ...]) to build it in a worker process")
             members.append(LocalWorker(local))
         if not members:
             raise ValueError("BatchEnv needs at least one env")
@@ -115,27 +104,25 @@ class BatchEnv:
             except EnvError as exc:
                 self._locate(exc, position)
                 raise
-        observation_space, action_space = spaces[0]
-        check_space("observation", observation_space)
-        check_space("action", action_space)
+        self.observation_space, self.action_space = spaces[0]
+        check_space("observation", self.observation_space)
+        check_space("action", self.action_space)
         for index, pair in enumerate(spaces[1:], 1):
             for kind, expected, got in zip(("observation", "action"), spaces[0], pair):
                 if got != expected:
                     raise SpaceMismatchError(
                         f"all envs of a BatchEnv need equal {kind} spaces, but env "
                         f"{index} has {got} while env 0 has {expected}")
-        self.observation_space: gym.Space = observation_space
-        self.action_space: gym.Space = action_space
         if max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         self.max_restarts = max_restarts
         self.restart_events: list[RestartEvent] = []
-        self._check_finite = observation_space.dtype.kind == "f"
+        self._check_finite = self.observation_space.dtype.kind == "f"
         # Steps of each env's running episode, to say where a NaN appeared.
         self._episode_steps = np.zeros(self._num_envs, np.int64)
         self._all = np.arange(self._num_envs)
-        self._no_restarts = (np.zeros(0, np.int64),
-                             np.zeros((0, *observation_space.shape), observation_space.dtype))
+        self._no_restarts = (np.zeros(0, np.int64), np.zeros(
+            (0, *self.observation_space.shape), self.observation_space.dtype))
         self._restarted = self._no_restarts
         self._in_flight: _InFlight | None = None  # a step_async() awaiting its step_wait()
 
@@ -153,14 +140,12 @@ class BatchEnv:
 
     @property
     def envs(self) -> list[Any]:
-        """The individual envs, in batch order (a ``WorkerEnv`` handle for
-        each env of an ``EnvWorker``)."""
+        """The envs in batch order (a ``WorkerEnv`` handle for a remote one)."""
         return [member.env(i) for member in self._members for i in range(member.num_envs)]
 
     @property
     def workers(self) -> list[Any]:
-        """The members whose envs live in other processes, as they were
-        given: ``ExternalProcess``, ``EnvWorker`` and ``RayEnvWorker``."""
+        """The members whose envs live in other processes, as they were given."""
         return [member.process if isinstance(member, ProcessWorker) else member
                 for member in self._members if not member.in_process]
 
@@ -172,9 +157,8 @@ class BatchEnv:
     @property
     def restarted(self) -> tuple[np.ndarray, np.ndarray]:
         """``(indices, observations)`` of the envs restarted by the last
-        ``step`` or ``reset``: int64 ``(K,)`` and ``(K, *obs_shape)``. A
-        restarted env is in a new episode; after ``reset`` it may be one that
-        was not asked for (all envs of a failed worker restart together)."""
+        ``step`` or ``reset``: int64 ``(K,)`` and ``(K, *obs_shape)``; after
+        ``reset`` they may include envs not asked for (a worker restarts whole)."""
         return self._restarted
 
     def _locate(self, exc: EnvError, position: int) -> None:
@@ -186,34 +170,25 @@ class BatchEnv:
         else:
             exc.env_indices = range(start, start + count)
 
-    def _gather(self, positions: Sequence[int], call: Callable[[int, Any, bool], Any],
-                recover: Callable[[int, np.ndarray], Any]) -> list[Any]:
-        """Run ``call(position, member, blocking)`` on the members at
-        ``positions``; parallel members first get all requests, then all
-        answers are received. Every answer is received even when one member
-        fails, so no stale reply is left in a pipe. A failed member is
-        restarted when restarts are left, and its result is then
-        ``recover(position, observ)`` with the fresh envs' first observations;
-        otherwise the first failure is raised with its env index."""
-        return self._receive(self._send(positions, call), recover)
-
     def _send(self, positions: Sequence[int], call: Callable[[int, Any, bool], Any]
               ) -> "_InFlight":
-        """The first half of ``_gather``: requests to the child processes."""
+        """Send ``call(position, member, False)`` to the parallel members at ``positions``."""
         flight = _InFlight(positions, call)
         for slot, position in enumerate(positions):
             if self._parallel[position]:
                 try:
-                    flight.promises.append((slot, position, call(position,
-                                                                 self._members[position], False)))
+                    promise = call(position, self._members[position], False)
+                    flight.promises.append((slot, position, promise))
                 except EnvError as exc:
                     flight.failures.append((slot, position, exc))
         return flight
 
     def _receive(self, flight: "_InFlight", recover: Callable[[int, np.ndarray], Any]
                  ) -> list[Any]:
-        """The second half of ``_gather``: this process's own envs, which
-        step while the children step theirs, then the children's answers."""
+        """Run the in-process members' calls, then receive every answer (even
+        after a failure: no stale reply may stay in a pipe). A failed member is
+        restarted if allowed, its result then ``recover(position, first observ)``;
+        otherwise the first failure is raised with its env index."""
         results: list[Any] = [None] * len(flight.positions)
         failures = flight.failures
         for slot, position in enumerate(flight.positions):
@@ -229,7 +204,6 @@ class BatchEnv:
                 failures.append((slot, position, exc))
         for slot, position, exc in failures:
             self._locate(exc, position)
-        for slot, position, exc in failures:
             results[slot] = recover(position, self._restart(position, exc))
         return results
 
@@ -240,34 +214,31 @@ class BatchEnv:
         if member.in_process:
             raise exc
         self._check_restarts_left(exc)
-        count = member.num_envs
-        start = self._starts[position]
-        indices = range(start, start + count)
+        start, count = self._starts[position], member.num_envs
+        indices, rows = range(start, start + count), np.arange(start, start + count)
         while True:
             member = self._members[position] = member.restart()
             self.restart_events.append(RestartEvent(indices, str(exc), self.restarts + 1))
             try:
                 observ, _ = member.reset(list(range(count)), [None] * count, None, True)
                 self._episode_steps[start:start + count] = 0
-                self._check_observ(observ, np.arange(start, start + count), "reset")
+                self._check_observ(observ, rows, "reset")
+                old_rows, old = self._restarted
+                self._restarted = (np.concatenate([old_rows, rows]),
+                                   np.concatenate([old, observ]))
+                return observ
             except EnvError as again:  # the fresh worker failed too: counts as another
                 self._locate(again, position)
                 self._check_restarts_left(again)
                 exc = again
-                continue
-            rows, old = self._restarted
-            self._restarted = (np.concatenate([rows, np.arange(start, start + count)]),
-                               np.concatenate([old, observ]))
-            return observ
 
     def _check_restarts_left(self, exc: EnvError) -> None:
         """Raise ``exc`` if no restart is left (saying so when restarts were on)."""
-        if self.restarts < self.max_restarts:
-            return
-        if self.max_restarts:
-            exc.detail += (f"\n(not restarted: this run used all its "
-                           f"max_restarts={self.max_restarts} restarts)")
-        raise exc
+        if self.restarts >= self.max_restarts:
+            if self.max_restarts:
+                exc.detail += (f"\n(not restarted: this run used all its "
+                               f"max_restarts={self.max_restarts} restarts)")
+            raise exc
 
     def _check_observ(self, observ: np.ndarray, indices: np.ndarray, operation: str,
                       rewards: np.ndarray | None = None) -> None:
@@ -281,9 +252,7 @@ class BatchEnv:
         else:
             return
         index = int(indices[row])
-        position = int(self._member_of[index])
-        member = self._members[position]
-        label = member.env_label(int(self._local_of[index]))
+        label = self._members[self._member_of[index]].env_label(int(self._local_of[index]))
         error = EnvNonFiniteError(label, operation, what, int(self._episode_steps[index]))
         error.env_index = index
         raise error
@@ -299,10 +268,8 @@ class BatchEnv:
             if actions.dtype.kind not in "fiub":
                 raise TypeError(f"actions for {space} must be real numbers, got dtype "
                                 f"{actions.dtype}")
-            if np.isfinite(actions).all():
-                return actions
-            bad = ~np.isfinite(actions.reshape(len(self), -1)).all(axis=1)
-            if bad.any():
+            if not np.isfinite(actions).all():
+                bad = ~np.isfinite(actions.reshape(len(self), -1)).all(axis=1)
                 raise ValueError(f"actions must be finite, got NaN or inf for envs "
                                  f"{np.flatnonzero(bad).tolist()}")
         else:
@@ -322,26 +289,14 @@ class BatchEnv:
 
     def step(self, actions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
                                           list[dict]]:
-        """Step every env with its action.
-
-        Args:
-          actions: array-like of shape ``(N, *action_space.shape)``.
-        Returns:
-          ``(observations, rewards, terminated, truncated, infos)`` as described
-          in the class docstring.
-        """
+        """Step env ``i`` with ``actions[i]`` (shape ``(N, *action_space.shape)``);
+        returns ``(observations, rewards, terminated, truncated, infos)``."""
         self.step_async(actions)
         return self.step_wait()
 
     def step_async(self, actions: Any) -> None:
-        """Send every worker process its envs' actions and return at once;
-        ``step_wait`` steps the envs of this process and collects the results.
-        In between the caller may compute (the workers step meanwhile) but
-        must not touch this batch env or modify ``actions``.
-
-        Args:
-          actions: array-like of shape ``(N, *action_space.shape)``.
-        """
+        """Send the worker processes their ``actions`` (as for ``step``) and return;
+        ``step_wait`` finishes the step. Meanwhile leave this env and ``actions`` alone."""
         if self._in_flight is not None:
             raise RuntimeError("step_async() was called twice: call step_wait() first")
         actions = self._check_actions(actions)
@@ -364,10 +319,15 @@ class BatchEnv:
         batch = self._join(results)
         try:
             self._check_observ(batch[0], self._all, "step", batch[1])
-        except EnvNonFiniteError:
-            # Rare: find every member with bad values, restart it (or raise).
-            batch = self._join([self._replace_non_finite(position, result)
-                                for position, result in enumerate(results)])
+        except EnvNonFiniteError:  # rare: restart (or raise for) every member with bad values
+            for position, (observ, rewards, *_) in enumerate(results):
+                start = self._starts[position]
+                try:
+                    self._check_observ(observ, np.arange(start, start + len(observ)), "step",
+                                       rewards)
+                except EnvNonFiniteError as exc:
+                    results[position] = self._fresh_step(position, self._restart(position, exc))
+            batch = self._join(results)
         return batch
 
     @staticmethod
@@ -383,60 +343,45 @@ class BatchEnv:
         return (observ, np.zeros(count), np.zeros(count, bool), np.zeros(count, bool),
                 [{} for _ in range(count)])
 
-    def _replace_non_finite(self, position: int, result: tuple) -> tuple:
-        start = self._starts[position]
-        try:
-            self._check_observ(result[0], np.arange(start, start + len(result[0])), "step",
-                               result[1])
-        except EnvNonFiniteError as exc:
-            return self._fresh_step(position, self._restart(position, exc))
-        return result
-
     def reset(self, indices: Sequence[int] | np.ndarray | None = None,
               seed: int | Sequence[int] | None = None,
               options: dict | None = None) -> np.ndarray:
-        """Reset the envs at ``indices`` (all when ``None``).
+        """Reset the envs at ``indices`` (unique, in ``[0, N)``; all when ``None``).
 
-        Args:
-          indices: env indices, unique, each in ``[0, N)``.
-          seed: ``None``; an int, in which case env ``i`` is seeded with
-            ``seed + i`` (its index in the batch, as Gymnasium's vector envs
-            do); or one seed per index.
-          options: passed to every env's ``reset``.
-        Returns:
-          the new observations, shape ``(len(indices), *obs_shape)``, in the
-          order of ``indices``.
+        ``seed`` is ``None``, one seed per index, or an int: env ``i`` then
+        gets ``seed + i`` (as in Gymnasium's vector envs). ``options`` go to
+        every env's ``reset``. Returns the new observations,
+        ``(len(indices), *obs_shape)``, in the order of ``indices``.
         """
         if self._in_flight is not None:
             raise RuntimeError("reset() during a step: call step_wait() after step_async() first")
         indices = self._check_indices(indices)
-        if seed is None:
-            seeds = [None] * len(indices)
-        elif isinstance(seed, (int, np.integer)):
-            seeds = [int(seed) + int(i) for i in indices]
+        if seed is None or isinstance(seed, (int, np.integer)):
+            seeds = [None if seed is None else int(seed) + i for i in indices]
         else:
             seeds = [None if s is None else int(s) for s in seed]
             if len(seeds) != len(indices):
                 raise ValueError(f"got {len(seeds)} seeds for {len(indices)} envs to reset")
         if not indices:
-            return np.zeros((0,) + tuple(self.observation_space.shape),
-                            self.observation_space.dtype)
+            return np.zeros((0, *self.observation_space.shape), self.observation_space.dtype)
         # Group the requests by member: one round trip per worker process.
         groups: dict[int, tuple[list[int], list[int], list]] = {}
         for slot, index in enumerate(indices):
-            rows, local, local_seeds = groups.setdefault(int(self._member_of[index]),
-                                                         ([], [], []))
+            rows, local, local_seeds = groups.setdefault(int(self._member_of[index]), ([], [], []))
             rows.append(slot)
             local.append(int(self._local_of[index]))
             local_seeds.append(seeds[slot])
         positions = list(groups)
         self._restarted = self._no_restarts
         # A restarted member's envs were all reset: keep the rows asked for.
-        results = self._gather(
+        results = self._receive(self._send(
             positions, lambda position, member, blocking: member.reset(
-                groups[position][1], groups[position][2], options, blocking),
+                groups[position][1], groups[position][2], options, blocking)),
             lambda position, observ: (observ[groups[position][1]], None))
-        observ = self._place(positions, groups, results, len(indices))
+        first = results[0][0]
+        observ = np.empty((len(indices), *first.shape[1:]), first.dtype)
+        for position, (obs, _) in zip(positions, results):
+            observ[groups[position][0]] = obs
         self._episode_steps[indices] = 0
         rows = np.asarray(indices)
         while True:
@@ -445,17 +390,7 @@ class BatchEnv:
                 return observ
             except EnvNonFiniteError as exc:
                 position = int(self._member_of[exc.env_index])
-                fresh = self._restart(position, exc)
-                observ[groups[position][0]] = fresh[groups[position][1]]
-
-    @staticmethod
-    def _place(positions: list[int], groups: dict, results: list, count: int) -> np.ndarray:
-        """The members' reset observations in the order the envs were asked for."""
-        first = results[0][0]
-        observ = np.empty((count, *first.shape[1:]), first.dtype)
-        for position, (obs, _) in zip(positions, results):
-            observ[groups[position][0]] = obs
-        return observ
+                observ[groups[position][0]] = self._restart(position, exc)[groups[position][1]]
 
     def _check_indices(self, indices: Any) -> list[int]:
         if indices is None:

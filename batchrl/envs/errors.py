@@ -1,20 +1,18 @@
-"""Errors raised by the environment layer.
-
-Every error names the env it came from (its label, and its index in a
-``BatchEnv`` when it has one) so that a failure among 30 workers can be traced.
-"""
+"""Errors raised by the environment layer; each names the env it came from."""
 
 from __future__ import annotations
 
+import signal
+
 
 class EnvError(RuntimeError):
-    """Base class for failures of an environment, local or in a worker process.
+    """A failure of an environment, local or in a worker process.
 
     Attributes:
-      label: human-readable name of the env (constructor or Gymnasium id).
+      label: the env's name (constructor or Gymnasium id).
       env_index: index in the enclosing ``BatchEnv``, or ``None``.
-      env_indices: for a failure of a whole worker process that hosts several
-        envs, the range of their indices in the ``BatchEnv``.
+      env_indices: the ``BatchEnv`` indices of a whole worker process's envs
+        that failed together, or ``None``.
       operation: what was being done (``"step"``, ``"reset"``, ``"construct"``...).
     """
 
@@ -24,7 +22,6 @@ class EnvError(RuntimeError):
         self.operation = operation
         self.detail = detail
         self.env_index: int | None = None
-        # For a worker process hosting several envs that failed as a whole.
         self.env_indices: range | None = None
 
     def __str__(self) -> str:
@@ -39,11 +36,8 @@ class EnvError(RuntimeError):
 
 
 class EnvRaisedError(EnvError):
-    """The env raised an exception inside its worker process.
-
-    ``remote_type`` is the original exception's type name, ``remote_message``
-    its message and ``remote_traceback`` the worker's formatted traceback.
-    """
+    """The env raised an exception: ``remote_type`` (its type name),
+    ``remote_message`` and ``remote_traceback`` (formatted where it was raised)."""
 
     def __init__(self, label: str, operation: str, remote_type: str,
                  remote_message: str, remote_traceback: str):
@@ -61,13 +55,10 @@ class EnvAttributeError(EnvRaisedError, AttributeError):
 
 
 class EnvCrashedError(EnvError):
-    """The worker process died (killed by a signal, crashed, or exited).
-
-    ``exitcode`` follows ``multiprocessing``: negative values are signal numbers.
-    """
+    """The worker process died (killed by a signal, crashed, or exited);
+    ``exitcode`` follows ``multiprocessing`` (negative: a signal number)."""
 
     def __init__(self, label: str, operation: str, exitcode: int | None, pid: int | None):
-        import signal
         if exitcode is None:
             how = "closed its connection"
         elif exitcode < 0:
@@ -87,12 +78,8 @@ class EnvTimeoutError(EnvError):
 
 
 class EnvNonFiniteError(EnvError):
-    """An env returned a NaN or infinite observation or reward.
-
-    ``episode_step`` is the env's step within its episode (1 for the first
-    ``step`` after a reset, 0 for ``reset`` itself) and ``what`` is
-    ``"observation"`` or ``"reward"``.
-    """
+    """An env returned a NaN or infinite ``what`` (``"observation"`` or
+    ``"reward"``) at ``episode_step`` of its episode (0: ``reset``, 1: first ``step``)."""
 
     def __init__(self, label: str, operation: str, what: str, episode_step: int):
         where = (f"at step {episode_step} of its episode" if episode_step
@@ -105,11 +92,8 @@ class EnvNonFiniteError(EnvError):
 
 
 class RayWorkerCrashedError(EnvCrashedError):
-    """The Ray actor hosting the env worker died, or its node was lost.
-
-    ``node`` names the node the actor ran on (its IP address or node id, when
-    known) and ``reason`` is Ray's explanation, first line only.
-    """
+    """The Ray actor hosting the env worker died, or its node was lost:
+    ``node`` (IP address or node id, when known), ``reason`` (Ray's first line)."""
 
     def __init__(self, label: str, operation: str, node: str | None, reason: str):
         # Not EnvCrashedError.__init__: there is no local process, exit code or pid.
@@ -143,10 +127,9 @@ class SpaceMismatchError(ValueError):
 
 
 def error_from_answer(label: str, operation: str, value: tuple) -> EnvRaisedError:
-    """The parent's exception for an env host's error answer (``value`` is
-    ``(type_name, message, traceback, env_index)``, see
-    ``batchrl.envs.host``): ``EnvAttributeError`` for an ``AttributeError``,
-    else ``EnvRaisedError``, with the env's index within its worker."""
+    """The exception for an env host's ``(type_name, message, traceback,
+    env_index)`` error answer: ``EnvAttributeError`` for an ``AttributeError``,
+    else ``EnvRaisedError``, with ``worker_env_index``."""
     remote_type, text, tb, env_index = value
     cls = EnvAttributeError if remote_type == "AttributeError" else EnvRaisedError
     error = cls(label, operation, remote_type, text, tb)

@@ -19,18 +19,14 @@ from batchrl.hardware import usable_cores
 
 def resolve_constructor(env_id: str, kwargs: dict[str, Any] | None = None,
                         max_episode_steps: int | None = None) -> Callable[[], gym.Env]:
-    """Return a function that builds the raw env named ``env_id``.
+    """A function that builds the raw env named ``env_id``, a registered
+    Gymnasium id (``"HalfCheetah-v5"``) or an importable
+    ``"package.module:function"`` returning a ``gymnasium.Env``, with
+    ``kwargs``. Errors are raised here, in the parent, as ``EnvSpecError``.
 
-    ``env_id`` is a registered Gymnasium id (``"HalfCheetah-v5"``) or an
-    importable ``"package.module:function"`` that returns a ``gymnasium.Env``;
-    ``kwargs`` are passed to ``gymnasium.make`` or to the function. Errors are
-    raised here, in the parent, as ``EnvSpecError`` with what is valid.
-
-    ``max_episode_steps``, when given, is the env's time limit: it replaces
-    the limit a registered id comes with (``gymnasium.make``'s own argument)
-    instead of adding a second ``TimeLimit`` beneath which the registered one,
-    if shorter, would still end every episode; a function's env gets a
-    ``TimeLimit``.
+    ``max_episode_steps`` is the env's time limit: it replaces a registered
+    id's own (a second ``TimeLimit`` would let a shorter registered limit
+    still end episodes); a function's env gets a ``TimeLimit``.
     """
     kwargs = dict(kwargs or {})
     if max_episode_steps is not None:
@@ -50,8 +46,7 @@ def resolve_constructor(env_id: str, kwargs: dict[str, Any] | None = None,
 
         def build() -> gym.Env:
             env = function(**kwargs)
-            # Caught here, the mistake is named; later it would surface as an
-            # AttributeError deep inside a wrapper, in a worker process.
+            # Named here: later it would be an AttributeError deep in a worker's wrapper.
             if not isinstance(env, gym.Env):
                 raise EnvSpecError(f"env {env_id!r}: {module_name}.{attr}() returned "
                                    f"{type(env).__name__} {env!r:.80}, not a gymnasium.Env")
@@ -74,9 +69,8 @@ def resolve_constructor(env_id: str, kwargs: dict[str, Any] | None = None,
 
 
 def build_in_process(constructor: Callable[[], gym.Env], label: str | None) -> gym.Env:
-    """``constructor()`` in this process. An exception from the env's code
-    becomes the ``EnvRaisedError`` a worker process would send (the env's
-    type, message and traceback), so every backend reports it alike."""
+    """``constructor()`` in this process; an exception from the env's code
+    becomes the ``EnvRaisedError`` a worker process would send."""
     try:
         return constructor()
     except EnvSpecError:
@@ -87,10 +81,8 @@ def build_in_process(constructor: Callable[[], gym.Env], label: str | None) -> g
 
 
 BACKENDS = ("workers", "process", "inline", "ray")
-# Seconds a worker may take to answer a step or reset: far above any real
-# env's step (MuJoCo's take microseconds), low enough that a hung env is
-# reported within seconds. Building envs (imports, model compilation) takes
-# longer, more so when many workers start at once on few cores.
+# Seconds a worker may take to answer a step or reset (far above any real env's
+# step), and to build its envs (imports, model compilation; slower on few cores).
 DEFAULT_TIMEOUT = 10.0
 CONSTRUCT_TIMEOUT = 120.0
 
@@ -112,39 +104,30 @@ def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
     """``num_envs`` envs built by ``constructor``, as one ``BatchEnv``.
 
     Args:
-      backend: where the envs run. ``"workers"`` (the default): spread over
-        ``EnvWorker`` child processes (shared memory, several envs each);
-        ``"process"``: one ``ExternalProcess`` per env, as in the BatchPPO
-        paper; ``"inline"``: all in this process, one after the other;
-        ``"ray"``: spread over ``RayEnvWorker`` actors of a Ray cluster
-        (needs ``pip install 'batchrl[ray]'``), placed on different nodes
-        where resources allow; this process steps none of them.
-      workers: child processes for ``"workers"``; 0 means one per usable
-        core, less the one this process takes with ``share_main``. Ray
-        actors for ``"ray"``; 0 means as many as the cluster holds with
-        ``ray_resources`` each (its CPUs / CPUs per worker), at most
-        ``num_envs``.
-      share_main: with ``"workers"``, this process steps an equal share of
-        the envs itself while the workers step theirs, instead of sleeping;
-        on small machines that is worth 15-20% of the step rate. Its envs are
-        not isolated: a crash in their native code ends this process, so
-        with ``max_restarts`` this process steps no envs.
+      backend: where the envs run: ``"workers"``, spread over ``EnvWorker``
+        child processes; ``"process"``, one ``ExternalProcess`` per env;
+        ``"inline"``, all in this process; ``"ray"``, spread over
+        ``RayEnvWorker`` actors of a Ray cluster (``pip install 'batchrl[ray]'``),
+        on different nodes where resources allow.
+      workers: child processes for ``"workers"`` (0: one per usable core, less
+        the one this process takes with ``share_main``), or Ray actors for
+        ``"ray"`` (0: as many as the cluster holds, at most ``num_envs``).
+      share_main: with ``"workers"``, this process steps an equal share of the
+        envs instead of sleeping. Its envs are not isolated (a crash in their
+        native code ends this process), so not with ``max_restarts``.
       pin_workers: pin each worker process to its own usable core (Linux).
-      infos: ship the step infos from ``"workers"`` processes and ``"ray"``
-        actors (else empty dicts).
+      infos: ship the step infos from worker processes and Ray actors (else
+        empty dicts).
       timeout: seconds a child process may take to answer a step or reset
         before ``EnvTimeoutError`` (``None``: no limit).
-      max_restarts: replace a failed worker process (or Ray actor, also
-        one lost with its node) up to this many times in the batch env's
-        life (``BatchEnv``'s ``max_restarts``); needs a backend other than
-        ``"inline"``.
+      max_restarts: ``BatchEnv``'s ``max_restarts`` (also for a Ray actor lost
+        with its node); not with ``"inline"``.
       label: names the envs in error messages.
       ray_address: the cluster for ``"ray"``: ``""`` starts a private Ray
-        instance on this machine, ``"auto"`` joins the one started with
-        ``ray start`` here, ``"HOST:PORT"`` the head there. Not used when this
-        process is connected to Ray already.
+        instance, ``"auto"`` joins the one started with ``ray start`` here,
+        ``"HOST:PORT"`` the head there; unused when already connected to Ray.
       ray_resources: Ray resources each ``"ray"`` actor reserves (default
-        ``{"CPU": 1}``; custom ones like ``{"CPU": 1, "env_node": 1}``).
+        ``{"CPU": 1}``).
     """
     if backend not in BACKENDS:
         raise EnvSpecError(f"unknown env backend {backend!r}; valid: {', '.join(BACKENDS)}")
@@ -217,12 +200,10 @@ def make_batch_env(env_id: str, num_envs: int, max_length: int | None = None,
                    **options: Any) -> BatchEnv:
     """``num_envs`` wrapped copies of the env named ``env_id`` as one ``BatchEnv``.
 
-    The env ends episodes after ``max_length`` steps (``resolve_constructor``'s
-    time limit), then ``wrap_env`` applies range normalisation when
-    ``normalize_ranges``, action clipping and 32-bit floats. ``backend``,
-    ``workers`` and ``options`` (``share_main``, ``pin_workers``, ``infos``,
-    ``timeout``, ``max_restarts``, ``ray_address``, ``ray_resources``) are
-    ``batch_env_from``'s.
+    Episodes end after ``max_length`` steps (``resolve_constructor``'s time
+    limit); ``wrap_env`` then applies range normalisation (if
+    ``normalize_ranges``), action clipping and 32-bit floats. ``backend``,
+    ``workers`` and ``options`` are ``batch_env_from``'s.
     """
     raw = resolve_constructor(env_id, kwargs, max_length)
 

@@ -1,22 +1,17 @@
 """The env side of every transport: build a worker's envs and serve it.
 
-An ``EnvHost`` runs where the envs live: in a worker process
-(``batchrl.envs.process.shared_memory``) or in a Ray actor (``batchrl.envs.ray.worker``).
-It steps all envs of the worker into ``StepArrays``, resets a finished env at
-once ("prefetched reset"), answers attribute requests, and turns every
-exception of an env into an error answer, so that the transport only moves
-bytes. Every method answers ``("ok", value)``, ``("proxy", type_name)`` (an
-attribute that must stay remote) or ``("error", (type_name, message,
-traceback, env_index))``.
-
-Prefetched reset: the parent asks for a reset of a finished env soon anyway,
-and a round trip costs more than the reset. The env goes through exactly the
-calls it would have seen otherwise (step, then reset without seed), so
-trajectories are the same; a reset with a seed or options resets again.
+An ``EnvHost`` runs where the envs live (a worker process or a Ray actor). It
+steps them into ``StepArrays`` and turns every env exception into an error
+answer, so that the transport only moves bytes. A finished env is reset at
+once ("prefetched reset"), saving the parent's round trip: the env sees the
+same calls (step, then reset without seed), so trajectories do not change.
+Every method answers ``("ok", value)``, ``("proxy", type_name)`` (an attribute
+that must stay remote) or ``("error", (type_name, message, traceback, env_index))``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import functools
 import io
@@ -27,15 +22,13 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-# Actions travel in the dtype the caller gave (so a float32 batch reaches the
-# env as float32, exactly as with in-process envs); this many bytes per value
-# are reserved for them.
+# Bytes reserved per action value: actions travel in the caller's dtype (a
+# float32 batch reaches the env as float32, as with in-process envs).
 ACTION_ITEMSIZE = 8
 
 
 class StepArrays:
-    """The arrays of one worker's step, in one buffer (shared memory for a
-    worker process, a bytearray in a Ray actor).
+    """The arrays of one worker's step in one buffer (shared memory, or a bytearray).
 
     ``observ`` and ``reset_observ`` are ``(num_envs, *obs_shape)`` in the
     observation space's dtype, ``reward`` ``(num_envs,)`` float64,
@@ -53,13 +46,12 @@ class StepArrays:
                   ("terminated", (num_envs,), np.bool_),
                   ("truncated", (num_envs,), np.bool_)]
         offset = 0
-        layout = []
+        self._layout = []
         for name, shape, dtype in fields:
             offset = -(-offset // 64) * 64  # cache-line aligned
-            layout.append((name, shape, np.dtype(dtype), offset))
+            self._layout.append((name, shape, np.dtype(dtype), offset))
             offset += math.prod(shape) * np.dtype(dtype).itemsize
         self.size = max(offset, 1)
-        self._layout = layout
         self.attach(bytearray(self.size) if buffer is None else buffer)
 
     def attach(self, buffer: Any) -> None:
@@ -82,18 +74,12 @@ def _reduce_scalar(kind: type, value: np.generic) -> tuple:
     return kind, (value.item(),)
 
 
-def _scalar_reducers() -> dict:
-    """Pickle numpy scalars as ``type(python_value)``: twice as fast as
-    numpy's own reduction for info dicts like MuJoCo's (``x_position``...)
-    and the same objects after unpickling."""
-    table = copyreg.dispatch_table.copy()
+# Numpy scalars pickled as ``type(python_value)``: faster than numpy's own
+# reduction for info dicts full of them, and the same objects after unpickling.
+_REDUCERS = copyreg.dispatch_table | {
+    kind: functools.partial(_reduce_scalar, kind)
     for kind in (np.float64, np.float32, np.float16, np.int64, np.int32, np.int16, np.int8,
-                 np.uint64, np.uint32, np.uint16, np.uint8, np.bool_):
-        table[kind] = functools.partial(_reduce_scalar, kind)
-    return table
-
-
-_REDUCERS = _scalar_reducers()
+                 np.uint64, np.uint32, np.uint16, np.uint8, np.bool_)}
 
 
 def pack(obj: Any) -> bytes:
@@ -107,9 +93,7 @@ def pack(obj: Any) -> bytes:
 
 def resolve(obj: Any, dotted: str) -> Any:
     """``obj.a.b.c`` for ``dotted == "a.b.c"``."""
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return functools.reduce(getattr, dotted.split("."), obj)
 
 
 def error_answer(exc: BaseException, env_index: int | None = None) -> tuple:
@@ -118,11 +102,8 @@ def error_answer(exc: BaseException, env_index: int | None = None) -> tuple:
 
 
 def attribute_answer(env: Any, name: str) -> tuple:
-    """The answer to a ``getattr`` request: a copy of the value, or a proxy.
-
-    Methods and env objects must stay remote: a pickled copy would silently
-    detach from the live env.
-    """
+    """The answer to a ``getattr`` request: a copy of the value, or a proxy for
+    methods, envs and unpicklable values (a copy would detach from the live env)."""
     import gymnasium as gym
     value = resolve(env, name)
     if isinstance(value, gym.Env) or (callable(value) and not isinstance(value, gym.Space)):
@@ -135,13 +116,9 @@ def attribute_answer(env: Any, name: str) -> tuple:
 
 
 class EnvHost:
-    """A worker's envs, where they live.
-
-    Args:
-      prefetch_reset: reset an env as soon as its episode ends.
-      send_infos: answer the info dicts (pickled with ``pack``); with
-        ``False`` the parent sees empty dicts.
-    """
+    """A worker's envs, where they live. ``prefetch_reset``: reset an env as soon
+    as its episode ends; ``send_infos``: answer the info dicts (pickled with
+    ``pack``; else the parent sees empty dicts)."""
 
     def __init__(self, prefetch_reset: bool, send_infos: bool):
         self.prefetch_reset = prefetch_reset
@@ -159,20 +136,16 @@ class EnvHost:
         return ("ok", [(env.observation_space, env.action_space) for env in self.envs])
 
     def step(self, actions: np.ndarray, arrays: StepArrays) -> tuple:
-        """Step env ``i`` with ``actions[i]`` into ``arrays``; answers
-        ``(infos, resets)``: the pickled info list (``None`` when infos are
-        off) and ``(index, pickled info)`` of the envs reset after their
-        episode ended, whose first observations are in ``arrays.reset_observ``.
-
-        An env that raises does not stop the others (as with one process per
-        env): they are stepped and stored, and the first error is the answer.
-        """
+        """Step env ``i`` with ``actions[i]`` into ``arrays``; answers ``(infos,
+        resets)``: the pickled info list (``None`` when infos are off) and
+        ``(index, pickled info)`` of the envs reset after their episode ended
+        (first observations in ``arrays.reset_observ``). An env that raises
+        does not stop the others; the first error is the answer."""
         # A copy: the parent may write the next actions meanwhile (after a
         # timeout), and Ray hands over read-only views.
         actions = np.array(actions)
         send_infos = self.send_infos
-        infos, resets = [], []
-        error = None
+        infos, resets, error = [], [], None
         for index, env in enumerate(self.envs):
             try:
                 obs, reward, term, trunc, info = env.step(actions[index])
@@ -198,8 +171,7 @@ class EnvHost:
               options: dict | None, arrays: StepArrays) -> tuple:
         """Reset the envs at ``indices`` into ``arrays.reset_observ[index]``;
         answers their info dicts."""
-        infos = []
-        index = None
+        infos, index = [], None
         try:
             for index, seed in zip(indices, seeds):
                 obs, info = self.envs[index].reset(seed=seed, options=options)
@@ -226,8 +198,6 @@ class EnvHost:
     def close(self) -> None:
         """Close the envs; errors of their ``close`` are ignored."""
         for env in self.envs:
-            try:
+            with contextlib.suppress(Exception):  # closing what may be broken
                 env.close()
-            except Exception:  # noqa: S110 - closing what may be broken
-                pass
         self.envs = []

@@ -8,12 +8,9 @@ from typing import Any, Sequence
 
 
 class InfoList(collections.abc.Sequence):
-    """The info dicts of a batch step, unpickled on first access.
-
-    Built from ``(count, part)`` pairs, where a part is a list of dicts, the
-    pickled list, or ``None`` for ``count`` empty dicts. Behaves like a
-    read-only list (``len``, indexing, iteration, ``==`` with a list).
-    """
+    """A read-only list of info dicts (``len``, indexing, iteration, ``==``
+    with a list), built from ``(count, part)`` pairs: a part is a list of
+    dicts, the pickled list, or ``None`` for ``count`` empty dicts."""
 
     def __init__(self, parts: Sequence[tuple[int, Any]]):
         self._parts = list(parts)

@@ -13,13 +13,9 @@ from batchrl.envs.worker import Worker, reset_arguments
 
 
 class LocalWorker(Worker):
-    """Gymnasium envs stepped one after the other in this process.
-
-    ``BatchEnv`` steps them after it has sent the other workers their actions,
-    so that they step while the child processes step theirs. An env's
-    exception is raised as the ``EnvRaisedError`` a worker process would
-    send. Envs in this process cannot be restarted.
-    """
+    """Gymnasium envs stepped one after the other in this process (cannot be
+    restarted). An env's exception is raised as the ``EnvRaisedError`` a worker
+    process would send."""
 
     in_process = True
 
@@ -40,8 +36,7 @@ class LocalWorker(Worker):
         return self.envs[0].action_space
 
     def spaces(self) -> list[tuple[gym.Space, gym.Space]]:
-        """``(observation, action)`` space of every env (they may differ:
-        ``BatchEnv`` names the first that does)."""
+        """Each env's ``(observation, action)`` spaces (``BatchEnv`` names any that differ)."""
         return [(env.observation_space, env.action_space) for env in self.envs]
 
     def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True) -> Any:
@@ -66,11 +61,11 @@ class LocalWorker(Worker):
             return lambda: self.reset(indices, seeds, options)
         indices, seeds = reset_arguments(self.num_envs, indices, seeds)
         results = []
-        for index, seed in zip(indices, seeds):
-            try:
+        try:
+            for index, seed in zip(indices, seeds):
                 results.append(self.envs[index].reset(seed=seed, options=options))
-            except Exception as exc:
-                raise self._error(exc, "reset", index) from exc
+        except Exception as exc:
+            raise self._error(exc, "reset", index) from exc
         return np.stack([obs for obs, _ in results]), [info for _, info in results]
 
     def env_label(self, index: int) -> str:

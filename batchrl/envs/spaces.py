@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import gymnasium as gym
-
 from collections.abc import Sequence
+
+import gymnasium as gym
 
 from batchrl.envs.errors import EnvError, UnsupportedSpaceError
 
@@ -13,9 +13,8 @@ SUPPORTED_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscret
 
 
 def check_space(kind: str, space: gym.Space) -> None:
-    """Raise ``UnsupportedSpaceError`` naming ``space`` (the ``kind``:
-    ``"observation"`` or ``"action"``) unless it is an array space that fits
-    in one batched array."""
+    """Raise ``UnsupportedSpaceError`` naming the ``kind`` (``"observation"`` or
+    ``"action"``) of ``space`` unless it fits in one batched array."""
     if not isinstance(space, SUPPORTED_SPACES):
         names = ", ".join(cls.__name__ for cls in SUPPORTED_SPACES)
         hint = (" (flatten it, e.g. with gymnasium.wrappers.FlattenObservation)"
@@ -26,9 +25,8 @@ def check_space(kind: str, space: gym.Space) -> None:
 
 def worker_spaces(label: str, spaces: Sequence[tuple[gym.Space, gym.Space]]
                   ) -> tuple[gym.Space, gym.Space]:
-    """The ``(observation, action)`` spaces shared by the envs of one worker
-    (``spaces`` has a pair per env); an ``EnvError`` naming the first env
-    that differs from env 0."""
+    """The ``(observation, action)`` spaces shared by one worker's envs (a pair
+    each in ``spaces``); an ``EnvError`` names the first env that differs."""
     obs_space, act_space = spaces[0]
     for index, (obs, act) in enumerate(spaces[1:], 1):
         if obs != obs_space or act != act_space:

@@ -1,16 +1,6 @@
-"""The one protocol every member of a ``BatchEnv`` implements.
-
-A ``Worker`` owns ``num_envs`` envs with equal spaces, wherever they run: in
-this process (``LocalWorker``), in a child process (``EnvWorker``; an
-``ExternalProcess`` joins a batch as a ``ProcessWorker``) or in a Ray actor
-(``RayEnvWorker``). ``BatchEnv`` knows only this protocol: it sends every
-worker its rows of the actions, then collects the promises.
-
-``RemoteWorker`` is the part shared by the workers whose envs live elsewhere
-and are served by ``batchrl.envs.host.EnvHost``: the prefetched resets, the
-attribute proxies and the construction that may still be under way; its
-subclasses add a transport (shared memory and a pipe, or Ray calls).
-"""
+"""``Worker``, the protocol of every ``BatchEnv`` member, and ``RemoteWorker``,
+its shared part for envs served elsewhere by an ``EnvHost`` (prefetched resets,
+attribute proxies, pending construction); subclasses add the transport."""
 
 from __future__ import annotations
 
@@ -28,34 +18,25 @@ Promise = Callable[[], Any]
 
 
 class Worker(abc.ABC):
-    """``num_envs`` envs with equal spaces, stepped together.
+    """``num_envs`` envs with equal spaces, stepped together here, in a child
+    process or in a Ray actor.
 
     ``step(actions)`` takes ``(num_envs, *act_shape)`` actions and returns
-    ``(observ, reward, terminated, truncated, infos)``: arrays with first
-    dimension ``num_envs`` (observations in the observation space's dtype,
-    rewards float64, flags bool) and a sequence of info dicts. ``reset``
-    returns ``(observ, infos)`` for the envs at ``indices`` (local to the
-    worker). With ``blocking=False`` both return a promise instead: call it
-    for the result; only one request may be in flight. Errors are
-    ``EnvError``s; one raised by a single env carries its local index in
+    ``(observ, reward, terminated, truncated, infos)``: arrays of first
+    dimension ``num_envs`` (observations in the space's dtype, rewards
+    float64, flags bool) and the info dicts. ``reset`` returns ``(observ,
+    infos)`` of the envs at local ``indices``. With ``blocking=False`` both
+    return a promise to call for the result (one request in flight at most).
+    Errors are ``EnvError``s; a single env's carries its local index in
     ``worker_env_index``.
     """
 
     label: str
     num_envs: int
-    #: True when the envs step in the calling process: ``BatchEnv`` runs
-    #: such a worker after it has sent every other worker its actions.
+    observation_space: gym.Space  # shared by all envs
+    action_space: gym.Space
+    #: The envs step in the calling process (``BatchEnv`` runs it after the others).
     in_process: bool = False
-
-    @property
-    @abc.abstractmethod
-    def observation_space(self) -> gym.Space:
-        """The observation space all envs share."""
-
-    @property
-    @abc.abstractmethod
-    def action_space(self) -> gym.Space:
-        """The action space all envs share."""
 
     @abc.abstractmethod
     def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True) -> Any:
@@ -66,13 +47,11 @@ class Worker(abc.ABC):
     def reset(self, indices: Sequence[int] | None = None,
               seeds: Sequence[int | None] | None = None, options: dict | None = None,
               blocking: bool = True) -> Any:
-        """Reset the envs at local ``indices`` (all when ``None``), with one
-        seed (or ``None``) each."""
+        """Reset the envs at local ``indices`` (all when ``None``), one seed (or ``None``) each."""
 
     @abc.abstractmethod
     def restart(self) -> "Worker":
-        """Close this worker (killing it if it hangs) and return a fresh one
-        with the same envs and options."""
+        """Close this worker (killing it if it hangs); a fresh one with the same envs."""
 
     @abc.abstractmethod
     def env(self, index: int) -> Any:
@@ -111,8 +90,8 @@ def reset_arguments(num_envs: int, indices: Sequence[int] | None,
 
 
 def check_constructors(kind: str, constructors: Sequence[Any]) -> list:
-    """The constructors as a list; ``ValueError``/``TypeError`` unless they
-    are at least one callable or Gymnasium id."""
+    """The constructors as a list: at least one callable or Gymnasium id (else
+    ``ValueError``/``TypeError``)."""
     constructors = list(constructors)
     if not constructors:
         raise ValueError(f"{kind} needs at least one env constructor")
@@ -125,20 +104,16 @@ def check_constructors(kind: str, constructors: Sequence[Any]) -> list:
 
 def load_info(info: Any) -> dict:
     """An info dict that may have travelled pickled (or not at all: ``None``)."""
-    if info is None:
-        return {}
-    return pickle.loads(info) if isinstance(info, bytes) else info
+    return {} if info is None else pickle.loads(info) if isinstance(info, bytes) else info
 
 
 class RemoteWorker(Worker):
     """A ``Worker`` whose envs are built and served elsewhere by an ``EnvHost``.
 
-    Subclasses set ``label``, ``num_envs`` and ``prefetch_reset`` and
-    implement the transport: ``_construct()`` (wait for the envs, return
-    their ``(observation, action)`` spaces), ``_send_step(actions, copy)``,
-    ``_send_reset(indices, seeds, options)`` and ``_ask(command, args)``,
-    and keep ``closed`` true once closed. A finished env that the host already reset ("prefetched
-    reset") answers a later ``reset`` without seed or options at once.
+    Subclasses set ``label``, ``num_envs`` and ``prefetch_reset``, implement
+    the transport methods below and keep ``closed`` true once closed. A
+    finished env that the host already reset ("prefetched reset") answers a
+    later ``reset`` without seed or options at once.
     """
 
     prefetch_reset: bool
@@ -150,19 +125,16 @@ class RemoteWorker(Worker):
         # local index -> (first observation, info) of envs the host reset
         self._prefetched: dict[int, tuple[np.ndarray, Any]] = {}
 
-    # -- transport ---------------------------------------------------------
-
     @abc.abstractmethod
     def _construct(self) -> tuple[gym.Space, gym.Space]:
-        """Wait for the envs to be built; their shared spaces."""
+        """Wait for the envs to be built; their shared ``(observation, action)`` spaces."""
 
     @abc.abstractmethod
     def _send_step(self, actions: np.ndarray, copy: bool) -> Promise:
         """Send the actions; the promise gives ``(observ, reward, terminated,
-        truncated, infos, resets)``, where ``infos`` is the list of info
-        dicts (possibly pickled; ``None`` when infos are off) and ``resets``
-        lists ``(index, observ, info)`` of the envs reset after their
-        episode ended."""
+        truncated, infos, resets)``: ``infos`` the info dicts (maybe pickled;
+        ``None`` when infos are off), ``resets`` ``(index, observ, info)`` of
+        the envs reset after their episode ended."""
 
     @abc.abstractmethod
     def _send_reset(self, indices: list[int], seeds: list, options: dict | None) -> Promise:
@@ -172,12 +144,9 @@ class RemoteWorker(Worker):
     def _ask(self, command: str, args: tuple) -> tuple[str, Any]:
         """A ``"getattr"`` or ``"call"`` request; ``(kind, value)``."""
 
-    # -- construction --------------------------------------------------------
-
     def _ready(self) -> None:
-        """Wait for the envs to be built (once). A failed construction is
-        raised again on every later call; one that timed out is waited for
-        again."""
+        """Wait for the envs to be built (once). A failed construction is raised
+        again on every later call; one that timed out is waited for again."""
         if self._spaces is not None:
             return
         if self._construct_error is not None:
@@ -208,8 +177,6 @@ class RemoteWorker(Worker):
         if self.closed:
             raise EnvError(self.label, operation, "the env was closed")
 
-    # -- the protocol -----------------------------------------------------------
-
     def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True) -> Any:
         """Step every env with its row of ``actions``; see ``Worker``."""
         self._check_open("step")
@@ -220,8 +187,7 @@ class RemoteWorker(Worker):
             observ, reward, terminated, truncated, infos, resets = answer()
             for index, reset_observ, reset_info in resets:
                 self._prefetched[index] = (reset_observ, reset_info)
-            return (observ, reward, terminated, truncated,
-                    InfoList([(self.num_envs, infos)]))
+            return observ, reward, terminated, truncated, InfoList([(self.num_envs, infos)])
 
         return result() if blocking else result
 
@@ -256,9 +222,7 @@ class RemoteWorker(Worker):
         or a ``RemoteAttribute`` proxy for methods and unpicklable values."""
         self._check_open("getattr")
         kind, value = self._ask("getattr", (index, name))
-        if kind == "proxy":
-            return RemoteAttribute(self.env(index), name, value)
-        return value
+        return RemoteAttribute(self.env(index), name, value) if kind == "proxy" else value
 
     def call(self, name: str, *args: Any, index: int = 0, **kwargs: Any) -> Any:
         """Call env ``index``'s method ``name`` and return its result."""
@@ -306,12 +270,11 @@ class WorkerEnv:
 
 
 class RemoteAttribute:
-    """Stands for an attribute of a remote env that cannot be pickled.
+    """Stands for a method or unpicklable attribute of a remote env.
 
     Attribute access on it is forwarded further (``env.unwrapped.model.nq``)
     and calling it calls the remote method (``env.unwrapped.render()``).
-    ``env`` is anything with ``get_attr(path)``, ``call(path, ...)`` and a
-    ``label``: an ``ExternalProcess`` or a ``WorkerEnv``.
+    ``env`` is an ``ExternalProcess`` or a ``WorkerEnv``.
     """
 
     def __init__(self, env: Any, path: str, type_name: str):

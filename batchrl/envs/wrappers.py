@@ -1,9 +1,5 @@
-"""The env wrappers the trainer applies, built from Gymnasium's own.
-
-Gymnasium already ships ``TimeLimit``, ``ClipAction``, ``RescaleAction``,
-``RescaleObservation``, ``TransformObservation`` and ``TransformReward``; this
-module only decides when each applies and in which order.
-"""
+"""The env wrappers the trainer applies: Gymnasium's own, and when and in
+which order each applies."""
 
 from __future__ import annotations
 
@@ -21,12 +17,8 @@ def _finite_box(space: gym.Space) -> bool:
 
 
 def range_normalize(env: gym.Env) -> gym.Env:
-    """Rescale finite Box observation and action ranges to ``[-1, 1]``.
-
-    Spaces with an infinite bound (most MuJoCo observations) or that are not a
-    Box are left alone, so policies always see and emit unit-range values
-    where the env defines a range.
-    """
+    """Rescale finite Box observation and action ranges to ``[-1, 1]``; other
+    spaces (like most MuJoCo observations, with infinite bounds) stay as they are."""
     if _finite_box(env.observation_space):
         env = RescaleObservation(env, np.float32(-1), np.float32(1))
     if _finite_box(env.action_space):
@@ -54,17 +46,13 @@ def check_time_limit(max_episode_steps: int) -> None:
 
 def wrap_env(env: gym.Env, max_episode_steps: int | None = None,
              normalize_ranges: bool = True) -> gym.Env:
-    """Apply the trainer's wrappers in BatchPPO's order.
+    """Apply the trainer's wrappers in BatchPPO's order: ``TimeLimit`` (when
+    ``max_episode_steps`` is given), ``range_normalize`` (if ``normalize_ranges``),
+    ``ClipAction`` (Box actions: the env clips sampled Gaussian actions, not the
+    policy) and ``convert_to_32bit``.
 
-    ``TimeLimit`` (when ``max_episode_steps`` is given), then
-    ``range_normalize`` (unless ``normalize_ranges`` is false), ``ClipAction``
-    (Box actions only, so sampled Gaussian actions outside the range are
-    clipped by the env, not by the policy) and ``convert_to_32bit``.
-
-    An env from ``gymnasium.make`` keeps its registered time limit beneath
-    this ``TimeLimit``, so the shorter of the two ends its episodes; to
-    replace the registered one, build the env with ``resolve_constructor``'s
-    ``max_episode_steps`` (as ``make_batch_env`` does) instead.
+    An env's registered time limit stays beneath this ``TimeLimit`` (the shorter
+    ends episodes); ``resolve_constructor``'s ``max_episode_steps`` replaces it.
     """
     if max_episode_steps is not None:
         check_time_limit(max_episode_steps)

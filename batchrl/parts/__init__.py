@@ -5,5 +5,4 @@ from batchrl.parts.normalize import StreamingNormalizer
 from batchrl.parts.returns import discounted_cumsum, discounted_return, gae, generalized_advantage
 
 __all__ = ["EpisodeMemory", "RolloutMemory", "StreamingNormalizer", "discounted_cumsum",
-           "discounted_return", "gae",
-           "generalized_advantage"]
+           "discounted_return", "gae", "generalized_advantage"]

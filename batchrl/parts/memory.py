@@ -8,6 +8,21 @@ import torch
 
 from batchrl.parts import numpy_views
 
+_Fields = Mapping[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, dtype)
+
+
+def _check_append(values: Mapping[str, torch.Tensor], step_fields: frozenset[str],
+                  shapes: Mapping[str, torch.Size], count: int) -> None:
+    """Check ``values``: exactly ``step_fields``, each in ``shapes`` ``(count, *shape)``."""
+    if values.keys() != step_fields:
+        raise KeyError(f"append needs exactly the step fields {sorted(step_fields)}, "
+                       f"got {sorted(values)}")
+    for name, value in values.items():
+        shape = shapes.get(name)  # (numpy would broadcast some wrong shapes without a word)
+        if shape is not None and (value.shape[0] != count or value.shape[1:] != shape):
+            raise ValueError(f"append: {name!r} must have shape {(count, *shape)}, got "
+                             f"{tuple(value.shape)}")
+
 
 class EpisodeMemory:
     """Preallocated tensors for the running episodes and the update memory.
@@ -16,62 +31,49 @@ class EpisodeMemory:
       num_agents: batch size N of the env.
       capacity: episodes kept for one update (``update_every``).
       max_length: longest possible episode T (the env's time limit).
-      step_fields: name -> ``(shape, dtype)`` of values stored every step.
-      episode_fields: name -> ``(shape, dtype)`` of values stored once per
-        episode (e.g. the observation after the last step).
+      step_fields, episode_fields: name -> ``(shape, dtype)`` of values stored every
+        step, and once per episode (e.g. the observation after the last step).
       device: where every buffer lives.
 
-    Running buffers are ``(N, T, *shape)``, the update memory
-    ``(capacity, T, *shape)``. Writes index by agent, never loop over agents.
+    Running buffers are ``(N, T, *shape)``, the update memory ``(capacity, T, *shape)``
+    (episode fields without ``T``). Writes index by agent, never loop over agents.
     """
 
-    def __init__(self, num_agents: int, capacity: int, max_length: int,
-                 step_fields: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                 episode_fields: Mapping[str, tuple[tuple[int, ...], torch.dtype]] = {},
-                 device: str | torch.device = "cpu"):
+    def __init__(self, num_agents: int, capacity: int, max_length: int, step_fields: _Fields,
+                 episode_fields: _Fields = {}, device: str | torch.device = "cpu"):
         self.num_agents, self.capacity, self.max_length = num_agents, capacity, max_length
         self.device = torch.device(device)
 
-        def alloc(rows: int, fields, per_step: bool) -> dict[str, torch.Tensor]:
-            time = (max_length,) if per_step else ()
+        def alloc(rows: int) -> dict[str, torch.Tensor]:
             return {name: torch.zeros((rows, *time, *shape), dtype=dtype, device=self.device)
+                    for fields, time in ((step_fields, (max_length,)), (episode_fields, ()))
                     for name, (shape, dtype) in fields.items()}
 
-        self.running = alloc(num_agents, step_fields, True)
-        self.running.update(alloc(num_agents, episode_fields, False))
+        self.running, self.stored = alloc(num_agents), alloc(capacity)
         self.running_length = torch.zeros(num_agents, dtype=torch.int64, device=self.device)
-        self.stored = alloc(capacity, step_fields, True)
-        self.stored.update(alloc(capacity, episode_fields, False))
         self.stored_length = torch.zeros(capacity, dtype=torch.int64, device=self.device)
         self.count = 0
-        self.step_fields = frozenset(step_fields)
-        self._shapes = {name: torch.Size(shape) for name, (shape, _) in step_fields.items()}
+        self.step_fields, self.episode_fields = frozenset(step_fields), frozenset(episode_fields)
+        # The written step fields: zero-width ones (no recurrent state) cost nothing.
+        self._shapes = {name: torch.Size(shape) for name, (shape, _) in step_fields.items()
+                        if self.running[name].numel()}
         self._ones = torch.ones(num_agents, dtype=torch.int64, device=self.device)
-        self._make_views()
-        # An upper bound of running_length.max(), kept without reading the
-        # tensor: append checks the real lengths only when it reaches max_length.
+        # A bound of running_length.max() kept without reading it: append looks at max_length.
         self._longest = 0
-        self.episode_fields = frozenset(episode_fields)
+        self._make_views()
 
     def _make_views(self) -> None:
-        """``_flat``: ``(N * T, *shape)`` views of the running step buffers
-        (``None`` for zero-width fields); ``_views``: numpy views of
-        ``running_length`` and of those, for ``append`` on the CPU (see
-        ``batchrl.parts.numpy_views``), or ``None`` for torch operations."""
-        rows = self.num_agents * self.max_length
-        self._flat = {name: self.running[name].view(rows, *shape)
-                      if self.running[name].numel() else None
-                      for name, shape in self._shapes.items()}
+        """``_flat``: ``(N * T, *shape)`` views of the written step buffers; ``_views``: numpy
+        views of ``running_length`` and of those for ``append``, or ``None`` (torch ops)."""
+        self._flat = {name: self.running[name].flatten(0, 1) for name in self._shapes}
         length = numpy_views.view(self.running_length)
-        self._views = None if length is None else (
-            length, {name: None if flat is None else numpy_views.view(flat)
-                     for name, flat in self._flat.items()})
+        flats = {name: numpy_views.view(flat) for name, flat in self._flat.items()}
+        self._views = (None if length is None or any(v is None for v in flats.values())
+                       else (length, flats))
 
-    # A copy (deepcopy, pickle) makes views of its own buffers: copied views
-    # would be copies.
+    # A copy (deepcopy, pickle) makes views of its own buffers, not copies of these.
     def __getstate__(self) -> dict[str, object]:
-        return {name: value for name, value in self.__dict__.items()
-                if name not in ("_flat", "_views")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_flat", "_views")}
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
@@ -79,48 +81,31 @@ class EpisodeMemory:
 
     def append(self, agent_indices: torch.Tensor, **values: torch.Tensor) -> None:
         """Store one step for each agent; every step field must be given, ``(K, *shape)``."""
-        if values.keys() != self.step_fields:
-            raise KeyError(f"append needs exactly the step fields {sorted(self.step_fields)}, "
-                           f"got {sorted(values)}")
         count = agent_indices.shape[0]
-        for name, value in values.items():
-            # (numpy would broadcast some wrong shapes without a word; zero-width
-            # fields are never written)
-            if self._flat[name] is not None and (value.shape[0] != count
-                                                 or value.shape[1:] != self._shapes[name]):
-                raise ValueError(f"append: {name!r} must have shape "
-                                 f"{(count, *self._shapes[name])}, got {tuple(value.shape)}")
+        _check_append(values, self.step_fields, self._shapes, count)
         if count == 0:
             return
-        if self._longest + 1 > self.max_length:
-            # The cheap bound says an episode may be full: look at the lengths.
+        if self._longest + 1 > self.max_length:  # an episode may be full: look at the lengths
             self._longest = int(self.running_length.max())
             if int(self.running_length[agent_indices].max()) + 1 > self.max_length:
-                raise RuntimeError(
-                    f"an episode ran longer than max_length={self.max_length} steps; set "
-                    f"max_length to at least the env's time limit")
+                raise RuntimeError(f"an episode ran longer than max_length={self.max_length} "
+                                   f"steps; set max_length to at least the env's time limit")
         if self._views is not None and self._append_views(agent_indices, values):
             return
-        steps = self.running_length[agent_indices]
-        # Rows of the (N * T, *shape) views: one index_copy_ per field, the
-        # cheapest scatter for the handful of rows of one env step.
-        rows = steps.add_(agent_indices, alpha=self.max_length)
-        for name, value in values.items():
-            flat = self._flat[name]
-            if flat is not None:  # zero-width fields (no recurrent state) cost nothing
-                if value.requires_grad:  # stored data, not part of a graph
-                    value = value.detach()
-                flat.index_copy_(0, rows, value if value.dtype == flat.dtype
-                                 else value.to(flat.dtype))
-        self.running_length.index_add_(0, agent_indices, self._ones[:agent_indices.shape[0]])
+        # Rows of the (N * T, *shape) views: index_copy_ is the cheapest scatter here.
+        rows = self.running_length[agent_indices].add_(agent_indices, alpha=self.max_length)
+        for name, flat in self._flat.items():
+            value = values[name]
+            if value.requires_grad:  # stored data, not part of a graph
+                value = value.detach()
+            flat.index_copy_(0, rows, value if value.dtype == flat.dtype else value.to(flat.dtype))
+        self.running_length.index_add_(0, agent_indices, self._ones[:count])
         self._longest += 1
 
     def _append_views(self, agent_indices: torch.Tensor, values: dict[str, torch.Tensor]) -> bool:
-        """``append`` in numpy; False (nothing written) when some tensor is not
-        readable by numpy."""
+        """``append`` in numpy; False (nothing written) when numpy cannot read some tensor."""
         length, flats = self._views
-        arrays = {name: numpy_views.view(value) for name, value in values.items()
-                  if flats[name] is not None}
+        arrays = {name: numpy_views.view(values[name]) for name in flats}
         agents = numpy_views.view(agent_indices)
         if agents is None or any(array is None for array in arrays.values()):
             return False
@@ -145,12 +130,9 @@ class EpisodeMemory:
         self.running_length[agent_indices] = 0
 
     def finish(self, agent_indices: torch.Tensor) -> int:
-        """Move these agents' episodes into the update memory, as far as it has
-        room (extra episodes are dropped), and clear their running buffers.
-
-        Returns the number of episodes stored."""
-        room = self.capacity - self.count
-        keep = agent_indices[:room]
+        """Move these agents' episodes into the update memory as far as it has room
+        (the rest are dropped), clear their running buffers; returns the number stored."""
+        keep = agent_indices[:self.capacity - self.count]
         stored = int(keep.numel())
         if stored:
             slots = slice(self.count, self.count + stored)
@@ -166,12 +148,9 @@ class EpisodeMemory:
         return self.count >= self.capacity
 
     def data(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The stored episodes and their lengths ``(count,)``.
-
-        Step fields are ``(count, T', ...)`` with ``T'`` the longest stored
-        episode (later steps are padding in every row), episode fields
-        ``(count, ...)``.
-        """
+        """The stored episodes and their lengths ``(count,)``: step fields ``(count, T', ...)``
+        with ``T'`` the longest stored episode (padding after each episode's length),
+        episode fields ``(count, ...)``."""
         length = self.stored_length[:self.count]
         longest = int(length.max()) if self.count else 0
         return ({name: value[:self.count, :longest] if name in self.step_fields
@@ -198,55 +177,39 @@ class EpisodeMemory:
 
 
 class RolloutMemory:
-    """Fixed-length rollouts: the next ``length`` steps of every agent, across
-    episode boundaries, for algorithms that update every ``length`` steps
-    instead of after whole episodes.
+    """Fixed-length rollouts: the next ``length`` steps of every agent, across episodes.
 
     Args:
-      num_agents: batch size N of the env.
-      length: steps per agent in one rollout (T).
-      step_fields: name -> ``(shape, dtype)`` of values stored every step.
-      end_fields: name -> ``(shape, dtype)`` of values stored at the last
-        step of a segment (the state after it: a final observation, whether
-        it was terminal), zero elsewhere.
+      num_agents, length: batch size N of the env, and steps per agent in a rollout (T).
+      step_fields, end_fields: name -> ``(shape, dtype)`` of values stored every step,
+        and at the last step of a segment (the state after it; zero elsewhere).
       device: where every buffer lives.
 
-    A rollout splits into segments, stretches of one episode. A segment ends
-    where its episode ended or where the rollout is cut (``end_segments``),
-    or it is dropped (``discard``) when its episode was cut without a state to
-    bootstrap from. Buffers are ``(N, T, *shape)``; ``ends`` ``(N, T)`` bool
-    marks the last step of each segment and ``valid`` ``(N, T)`` bool the
-    steps an update may use. Writes index by agent, never loop over agents.
+    A rollout splits into segments, stretches of one episode, which end where
+    the episode ended or the rollout is cut (``end_segments``), or are dropped
+    (``discard``). Buffers are ``(N, T, *shape)``; ``ends`` ``(N, T)`` bool marks
+    the last step of each segment, ``valid`` the steps an update may use.
     """
 
-    def __init__(self, num_agents: int, length: int,
-                 step_fields: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                 end_fields: Mapping[str, tuple[tuple[int, ...], torch.dtype]] = {},
-                 device: str | torch.device = "cpu"):
+    def __init__(self, num_agents: int, length: int, step_fields: _Fields,
+                 end_fields: _Fields = {}, device: str | torch.device = "cpu"):
         if length < 1:
             raise ValueError(f"a rollout needs length >= 1, got {length}")
         self.num_agents, self.length = num_agents, length
         self.device = torch.device(device)
-        fields = {**step_fields, **end_fields,
-                  "ends": ((), torch.bool), "valid": ((), torch.bool)}
+        fields = {**step_fields, **end_fields, "ends": ((), torch.bool), "valid": ((), torch.bool)}
         self.buffers = {name: torch.zeros((num_agents, length, *shape), dtype=dtype,
                                           device=self.device)
                         for name, (shape, dtype) in fields.items()}
-        self.step_fields = frozenset(step_fields)
-        self.end_fields = frozenset(end_fields)
-        self._shapes = {name: torch.Size(shape) for name, (shape, _) in fields.items()}
-        self._widths = {name: shape.numel() for name, shape in self._shapes.items()}
+        self.step_fields, self.end_fields = frozenset(step_fields), frozenset(end_fields)
+        # The written step fields: zero-width ones (no recurrent state) cost nothing.
+        self._shapes = {name: torch.Size(shape) for name, (shape, _) in step_fields.items()
+                        if torch.Size(shape).numel()}
         # Steps stored per agent, and where each agent's running segment began.
         self.steps = torch.zeros(num_agents, dtype=torch.int64, device=self.device)
         self.segment_start = torch.zeros(num_agents, dtype=torch.int64, device=self.device)
-        # Kept in Python, as they are read at every step: the rows stored in
-        # all, and an upper bound of steps.max().
-        self._stored = 0
-        self._longest = 0
-
-    def _rows(self, agent_indices: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-        """Rows of the ``(N * T, ...)`` views for these agents at these steps."""
-        return agent_indices * self.length + steps
+        # Read at every step, so kept in Python: rows stored, a bound of steps.max().
+        self._stored = self._longest = 0
 
     def _flat(self, name: str) -> torch.Tensor:
         buffer = self.buffers[name]
@@ -254,47 +217,36 @@ class RolloutMemory:
 
     def append(self, agent_indices: torch.Tensor, **values: torch.Tensor) -> None:
         """Store one step for each agent; every step field must be given, ``(K, *shape)``."""
-        if values.keys() != self.step_fields:
-            raise KeyError(f"append needs exactly the step fields {sorted(self.step_fields)}, "
-                           f"got {sorted(values)}")
         count = agent_indices.shape[0]
-        for name, value in values.items():
-            # (zero-width fields, such as no recurrent state, are never written)
-            if self._widths[name] and (value.shape[0] != count
-                                       or value.shape[1:] != self._shapes[name]):
-                raise ValueError(f"append: {name!r} must have shape "
-                                 f"{(count, *self._shapes[name])}, got {tuple(value.shape)}")
+        _check_append(values, self.step_fields, self._shapes, count)
         if count == 0:
             return
-        if self._longest >= self.length:
-            # The cheap bound says an agent may be full: look at the counts.
+        if self._longest >= self.length:  # an agent may be full: look at the counts
             self._longest = int(self.steps.max())
             if int(self.steps[agent_indices].max()) >= self.length:
                 raise RuntimeError(f"the rollout of some agent already holds length="
                                    f"{self.length} steps; clear() the memory after an update")
         steps = self.steps[agent_indices]
-        rows = self._rows(agent_indices, steps)
-        for name, value in values.items():
-            if self._widths[name]:
-                flat = self._flat(name)
-                flat.index_copy_(0, rows, value.detach().to(flat.dtype))
+        rows = agent_indices * self.length + steps  # of the (N * T, ...) views
+        for name in self._shapes:
+            flat = self._flat(name)
+            flat.index_copy_(0, rows, values[name].detach().to(flat.dtype))
         self._flat("valid").index_fill_(0, rows, True)
         self.steps.index_add_(0, agent_indices, torch.ones_like(steps))
         self._stored += count
         self._longest += 1
 
     def end_segments(self, agent_indices: torch.Tensor, **values: torch.Tensor) -> None:
-        """The running segments of these agents end at their last stored step
-        (their episode ended, or the rollout is cut there); ``values`` are the
-        end fields ``(K, *shape)`` of the state after that step. Agents with
-        no step in their running segment are left alone."""
+        """The running segments of these agents end at their last stored step (their
+        episode ended, or the rollout is cut there); ``values`` are the end fields
+        ``(K, *shape)`` of the state after it. Agents with an empty segment are left alone."""
         unknown = set(values) - self.end_fields
         if unknown:
             raise KeyError(f"{sorted(unknown)[0]!r} is not an end field; known: "
                            f"{sorted(self.end_fields)}")
         steps = self.steps[agent_indices]
         started = steps > self.segment_start[agent_indices]
-        rows = self._rows(agent_indices, steps - 1)[started]
+        rows = (agent_indices * self.length + steps - 1)[started]
         self._flat("ends").index_fill_(0, rows, True)
         for name, value in values.items():
             flat = self._flat(name)
@@ -306,14 +258,10 @@ class RolloutMemory:
         bootstrap from (an env reset or restart): their running segments stay
         out of the update."""
         steps = self.steps[agent_indices]
-        start = self.segment_start[agent_indices]
         time = torch.arange(self.length, device=self.device)
-        dropped = (time >= start[:, None]) & (time < steps[:, None])
+        dropped = (time >= self.segment_start[agent_indices][:, None]) & (time < steps[:, None])
         self.buffers["valid"][agent_indices] &= ~dropped
-        # An end, so that nothing after it reaches into the dropped steps.
-        started = steps > start
-        self._flat("ends").index_fill_(0, self._rows(agent_indices, steps - 1)[started], True)
-        self.segment_start[agent_indices] = steps
+        self.end_segments(agent_indices)  # so that nothing after it reaches into the dropped steps
 
     @property
     def full(self) -> bool:
@@ -332,9 +280,8 @@ class RolloutMemory:
 
     def clear(self) -> None:
         """Start the next rollout (after an update); episodes go on in it."""
-        for name, buffer in self.buffers.items():
-            if name in self.end_fields or name in ("ends", "valid"):
-                buffer.zero_()
+        for name in (*self.end_fields, "ends", "valid"):
+            self.buffers[name].zero_()
         self.steps.zero_()
         self.segment_start.zero_()
         self._stored = self._longest = 0

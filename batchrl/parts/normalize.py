@@ -14,32 +14,23 @@ from batchrl.parts import numpy_views
 class StreamingNormalizer(nn.Module):
     """Normalises values with running statistics of everything it was updated with.
 
-    Statistics are merged batch by batch with Chan et al.'s parallel formula,
-    kept in float64 buffers (so they are part of ``state_dict``).
-    ``transform`` computes in float32 with copies of the mean and of the
-    inverse standard deviation made after each update: it runs at every env
-    step, where each saved tensor operation counts.
+    Statistics are merged batch by batch (Chan et al.'s parallel formula) in
+    float64 buffers, part of ``state_dict``; ``transform`` uses float32 copies
+    of the mean and of ``1 / (std + eps)``, remade after each update. On the CPU
+    the work is done in numpy on views of the buffers (``batchrl.parts.numpy_views``).
 
-    On the CPU, ``update`` (of CPU tensors) and the derivation of the float32
-    copies work in numpy on views of the same memory (``batchrl.parts.numpy_views``);
-    results are the same up to float rounding.
-
-    With ``defer``, ``update`` only copies values into a buffer and merges
-    them in one go when it is full or when anything reads the statistics
-    (``transform``, ``variance``, the ``mean``/``sum_sq``/``count`` buffers,
-    ``state_dict``, a copy or a move): for statistics read far less often
-    than updated, such as the rewards, which BatchPPO reads once per update.
-    Readers see every value given to ``update``; only the grouping of the
-    merges, and so the float rounding, differs.
+    With ``defer``, ``update`` holds values back and merges them when the buffer is
+    full or anything reads the statistics (``transform``, ``variance``, the buffers,
+    ``state_dict``, a copy or a move): for statistics read far less often than
+    updated, such as rewards. Only the float rounding of the merges differs.
 
     Args:
       shape: shape of one value (``()`` for rewards).
       center: subtract the running mean.
-      scale: divide by the running standard deviation (1 until two values
-        were seen).
+      scale: divide by the running standard deviation (1 until two values were seen).
       clip: clip transformed values to ``[-clip, clip]``; ``None`` for no clip.
-      defer: how many values (of ``shape``) ``update`` may hold back before
-        merging them; 0 merges every batch at once.
+      eps: added to the standard deviation.
+      defer: values ``update`` may hold back (0: merge every batch at once).
     """
 
     def __init__(self, shape: tuple[int, ...] = (), center: bool = True, scale: bool = True,
@@ -47,21 +38,16 @@ class StreamingNormalizer(nn.Module):
         super().__init__()
         if not isinstance(defer, int) or defer < 0:
             raise ValueError(f"defer must be a whole number of values >= 0, got {defer!r}")
-        # Derived, not saved, and kept in a plain object: nn.Module's
-        # __setattr__ costs microseconds, and these change at every env step.
-        # (Made first: __getattr__ uses it once buffers are looked up.)
+        # A plain object (nn.Module's __setattr__ is slow), made first: __getattr__ reads it.
         self._cache = _Derived()
-        self.shape = tuple(shape)
-        self.defer = defer
+        self.shape, self.defer = tuple(shape), defer
         self.center, self.scale, self.clip, self.eps = center, scale, clip, eps
-        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
-        self.register_buffer("mean", torch.zeros(self.shape, dtype=torch.float64))
-        self.register_buffer("sum_sq", torch.zeros(self.shape, dtype=torch.float64))
+        for name, shape in (("count", ()), ("mean", self.shape), ("sum_sq", self.shape)):
+            self.register_buffer(name, torch.zeros(shape, dtype=torch.float64))
 
     def __getattr__(self, name: str) -> Any:
-        # nn.Module looks buffers up here (they are not instance attributes):
-        # whoever reads the statistics gets the held values merged first.
-        if name in _STATISTICS:
+        # nn.Module looks buffers up here: a reader gets the held values merged first.
+        if name in ("mean", "sum_sq", "count"):
             self.flush()
         return super().__getattr__(name)
 
@@ -85,11 +71,10 @@ class StreamingNormalizer(nn.Module):
         self._cache.moved()  # loading with assign=True replaces the buffers
 
     def _arrays(self) -> tuple[np.ndarray, ...]:
-        """numpy views of ``(mean, sum_sq, count)``; empty where numpy cannot
-        work on the buffers (see ``batchrl.parts.numpy_views``)."""
+        """numpy views of ``(mean, sum_sq, count)``; empty where numpy cannot use them."""
         arrays = self._cache.arrays
         if arrays is None:
-            views = tuple(numpy_views.view(buffer) for buffer in (self.mean, self.sum_sq, self.count))
+            views = tuple(numpy_views.view(b) for b in (self.mean, self.sum_sq, self.count))
             arrays = self._cache.arrays = () if any(v is None for v in views) else views
         return arrays
 
@@ -101,8 +86,7 @@ class StreamingNormalizer(nn.Module):
         if n == 0:
             return
         if self.defer:
-            cache = self._cache
-            if cache.held + n > self.defer:
+            if self._cache.held + n > self.defer:
                 self.flush()
             if n <= self.defer:
                 self._hold(values, n)
@@ -119,11 +103,9 @@ class StreamingNormalizer(nn.Module):
     def _hold(self, values: torch.Tensor, n: int) -> None:
         """Copy ``n`` values to the end of the held ones (room is checked)."""
         cache = self._cache
-        if cache.pending is None:
-            device = self._buffers["mean"].device
-            # float64, as the statistics: held values lose nothing
+        if cache.pending is None:  # float64, as the statistics: held values lose nothing
             cache.pending = torch.empty((self.defer, *self.shape), dtype=torch.float64,
-                                        device=device)
+                                        device=self._buffers["mean"].device)
             cache.pending_view = numpy_views.view(cache.pending)
         rows = slice(cache.held, cache.held + n)
         batch = numpy_views.view(values) if cache.pending_view is not None else None
@@ -158,22 +140,18 @@ class StreamingNormalizer(nn.Module):
             self.sum_sq.add_(batch_var, alpha=n).add_(delta.square_(), alpha=count * n / total)
             self.count.fill_(total)
         cache.count = total
-        cache.stale()
+        cache.fresh = False
 
     @property
     def variance(self) -> torch.Tensor:
         """Unbiased variance (ones until two values were seen), float64."""
         self.flush()
         count = self._cache.count
-        if count < 2:
-            return torch.ones_like(self.sum_sq)
-        return self.sum_sq / (count - 1)
+        return torch.ones_like(self.sum_sq) if count < 2 else self.sum_sq / (count - 1)
 
     def _derived(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The float32 mean and ``1 / (std + eps)`` (computed in float64,
-        rounded once), made again after each update. On the CPU they are
-        rewritten in place: fresh tensors at every env step cost more than
-        the arithmetic."""
+        """The float32 mean and ``1 / (std + eps)`` (computed in float64, rounded
+        once), remade after each update; on the CPU in place, in numpy."""
         self.flush()
         cache = self._cache
         if not cache.fresh:
@@ -205,8 +183,6 @@ class StreamingNormalizer(nn.Module):
         offset, inverse_std = self._derived()
         result = values if values.dtype == torch.float32 else values.to(torch.float32)
         # The first operation allocates the result, the others work in place.
-        # (torch beats numpy here: three operations, against five and two
-        # conversions.)
         if self.center:
             result = result - offset
         if self.scale:
@@ -217,21 +193,13 @@ class StreamingNormalizer(nn.Module):
         return result if result.dtype == values.dtype else result.to(values.dtype)
 
 
-_STATISTICS = frozenset(("mean", "sum_sq", "count"))
-
-
 class _Derived:
-    """What ``StreamingNormalizer`` derives from its buffers: the count as a
-    Python number, float32 copies of the mean and of the inverse standard
-    deviation (valid while ``fresh``), numpy views of the buffers (``()``
-    when not on the CPU, ``None`` when not yet made) and, on the CPU, the
-    arrays behind the float32 copies and a float64 scratch array. Also the
-    values ``update`` held back: the first ``held`` rows of ``pending``
-    (made at the first one; ``pending_view`` is its numpy view, or ``None``).
-    """
+    """What ``StreamingNormalizer`` derives from its buffers (float32 copies valid
+    while ``fresh``; numpy views: ``()`` off the CPU, ``None`` until made) and the
+    values ``update`` held back: the first ``held`` rows of ``pending``."""
 
-    def __init__(self) -> None:
-        self.count = 0.0
+    def __init__(self, count: float = 0.0) -> None:
+        self.count = count
         self.fresh = False
         self.offset: torch.Tensor | None = None
         self.inverse_std: torch.Tensor | None = None
@@ -241,19 +209,12 @@ class _Derived:
         self.pending: torch.Tensor | None = None
         self.pending_view: np.ndarray | None = None
 
-    def stale(self) -> None:
-        self.fresh = False
-
     def moved(self) -> None:
-        count = self.count
-        self.__init__()
-        self.count = count
+        self.__init__(self.count)
 
-    # A copy (deepcopy, pickle) must not keep views of the original's
-    # buffers: it derives everything again from its own.
+    # A copy (deepcopy, pickle) derives everything again from its own buffers.
     def __getstate__(self) -> dict[str, float]:
         return {"count": self.count}
 
     def __setstate__(self, state: dict[str, float]) -> None:
-        self.__init__()
-        self.count = state["count"]
+        self.__init__(state["count"])

@@ -1,17 +1,9 @@
 """Discounted returns and generalised advantages, without a Python loop over time.
 
-Both are instances of one backward recursion along the time axis,
-``y_t = x_t + f_t * y_{t+1}``, which ``discounted_cumsum`` evaluates for a
-whole batch in ``log2(T)`` vectorised doubling steps. Two layouts of
-experience use it:
-
-* sequences with per-step flags (``gae``): fixed-length rollouts in which
-  episodes end anywhere, ``ends[b, t]`` marking the last step of a stretch
-  of one episode (at a terminal state, a time limit or the end of the
-  rollout) and ``next_value[b, t]`` the value of the state after step ``t``;
-* padded whole episodes (``discounted_return``, ``generalized_advantage``):
-  ``(E, T)`` rows of which the first ``length[e]`` steps are real, with the
-  value after each episode's last step given as ``bootstrap``.
+All evaluate the backward recursion ``y_t = x_t + f_t * y_{t+1}`` with
+``discounted_cumsum``. ``gae`` takes sequences with per-step end flags (fixed-length
+rollouts); ``discounted_return`` and ``generalized_advantage`` take padded whole
+episodes: ``(E, T)`` rows of which the first ``length[e]`` steps are real.
 """
 
 from __future__ import annotations
@@ -26,13 +18,10 @@ def discounted_cumsum(values: torch.Tensor, factors: torch.Tensor) -> torch.Tens
       values: ``(..., T)`` the ``x_t``.
       factors: ``(..., T)`` the ``f_t`` (a discount, zero where a sequence ends).
     Returns:
-      ``(..., T)`` the ``y_t``, computed in float64 and returned in the dtype
-      of ``values``.
-
-    After the doubling step with shift ``s`` every ``y_t`` holds the terms
-    ``t .. t + 2s - 1`` and ``gain_t`` the product of the factors over that
-    span, so ``ceil(log2(T))`` steps reach the end of every row.
+      ``(..., T)`` the ``y_t``, computed in float64, in the dtype of ``values``.
     """
+    # After the doubling step with shift s, y_t holds the terms t .. t + 2s - 1
+    # and gain_t the product of their factors: ceil(log2(T)) steps in all.
     result = values.to(torch.float64)
     gain = factors.to(torch.float64)
     steps = values.shape[-1]
@@ -47,8 +36,7 @@ def discounted_cumsum(values: torch.Tensor, factors: torch.Tensor) -> torch.Tens
 
 def gae(reward: torch.Tensor, value: torch.Tensor, next_value: torch.Tensor,
         ends: torch.Tensor, discount: float, lambda_: float) -> torch.Tensor:
-    """Generalised advantage estimates (Schulman et al., 2016) of sequences
-    in which episodes may end at any step.
+    """Generalised advantage estimates (Schulman et al., 2016); episodes may end at any step.
 
     Args:
       reward: ``(B, T)`` rewards.
@@ -56,9 +44,8 @@ def gae(reward: torch.Tensor, value: torch.Tensor, next_value: torch.Tensor,
       next_value: ``(B, T)`` value of the state after each step: zero after a
         terminal state, the value of the real next observation after a time
         limit or at the end of a rollout.
-      ends: ``(B, T)`` bool or 0/1: the sequence of step ``t`` stops there
-        (its episode ended, or the rollout was cut); advantages never reach
-        across such a step.
+      ends: ``(B, T)`` bool or 0/1: step ``t`` ends its sequence (episode
+        end or rollout cut); advantages never reach across it.
       discount: gamma. lambda_: the GAE lambda (1 gives ``return - value``).
     Returns:
       ``(B, T)`` advantages in the dtype of ``reward``.
@@ -68,15 +55,10 @@ def gae(reward: torch.Tensor, value: torch.Tensor, next_value: torch.Tensor,
     return discounted_cumsum(delta, factors).to(reward.dtype)
 
 
-def _valid_mask(length: torch.Tensor, steps: int) -> torch.Tensor:
-    return torch.arange(steps, device=length.device)[None, :] < length[:, None]
-
-
 def _episode_flags(length: torch.Tensor, steps: int, bootstrap: torch.Tensor | None,
                    value: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For padded episodes: the valid mask, the last-step flags and the value
-    after every step (``value[t + 1]`` inside an episode, ``bootstrap`` after
-    its last step, zero in the padding)."""
+    """Valid mask, last-step flags and value after every step of padded episodes
+    (``value[t + 1]``, ``bootstrap`` after the last step, zero in the padding)."""
     time = torch.arange(steps, device=length.device)[None, :]
     mask = time < length[:, None]
     last = time == (length[:, None] - 1)
@@ -103,7 +85,7 @@ def discounted_return(reward: torch.Tensor, length: torch.Tensor, discount: floa
         (zero for terminal states); ``None`` means zero.
     Returns:
       ``(E, T)`` returns ``R_t = sum_k gamma^(k-t) r_k + gamma^(L-t) bootstrap``,
-      zero at padded steps. Same dtype and device as ``reward``.
+      zero at padded steps, in the dtype of ``reward``.
     """
     mask, last, next_value = _episode_flags(length, reward.shape[1], bootstrap, None)
     values = torch.where(mask, reward.to(torch.float64), 0.0) + discount * next_value
@@ -114,12 +96,10 @@ def discounted_return(reward: torch.Tensor, length: torch.Tensor, discount: floa
 def generalized_advantage(reward: torch.Tensor, value: torch.Tensor, length: torch.Tensor,
                           discount: float, lambda_: float,
                           bootstrap: torch.Tensor | None = None) -> torch.Tensor:
-    """Generalised advantage estimates of padded episodes (``gae`` with the
-    episode ends given by ``length``).
+    """Generalised advantage estimates of padded episodes (``gae``, ends from ``length``).
 
     Args:
-      reward: ``(E, T)`` rewards.
-      value: ``(E, T)`` value estimates of the states the rewards came from.
+      reward, value: ``(E, T)`` rewards and value estimates of the states they came from.
       length: ``(E,)`` int64 episode lengths.
       discount: gamma. lambda_: the GAE lambda.
       bootstrap: ``(E,)`` value after the last step (zero when terminal).

@@ -1,3 +1,2 @@
-"""Env workers in child processes: the pipe channel, one env per process
-(``ExternalProcess``) and several envs per process with arrays in shared
-memory (``EnvWorker``)."""
+"""Env workers in child processes: one env per process (``ExternalProcess``)
+or several, with arrays in shared memory (``EnvWorker``)."""

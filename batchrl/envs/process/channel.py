@@ -1,21 +1,14 @@
 """Child-process plumbing shared by the env workers.
 
-A worker is a child process that serves requests over a ``multiprocessing``
-pipe. Every request is answered by exactly one pickled message:
-``("ok", value)``, ``("proxy", type_name)`` for attribute values that cannot be
-pickled, or ``("error", (type_name, message, traceback, env_index))``.
-``Channel`` is the parent's end: it starts the process, keeps track of the
-request in flight, and turns a dead, silent or failing worker into the
-``EnvError`` that names it.
-
-Children are started with the ``forkserver`` method where it exists (Linux,
-macOS), so they never inherit the parent's threads (torch's thread pools make
-``fork`` unsafe) yet start in milliseconds: the fork server has already
-imported numpy, gymnasium and the worker modules.
+A worker answers each request on its pipe with one pickled ``("ok", value)``,
+``("proxy", type_name)`` (an unpicklable attribute) or ``("error", (type_name,
+message, traceback, env_index))``. Children start with ``forkserver`` where it
+exists: no inherited threads (torch's pools make ``fork`` unsafe), yet a fast start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing as mp
 import os
@@ -48,27 +41,15 @@ def context() -> mp.context.BaseContext:
 
 
 def die_with_parent() -> None:
-    """Make this process exit when the process that created the worker dies.
-
-    The pipe's EOF already ends an idle worker when the parent dies; this also
-    covers a worker stuck inside a long ``step()`` that never reads the pipe.
-
-    On Linux, ``prctl(PR_SET_PDEATHSIG)`` asks the kernel to SIGKILL us when
-    our parent process dies. Under ``forkserver`` that parent is the fork
-    server, not the process that created the env, and the fork server only
-    exits once every worker has closed its copy of the server's "alive" pipe,
-    which a busy worker never does. So a watchdog thread also waits on
-    ``multiprocessing.parent_process()``'s sentinel, which becomes ready when
-    the creating process dies (even by SIGKILL), and then kills this worker.
-    """
+    """Make this process exit when the process that created the worker dies,
+    even while it is stuck in a ``step()`` that never reads the pipe: by
+    ``prctl(PR_SET_PDEATHSIG)`` (Linux), and since under ``forkserver`` that
+    parent is the fork server (which outlives a busy worker's creator), by a
+    thread waiting on ``multiprocessing.parent_process()``'s sentinel too."""
     if sys.platform.startswith("linux"):
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             import ctypes
-            libc = ctypes.CDLL(None, use_errno=True)
-            pr_set_pdeathsig = 1
-            libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
     parent = mp.parent_process()
     if parent is None:
         return
@@ -83,24 +64,18 @@ def die_with_parent() -> None:
 
 def start_worker(parent_pid: int) -> bool:
     """First thing a worker does: tie its life to the parent's and ignore
-    Ctrl-C and SIGTERM (they reach the whole process group; the parent
-    decides how to stop, and closes its workers). Returns ``False`` when the
-    parent is already gone."""
+    Ctrl-C and SIGTERM (sent to the whole process group, but the parent
+    decides how to stop). Returns ``False`` when the parent is already gone."""
     die_with_parent()
-    if parent_pid != os.getppid() and not _alive(parent_pid):
-        return False  # the parent died before prctl was armed
+    if parent_pid != os.getppid():
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            return False  # the parent died before prctl was armed
+        except PermissionError:
+            pass  # alive, but another user's
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
     return True
 
 
@@ -108,12 +83,10 @@ def _shutdown(process, conn, timeout: float) -> None:
     """Stop a worker: ask politely, then kill (workers ignore SIGTERM)."""
     try:
         if process.is_alive():
-            try:
+            with contextlib.suppress(OSError, EOFError, ValueError):
                 conn.send(("close", None))
                 if conn.poll(timeout):
                     conn.recv()
-            except (OSError, EOFError, ValueError):
-                pass
             process.join(timeout)
         if process.is_alive():
             process.kill()
@@ -140,16 +113,11 @@ _HEADER = struct.Struct("!i")  # multiprocessing.Connection's length prefix
 
 
 class Frames:
-    """Length-prefixed messages over a connection's socket, in the wire
-    format of ``multiprocessing.Connection`` (so either end may use the
-    connection's own methods), with one ``read`` system call per message
-    where ``recv_bytes`` takes two plus a ``poll``: on a hot path of a few
-    hundred microseconds per step, the difference is measurable. Bytes read
-    beyond one message are kept for the next.
-    """
+    """Length-prefixed messages on a connection's socket in its own wire
+    format, with one ``read`` call per message (``recv_bytes`` takes two and
+    a ``poll``). Bytes read beyond one message are kept for the next."""
 
     def __init__(self, conn):
-        self.conn = conn
         self.fd = conn.fileno()
         self.buffer = bytearray()
 
@@ -171,8 +139,7 @@ class Frames:
         return message
 
     def fill(self) -> None:
-        """Read what is there (blocks until something is); ``EOFError`` when
-        the other end is closed."""
+        """Read what is there (blocking); ``EOFError`` once the other end is closed."""
         chunk = os.read(self.fd, 1 << 16)
         if not chunk:
             raise EOFError
@@ -180,30 +147,23 @@ class Frames:
 
     def recv(self) -> bytes:
         """Block until a whole message is there and return it."""
-        message = self.pop()
-        while message is None:
+        while (message := self.pop()) is None:
             self.fill()
-            message = self.pop()
         return message
 
 
 class Channel:
-    """The parent's end of one worker process.
+    """The parent's end of a worker process: starts it, tracks the one request
+    in flight, and turns a dead, silent or failing worker into an ``EnvError``.
 
     Args:
-      target: the worker's main function, called as
-        ``target(conn, payload, parent_pid)`` in the child.
+      target: the worker's main function, ``target(conn, payload, parent_pid)``.
       payload: bytes handed to the child (the pickled constructors).
       label: name used in error messages.
-      timeout: seconds to wait for any answer before raising
-        ``EnvTimeoutError``; ``None`` waits as long as the worker is alive.
-        The late answer to a request that timed out is dropped when it comes;
-        a timed-out construction is waited for again on the next request.
-      construct_timeout: the limit for the construction instead (building
-        envs can take much longer than a step); ``None``: ``timeout``.
-
-    The child's first message answers the pending ``"construct"`` request.
-    Only one request may be in flight at a time.
+      timeout: seconds to wait for any answer before ``EnvTimeoutError``
+        (``None``: as long as the worker lives); a late answer is dropped, a
+        timed-out construction (the child's first message) waited for again.
+      construct_timeout: the limit for the construction instead (``None``: ``timeout``).
     """
 
     def __init__(self, target: Callable, payload: bytes, label: str,
@@ -211,7 +171,7 @@ class Channel:
         self.label = label
         self.timeout = timeout
         self.construct_timeout = construct_timeout
-        self.pending: str | None = None
+        self.pending: str | None = "construct"
         self._stale = 0  # answers still due to requests that timed out
         self.closed = False
         check_main_guard()
@@ -220,24 +180,17 @@ class Channel:
         self.process = ctx.Process(target=target, args=(child_conn, payload, os.getpid()),
                                    name=f"batchrl-env:{label}", daemon=True)
         self.process.start()
-        self._pid = self.process.pid  # kept: the process object is closed on shutdown
+        self.pid: int | None = self.process.pid  # kept: the process object gets closed
         child_conn.close()
-        # A cached poll object: Connection.poll() builds a selector per call,
-        # which costs more than the rest of a step's round trip.
+        # Connection.poll() builds a selector per call: dearer than the rest of a step.
         self._frames = Frames(self.conn)
         self._poller = select.poll()
         self._poller.register(self._frames.fd, select.POLLIN | select.POLLHUP)
         self._finalizer = weakref.finalize(self, _shutdown, self.process, self.conn, 2.0)
-        self.pending = "construct"
-
-    @property
-    def pid(self) -> int | None:
-        return self._pid
 
     def close(self, wait: bool = True) -> None:
-        """Stop the worker process. Safe to call more than once. With
-        ``wait=False`` it is terminated at once instead of asked to close
-        (for a worker that failed, which may hang)."""
+        """Stop the worker process; idempotent. ``wait=False`` kills it at
+        once instead of asking it to close (a failed worker may hang)."""
         if self.closed:
             return
         self.closed = True
@@ -256,7 +209,7 @@ class Channel:
                 f"was not received yet; call the promise first")
         try:
             self._frames.send(message)
-        except (BrokenPipeError, ConnectionError, OSError):
+        except OSError:
             raise self.crashed(command) from None
         self.pending = command
 
@@ -267,8 +220,7 @@ class Channel:
         return EnvCrashedError(self.label, operation, self.process.exitcode, self.process.pid)
 
     def receive(self, operation: str) -> tuple[str, Any]:
-        """Wait for the answer to ``operation``; returns ``(kind, value)`` for
-        ``"ok"`` and ``"proxy"`` answers and raises the worker's errors."""
+        """Wait for the answer to ``operation``: ``(kind, value)``, or the worker's error."""
         if self.pending != operation:
             raise RuntimeError(f"{self.label}: no {operation}() result is pending")
         start = time.monotonic()
@@ -283,21 +235,18 @@ class Channel:
             while not self._poller.poll(_POLL_SECONDS * 1000):
                 if not self.process.is_alive():
                     raise self.crashed(operation)
-                limit = self.timeout
-                if operation == "construct" and self.construct_timeout is not None:
-                    limit = self.construct_timeout
+                limit = (self.construct_timeout if operation == "construct"
+                         and self.construct_timeout is not None else self.timeout)
                 if limit is not None and time.monotonic() - start > limit:
                     if operation != "construct":  # construct stays pending: wait again later
-                        # The worker still answers this request when it is done; that
-                        # late answer must be dropped, not handed to the next request.
+                        # Drop the late answer when it comes, not hand it to the next request.
                         self.pending = None
                         self._stale += 1
-                    raise EnvTimeoutError(
-                        self.label, operation,
-                        f"no answer from the env worker (pid {self.pid}) within {limit} s")
+                    raise EnvTimeoutError(self.label, operation, f"no answer from the env "
+                                          f"worker (pid {self.pid}) within {limit} s")
             try:
                 frames.fill()
-            except (EOFError, ConnectionError, OSError):
+            except (EOFError, OSError):
                 raise self.crashed(operation) from None
         self.pending = None
         kind, value = pickle.loads(message)
@@ -307,8 +256,7 @@ class Channel:
 
 
 class WorkerHandle:
-    """The parent's side of a worker process, as seen by users: its pid,
-    timeout, ``close()`` and context-manager use, over ``self._channel``."""
+    """The user's side of ``self._channel``: pid, timeout, ``close()``, ``with``."""
 
     _channel: Channel
 
@@ -328,15 +276,12 @@ class WorkerHandle:
 
     @property
     def closed(self) -> bool:
+        """``close()`` was called."""
         return self._channel.closed
 
     def close(self) -> None:
         """Stop the worker process. Safe to call more than once."""
         self._channel.close()
-
-    def _discard(self) -> None:
-        """Close after a failure: terminate the process without waiting."""
-        self._channel.close(wait=False)
 
     def __enter__(self):  # noqa: ANN204 - returns the subclass
         return self

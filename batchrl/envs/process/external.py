@@ -1,14 +1,9 @@
-"""Run a Gymnasium environment in a child process (one env per process).
-
-The parent talks to the child over a ``multiprocessing`` pipe; the protocol and
-the process life cycle are ``batchrl.envs.process.channel``'s. Observations travel
-pickled, so any space works here. ``EnvWorker`` (``batchrl.envs.process.shared_memory``)
-hosts several envs per process instead, with arrays in shared memory. In a
-``BatchEnv`` an ``ExternalProcess`` is a ``ProcessWorker`` of one env.
-"""
+"""One Gymnasium env in a child process; observations travel pickled, so any space
+works. In a ``BatchEnv`` an ``ExternalProcess`` is a ``ProcessWorker`` of one env."""
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from typing import Any, Callable, Sequence
 
@@ -23,19 +18,16 @@ from batchrl.envs.worker import RemoteAttribute, Worker, reset_arguments
 
 
 def _worker(conn, payload: bytes, parent_pid: int) -> None:
-    """Child process main loop: build the env, then serve requests until told
-    to close or until the parent goes away."""
+    """Child process main loop: build the env, serve requests until ``close`` or EOF."""
     if not start_worker(parent_pid):
         return
     try:
         env = cloudpickle.loads(payload)()
-        conn.send(("ok", (env.observation_space, env.action_space,
-                          getattr(env.spec, "id", None))))
+        conn.send(("ok", (env.observation_space, env.action_space)))
     except Exception as exc:  # reported to the parent, which raises it
         conn.send(error_answer(exc))
         conn.close()
         return
-
     try:
         while True:
             try:
@@ -63,10 +55,8 @@ def _worker(conn, payload: bytes, parent_pid: int) -> None:
             except Exception as exc:
                 conn.send(error_answer(exc))
     finally:
-        try:
+        with contextlib.suppress(Exception):
             env.close()
-        except Exception:
-            pass
         conn.close()
 
 
@@ -74,29 +64,17 @@ class ExternalProcess(WorkerHandle):
     """A Gymnasium env living in a child process.
 
     Args:
-      constructor: a callable returning a ``gymnasium.Env``; shipped with
-        cloudpickle, so lambdas and closures work. A string is taken as a
-        Gymnasium id (``gymnasium.make(id)``).
-      label: name used in error messages (default: the Gymnasium id or the
-        constructor's name).
-      timeout: seconds to wait for any answer before raising
-        ``EnvTimeoutError``; ``None`` waits as long as the worker is alive.
-        The late answer to a request that timed out is dropped when it comes;
-        a timed-out construction is waited for again on the next request.
-      construct_timeout: the limit for building the env instead (``None``:
-        ``timeout``).
+      constructor: a callable returning a ``gymnasium.Env`` (shipped with
+        cloudpickle, so lambdas and closures work), or a Gymnasium id.
+      label: name used in error messages (default: the id or the constructor's name).
+      timeout, construct_timeout: seconds to wait for any answer, and for
+        building the env, before ``EnvTimeoutError`` (see ``Channel``).
 
-    ``step``/``reset`` behave like the env's own. With ``blocking=False`` they
-    return a promise: call it to receive the result. Only one request may be
-    in flight at a time. Attribute access is forwarded: picklable values come
-    back as copies, anything else as a ``RemoteAttribute`` proxy.
-    ``observation_space`` and ``action_space`` are cached in the parent.
-
-    Errors raised in the child are raised here as ``EnvRaisedError`` with the
-    original type name, message and the worker's traceback; a dead worker is an
-    ``EnvCrashedError`` with its exit code or signal. ``close()`` is idempotent
-    and also runs at interpreter exit; the worker also exits by itself when
-    the parent process dies, even by SIGKILL.
+    ``step``/``reset`` behave like the env's own (``blocking=False``: a promise
+    of the result; one request in flight at a time). Attributes come back as
+    copies, or ``RemoteAttribute`` proxies. Errors: ``EnvRaisedError`` with the
+    child's traceback, ``EnvCrashedError`` for a dead worker. ``close()`` also
+    runs at exit; the worker exits when the parent dies, even by SIGKILL.
     """
 
     def __init__(self, constructor: Callable[[], gym.Env] | str, label: str | None = None,
@@ -110,50 +88,38 @@ class ExternalProcess(WorkerHandle):
                             f"or a Gymnasium id string, got {type(constructor).__name__}")
         self.label = label or constructor_label(constructor)
         self._spaces: tuple[gym.Space, gym.Space] | None = None
-        self._spec_id: str | None = None
         self._construct_error: EnvError | None = None
         self._constructor = constructor
         self._channel = Channel(_worker, cloudpickle.dumps(constructor), self.label, timeout,
                                 construct_timeout)
 
-    # -- life cycle --------------------------------------------------------
-
     def restart(self) -> "ExternalProcess":
-        """Close this process (killing it if it hangs) and return a fresh
-        ``ExternalProcess`` with the same constructor, label and timeout."""
-        self._discard()
+        """Kill this process; a fresh one with the same constructor, label and timeouts."""
+        self._channel.close(wait=False)
         return ExternalProcess(self._constructor, self.label, self.timeout,
                                self._channel.construct_timeout)
 
     def __repr__(self) -> str:
         return f"ExternalProcess({self.label!r}, pid={self.pid})"
 
-    # -- spaces ------------------------------------------------------------
-
     @property
     def observation_space(self) -> gym.Space:
-        self._ready()
-        return self._spaces[0]
+        return self._ready()[0]
 
     @property
     def action_space(self) -> gym.Space:
-        self._ready()
-        return self._spaces[1]
+        return self._ready()[1]
 
-    def _ready(self) -> None:
-        if self._spaces is not None:
-            return
-        if self._construct_error is not None:
-            raise self._construct_error  # the env never existed: say so every time
-        try:
-            _, (obs_space, act_space, spec_id) = self._channel.receive("construct")
-        except (EnvRaisedError, EnvCrashedError) as exc:
-            self._construct_error = exc
-            raise
-        self._spaces = (obs_space, act_space)
-        self._spec_id = spec_id
-
-    # -- forwarded calls -----------------------------------------------------
+    def _ready(self) -> tuple[gym.Space, gym.Space]:
+        if self._spaces is None:
+            if self._construct_error is not None:
+                raise self._construct_error  # the env never existed: say so every time
+            try:
+                _, self._spaces = self._channel.receive("construct")
+            except (EnvRaisedError, EnvCrashedError) as exc:
+                self._construct_error = exc
+                raise
+        return self._spaces
 
     def step(self, action: Any, blocking: bool = True) -> Any:
         """Step the remote env; returns Gymnasium's 5-tuple, or a promise of it."""
@@ -171,9 +137,7 @@ class ExternalProcess(WorkerHandle):
     def get_attr(self, name: str) -> Any:
         """Return the env's attribute ``name`` (dotted paths allowed)."""
         kind, value = self._request("getattr", name, True, raw=True)
-        if kind == "proxy":
-            return RemoteAttribute(self, name, value)
-        return value
+        return RemoteAttribute(self, name, value) if kind == "proxy" else value
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -185,18 +149,16 @@ class ExternalProcess(WorkerHandle):
             raise EnvError(self.label, command, "the env was closed")
         self._ready()
         self._channel.send(command, pickle.dumps((command, args), pickle.HIGHEST_PROTOCOL))
-        if blocking:
-            return self._receive(command, raw)
-        return lambda: self._receive(command, raw)
 
-    def _receive(self, operation: str, raw: bool) -> Any:
-        kind, value = self._channel.receive(operation)
-        return (kind, value) if raw else value
+        def result() -> Any:
+            answer = self._channel.receive(command)
+            return answer if raw else answer[1]
+
+        return result() if blocking else result
 
 
 class ProcessWorker(Worker):
-    """An ``ExternalProcess`` as a ``Worker`` of one env: how ``BatchEnv``
-    drives it (actions and results gain a batch dimension of 1)."""
+    """An ``ExternalProcess`` as a ``Worker`` of one env (a batch dimension of 1)."""
 
     num_envs = 1
 

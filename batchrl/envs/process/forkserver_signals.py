@@ -1,12 +1,10 @@
 """Imported only by multiprocessing's fork server, as a preload module.
 
-A ``kill -TERM`` to the whole process group (what a job scheduler or
-``timeout`` sends) also reaches the fork server, which Python leaves at
-SIGTERM's default action. Its death would take every env worker with it
-(they ask the kernel to kill them when their parent, the fork server, dies),
-so the trainer would see crashed envs instead of stopping cleanly. The fork
-server therefore ignores SIGTERM, as the workers do; it still exits when the
-process that started it does (its pipe from that process reaches EOF).
+A ``kill -TERM`` to the process group (a job scheduler, ``timeout``) also
+reaches the fork server, and its death would kill every env worker (their
+parent-death signal), so the trainer would see crashed envs instead of
+stopping cleanly. So it ignores SIGTERM, as the workers do; it still exits
+when the process that started it does (its pipe from that process closes).
 """
 
 import signal

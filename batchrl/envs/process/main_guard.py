@@ -1,11 +1,8 @@
 """Catch env workers started from the top level of an unguarded main script.
 
-Worker processes are started with ``forkserver`` (or ``spawn``), and each
-imports the user's main script again before it runs. Code at the top level
-of that script runs again in every worker; if it starts workers itself, each
-child fails while bootstrapping and prints a page of tracebacks. So the
-parent checks, before it starts a worker, that the code starting it at the
-top level of ``__main__`` sits under ``if __name__ == "__main__":``.
+Each worker process (``forkserver`` or ``spawn``) imports the main script
+again; if its top level starts workers, every child fails while bootstrapping
+with a page of tracebacks. So the parent checks first and says what to fix.
 """
 
 from __future__ import annotations
@@ -16,6 +13,8 @@ import inspect
 import sys
 
 from batchrl.envs.errors import UnguardedMainError
+
+_MAIN_TESTS = ("__name__ == '__main__'", "'__main__' == __name__")
 
 
 def check_main_guard() -> None:
@@ -29,9 +28,10 @@ def check_main_guard() -> None:
     frame = inspect.currentframe()
     while frame is not None:
         if frame.f_globals is main.__dict__ and frame.f_code.co_name == "<module>":
-            if not _guarded(path, frame.f_lineno):
+            line = frame.f_lineno
+            if not any(start <= line <= end for start, end in _guarded_ranges(path)):
                 raise UnguardedMainError(
-                    f"{path}, line {frame.f_lineno}, starts env worker processes at the "
+                    f"{path}, line {line}, starts env worker processes at the "
                     f"top level of the script. Each worker imports the script again and "
                     f"would run that line too: put the code that builds envs (and heavy "
                     f"imports such as torch) under  if __name__ == \"__main__\":")
@@ -49,18 +49,4 @@ def _guarded_ranges(path: str) -> tuple[tuple[int, int], ...]:
     except (OSError, SyntaxError, ValueError):
         return ((0, sys.maxsize),)
     return tuple((node.lineno, node.end_lineno or node.lineno) for node in tree.body
-                 if isinstance(node, ast.If) and _is_main_test(node.test))
-
-
-def _is_main_test(test: ast.expr) -> bool:
-    if not (isinstance(test, ast.Compare) and len(test.ops) == 1
-            and isinstance(test.ops[0], ast.Eq)):
-        return False
-    sides = [test.left, test.comparators[0]]
-    names = [side.id for side in sides if isinstance(side, ast.Name)]
-    values = [side.value for side in sides if isinstance(side, ast.Constant)]
-    return names == ["__name__"] and values == ["__main__"]
-
-
-def _guarded(path: str, line: int) -> bool:
-    return any(start <= line <= end for start, end in _guarded_ranges(path))
+                 if isinstance(node, ast.If) and ast.unparse(node.test) in _MAIN_TESTS)

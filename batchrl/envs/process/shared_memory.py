@@ -1,19 +1,12 @@
-"""Several Gymnasium envs in one child process, with arrays in shared memory.
-
-One worker per core beats one process per env when a step is cheap (a
-MuJoCo step costs less than a pickled pipe round trip): the parent writes the
-actions of all of a worker's envs into a shared-memory block and sends a
-two-byte wake-up message; the worker's ``EnvHost`` steps its envs one after
-the other, writes observations, rewards and flags into the block and answers
-with one small message carrying the info dicts. Nothing on the hot path
-pickles an array. Finished envs are reset in the worker within the same
-round trip (``EnvHost``'s prefetched reset); turn ``prefetch_reset`` off for
-a reset with ``options`` but no seed right after an episode end to see the
-env's random generator as an in-process env would.
-"""
+"""Several Gymnasium envs in one child process, with arrays in shared memory: the
+parent writes all actions into a shared block and sends a short wake-up; the
+worker steps its envs, writes their results into the block and answers with the
+info dicts. Nothing on the hot path pickles an array."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import pickle
 import sys
@@ -26,7 +19,8 @@ import numpy as np
 
 from batchrl.envs.errors import EnvError, UnsupportedSpaceError
 from batchrl.envs.host import ACTION_ITEMSIZE, EnvHost, StepArrays, error_answer
-from batchrl.envs.process.channel import Channel, Frames, WorkerHandle, constructor_label, start_worker
+from batchrl.envs.process.channel import (Channel, Frames, WorkerHandle, constructor_label,
+                                          start_worker)
 from batchrl.envs.spaces import check_space, worker_spaces
 from batchrl.envs.worker import Promise, RemoteWorker, check_constructors
 
@@ -35,12 +29,10 @@ _PICKLE = pickle.HIGHEST_PROTOCOL
 
 
 def _attach_untracked(name: str) -> shared_memory.SharedMemory:
-    """Open an existing block without registering it with the resource
-    tracker: the parent owns (and has already unlinked) it."""
+    """Open a block without the resource tracker: the parent owns (and unlinked) it."""
     if sys.version_info >= (3, 13):
         return shared_memory.SharedMemory(name, track=False)
-    # Before 3.13, opening a block always registers it, and the tracker would
-    # report it as leaked (or unlink it) when it outlives this process.
+    # Else the tracker would report the block as leaked (or unlink it) at our exit.
     from multiprocessing import resource_tracker
     register = resource_tracker.register
     resource_tracker.register = lambda *args, **kwargs: None
@@ -51,13 +43,10 @@ def _attach_untracked(name: str) -> shared_memory.SharedMemory:
 
 
 def _serve(conn, payload: bytes, parent_pid: int) -> None:
-    """Child process main loop: build the envs, attach the shared block, then
-    serve requests until told to close or until the parent goes away."""
+    """Child process main loop: build the envs, attach the block, serve until ``close`` or EOF."""
     if not start_worker(parent_pid):
         return
-    shm = None
-    arrays = None
-    host = None
+    shm = arrays = host = None
     try:
         constructors, prefetch_reset, send_infos, cpu = cloudpickle.loads(payload)
         if cpu is not None and hasattr(os, "sched_setaffinity"):
@@ -111,10 +100,8 @@ def _serve(conn, payload: bytes, parent_pid: int) -> None:
         if shm is not None:
             if arrays is not None:
                 arrays.detach()
-            try:
+            with contextlib.suppress(BufferError):  # a view lives on: unmapped at exit
                 shm.close()
-            except BufferError:
-                pass  # a view is still alive; the mapping goes with the process
         conn.close()
 
 
@@ -122,30 +109,18 @@ class EnvWorker(WorkerHandle, RemoteWorker):
     """A child process hosting ``len(constructors)`` Gymnasium envs.
 
     Args:
-      constructors: one callable per env returning a ``gymnasium.Env``
-        (shipped with cloudpickle, so lambdas and closures work), or
-        Gymnasium id strings. All envs must have equal spaces.
+      constructors: per env, a callable or Gymnasium id as ``ExternalProcess``
+        takes; all envs must have equal spaces.
       label: name used in error messages (default: the first constructor's).
-      timeout: seconds to wait for any answer before raising
-        ``EnvTimeoutError``; ``None`` waits as long as the worker is alive.
-      prefetch_reset: reset an env in the worker as soon as its episode
-        ends, so that a later ``reset()`` without seed costs no round trip.
-      infos: send the info dicts of ``step`` and ``reset`` to the parent;
-        with ``False`` they are empty dicts (pickling MuJoCo's infos costs
-        about 5 µs per env step).
-      construct_timeout: the limit for building the envs instead of
-        ``timeout`` (``None``: ``timeout``).
-      cpu: pin the worker to this core (Linux). With one worker per core
-        this keeps the scheduler from stacking two busy workers on one core
-        for a whole step, which costs up to 20% of the step rate on small
-        machines.
+      timeout, construct_timeout: seconds to wait for any answer, and for
+        building the envs, before ``EnvTimeoutError`` (see ``Channel``).
+      prefetch_reset: reset an env in the worker as its episode ends: a later seedless
+        ``reset()`` is free (off: one with ``options`` sees the env's RNG as in-process).
+      infos: send the info dicts to the parent (``False``: empty dicts, no pickling).
+      cpu: pin the worker to this core (Linux), against two busy workers on one.
 
-    ``step``, ``reset``, ``env(i)`` and ``restart`` follow the ``Worker``
-    protocol (``batchrl.envs.worker``). Errors are those of
-    ``ExternalProcess``; an ``EnvError`` from one env carries its local index
-    in ``worker_env_index``.
-
-    ``BatchEnv`` combines workers: ``BatchEnv([EnvWorker(...), ...])``.
+    Follows the ``Worker`` protocol with the errors of ``ExternalProcess``;
+    an ``EnvError`` from one env carries its local index in ``worker_env_index``.
     """
 
     def __init__(self, constructors: Sequence[Callable[[], gym.Env] | str],
@@ -158,16 +133,15 @@ class EnvWorker(WorkerHandle, RemoteWorker):
         self.num_envs = len(constructors)
         self.prefetch_reset = prefetch_reset
         self.infos = infos
-        calls = [_make_by_id(c) if isinstance(c, str) else c for c in constructors]
-        self._options = (constructors, self.label, prefetch_reset, infos, cpu,
-                         construct_timeout)
+        calls = [functools.partial(gym.make, c) if isinstance(c, str) else c
+                 for c in constructors]
+        self._options = dict(constructors=constructors, label=self.label, infos=infos, cpu=cpu,
+                             prefetch_reset=prefetch_reset, construct_timeout=construct_timeout)
         self._channel = Channel(_serve, cloudpickle.dumps((calls, prefetch_reset, infos, cpu)),
                                 self.label, timeout, construct_timeout)
         self._shm: shared_memory.SharedMemory | None = None
         self._arrays: StepArrays | None = None
         self._action_views: dict[np.dtype, np.ndarray] = {}
-
-    # -- life cycle --------------------------------------------------------
 
     def close(self) -> None:
         """Stop the worker process and free the shared block. Idempotent."""
@@ -181,23 +155,16 @@ class EnvWorker(WorkerHandle, RemoteWorker):
             self._shm = None
 
     def restart(self) -> "EnvWorker":
-        """Close this worker (killing it if it hangs) and return a fresh
-        ``EnvWorker`` with the same constructors and options."""
-        self._discard()
+        """Kill this worker; a fresh ``EnvWorker`` with the same constructors and options."""
+        self._channel.close(wait=False)
         self.close()  # frees the shared block
-        constructors, label, prefetch_reset, infos, cpu, construct_timeout = self._options
-        return EnvWorker(constructors, label, self.timeout, prefetch_reset, infos, cpu,
-                         construct_timeout)
+        return EnvWorker(timeout=self.timeout, **self._options)
 
     def __repr__(self) -> str:
         return f"EnvWorker({self.label!r}, num_envs={self.num_envs}, pid={self.pid})"
 
-    # -- transport ------------------------------------------------------------
-
     def _construct(self) -> tuple[gym.Space, gym.Space]:
-        channel = self._channel
-        _, spaces = channel.receive("construct")
-        obs_space, act_space = worker_spaces(self.label, spaces)
+        obs_space, act_space = worker_spaces(self.label, self._channel.receive("construct")[1])
         try:
             check_space("observation", obs_space)
             check_space("action", act_space)
@@ -207,15 +174,13 @@ class EnvWorker(WorkerHandle, RemoteWorker):
         arrays = StepArrays(self.num_envs, obs_space, act_space)
         shm = shared_memory.SharedMemory(create=True, size=arrays.size)
         try:
-            channel.send("attach", pickle.dumps(("attach", shm.name), _PICKLE))
-            channel.receive("attach")
+            self._channel.send("attach", pickle.dumps(("attach", shm.name), _PICKLE))
+            self._channel.receive("attach")
         except EnvError:
             shm.close()
             raise
         finally:
-            # Once the worker has it open the name is not needed: unlinking
-            # now means no crash of either process can leak the block.
-            shm.unlink()
+            shm.unlink()  # the worker has it open (or failed): no crash can leak it now
         arrays.attach(shm.buf)
         self._shm, self._arrays = shm, arrays
         return obs_space, act_space
@@ -253,7 +218,3 @@ class EnvWorker(WorkerHandle, RemoteWorker):
     def _ask(self, command: str, args: tuple) -> tuple[str, Any]:
         self._channel.send(command, cloudpickle.dumps((command, args)))
         return self._channel.receive(command)
-
-
-def _make_by_id(env_id: str) -> Callable[[], gym.Env]:
-    return lambda: gym.make(env_id)

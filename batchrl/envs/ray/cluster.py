@@ -1,14 +1,7 @@
-"""This process's connection to Ray, for the ``ray`` env backend.
-
-Ray is an optional dependency (``pip install 'batchrl[ray]'``): it is imported
-here, and only when a Ray env worker is built, so the local backends never
-need it. batchrl connects the driver (this process, where the learner runs)
-to Ray on first use and counts the Ray env workers that use the connection.
-When the last one is closed, batchrl disconnects again (``ray.shutdown()``,
-which also stops a Ray instance batchrl started itself) -- but only if batchrl
-made the connection: a Ray that the user initialised before is used as it is,
-whatever ``address`` says, and is never shut down by batchrl.
-"""
+"""This process's connection to Ray (optional: imported only when a Ray env
+worker is built). batchrl connects on first use and counts the workers using
+it; the last one's close disconnects (``ray.shutdown()``) if batchrl made the
+connection: a Ray the user initialised is used as it is, never shut down."""
 
 from __future__ import annotations
 
@@ -20,7 +13,6 @@ from typing import Any
 from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.ray.guard import RayGuard
 
-INSTALL_HINT = "pip install 'batchrl[ray]'"
 # Ray's resource names that ``.options()`` takes as their own arguments.
 _BUILTIN = {"CPU": "num_cpus", "GPU": "num_gpus", "memory": "memory"}
 
@@ -36,31 +28,23 @@ def require_ray() -> ModuleType:
         import ray
     except ImportError as exc:
         raise EnvSpecError(f"env backend 'ray' needs Ray, which cannot be imported here "
-                           f"({exc}); install it with: {INSTALL_HINT}") from None
+                           f"({exc}); install it with: pip install 'batchrl[ray]'") from None
     return ray
 
 
 def acquire(address: str = "") -> ModuleType:
-    """Connect this process to Ray unless it already is; count one user.
-
-    Args:
-      address: ``""`` starts a private Ray instance on this machine (or joins
-        the cluster in the ``RAY_ADDRESS`` environment variable), ``"auto"``
-        joins the cluster started with ``ray start`` on this machine,
-        ``"HOST:PORT"`` the cluster whose head listens there. Ignored when
-        this process is connected to Ray already.
-    Returns:
-      the ``ray`` module. Every ``acquire`` needs one ``release``.
-    """
+    """Connect this process to Ray unless it is already; count one user (every
+    ``acquire`` needs one ``release``); returns the ``ray`` module. ``address``:
+    ``""`` starts a private Ray instance here (or joins ``RAY_ADDRESS``'s),
+    ``"auto"`` joins the cluster ``ray start`` began on this machine, and
+    ``"HOST:PORT"`` the cluster whose head listens there. Ignored when connected."""
     global _users, _owned, _guard
     ray = require_ray()
     with _lock:
         if not ray.is_initialized():
-            # If ray.init starts Ray here, its processes must not outlive this one.
-            guard = RayGuard.start()
+            guard = RayGuard.start()  # Ray started here must not outlive this process
             try:
-                # Warnings only: Ray's start-up banner would interleave with the
-                # trainer's console output.
+                # Warnings only: Ray's banner would interleave with the trainer's output.
                 ray.init(address=address or None, logging_level=logging.WARNING)
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 if guard:
@@ -93,30 +77,24 @@ def release() -> None:
 
 
 def check_resources(resources: dict[str, float]) -> None:
-    """Raise ``EnvSpecError`` unless ``resources`` maps Ray resource names to
-    amounts >= 0."""
+    """Raise ``EnvSpecError`` unless ``resources`` maps Ray resource names to amounts >= 0."""
     if not isinstance(resources, dict) or not all(
             isinstance(name, str) and isinstance(amount, (int, float))
             and not isinstance(amount, bool) and amount >= 0
             for name, amount in resources.items()):
         raise EnvSpecError(f"ray_resources must map Ray resource names to amounts >= 0, "
-                           f"e.g. {{CPU = 1}} or {{CPU = 1, env_node = 0.5}}; got "
-                           f"{resources!r}")
+                           f"e.g. {{CPU = 1}} or {{CPU = 1, env_node = 0.5}}; got {resources!r}")
 
 
 def actor_options(resources: dict[str, float]) -> dict[str, Any]:
     """``ActorClass.options()`` arguments reserving ``resources`` per actor:
-    ``CPU``, ``GPU`` and ``memory`` (bytes) become ``num_cpus``, ``num_gpus``
-    and ``memory``; any other name is a custom resource (``ray start
-    --resources``). ``CPU`` is 1 when left out."""
+    ``CPU`` (1 when left out), ``GPU`` and ``memory`` (bytes) become Ray's own
+    arguments; any other name is a custom resource (``ray start --resources``)."""
     check_resources(resources)
     options: dict[str, Any] = {"num_cpus": 1}
-    custom = {}
-    for name, amount in resources.items():
-        if name in _BUILTIN:
-            options[_BUILTIN[name]] = amount
-        else:
-            custom[name] = amount
+    options.update({_BUILTIN[name]: amount for name, amount in resources.items()
+                    if name in _BUILTIN})
+    custom = {name: amount for name, amount in resources.items() if name not in _BUILTIN}
     if custom:
         options["resources"] = custom
     return options
@@ -124,14 +102,10 @@ def actor_options(resources: dict[str, float]) -> dict[str, Any]:
 
 def plan_workers(ray: ModuleType, workers: int, num_envs: int,
                  resources: dict[str, float]) -> int:
-    """How many Ray env workers to start, checked against the cluster.
-
-    ``workers`` 0 means as many as the cluster's resources hold at
-    ``resources`` each (its CPUs divided by the CPUs per worker, at most
-    ``num_envs``). Raises ``EnvSpecError`` when the cluster as a whole lacks
-    the resources for that many workers, instead of letting the actors wait
-    for resources that never come.
-    """
+    """How many Ray env workers to start (``workers`` 0: as many as the
+    cluster's resources hold at ``resources`` each), at most ``num_envs``.
+    ``EnvSpecError`` when the cluster lacks the resources for that many, as
+    the actors would wait for them forever."""
     total = ray.cluster_resources()
     per_worker = {name: amount for name, amount in
                   {"CPU": 1, **resources}.items() if amount > 0}

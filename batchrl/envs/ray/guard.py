@@ -1,26 +1,14 @@
 """Stop the Ray processes that batchrl's ``ray.init`` started when the trainer dies.
 
-When ``ray.init`` starts a Ray instance on this machine (``env.backend=ray``
-without a cluster address), Ray's own processes (GCS server, raylet, the
-dashboard and runtime-env agents, the actors) are this process's descendants.
-``ray.shutdown()`` stops them, but a trainer killed by SIGKILL or the OOM
-killer never calls it: the GCS, the raylet and the actors go down with it,
-while the agents keep running for minutes, retrying a GCS that is gone.
-
-``RayGuard`` starts a small guard process that watches a pipe from this
-process and, once a second, notes this process's descendants. The pipe
-closes when this process ends, however it ends; the guard then SIGKILLs the
-descendants it saw (those still running, and their children) and exits.
-The descendants must be noted beforehand: by the time the guard wakes, the
-raylet may be gone and its agents adopted by init. ``stop()`` ends the
-guard without killing anything. Linux only (``/proc``); elsewhere no guard
-is started.
-
-The guard is this file run as a script: ``python guard.py PID``.
+A trainer killed by SIGKILL or the OOM killer never calls ``ray.shutdown()``,
+and Ray's agents would run on for minutes. The guard, this file run as a
+script (``python guard.py PID``), notes the trainer's descendants every second
+and SIGKILLs them once its pipe from the trainer closes. Linux only (``/proc``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -35,9 +23,7 @@ _SCAN_SECONDS = 1.0
 def _processes() -> dict[int, tuple[int, str]]:
     """pid -> (parent pid, start time) of every process, from ``/proc``."""
     table = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for entry in Path("/proc").glob("[0-9]*"):  # the processes' directories
         try:
             stat = (entry / "stat").read_text()
         except OSError:
@@ -62,8 +48,7 @@ def descendants(root: int, table: dict[int, tuple[int, str]]) -> dict[int, str]:
 
 
 def _kill(seen: dict[int, str]) -> None:
-    """SIGKILL the processes in ``seen`` that still run (same pid and start
-    time, so no recycled pid is hit) and everything below them."""
+    """SIGKILL those of ``seen`` still running (same start time: no recycled pid) and below."""
     table = _processes()
     targets: dict[int, str] = {}
     for pid, started in seen.items():
@@ -72,18 +57,14 @@ def _kill(seen: dict[int, str]) -> None:
             targets.update(descendants(pid, table))
     for pid in targets:
         if pid != os.getpid():
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
 
 
 class RayGuard:
-    """Kills this process's descendants (Ray's) if this process dies before ``stop()``.
-
-    Start it right before ``ray.init`` starts Ray here; call ``stop()`` after
-    ``ray.shutdown()``. ``start`` returns ``None`` where ``/proc`` is missing.
-    """
+    """Kills this process's descendants (Ray's) if this process dies before
+    ``stop()``: start it right before ``ray.init`` starts Ray here, stop it
+    after ``ray.shutdown()``. ``start`` returns ``None`` without ``/proc``."""
 
     def __init__(self, process: subprocess.Popen):
         self._process = process
@@ -94,20 +75,17 @@ class RayGuard:
             return None
         # Isolated (-I): the script needs only the standard library. Its own
         # session: a Ctrl-C to the trainer's process group must not end it.
-        process = subprocess.Popen(
+        return cls(subprocess.Popen(
             [sys.executable, "-I", os.path.abspath(__file__), str(os.getpid())],
-            stdin=subprocess.PIPE, start_new_session=True)
-        return cls(process)
+            stdin=subprocess.PIPE, start_new_session=True))
 
     def stop(self) -> None:
         """End the guard; it kills nothing."""
         stdin = self._process.stdin
         if stdin is not None and not stdin.closed:
-            try:
+            with contextlib.suppress(OSError):  # the guard is gone already
                 stdin.write(_STOP)
                 stdin.close()
-            except OSError:  # the guard is gone already
-                pass
         try:
             self._process.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -121,6 +99,7 @@ def _main(watched: int) -> None:
     seen: dict[int, str] = {}
     stdin = sys.stdin.buffer.raw
     while True:
+        # Noted beforehand: once the trainer is gone, init adopts the orphans.
         seen.update(descendants(watched, _processes()))
         readable, _, _ = select.select([stdin], [], [], _SCAN_SECONDS)
         if readable:

@@ -1,20 +1,8 @@
 """Several Gymnasium envs in one Ray actor, anywhere in a Ray cluster.
 
-``RayEnvWorker`` is ``EnvWorker`` (``batchrl.envs.process.shared_memory``) for a cluster:
-the same interface, the same error types and the same trajectories, but the
-envs live in a Ray actor that may sit on another machine. A batch step is one
-actor call per worker: the call carries the numpy actions of all of the
-worker's envs and its reply the stacked observations, rewards and flags. Ray
-inlines such small arrays in the call and the reply instead of going through
-the object store, and hands large ones over without copies.
-
-The actor answers every request with ``("ok", value)`` or ``("error", ...)``
-as the local workers do, so an env's exception comes back with the actor's
-traceback and the env's index. A dead actor (killed, out of memory, or its
-node lost) is a ``RayWorkerCrashedError``; no answer within ``timeout`` is an
-``EnvTimeoutError``. Finished envs are reset in the actor within the same
-call ("prefetched reset"), with ``EnvWorker``'s semantics and for its reason:
-a round trip to another machine costs far more than a reset.
+``RayEnvWorker`` is ``EnvWorker`` for a cluster: the same interface, errors
+and trajectories. A batch step is one actor call per worker carrying its
+envs' actions; the reply carries the stacked observations, rewards and flags.
 """
 
 from __future__ import annotations
@@ -37,12 +25,9 @@ from batchrl.envs.worker import Promise, RemoteWorker, check_constructors
 
 
 class RayEnvHost:
-    """The Ray actor's body: an ``EnvHost`` and its step arrays.
-
-    Runs in a Ray worker process (``ray.remote(RayEnvHost)``). Every method
-    answers as ``EnvHost``'s do: exceptions of the envs never escape, so
-    that Ray's own errors always mean a broken actor.
-    """
+    """The Ray actor's body (``ray.remote(RayEnvHost)``): an ``EnvHost`` and its
+    step arrays. Methods answer as ``EnvHost``'s: env exceptions never escape,
+    so Ray's own errors always mean a broken actor."""
 
     def __init__(self, payload: bytes, prefetch_reset: bool, send_infos: bool):
         self._payload = payload
@@ -58,21 +43,19 @@ class RayEnvHost:
             return answer
         env = self.host.envs[0]
         self.arrays = StepArrays(len(self.host.envs), env.observation_space, env.action_space)
-        context = ray.get_runtime_context()
-        where = (ray.util.get_node_ip_address(), context.get_node_id(), os.getpid())
+        where = (ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(),
+                 os.getpid())
         return ("ok", (answer[1], where))
 
     def step(self, actions: np.ndarray) -> tuple:
-        """Step env ``i`` with ``actions[i]``; answers ``(observ, reward,
-        terminated, truncated, infos, resets)``, where ``resets`` lists
-        ``(index, observ, info)`` of the envs reset after their episode ended."""
+        """Step env ``i`` with ``actions[i]``; answers ``(observ, reward, terminated,
+        truncated, infos, resets)`` as ``RemoteWorker._send_step``'s promise."""
         arrays = self.arrays
         answer = self.host.step(actions, arrays)
         if answer[0] != "ok":
             return answer
         infos, resets = answer[1]
-        # Copies: the reply is serialized after this returns, and the next
-        # step overwrites the arrays.
+        # Copies: the reply is serialized after this returns; the next step overwrites.
         return ("ok", (arrays.observ.copy(), arrays.reward.copy(), arrays.terminated.copy(),
                        arrays.truncated.copy(), infos,
                        [(index, arrays.reset_observ[index].copy(), info)
@@ -85,13 +68,9 @@ class RayEnvHost:
             return answer
         return ("ok", (self.arrays.reset_observ[indices], answer[1]))
 
-    def getattr(self, index: int, name: str) -> tuple:
-        """Env ``index``'s attribute ``name``: a copy, or a proxy marker."""
-        return self.host.getattr(index, name)
-
-    def call(self, index: int, name: str, args: tuple, kwargs: dict) -> tuple:
-        """Call env ``index``'s method ``name``."""
-        return self.host.call(index, name, args, kwargs)
+    def ask(self, command: str, args: tuple) -> tuple:
+        """``EnvHost.getattr(*args)`` or ``EnvHost.call(*args)``, by ``command``."""
+        return getattr(self.host, command)(*args)
 
     def close(self) -> None:
         """Close the envs (before the actor is killed)."""
@@ -99,9 +78,8 @@ class RayEnvHost:
 
 
 def _reason(exc: Exception) -> str:
-    """Ray's explanation of a dead actor in one line: its first sentence and
-    the cause (e.g. "...because its node has died"), without the indented
-    details (actor id, pid...)."""
+    """Ray's explanation of a dead actor in one line: its first sentence and the
+    cause ("...because its node has died"), without the indented details."""
     lines = [line.strip() for line in str(exc).splitlines()
              if line.strip() and not line.startswith(("\t", " "))]
     text = " ".join(lines[:2]) or "no reason given"
@@ -117,33 +95,21 @@ class RayEnvWorker(RemoteWorker):
     """A Ray actor hosting ``len(constructors)`` Gymnasium envs.
 
     Args:
-      constructors: one callable per env returning a ``gymnasium.Env``
-        (shipped with cloudpickle), or Gymnasium id strings. All envs must
-        have equal spaces. They are called on the node Ray picks, so the env's
-        packages (and batchrl) must be installed there.
-      label: name used in error messages (default: the first constructor's).
-      timeout: seconds to wait for a step, reset or attribute answer before
-        ``EnvTimeoutError``; ``None`` waits as long as the actor lives.
-      construct_timeout: the limit for placing the actor and building the
-        envs (``None``: ``timeout``). An actor that Ray cannot place (the
-        resources it asks for are taken) also ends in ``EnvTimeoutError``.
-      prefetch_reset, infos: as for ``EnvWorker``.
+      constructors, label, prefetch_reset, infos: as for ``EnvWorker``; the
+        constructors run on the node Ray picks, which needs batchrl and the env's packages.
+      timeout, construct_timeout: seconds to wait for any answer, and for placing
+        the actor and building its envs, before ``EnvTimeoutError`` (``None``:
+        as long as the actor lives, and ``timeout``).
       resources: Ray resources reserved for the actor, e.g. ``{"CPU": 1}``
         or ``{"CPU": 1, "env_node": 1}`` (see ``ray_cluster.actor_options``).
-      address: the Ray cluster to join if this process is not connected yet
-        (see ``ray_cluster.acquire``).
+      address: the Ray cluster to join if not connected yet (``ray_cluster.acquire``).
       scheduling_strategy: Ray's placement of the actor; ``"SPREAD"`` puts
         the workers of a batch on different nodes where resources allow.
 
-    ``step``, ``reset``, ``get_attr``, ``call``, ``env(i)`` and ``restart``
-    behave as ``EnvWorker``'s (results of ``step`` may be read-only arrays).
-    Errors: ``EnvRaisedError`` (with the actor's traceback and the env's
-    index in ``worker_env_index``) when an env raised, ``EnvTimeoutError``,
-    and ``RayWorkerCrashedError`` (an ``EnvCrashedError``) when the actor died
-    or its node was lost. ``node_ip``, ``node_id`` and ``pid`` say where the
-    actor runs. ``close()`` kills the actor; it is idempotent.
-
-    ``BatchEnv`` combines workers: ``BatchEnv([RayEnvWorker(...), ...])``.
+    Behaves as ``EnvWorker`` (``step`` may return read-only arrays), but a
+    dead actor or lost node is a ``RayWorkerCrashedError``. ``node_ip``,
+    ``node_id`` and ``pid`` say where the actor runs. ``close()`` kills the
+    actor; it is idempotent.
     """
 
     def __init__(self, constructors: Sequence[Callable[[], gym.Env] | str],
@@ -162,8 +128,9 @@ class RayEnvWorker(RemoteWorker):
         self.prefetch_reset = prefetch_reset
         self.infos = infos
         self.resources = resources
-        self._options = (constructors, label, construct_timeout, prefetch_reset, infos,
-                         resources, address, scheduling_strategy)
+        self._options = dict(constructors=constructors, label=label, address=address,
+                             construct_timeout=construct_timeout, resources=resources, infos=infos,
+                             prefetch_reset=prefetch_reset, scheduling_strategy=scheduling_strategy)
         calls = [functools.partial(gym.make, c) if isinstance(c, str) else c
                  for c in constructors]
         self._ray = ray_cluster.acquire(address)
@@ -181,31 +148,24 @@ class RayEnvWorker(RemoteWorker):
         self.node_id: str | None = None
         self.pid: int | None = None
 
-    # -- life cycle --------------------------------------------------------------
-
     def close(self) -> None:
         """Close the envs and kill the actor; disconnect from Ray if this was
         the last Ray worker of a connection batchrl made. Idempotent."""
         if self.closed:
             return
         self.closed = True
-        ray = self._ray
         try:
             if self._spaces is not None:  # ask it to close its envs, briefly
-                ray.wait([self._actor.close.remote()], timeout=2.0)
-            ray.kill(self._actor, no_restart=True)
+                self._ray.wait([self._actor.close.remote()], timeout=2.0)
+            self._ray.kill(self._actor, no_restart=True)
         except Exception:  # noqa: S110 - already dead or Ray disconnected: nothing to stop
             pass
         finally:
             ray_cluster.release()
 
     def restart(self) -> "RayEnvWorker":
-        """Kill this worker's actor and return a fresh ``RayEnvWorker`` with
-        the same constructors and options (placed wherever Ray finds room)."""
-        constructors, label, construct_timeout, prefetch_reset, infos, resources, address, \
-            strategy = self._options
-        fresh = RayEnvWorker(constructors, label, self.timeout, construct_timeout,
-                             prefetch_reset, infos, resources, address, strategy)
+        """Kill this worker's actor; a fresh one with the same constructors and options."""
+        fresh = RayEnvWorker(timeout=self.timeout, **self._options)
         self._spaces = None  # no polite close: the old actor may hang or be gone
         self.close()
         return fresh
@@ -214,22 +174,18 @@ class RayEnvWorker(RemoteWorker):
         where = f", node={self.node_ip}" if self.node_ip else ""
         return f"RayEnvWorker({self.label!r}, num_envs={self.num_envs}{where})"
 
-    # -- answers --------------------------------------------------------------------
-
     def _receive(self, ref: Any, operation: str, limit: float | None) -> Any:
-        """The value of the answer ``ref`` to ``operation``; Ray's failures
-        and the envs' errors raised as ``EnvError``s."""
+        """The answer ``ref`` to ``operation``; Ray's and the envs' errors as ``EnvError``s."""
         exceptions = self._ray.exceptions
         try:
             kind, value = self._ray.get(ref, timeout=limit)
         except exceptions.GetTimeoutError:
             where = f" on node {self.node_ip}" if self.node_ip else ""
+            detail = f"no answer from the Ray actor{where} within {limit} s"
             if operation == "construct":
                 detail = (f"the Ray actor was not placed, or did not build its envs, within "
                           f"{limit} s (it asks for {self.resources}; are they free on some "
                           f"node?)")
-            else:
-                detail = f"no answer from the Ray actor{where} within {limit} s"
             raise EnvTimeoutError(self.label, operation, detail) from None
         except exceptions.RayTaskError as exc:  # a failure of the actor code, not of an env
             cause = getattr(exc, "cause", None) or exc
@@ -256,8 +212,7 @@ class RayEnvWorker(RemoteWorker):
         return lambda: self._receive(answer, "reset", self.timeout)[1]
 
     def _ask(self, command: str, args: tuple) -> tuple[str, Any]:
-        method = self._actor.getattr if command == "getattr" else self._actor.call
-        return self._receive(method.remote(*args), command, self.timeout)
+        return self._receive(self._actor.ask.remote(command, args), command, self.timeout)
 
     @property
     def actor(self) -> Any:
