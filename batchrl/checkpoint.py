@@ -1,10 +1,7 @@
-"""Crash-safe checkpoint files: write to a temporary file, fsync, rename.
-
-``os.replace`` is atomic, so after a crash the directory holds only complete
-checkpoints (and maybe a stray ``*.tmp``, ignored and cleaned up). A file that
-cannot be read anyway raises ``CheckpointError`` naming it rather than being
-skipped: training on from an older checkpoint would quietly hide the damage.
-"""
+"""Crash-safe checkpoint files: write to a temporary file, fsync, rename (atomic), so after
+a crash the directory holds only complete checkpoints (and maybe a stray ``*.tmp``, ignored
+and cleaned up). A file that cannot be read anyway raises ``CheckpointError`` naming it
+rather than being skipped: training on from an older one would quietly hide the damage."""
 
 from __future__ import annotations
 

@@ -3,15 +3,10 @@
   python -m batchrl.evaluate logs/cartpole --episodes 10
   python -m batchrl.evaluate logs/cheetah --episodes 30 --video cheetah.mp4
 
-The run's ``config.json`` rebuilds the env (stepped in this process) and the
-algorithm, which loads the checkpoint and acts with its mean (mode) action. ``K``
-agents run exactly ``episodes`` whole episodes between them, so the average is not
-biased towards short episodes; env ``i`` is seeded with ``seed + i``.
-
-``--video PATH.mp4`` first renders one mean-action episode (``render_mode="rgb_array"``)
-and writes it with imageio's ffmpeg writer (``pip install -e ".[video]"``). MuJoCo envs
-need an offscreen OpenGL backend (``batchrl.video`` picks one, e.g. EGL with Mesa's
-``libegl1 libegl-mesa0 libgl1-mesa-dri``); classic control needs pygame.
+The run's ``config.json`` rebuilds the env (stepped in this process) and the algorithm,
+which loads the checkpoint and acts with its mean (mode) action. ``K`` agents run exactly
+``episodes`` whole episodes between them, so short episodes bias nothing. ``--video``
+first renders one episode into an MP4 (``batchrl.video``; classic control needs pygame).
 """
 
 from __future__ import annotations
@@ -117,8 +112,7 @@ def evaluate(logdir: str | Path, episodes: int = 10, checkpoint: str | Path | No
       ``env_id``, ``agents``, ``video`` (path or ``None``), ``video_frames``.
 
     Raises:
-      EvaluationError: no run or checkpoint in ``logdir``, a checkpoint that does
-        not fit, or a video that cannot be rendered or written.
+      EvaluationError: no run or checkpoint in ``logdir``, one that does not fit, or a failed video.
       ConfigError, EnvSpecError: a bad argument, saved config or env.
     """
     logdir = Path(logdir)

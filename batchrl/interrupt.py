@@ -1,9 +1,5 @@
-"""Stop a long computation cleanly on Ctrl-C (SIGINT) or SIGTERM.
-
-``StopSignals``' handlers only record the signal; the computation calls ``check()``
-where stopping is safe, which raises ``Interrupted``. A second signal kills the
-process at once, by that signal, so a shell sees the usual status (130 or 143).
-"""
+"""Stop a long computation cleanly on Ctrl-C (SIGINT) or SIGTERM: ``StopSignals``' handlers
+only record the signal; the computation calls ``check()`` where stopping is safe."""
 
 from __future__ import annotations
 
@@ -23,24 +19,17 @@ class Interrupted(Exception):
 
     def __init__(self, signum: int):
         self.signum = signum
+        self.signal_name = signal.Signals(signum).name
+        self.exit_code = 128 + signum
         super().__init__(f"interrupted by {self.signal_name}")
-
-    @property
-    def signal_name(self) -> str:
-        return signal.Signals(self.signum).name
-
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum
 
 
 class StopSignals:
-    """Context manager: while active, SIGINT and SIGTERM set ``signum`` instead of
-    raising ``KeyboardInterrupt`` or killing the process; a second signal kills it at
-    once, by that signal. Exit restores the previous handlers. Outside the main thread
-    (where Python cannot install handlers) it does nothing. ``notice`` is printed to
-    stderr at the first signal (e.g. that a second one quits at once).
-    """
+    """Context manager: while active, SIGINT and SIGTERM set ``signum`` instead of raising
+    ``KeyboardInterrupt`` or killing the process; a second signal kills it at once, by that
+    signal (a shell sees the usual status, 130 or 143). Exit restores the previous handlers.
+    Outside the main thread (where Python cannot install handlers) it does nothing. ``notice``
+    is printed to stderr at the first signal (e.g. that a second one quits at once)."""
 
     def __init__(self, notice: str | None = None) -> None:
         self.notice = notice

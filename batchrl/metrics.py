@@ -25,12 +25,10 @@ def read_metrics(logdir: Path) -> list[dict[str, Any]]:
 
 
 class RunLog:
-    """Appends phase records to ``metrics.jsonl`` and scalars to TensorBoard.
-
-    TensorBoard hides earlier sessions' events from ``purge_step`` on, and
-    ``truncate(step)`` drops their records after ``step``: a run resumed from
-    the checkpoint at ``step`` neither repeats nor loses a phase.
-    """
+    """Appends phase records to ``metrics.jsonl`` and scalars to TensorBoard. TensorBoard
+    hides earlier sessions' events from ``purge_step`` on, and ``truncate(step)`` drops their
+    records after ``step``: a run resumed from the checkpoint at ``step`` neither repeats nor
+    loses a phase."""
 
     def __init__(self, logdir: Path, purge_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter

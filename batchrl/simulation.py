@@ -88,11 +88,10 @@ def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
              ) -> tuple[torch.Tensor, torch.Tensor, Summary]:
     """Advance every env of ``env`` by one step with actions from ``algo``.
 
-    Agents done on the previous step (all on the first call or with ``reset``, which
-    discontinues running episodes) are reset and get ``begin_episodes``; then ``perform``
-    acts, the envs step, ``experience`` sees the transition and ``end_episodes`` the
-    finished agents. Agents whose env restarted after a failure (``env.restarted``)
-    get ``begin_episodes`` again, without ``end_episodes``.
+    Agents done on the previous step (all on the first call or with ``reset``, which discontinues
+    running episodes) are reset first; ``algo`` is called as ``Algorithm`` says. Agents whose env
+    restarted after a failure (``env.restarted``) get ``begin_episodes`` again, without
+    ``end_episodes``.
 
     Args:
       env, algo: the batch env (on the algorithm's device) and the algorithm for its N agents.

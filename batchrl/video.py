@@ -1,11 +1,7 @@
-"""Render a policy's episode into an MP4, offscreen.
-
-MuJoCo's OpenGL backend is the ``MUJOCO_GL`` environment variable's (a set one is
-always used as it is). When it is unset, ``select_gl_backend`` probes ``egl``, ``osmesa``
-and, with a display, ``glfw`` in a child process and sets the first that renders, before
-MuJoCo's renderer is imported (Gymnasium would try ``glfw`` first, which fails without a
-display). Frames are written with imageio's ffmpeg writer (the ``video`` extra).
-"""
+"""Render a policy's episode into an MP4 offscreen, with imageio's ffmpeg writer (the
+``video`` extra). A set ``MUJOCO_GL`` is used as it is; else ``select_gl_backend`` sets the
+first OpenGL backend that renders before MuJoCo's renderer is imported (Gymnasium would try
+``glfw`` first, which fails without a display)."""
 
 from __future__ import annotations
 
@@ -47,13 +43,11 @@ class VideoError(RuntimeError):
 
 
 def find_gl_backend(timeout: float = 60.0) -> tuple[str | None, dict[str, str]]:
-    """Which MuJoCo OpenGL backend renders offscreen here: ``(backend, failures)``,
-    the first that rendered (``None`` if none did) and the last line of each failure.
-
-    Each candidate is tried in a child process (a failed OpenGL set-up cannot be
-    undone): ``MUJOCO_GL`` alone when it is set, else the one ``PYOPENGL_PLATFORM``
-    names, else ``egl``, ``osmesa`` and, with a display, ``glfw``.
-    """
+    """Which MuJoCo OpenGL backend renders offscreen here: ``(backend, failures)``, the first
+    that rendered (``None`` if none did) and the last line of each failure. Each candidate is
+    tried in a child process (a failed OpenGL set-up cannot be undone): ``MUJOCO_GL`` alone
+    when it is set, else the one ``PYOPENGL_PLATFORM`` names, else ``egl``, ``osmesa`` and,
+    with a display, ``glfw``."""
     if os.environ.get("MUJOCO_GL"):
         candidates: Sequence[str] = [os.environ["MUJOCO_GL"]]
     elif os.environ.get("PYOPENGL_PLATFORM", "").lower() in ("egl", "osmesa"):

@@ -14,47 +14,41 @@ Summary = dict[str, float]
 class Algorithm(abc.ABC):
     """A batch of agents, one per env of a ``TensorBatchEnv``.
 
-    ``simulate()`` calls the four methods below once per env step, in this
-    order, and merges the summaries they return:
+    ``simulate()`` calls the four methods below once per env step, in this order, and merges the
+    summaries they return:
 
-    1. ``begin_episodes(agent_indices)`` for the agents whose episode starts
-       now (their env was just reset): every agent on the first step and when
-       ``simulate(..., reset=True)``, afterwards the ones done on the previous step.
+    1. ``begin_episodes(agent_indices)`` for the agents whose episode starts now (their env was just
+       reset): every agent on the first step and when ``simulate(..., reset=True)``, afterwards the
+       ones done on the previous step.
     2. ``perform(agent_indices, observ)`` for all agents; returns the actions.
     3. ``experience(...)`` with the transition of all agents after the envs stepped.
     4. ``end_episodes(agent_indices)`` for the agents whose episode just ended.
 
-    Conventions: ``agent_indices`` is a 1-D int64 tensor of indices into the batch
-    dimension; every other tensor has it first and is float32 unless stated; all
-    are on the algorithm's ``device``. Observations are the env's (already
-    wrapped) ones as float32: an algorithm normalises them itself if it wants
-    to. Under ``simulate`` every call covers all ``N`` agents (``agent_indices``
+    Conventions: ``agent_indices`` is a 1-D int64 tensor of indices into the batch dimension; every
+    other tensor has it first and is float32 unless stated; all are on the algorithm's ``device``.
+    Observations are the env's (already wrapped) ones as float32: an algorithm normalises them
+    itself if it wants to. Under ``simulate`` every call covers all ``N`` agents (``agent_indices``
     is ``arange(N)``), so per-agent state can be indexed by it directly.
 
     ``done`` is 1.0 when the episode is over for any reason (Gymnasium's
-    ``terminated or truncated``); ``terminated`` is 1.0 only for a true terminal
-    state (the value after it is zero). Where ``done`` is 1.0 and ``terminated``
-    0.0 a time limit cut the episode, and ``next_observ`` is the real
-    observation there, so an algorithm can bootstrap from its value.
+    ``terminated or truncated``); ``terminated`` is 1.0 only for a true terminal state (the value
+    after it is zero). Where ``done`` is 1.0 and ``terminated`` 0.0 a time limit cut the episode,
+    and ``next_observ`` is the real observation there, so an algorithm can bootstrap from its value.
 
-    Overlap: with ``simulate(..., overlap=True)`` and ``experience_may_lag``
-    true, the ``experience`` of a step in which no episode ended may be called
-    one step late, after the next ``perform``, while the worker processes step
-    the envs: learning bookkeeping then costs no env time. Set it only when
-    ``perform`` does not depend on the previous ``experience`` (update the
-    statistics ``perform`` uses in ``perform``). The order of
-    ``perform``/``experience`` pairs is kept, every ``experience`` comes before
-    ``end_episodes`` and ``begin_episodes`` of its agents, and
-    ``simulate.flush()`` delivers a late one before a checkpoint.
+    Overlap: with ``simulate(..., overlap=True)`` and ``experience_may_lag`` true, the
+    ``experience`` of a step in which no episode ended may be called one step late, after the next
+    ``perform``, while the worker processes step the envs: learning bookkeeping then costs no env
+    time. Set it only when ``perform`` does not depend on the previous ``experience`` (update the
+    statistics ``perform`` uses in ``perform``). The order of ``perform``/``experience`` pairs is
+    kept, every ``experience`` comes before ``end_episodes`` and ``begin_episodes`` of its agents,
+    and ``simulate.flush()`` delivers a late one before a checkpoint.
 
-    ``train()`` / ``eval()`` switch ``self.training``; in evaluation an
-    algorithm acts with its mean (mode) action and learns nothing.
-    ``state_dict()`` / ``load_state_dict()`` must cover everything needed to
-    resume training exactly (weights, optimisers, statistics). Gradient steps
-    may happen in any method (typically ``end_episodes`` or ``experience``):
-    only ``perform`` should run under ``torch.no_grad()``. An algorithm given
-    an env that something else stepped before must start with
-    ``simulate(..., reset=True)``.
+    ``train()`` / ``eval()`` switch ``self.training``; in evaluation an algorithm acts with its mean
+    (mode) action and learns nothing. ``state_dict()`` / ``load_state_dict()`` must cover everything
+    needed to resume training exactly (weights, optimisers, statistics). Gradient steps may happen
+    in any method (typically ``end_episodes`` or ``experience``): only ``perform`` should run under
+    ``torch.no_grad()``. An algorithm given an env that something else stepped before must start
+    with ``simulate(..., reset=True)``.
 
     Built by ``train.py``: a config's ``[algorithm]`` section names the class
     (``class = "package.module:Class"``; BatchPPO without it) and its other keys
@@ -64,19 +58,16 @@ class Algorithm(abc.ABC):
     ``state_dict()``, exact resume, Ctrl-C, ``python -m batchrl.evaluate``).
     Optional attributes tell it more:
 
-    - ``episodes_per_phase``: an update's worth of whole episodes. A training
-      phase then ends once that many episodes finished, and an evaluation
-      follows every ``train.eval_every`` phases. Without it, a training phase
-      is ``train.eval_every`` updates of ``steps_per_update`` batch steps
-      (one batch step when that is ``None`` too), and an evaluation follows
-      every phase. Every phase starts new episodes (seeded resets).
-    - ``per_agent_state``: the ``state_dict()`` entries whose first dimension
-      is the agent, which ``batchrl.evaluate`` takes fresh when it runs another
-      number of agents than the training run (without them it runs the
-      training run's number).
-    - ``interrupt_check``: set by the trainer; a long computation (an update)
-      calls ``self.check_interrupt()`` between its steps, so that Ctrl-C
-      stops the run within a step.
+    - ``episodes_per_phase``: an update's worth of whole episodes. A training phase then ends once
+      that many episodes finished, and an evaluation follows every ``train.eval_every`` phases.
+      Without it, a training phase is ``train.eval_every`` updates of ``steps_per_update`` batch
+      steps (one batch step when that is ``None`` too), and an evaluation follows every phase. Every
+      phase starts new episodes (seeded resets).
+    - ``per_agent_state``: the ``state_dict()`` entries whose first dimension is the agent, which
+      ``batchrl.evaluate`` takes fresh when it runs another number of agents than the training run
+      (without them it runs the training run's number).
+    - ``interrupt_check``: set by the trainer; a long computation (an update) calls
+      ``self.check_interrupt()`` between its steps, so that Ctrl-C stops the run within a step.
     """
 
     experience_may_lag: bool = False
@@ -118,12 +109,11 @@ class Algorithm(abc.ABC):
     def experience(self, agent_indices: torch.Tensor, observ: torch.Tensor,
                    action: torch.Tensor, reward: torch.Tensor, done: torch.Tensor,
                    next_observ: torch.Tensor, terminated: torch.Tensor) -> Summary:
-        """Receive the transition of the ``K`` agents at ``agent_indices`` after the
-        envs stepped: ``observ`` ``(K, *obs_shape)`` the observations ``perform``
-        saw, ``action`` ``(K, *act_shape)`` the actions taken, ``next_observ`` the
-        observations after the step; ``reward``, ``done`` (1.0 where the episode
-        ended, terminated or truncated) and ``terminated`` (1.0 where it reached a
-        terminal state) are ``(K,)`` float32."""
+        """Receive the transition of the ``K`` agents at ``agent_indices`` after the envs stepped:
+        ``observ`` ``(K, *obs_shape)`` the observations ``perform`` saw, ``action``
+        ``(K, *act_shape)`` the actions taken, ``next_observ`` the observations after the step;
+        ``reward``, ``done`` (1.0 where the episode ended, terminated or truncated) and
+        ``terminated`` (1.0 where it reached a terminal state) are ``(K,)`` float32."""
 
     @abc.abstractmethod
     def end_episodes(self, agent_indices: torch.Tensor) -> Summary:

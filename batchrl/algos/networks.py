@@ -1,9 +1,8 @@
 """Policy and value networks of BatchPPO, written to compile with TorchScript.
 
-A policy is a body (MLP, or MLP then GRU; state ``(B, H)``, ``H = 0`` for feed-forward)
-and a head: ``policy(observ (B, T, *obs), state) -> (mean_or_logits, log_std, state)``
-gives the mean and log std ``(B, T, A)`` (Gaussian) or the logits ``(B, T, n)`` and an
-empty ``log_std`` (categorical).
+A policy is a body (MLP, or MLP then GRU; state ``(B, H)``, ``H = 0`` for feed-forward) and a head:
+``policy(observ (B, T, *obs), state) -> (mean_or_logits, log_std, state)`` gives the mean and log
+std ``(B, T, A)`` (Gaussian) or the logits ``(B, T, n)`` and an empty ``log_std`` (categorical).
 """
 
 from __future__ import annotations
@@ -100,9 +99,7 @@ class Policy(nn.Module):
 
     def __init__(self, body: nn.Module, head: nn.Module, discrete: bool):
         super().__init__()
-        self.body = body
-        self.head = head
-        self.discrete = discrete
+        self.body, self.head, self.discrete = body, head, discrete
         self.state_size: int = body.state_size
 
     def forward(self, observ: torch.Tensor,

@@ -1,31 +1,28 @@
 """REINFORCE with a learned value baseline: the example of a new ``Algorithm``.
 
-Read this file to learn how to implement an algorithm for ``simulate()``. It
-uses only public API: ``torch``, ``batchrl.algos.base.Algorithm`` and the
-vectorised ``batchrl.parts.discounted_return``.
+Read this file to learn how to implement an algorithm for ``simulate()``. It uses only public API:
+``torch``, ``batchrl.algos.base.Algorithm`` and the vectorised ``batchrl.parts.discounted_return``.
 
-Every ``simulate()`` call steps all ``N`` envs once and calls, in this order
-(see ``Algorithm`` for the contract):
+Every ``simulate()`` call steps all ``N`` envs once and calls, in this order (see ``Algorithm`` for
+the contract):
 
 1. ``begin_episodes(agent_indices)``: forget what we recorded for these agents;
 2. ``perform(agent_indices, observ)``: return one action per agent;
 3. ``experience(...)``: record the transition of every agent;
-4. ``end_episodes(agent_indices)``: move these agents' finished episodes into
-   the update memory, and learn once it holds ``update_every`` episodes.
+4. ``end_episodes(agent_indices)``: move these agents' finished episodes into the update memory, and
+   learn once it holds ``update_every`` episodes.
 
-The central design choice is to keep all per-agent state in preallocated
-tensors whose first dimension is the agent index. Each method then reads and
-writes the rows ``agent_indices`` with one indexing operation, however many
-agents there are: no Python loop over agents, no host round trip on a GPU.
+The central design choice is to keep all per-agent state in preallocated tensors whose first
+dimension is the agent index. Each method then reads and writes the rows ``agent_indices`` with one
+indexing operation, however many agents there are: no Python loop over agents, no host round trip on
+a GPU.
 
-The algorithm is the classic Monte-Carlo policy gradient: the policy takes a
-gradient step on ``log pi(a_t | s_t) * (G_t - V(s_t))``, where ``G_t`` is the
-discounted return from step ``t`` and the value network ``V``, trained to
-predict it, lowers the variance of the gradient.
+The algorithm is the classic Monte-Carlo policy gradient: the policy takes a gradient step on
+``log pi(a_t | s_t) * (G_t - V(s_t))``, where ``G_t`` is the discounted return from step ``t`` and
+the value network ``V``, trained to predict it, lowers the variance of the gradient.
 
-The README's "Writing an algorithm" runs it on CartPole-v1 with ``simulate()``
-(returns near 500 after about 4000 calls), and ``configs/cartpole_reinforce.toml``
-trains it with ``train.py``.
+The README's "Writing an algorithm" runs it on CartPole-v1 with ``simulate()`` (returns near 500
+after about 4000 calls), and ``configs/cartpole_reinforce.toml`` trains it with ``train.py``.
 """
 
 from __future__ import annotations
@@ -56,28 +53,27 @@ def _mlp(inputs: int, hidden: Sequence[int], outputs: int) -> nn.Sequential:
 class Reinforce(Algorithm):
     """REINFORCE with a value baseline for ``Discrete`` or ``Box`` action spaces.
 
-    The policy is categorical for ``Discrete`` actions and a diagonal Gaussian
-    with a learned, state-independent log std for ``Box`` actions (not clipped:
-    ``wrap_env`` clips them in the env). Observations must be a ``Box``; they
-    are flattened, not normalised. In evaluation (``eval()``) it acts with the
-    most likely action (Discrete) or the mean (Box) and records nothing.
-    Episodes are only recorded whole, so after switching between ``train()``
-    and ``eval()`` start new episodes with ``simulate(..., reset=True)``.
+    The policy is categorical for ``Discrete`` actions and a diagonal Gaussian with a learned,
+    state-independent log std for ``Box`` actions (not clipped: ``wrap_env`` clips them in the env).
+    Observations must be a ``Box``; they are flattened, not normalised. In evaluation (``eval()``)
+    it acts with the most likely action (Discrete) or the mean (Box) and records nothing. Episodes
+    are only recorded whole, so after switching between ``train()`` and ``eval()`` start new
+    episodes with ``simulate(..., reset=True)``.
 
     Args:
       observation_space: the (wrapped) env's observation space, a ``Box``.
       action_space: ``Discrete`` or ``Box``.
       num_agents: ``N``, the number of envs in the batch.
-      max_length: the longest episode to expect, ``T``; ``experience`` raises
-        when an episode gets longer (wrap the env in a ``TimeLimit``).
+      max_length: the longest episode to expect, ``T``; ``experience`` raises when an episode gets
+        longer (wrap the env in a ``TimeLimit``).
       device: where the networks and all buffers live.
       discount: the discount factor ``gamma`` of the returns.
       learning_rate: Adam's learning rate, for both networks.
       update_every: take one gradient step once this many episodes have ended.
       hidden: hidden layer sizes of the policy and of the value network.
-      seed: seeds the network initialisation and the action sampling (with a
-        private generator, so the global torch RNG is left alone); ``None``
-        uses the global RNG for the weights and a random seed for sampling.
+      seed: seeds the network initialisation and the action sampling (with a private generator, so
+        the global torch RNG is left alone); ``None`` uses the global RNG for the weights and a
+        random seed for sampling.
     """
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space,

@@ -46,27 +46,24 @@ class BatchEnv:
     """N environments with equal observation and action spaces as one batched env.
 
     Args:
-      envs: the members, in batch order: Gymnasium envs stepped in this
-        process, ``ExternalProcess`` (one env in a child process), or any
-        ``Worker`` (``EnvWorker``, ``RayEnvWorker``), counting as its ``num_envs`` envs.
-      blocking: step the child processes one after the other instead of in
-        parallel (every request sent before any result is received).
-      max_restarts: how many times in this env's life a failed worker process
-        (an env that raised, a crash, a timeout, or a NaN/inf observation or
-        reward) is replaced by a fresh one instead of raising. In-process
-        envs are never restarted.
+      envs: the members, in batch order: Gymnasium envs stepped in this process, ``ExternalProcess``
+        (one env in a child process), or any ``Worker`` (``EnvWorker``, ``RayEnvWorker``), counting
+        as its ``num_envs`` envs.
+      blocking: step the child processes one after the other instead of in parallel (every request
+        sent before any result is received).
+      max_restarts: how many times in this env's life a failed worker process (an env that raised, a
+        crash, a timeout, or a NaN/inf observation or reward) is replaced by a fresh one instead of
+        raising. In-process envs are never restarted.
 
-    ``step(actions)`` returns Gymnasium's 5-tuple batched: observations
-    ``(N, *obs_shape)``, rewards ``(N,)`` float64, terminated and truncated
-    ``(N,)`` bool, and the info dicts as an ``InfoList``. Finished envs are
-    not reset automatically. All modes give the same trajectories for the
-    same seeds and actions.
+    ``step(actions)`` returns Gymnasium's 5-tuple batched: observations ``(N, *obs_shape)``, rewards
+    ``(N,)`` float64, terminated and truncated ``(N,)`` bool, and the info dicts as an ``InfoList``.
+    Finished envs are not reset automatically. All modes give the same trajectories for the same
+    seeds and actions.
 
-    Failures raise an ``EnvError`` naming the env's batch index (or the index
-    range of a dead worker process); NaN or infinite observations and rewards
-    raise ``EnvNonFiniteError``. With ``max_restarts``, the failed env's worker
-    is replaced instead and all its envs start new (unseeded) episodes:
-    ``step`` returns their first observations with zero rewards and false
+    Failures raise an ``EnvError`` naming the env's batch index (or the index range of a dead worker
+    process); NaN or infinite observations and rewards raise ``EnvNonFiniteError``. With
+    ``max_restarts``, the failed env's worker is replaced instead and all its envs start new
+    (unseeded) episodes: ``step`` returns their first observations with zero rewards and false
     flags, ``restarted`` lists them and ``restart_events`` records every restart.
     """
 
@@ -348,10 +345,9 @@ class BatchEnv:
               options: dict | None = None) -> np.ndarray:
         """Reset the envs at ``indices`` (unique, in ``[0, N)``; all when ``None``).
 
-        ``seed`` is ``None``, one seed per index, or an int: env ``i`` then
-        gets ``seed + i`` (as in Gymnasium's vector envs). ``options`` go to
-        every env's ``reset``. Returns the new observations,
-        ``(len(indices), *obs_shape)``, in the order of ``indices``.
+        ``seed`` is ``None``, one seed per index, or an int: env ``i`` then gets ``seed + i`` (as in
+        Gymnasium's vector envs). ``options`` go to every env's ``reset``. Returns the new
+        observations, ``(len(indices), *obs_shape)``, in the order of ``indices``.
         """
         if self._in_flight is not None:
             raise RuntimeError("reset() during a step: call step_wait() after step_async() first")

@@ -11,8 +11,7 @@ class EnvError(RuntimeError):
     Attributes:
       label: the env's name (constructor or Gymnasium id).
       env_index: index in the enclosing ``BatchEnv``, or ``None``.
-      env_indices: the ``BatchEnv`` indices of a whole worker process's envs
-        that failed together, or ``None``.
+      env_indices: the ``BatchEnv`` indices of a worker's envs that failed together, or ``None``.
       operation: what was being done (``"step"``, ``"reset"``, ``"construct"``...).
     """
 
@@ -108,18 +107,15 @@ class RayWorkerCrashedError(EnvCrashedError):
 
 
 class EnvSpecError(ValueError):
-    """The env named in a config cannot be found or built, or the backend it
-    asks for (Ray, its resources) is not available."""
+    """The env named in a config cannot be found or built, or its backend (Ray) is unavailable."""
 
 
 class UnguardedMainError(RuntimeError):
-    """Env worker processes started at the top level of the main script,
-    outside ``if __name__ == "__main__":`` (each worker imports the script)."""
+    """Env worker processes started outside ``if __name__ == "__main__":`` of the main script."""
 
 
 class UnsupportedSpaceError(TypeError):
-    """An observation or action space that cannot be batched or learned from
-    (the message names the space and the supported kinds)."""
+    """An observation or action space that cannot be batched or learned from."""
 
 
 class SpaceMismatchError(ValueError):

@@ -1,13 +1,9 @@
-"""The env side of every transport: build a worker's envs and serve it.
-
-An ``EnvHost`` runs where the envs live (a worker process or a Ray actor). It
-steps them into ``StepArrays`` and turns every env exception into an error
-answer, so that the transport only moves bytes. A finished env is reset at
-once ("prefetched reset"), saving the parent's round trip: the env sees the
-same calls (step, then reset without seed), so trajectories do not change.
-Every method answers ``("ok", value)``, ``("proxy", type_name)`` (an attribute
-that must stay remote) or ``("error", (type_name, message, traceback, env_index))``.
-"""
+"""The env side of every transport. An ``EnvHost`` runs where a worker's envs live (a child process
+or a Ray actor), steps them into ``StepArrays`` and turns every env exception into an error answer:
+the transport only moves bytes. A finished env is reset at once ("prefetched reset"), saving the
+parent's round trip; the env sees the same calls (step, then reset without seed), so trajectories do
+not change. Every method answers ``("ok", value)``, ``("proxy", type_name)`` (an attribute that must
+stay remote) or ``("error", (type_name, message, traceback, env_index))``."""
 
 from __future__ import annotations
 
@@ -22,18 +18,16 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-# Bytes reserved per action value: actions travel in the caller's dtype (a
-# float32 batch reaches the env as float32, as with in-process envs).
+# Bytes reserved per action value: actions travel in the caller's dtype, as with in-process envs.
 ACTION_ITEMSIZE = 8
 
 
 class StepArrays:
     """The arrays of one worker's step in one buffer (shared memory, or a bytearray).
 
-    ``observ`` and ``reset_observ`` are ``(num_envs, *obs_shape)`` in the
-    observation space's dtype, ``reward`` ``(num_envs,)`` float64,
-    ``terminated``/``truncated`` ``(num_envs,)`` bool; ``action_bytes`` is raw
-    storage that ``actions(dtype)`` views as ``(num_envs, *act_shape)``.
+    ``observ`` and ``reset_observ`` are ``(num_envs, *obs_shape)`` in the observation space's dtype,
+    ``reward`` ``(num_envs,)`` float64, ``terminated``/``truncated`` ``(num_envs,)`` bool;
+    ``action_bytes`` is raw storage that ``actions(dtype)`` views as ``(num_envs, *act_shape)``.
     """
 
     def __init__(self, num_envs: int, obs_space: Any, act_space: Any, buffer: Any = None):
@@ -136,11 +130,10 @@ class EnvHost:
         return ("ok", [(env.observation_space, env.action_space) for env in self.envs])
 
     def step(self, actions: np.ndarray, arrays: StepArrays) -> tuple:
-        """Step env ``i`` with ``actions[i]`` into ``arrays``; answers ``(infos,
-        resets)``: the pickled info list (``None`` when infos are off) and
-        ``(index, pickled info)`` of the envs reset after their episode ended
-        (first observations in ``arrays.reset_observ``). An env that raises
-        does not stop the others; the first error is the answer."""
+        """Step env ``i`` with ``actions[i]`` into ``arrays``; answers ``(infos, resets)``: the
+        pickled info list (``None`` when infos are off) and ``(index, pickled info)`` of the envs
+        reset after their episode ended (first observations in ``arrays.reset_observ``). An env that
+        raises does not stop the others; the first error is the answer."""
         # A copy: the parent may write the next actions meanwhile (after a
         # timeout), and Ray hands over read-only views.
         actions = np.array(actions)

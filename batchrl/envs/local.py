@@ -13,9 +13,8 @@ from batchrl.envs.worker import Worker, reset_arguments
 
 
 class LocalWorker(Worker):
-    """Gymnasium envs stepped one after the other in this process (cannot be
-    restarted). An env's exception is raised as the ``EnvRaisedError`` a worker
-    process would send."""
+    """Gymnasium envs stepped one after the other in this process (cannot be restarted). An env's
+    exception is raised as the ``EnvRaisedError`` a worker process would send."""
 
     in_process = True
 

@@ -1,6 +1,5 @@
-"""``Worker``, the protocol of every ``BatchEnv`` member, and ``RemoteWorker``,
-its shared part for envs served elsewhere by an ``EnvHost`` (prefetched resets,
-attribute proxies, pending construction); subclasses add the transport."""
+"""``Worker``, the protocol of every ``BatchEnv`` member, and ``RemoteWorker``, its
+shared part for envs served elsewhere by an ``EnvHost``; subclasses add the transport."""
 
 from __future__ import annotations
 
@@ -18,17 +17,15 @@ Promise = Callable[[], Any]
 
 
 class Worker(abc.ABC):
-    """``num_envs`` envs with equal spaces, stepped together here, in a child
-    process or in a Ray actor.
+    """``num_envs`` envs with equal spaces, stepped together here, in a child process or in a Ray
+    actor.
 
     ``step(actions)`` takes ``(num_envs, *act_shape)`` actions and returns
-    ``(observ, reward, terminated, truncated, infos)``: arrays of first
-    dimension ``num_envs`` (observations in the space's dtype, rewards
-    float64, flags bool) and the info dicts. ``reset`` returns ``(observ,
-    infos)`` of the envs at local ``indices``. With ``blocking=False`` both
-    return a promise to call for the result (one request in flight at most).
-    Errors are ``EnvError``s; a single env's carries its local index in
-    ``worker_env_index``.
+    ``(observ, reward, terminated, truncated, infos)``: arrays of first dimension ``num_envs``
+    (observations in the space's dtype, rewards float64, flags bool) and the info dicts. ``reset``
+    returns ``(observ, infos)`` of the envs at local ``indices``. With ``blocking=False`` both
+    return a promise to call for the result (one request in flight at most). Errors are
+    ``EnvError``s; a single env's carries its local index in ``worker_env_index``.
     """
 
     label: str
@@ -109,12 +106,9 @@ def load_info(info: Any) -> dict:
 
 class RemoteWorker(Worker):
     """A ``Worker`` whose envs are built and served elsewhere by an ``EnvHost``.
-
-    Subclasses set ``label``, ``num_envs`` and ``prefetch_reset``, implement
-    the transport methods below and keep ``closed`` true once closed. A
-    finished env that the host already reset ("prefetched reset") answers a
-    later ``reset`` without seed or options at once.
-    """
+    Subclasses set ``label``, ``num_envs`` and ``prefetch_reset``, implement the
+    transport methods below and keep ``closed`` true once closed. A finished env
+    the host already reset answers a later ``reset`` without seed or options at once."""
 
     prefetch_reset: bool
     closed: bool  # close() was called (or construction failed)
@@ -270,12 +264,9 @@ class WorkerEnv:
 
 
 class RemoteAttribute:
-    """Stands for a method or unpicklable attribute of a remote env.
-
-    Attribute access on it is forwarded further (``env.unwrapped.model.nq``)
-    and calling it calls the remote method (``env.unwrapped.render()``).
-    ``env`` is an ``ExternalProcess`` or a ``WorkerEnv``.
-    """
+    """A method or unpicklable attribute of a remote env (``env``: an ``ExternalProcess``
+    or a ``WorkerEnv``): attribute access is forwarded further (``env.unwrapped.model.nq``),
+    a call calls the remote method (``env.unwrapped.render()``)."""
 
     def __init__(self, env: Any, path: str, type_name: str):
         self._env = env

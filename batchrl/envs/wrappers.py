@@ -1,5 +1,4 @@
-"""The env wrappers the trainer applies: Gymnasium's own, and when and in
-which order each applies."""
+"""The env wrappers the trainer applies (Gymnasium's own), and when and in which order."""
 
 from __future__ import annotations
 
@@ -46,14 +45,11 @@ def check_time_limit(max_episode_steps: int) -> None:
 
 def wrap_env(env: gym.Env, max_episode_steps: int | None = None,
              normalize_ranges: bool = True) -> gym.Env:
-    """Apply the trainer's wrappers in BatchPPO's order: ``TimeLimit`` (when
-    ``max_episode_steps`` is given), ``range_normalize`` (if ``normalize_ranges``),
-    ``ClipAction`` (Box actions: the env clips sampled Gaussian actions, not the
-    policy) and ``convert_to_32bit``.
-
-    An env's registered time limit stays beneath this ``TimeLimit`` (the shorter
-    ends episodes); ``resolve_constructor``'s ``max_episode_steps`` replaces it.
-    """
+    """Apply the trainer's wrappers in BatchPPO's order: ``TimeLimit`` (when ``max_episode_steps``
+    is given), ``range_normalize`` (if ``normalize_ranges``), ``ClipAction`` (Box actions: the env
+    clips sampled Gaussian actions, not the policy) and ``convert_to_32bit``. An env's registered
+    time limit stays beneath this ``TimeLimit`` (the shorter ends episodes);
+    ``resolve_constructor``'s ``max_episode_steps`` replaces it."""
     if max_episode_steps is not None:
         check_time_limit(max_episode_steps)
         env = TimeLimit(env, max_episode_steps)

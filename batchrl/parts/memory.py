@@ -33,10 +33,9 @@ class EpisodeMemory:
       max_length: longest possible episode T (the env's time limit).
       step_fields, episode_fields: name -> ``(shape, dtype)`` of values stored every
         step, and once per episode (e.g. the observation after the last step).
-      device: where every buffer lives.
 
-    Running buffers are ``(N, T, *shape)``, the update memory ``(capacity, T, *shape)``
-    (episode fields without ``T``). Writes index by agent, never loop over agents.
+    Running buffers are ``(N, T, *shape)``, the update memory ``(capacity, T, *shape)`` (episode
+    fields without ``T``), all on ``device``. Writes index by agent, never loop over agents.
     """
 
     def __init__(self, num_agents: int, capacity: int, max_length: int, step_fields: _Fields,
@@ -183,12 +182,11 @@ class RolloutMemory:
       num_agents, length: batch size N of the env, and steps per agent in a rollout (T).
       step_fields, end_fields: name -> ``(shape, dtype)`` of values stored every step,
         and at the last step of a segment (the state after it; zero elsewhere).
-      device: where every buffer lives.
 
-    A rollout splits into segments, stretches of one episode, which end where
-    the episode ended or the rollout is cut (``end_segments``), or are dropped
-    (``discard``). Buffers are ``(N, T, *shape)``; ``ends`` ``(N, T)`` bool marks
-    the last step of each segment, ``valid`` the steps an update may use.
+    A rollout splits into segments, stretches of one episode, which end where the episode
+    ended or the rollout is cut (``end_segments``), or are dropped (``discard``). Buffers
+    are ``(N, T, *shape)`` on ``device``; ``ends`` ``(N, T)`` bool marks the last step of
+    each segment, ``valid`` the steps an update may use.
     """
 
     def __init__(self, num_agents: int, length: int, step_fields: _Fields,
@@ -254,9 +252,8 @@ class RolloutMemory:
         self.segment_start[agent_indices] = steps
 
     def discard(self, agent_indices: torch.Tensor) -> None:
-        """The running episodes of these agents were cut with no state to
-        bootstrap from (an env reset or restart): their running segments stay
-        out of the update."""
+        """The running episodes of these agents were cut with no state to bootstrap from (an env
+        reset or restart): their running segments stay out of the update."""
         steps = self.steps[agent_indices]
         time = torch.arange(self.length, device=self.device)
         dropped = (time >= self.segment_start[agent_indices][:, None]) & (time < steps[:, None])

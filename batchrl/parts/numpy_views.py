@@ -1,9 +1,6 @@
-"""numpy views of CPU tensors, for the per-step bookkeeping of tiny arrays.
-
-numpy operations on a few dozen numbers cost less than torch's (no dispatch or
-autograd bookkeeping), so on the CPU the normaliser and the episode memory work
-on arrays that share the tensors' memory; on other devices torch does the work.
-"""
+"""numpy views of CPU tensors, for the per-step bookkeeping of tiny arrays: numpy operations
+on a few dozen numbers cost less than torch's (no dispatch or autograd bookkeeping), so on the
+CPU the normaliser and the episode memory work on arrays sharing the tensors' memory."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Discounted returns and generalised advantages, without a Python loop over time.
-
-All evaluate the backward recursion ``y_t = x_t + f_t * y_{t+1}`` with
-``discounted_cumsum``. ``gae`` takes sequences with per-step end flags (fixed-length
-rollouts); ``discounted_return`` and ``generalized_advantage`` take padded whole
-episodes: ``(E, T)`` rows of which the first ``length[e]`` steps are real.
-"""
+"""Discounted returns and generalised advantages, without a Python loop over time: all evaluate
+``y_t = x_t + f_t * y_{t+1}`` with ``discounted_cumsum``. ``gae`` takes sequences with per-step end
+flags (fixed-length rollouts); ``discounted_return`` and ``generalized_advantage`` take padded whole
+episodes: ``(E, T)`` rows of which the first ``length[e]`` steps are real."""
 
 from __future__ import annotations
 
@@ -12,14 +9,9 @@ import torch
 
 
 def discounted_cumsum(values: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-    """``y_t = x_t + f_t * y_{t+1}`` along the last axis, with ``y_T = 0``.
-
-    Args:
-      values: ``(..., T)`` the ``x_t``.
-      factors: ``(..., T)`` the ``f_t`` (a discount, zero where a sequence ends).
-    Returns:
-      ``(..., T)`` the ``y_t``, computed in float64, in the dtype of ``values``.
-    """
+    """``y_t = x_t + f_t * y_{t+1}`` along the last axis, with ``y_T = 0``: ``values``
+    ``(..., T)`` are the ``x_t``, ``factors`` ``(..., T)`` the ``f_t`` (a discount, zero where a
+    sequence ends). Returns the ``(..., T)`` ``y_t``, computed in float64, in ``values``' dtype."""
     # After the doubling step with shift s, y_t holds the terms t .. t + 2s - 1
     # and gain_t the product of their factors: ceil(log2(T)) steps in all.
     result = values.to(torch.float64)
@@ -41,11 +33,10 @@ def gae(reward: torch.Tensor, value: torch.Tensor, next_value: torch.Tensor,
     Args:
       reward: ``(B, T)`` rewards.
       value: ``(B, T)`` value estimates of the states the rewards came from.
-      next_value: ``(B, T)`` value of the state after each step: zero after a
-        terminal state, the value of the real next observation after a time
-        limit or at the end of a rollout.
-      ends: ``(B, T)`` bool or 0/1: step ``t`` ends its sequence (episode
-        end or rollout cut); advantages never reach across it.
+      next_value: ``(B, T)`` value of the state after each step: zero after a terminal state, the
+        value of the real next observation after a time limit or at the end of a rollout.
+      ends: ``(B, T)`` bool or 0/1: step ``t`` ends its sequence (episode end or rollout cut);
+        advantages never reach across it.
       discount: gamma. lambda_: the GAE lambda (1 gives ``return - value``).
     Returns:
       ``(B, T)`` advantages in the dtype of ``reward``.
@@ -96,16 +87,9 @@ def discounted_return(reward: torch.Tensor, length: torch.Tensor, discount: floa
 def generalized_advantage(reward: torch.Tensor, value: torch.Tensor, length: torch.Tensor,
                           discount: float, lambda_: float,
                           bootstrap: torch.Tensor | None = None) -> torch.Tensor:
-    """Generalised advantage estimates of padded episodes (``gae``, ends from ``length``).
-
-    Args:
-      reward, value: ``(E, T)`` rewards and value estimates of the states they came from.
-      length: ``(E,)`` int64 episode lengths.
-      discount: gamma. lambda_: the GAE lambda.
-      bootstrap: ``(E,)`` value after the last step (zero when terminal).
-    Returns:
-      ``(E, T)`` advantages, zero at padded steps.
-    """
+    """``gae`` of padded episodes, their ends taken from ``length`` ``(E,)`` int64: ``reward``,
+    ``value`` ``(E, T)`` and ``discount``, ``lambda_`` as for ``gae``, ``bootstrap`` ``(E,)`` as for
+    ``discounted_return``. Returns ``(E, T)`` advantages, zero at padded steps."""
     mask, last, next_value = _episode_flags(length, reward.shape[1], bootstrap, value)
     zero = torch.zeros((), dtype=value.dtype, device=value.device)
     result = gae(torch.where(mask, reward, zero.to(reward.dtype)), torch.where(mask, value, zero),

@@ -1,7 +1,6 @@
-"""A deliberately faulty env, to test how a run survives env failures: on a
-chosen step or at random it raises, aborts, segfaults, exits, hangs, or returns
-a NaN observation or an infinite reward. A config can use it to check a set-up
-(``env.id = "batchrl.testing.faults:make"``, see ``make``)."""
+"""A deliberately faulty env, to test how a run survives env failures: on a chosen step or at random
+it raises, aborts, segfaults, exits, hangs, or returns a NaN observation or an infinite reward. A
+config can use it to check a set-up (``env.id = "batchrl.testing.faults:make"``, see ``make``)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Child-process plumbing shared by the env workers.
-
-A worker answers each request on its pipe with one pickled ``("ok", value)``,
-``("proxy", type_name)`` (an unpicklable attribute) or ``("error", (type_name,
-message, traceback, env_index))``. Children start with ``forkserver`` where it
-exists: no inherited threads (torch's pools make ``fork`` unsafe), yet a fast start.
-"""
+"""Child-process plumbing shared by the env workers, which answer each request with one
+pickled answer in ``batchrl.envs.host``'s format. Children start with ``forkserver`` where
+it exists: no inherited threads (torch's pools make ``fork`` unsafe), yet a fast start."""
 
 from __future__ import annotations
 
@@ -41,11 +37,10 @@ def context() -> mp.context.BaseContext:
 
 
 def die_with_parent() -> None:
-    """Make this process exit when the process that created the worker dies,
-    even while it is stuck in a ``step()`` that never reads the pipe: by
-    ``prctl(PR_SET_PDEATHSIG)`` (Linux), and since under ``forkserver`` that
-    parent is the fork server (which outlives a busy worker's creator), by a
-    thread waiting on ``multiprocessing.parent_process()``'s sentinel too."""
+    """Make this process exit when the process that created the worker dies, even while
+    stuck in a ``step()`` that never reads the pipe: by ``prctl(PR_SET_PDEATHSIG)`` (Linux),
+    and since under ``forkserver`` that parent is the fork server (which outlives a busy
+    worker's creator), by a thread waiting on ``multiprocessing.parent_process()`` too."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             import ctypes

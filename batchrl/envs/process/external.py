@@ -64,17 +64,16 @@ class ExternalProcess(WorkerHandle):
     """A Gymnasium env living in a child process.
 
     Args:
-      constructor: a callable returning a ``gymnasium.Env`` (shipped with
-        cloudpickle, so lambdas and closures work), or a Gymnasium id.
+      constructor: a callable returning a ``gymnasium.Env`` (shipped with cloudpickle, so lambdas
+        and closures work), or a Gymnasium id.
       label: name used in error messages (default: the id or the constructor's name).
-      timeout, construct_timeout: seconds to wait for any answer, and for
-        building the env, before ``EnvTimeoutError`` (see ``Channel``).
+      timeout, construct_timeout: seconds to wait for any answer, and for building the env, before
+        ``EnvTimeoutError`` (see ``Channel``).
 
-    ``step``/``reset`` behave like the env's own (``blocking=False``: a promise
-    of the result; one request in flight at a time). Attributes come back as
-    copies, or ``RemoteAttribute`` proxies. Errors: ``EnvRaisedError`` with the
-    child's traceback, ``EnvCrashedError`` for a dead worker. ``close()`` also
-    runs at exit; the worker exits when the parent dies, even by SIGKILL.
+    ``step``/``reset`` behave like the env's own (``blocking=False``: a promise of the result; one
+    request in flight at a time). Attributes come back as copies, or ``RemoteAttribute`` proxies.
+    Errors: ``EnvRaisedError`` with the child's traceback, ``EnvCrashedError`` for a dead worker.
+    ``close()`` also runs at exit; the worker exits when the parent dies, even by SIGKILL.
     """
 
     def __init__(self, constructor: Callable[[], gym.Env] | str, label: str | None = None,

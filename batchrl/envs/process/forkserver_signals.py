@@ -1,11 +1,8 @@
-"""Imported only by multiprocessing's fork server, as a preload module.
-
-A ``kill -TERM`` to the process group (a job scheduler, ``timeout``) also
-reaches the fork server, and its death would kill every env worker (their
-parent-death signal), so the trainer would see crashed envs instead of
-stopping cleanly. So it ignores SIGTERM, as the workers do; it still exits
-when the process that started it does (its pipe from that process closes).
-"""
+"""Imported only by multiprocessing's fork server, as a preload module. A ``kill -TERM`` to
+the process group (a job scheduler, ``timeout``) also reaches the fork server, whose death
+would kill every env worker (their parent-death signal): the trainer would see crashed envs
+instead of stopping cleanly. So it ignores SIGTERM, as the workers do; it still exits when
+the process that started it does (its pipe from that process closes)."""
 
 import signal
 

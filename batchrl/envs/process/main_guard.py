@@ -1,9 +1,6 @@
-"""Catch env workers started from the top level of an unguarded main script.
-
-Each worker process (``forkserver`` or ``spawn``) imports the main script
-again; if its top level starts workers, every child fails while bootstrapping
-with a page of tracebacks. So the parent checks first and says what to fix.
-"""
+"""Catch env workers started from the top level of an unguarded main script: each worker
+process (``forkserver`` or ``spawn``) imports the script again, and if its top level starts
+workers, every child fails while bootstrapping with a page of tracebacks."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Several Gymnasium envs in one child process, with arrays in shared memory: the
-parent writes all actions into a shared block and sends a short wake-up; the
-worker steps its envs, writes their results into the block and answers with the
-info dicts. Nothing on the hot path pickles an array."""
+"""Several Gymnasium envs in one child process. The parent writes all actions into a
+shared memory block and sends a short wake-up; the worker writes the results there and
+answers with the info dicts. Nothing on the hot path pickles an array."""
 
 from __future__ import annotations
 
@@ -83,10 +82,8 @@ def _serve(conn, payload: bytes, parent_pid: int) -> None:
             try:
                 if command == "reset":
                     answer = host.reset(*args, arrays)
-                elif command == "getattr":
-                    answer = host.getattr(*args)
-                elif command == "call":
-                    answer = host.call(*args)
+                elif command in ("getattr", "call"):
+                    answer = getattr(host, command)(*args)
                 else:
                     answer = error_answer(ValueError(f"unknown command {command!r}"))
                 frames.send(pickle.dumps(answer, _PICKLE))
@@ -109,18 +106,16 @@ class EnvWorker(WorkerHandle, RemoteWorker):
     """A child process hosting ``len(constructors)`` Gymnasium envs.
 
     Args:
-      constructors: per env, a callable or Gymnasium id as ``ExternalProcess``
-        takes; all envs must have equal spaces.
-      label: name used in error messages (default: the first constructor's).
-      timeout, construct_timeout: seconds to wait for any answer, and for
-        building the envs, before ``EnvTimeoutError`` (see ``Channel``).
+      constructors: per env, a callable or Gymnasium id as ``ExternalProcess`` takes;
+        all envs must have equal spaces.
+      label, timeout, construct_timeout: as for ``ExternalProcess`` (default label:
+        the first constructor's).
       prefetch_reset: reset an env in the worker as its episode ends: a later seedless
         ``reset()`` is free (off: one with ``options`` sees the env's RNG as in-process).
       infos: send the info dicts to the parent (``False``: empty dicts, no pickling).
       cpu: pin the worker to this core (Linux), against two busy workers on one.
 
-    Follows the ``Worker`` protocol with the errors of ``ExternalProcess``;
-    an ``EnvError`` from one env carries its local index in ``worker_env_index``.
+    Follows the ``Worker`` protocol with the errors of ``ExternalProcess``.
     """
 
     def __init__(self, constructors: Sequence[Callable[[], gym.Env] | str],

@@ -33,11 +33,10 @@ def require_ray() -> ModuleType:
 
 
 def acquire(address: str = "") -> ModuleType:
-    """Connect this process to Ray unless it is already; count one user (every
-    ``acquire`` needs one ``release``); returns the ``ray`` module. ``address``:
-    ``""`` starts a private Ray instance here (or joins ``RAY_ADDRESS``'s),
-    ``"auto"`` joins the cluster ``ray start`` began on this machine, and
-    ``"HOST:PORT"`` the cluster whose head listens there. Ignored when connected."""
+    """Connect this process to Ray unless it is already; count one user (every ``acquire`` needs one
+    ``release``); returns the ``ray`` module. ``address``: ``""`` starts a private Ray instance here
+    (or joins ``RAY_ADDRESS``'s), ``"auto"`` joins the cluster ``ray start`` began on this machine,
+    and ``"HOST:PORT"`` the cluster whose head listens there. Ignored when connected."""
     global _users, _owned, _guard
     ray = require_ray()
     with _lock:
@@ -102,10 +101,9 @@ def actor_options(resources: dict[str, float]) -> dict[str, Any]:
 
 def plan_workers(ray: ModuleType, workers: int, num_envs: int,
                  resources: dict[str, float]) -> int:
-    """How many Ray env workers to start (``workers`` 0: as many as the
-    cluster's resources hold at ``resources`` each), at most ``num_envs``.
-    ``EnvSpecError`` when the cluster lacks the resources for that many, as
-    the actors would wait for them forever."""
+    """How many Ray env workers to start (``workers`` 0: as many as the cluster's resources hold at
+    ``resources`` each), at most ``num_envs``. ``EnvSpecError`` when the cluster lacks the resources
+    for that many, as the actors would wait for them forever."""
     total = ray.cluster_resources()
     per_worker = {name: amount for name, amount in
                   {"CPU": 1, **resources}.items() if amount > 0}

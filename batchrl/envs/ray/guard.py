@@ -1,10 +1,7 @@
-"""Stop the Ray processes that batchrl's ``ray.init`` started when the trainer dies.
-
-A trainer killed by SIGKILL or the OOM killer never calls ``ray.shutdown()``,
-and Ray's agents would run on for minutes. The guard, this file run as a
-script (``python guard.py PID``), notes the trainer's descendants every second
-and SIGKILLs them once its pipe from the trainer closes. Linux only (``/proc``).
-"""
+"""Stop the Ray processes that batchrl's ``ray.init`` started when the trainer dies (by
+SIGKILL or the OOM killer: no ``ray.shutdown()``, and Ray's agents would run on for minutes).
+The guard, this file run as a script (``python guard.py PID``), notes the trainer's descendants
+every second and SIGKILLs them once its pipe from the trainer closes. Linux only (``/proc``)."""
 
 from __future__ import annotations
 

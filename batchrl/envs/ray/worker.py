@@ -1,9 +1,5 @@
-"""Several Gymnasium envs in one Ray actor, anywhere in a Ray cluster.
-
-``RayEnvWorker`` is ``EnvWorker`` for a cluster: the same interface, errors
-and trajectories. A batch step is one actor call per worker carrying its
-envs' actions; the reply carries the stacked observations, rewards and flags.
-"""
+"""Several Gymnasium envs in one Ray actor, anywhere in a Ray cluster: ``RayEnvWorker``
+is ``EnvWorker`` for a cluster, with one actor call per worker and batch step."""
 
 from __future__ import annotations
 
@@ -95,21 +91,17 @@ class RayEnvWorker(RemoteWorker):
     """A Ray actor hosting ``len(constructors)`` Gymnasium envs.
 
     Args:
-      constructors, label, prefetch_reset, infos: as for ``EnvWorker``; the
-        constructors run on the node Ray picks, which needs batchrl and the env's packages.
-      timeout, construct_timeout: seconds to wait for any answer, and for placing
-        the actor and building its envs, before ``EnvTimeoutError`` (``None``:
-        as long as the actor lives, and ``timeout``).
-      resources: Ray resources reserved for the actor, e.g. ``{"CPU": 1}``
-        or ``{"CPU": 1, "env_node": 1}`` (see ``ray_cluster.actor_options``).
+      constructors, label, prefetch_reset, infos, timeout, construct_timeout: as for ``EnvWorker``
+        (construction includes placing the actor); the constructors run on the node Ray picks, which
+        needs batchrl and the env's packages.
+      resources: Ray resources reserved for the actor, e.g. ``{"CPU": 1}`` or
+        ``{"CPU": 1, "env_node": 1}`` (see ``ray_cluster.actor_options``).
       address: the Ray cluster to join if not connected yet (``ray_cluster.acquire``).
-      scheduling_strategy: Ray's placement of the actor; ``"SPREAD"`` puts
-        the workers of a batch on different nodes where resources allow.
+      scheduling_strategy: Ray's placement of the actor; ``"SPREAD"`` puts the workers of a batch on
+        different nodes where resources allow.
 
-    Behaves as ``EnvWorker`` (``step`` may return read-only arrays), but a
-    dead actor or lost node is a ``RayWorkerCrashedError``. ``node_ip``,
-    ``node_id`` and ``pid`` say where the actor runs. ``close()`` kills the
-    actor; it is idempotent.
+    Behaves as ``EnvWorker`` (``step`` may return read-only arrays), but a dead actor or lost node
+    is a ``RayWorkerCrashedError``. ``node_ip``, ``node_id`` and ``pid`` say where the actor runs.
     """
 
     def __init__(self, constructors: Sequence[Callable[[], gym.Env] | str],
