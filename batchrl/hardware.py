@@ -1,12 +1,70 @@
-"""What the machine offers to this process."""
+"""What the machine offers to this process: the cores it may use."""
 
 from __future__ import annotations
 
+import math
 import os
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def allowed_cores() -> list[int]:
+    """The core ids this process may run on (its affinity mask; all cores where
+    the platform has none)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def _quota(directory: Path) -> float | None:
+    """CPUs the cgroup at ``directory`` may use per period (``None``: no quota)."""
+    try:
+        if (directory / "cpu.max").exists():  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
+            quota, period = (directory / "cpu.max").read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        quota = int((directory / "cpu.cfs_quota_us").read_text())  # cgroup v1; -1: none
+        period = int((directory / "cpu.cfs_period_us").read_text())
+        return quota / period if quota > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def cgroup_cpu_limit(proc_cgroup: Path = Path("/proc/self/cgroup"),
+                     root: Path = CGROUP_ROOT) -> float | None:
+    """The CPU quota of this process's cgroup and its ancestors, in CPUs
+    (``None`` without one): what a container or a ``systemd-run -p CPUQuota=``
+    grants, which the affinity mask does not show."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers and "cpu" not in controllers.split(","):
+            continue
+        mount = root if not controllers else root / controllers
+        if controllers and not mount.is_dir():
+            mount = root / "cpu"
+        directory = mount / path.lstrip("/")
+        if not directory.is_dir():
+            directory = mount  # the path is outside this mount namespace's view
+        while True:
+            limit = _quota(directory)
+            if limit is not None:
+                limits.append(limit)
+            if directory == mount or mount not in directory.parents:
+                break
+            directory = directory.parent
+    return min(limits) if limits else None
 
 
 def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity mask where the platform has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    """Cores this process may keep busy: its affinity mask, capped by its
+    cgroup's CPU quota (rounded up), at least 1."""
+    cores = len(allowed_cores())
+    limit = cgroup_cpu_limit()
+    if limit is not None:
+        cores = min(cores, math.ceil(limit))
+    return max(1, cores)

@@ -192,3 +192,12 @@ def wait_gone(pids: list[int], timeout: float) -> list[str]:
         except (psutil.Error, ProcessLookupError):
             pass
     return left
+
+
+def scalar_events(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """TensorBoard's view of the run: (step, value) per scalar tag."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    accumulator = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+            for tag in accumulator.Tags()["scalars"]}

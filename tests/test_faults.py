@@ -27,6 +27,7 @@ from batchrl.tensor_env import TensorBatchEnv
 from batchrl.envs.process.shared_memory import EnvWorker
 from batchrl.simulation import simulate
 from batchrl.trainer import Trainer
+from helpers import scalar_events
 
 ZEROS = np.zeros(4, np.int64)
 
@@ -287,8 +288,8 @@ def test_training_survives_a_crashed_env_and_counts_the_restart(tmp_path, capsys
     assert Path(once).exists()
     assert "restarted env " in out and "killed by signal SIGABRT" in out
     assert "[1 of at most 2 in this run]" in out
-    from tests.test_train import scalar_events
     assert scalar_events(tmp_path / "run")["env/restarts"][-1][1] == 1.0
     from batchrl.checkpoint import latest_checkpoint, load_checkpoint
     counters = load_checkpoint(latest_checkpoint(tmp_path / "run"))["counters"]
     assert counters["env_restarts"] == 1
+

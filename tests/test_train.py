@@ -23,7 +23,7 @@ from batchrl.checkpoint import list_checkpoints
 from batchrl.config import DERIVED_KEYS, SECTIONS, Config, load_config, strip_derived
 from batchrl.metrics import read_metrics
 from batchrl.trainer import Trainer, load_saved_config
-from helpers import REPO, TRAIN_PY, sets
+from helpers import REPO, TRAIN_PY, scalar_events, sets
 RECORD_KEYS = {"step", "phase", "score", "score_std", "length", "episodes", "wall_time",
                "steps_per_s"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -38,15 +38,6 @@ def train_py(*args: str, cwd: Path = REPO, timeout: float = 120,
              env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(TRAIN_PY), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
-
-
-def scalar_events(logdir: Path) -> dict[str, list[tuple[int, float]]]:
-    """TensorBoard's view of the run: (step, value) per scalar tag."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    accumulator = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
-    accumulator.Reload()
-    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
-            for tag in accumulator.Tags()["scalars"]}
 
 
 def check_records(records: list[dict], config: Config, budgets: list[int]) -> None:

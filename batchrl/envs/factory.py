@@ -14,7 +14,7 @@ from batchrl.envs.errors import EnvRaisedError, EnvSpecError
 from batchrl.envs.process.external import ExternalProcess
 from batchrl.envs.process.shared_memory import EnvWorker
 from batchrl.envs.wrappers import TimeLimit, check_time_limit, wrap_env
-from batchrl.hardware import usable_cores
+from batchrl.hardware import allowed_cores, usable_cores
 
 
 def resolve_constructor(env_id: str, kwargs: dict[str, Any] | None = None,
@@ -115,7 +115,8 @@ def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
       share_main: with ``"workers"``, this process steps an equal share of the
         envs instead of sleeping. Its envs are not isolated (a crash in their
         native code ends this process), so not with ``max_restarts``.
-      pin_workers: pin each worker process to its own usable core (Linux).
+      pin_workers: pin each worker process to its own core of this process's
+        affinity mask (Linux).
       infos: ship the step infos from worker processes and Ray actors (else
         empty dicts).
       timeout: seconds a child process may take to answer a step or reset
@@ -141,7 +142,7 @@ def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
     construct_timeout = None if timeout is None else max(timeout, CONSTRUCT_TIMEOUT)
     try:
         if backend == "workers":
-            cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+            cores = allowed_cores()
             processes = workers or max(1, usable_cores() - share_main)
             sizes = split_evenly(num_envs, processes + share_main)
             if share_main and len(sizes) > 1:
@@ -149,7 +150,8 @@ def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
                                for _ in range(sizes.pop(0)))
             for index, size in enumerate(sizes):
                 # Leave the first core to this process when it steps envs too.
-                cpu = cores[(index + share_main) % len(cores)] if pin_workers and cores else None
+                pin = pin_workers and hasattr(os, "sched_setaffinity")
+                cpu = cores[(index + share_main) % len(cores)] if pin else None
                 members.append(EnvWorker([constructor] * size, label=label, timeout=timeout,
                                          infos=infos, cpu=cpu,
                                          construct_timeout=construct_timeout))

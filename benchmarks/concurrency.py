@@ -1,0 +1,116 @@
+"""Several trainings on one machine: does batchrl share the cores gracefully?
+
+Runs ``python train.py --config CONFIG --steps N --set train.eval_episodes=0``
+(no evaluations, no other flag) in these set-ups, one after the other:
+
+  * ``alone``: one run;
+  * ``pair`` / ``triple``: two or three runs started at once;
+  * ``nice``: one run next to a ``nice -n 19`` busy loop (another program's
+    background work);
+  * ``disjoint``: with two or more usable cores, two runs started at once,
+    each confined by ``taskset`` to its own half of the cores.
+
+A run's rate is its env steps over the time of its training phases as the
+trainer records it (``wall_time`` in ``metrics.jsonl``: sampling, inference and
+updates; start-up, checkpoints and plots left out). For runs started at once the
+rates are summed. Printed: one markdown table with each set-up's summed rate
+and its ratio to ``alone`` measured in the same invocation (the host's speed
+changes between days: compare ratios, not rates of different days). Targets of
+the issue "The default layout: fast on a shared machine": ``pair`` and
+``triple`` >= 0.9x, ``nice`` >= 0.85x.
+
+Run it on an otherwise idle machine, from the repository root::
+
+    python benchmarks/concurrency.py                       # all set-ups, 150k steps each
+    python benchmarks/concurrency.py --modes alone pair --steps 100000 --set env.share_main=false
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = ("alone", "pair", "triple", "nice", "disjoint")
+TARGETS = {"pair": 0.9, "triple": 0.9, "nice": 0.85}
+
+
+def start_run(logdir: Path, args: argparse.Namespace, cpus: list[int] | None) -> subprocess.Popen:
+    command = [sys.executable, str(ROOT / "train.py"), "--config", args.config,
+               "--logdir", str(logdir), "--steps", str(args.steps), "--no-progress",
+               "--set", "train.eval_episodes=0"]
+    for override in args.set:
+        command += ["--set", override]
+    if cpus is not None:
+        command = ["taskset", "-c", ",".join(map(str, cpus))] + command
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def rate(logdir: Path) -> float:
+    """Env steps per second of the run's training phases."""
+    records = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+    last = records[-1]
+    return last["step"] / last["wall_time"]
+
+
+def measure(mode: str, args: argparse.Namespace, workdir: Path) -> list[float]:
+    """The training rates of the runs of one set-up."""
+    cores = sorted(os.sched_getaffinity(0))
+    counts = {"alone": 1, "pair": 2, "triple": 3, "nice": 1, "disjoint": 2}
+    half = len(cores) // 2
+    placements = ([cores[:half], cores[half:]] if mode == "disjoint"
+                  else [None] * counts[mode])
+    busy = None
+    if mode == "nice":
+        busy = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"])
+    logdirs = [workdir / f"{mode}-{i}-{time.monotonic_ns()}" for i in range(len(placements))]
+    try:
+        runs = [start_run(logdir, args, cpus) for logdir, cpus in zip(logdirs, placements)]
+        for run in runs:
+            _, stderr = run.communicate()
+            if run.returncode != 0:
+                raise SystemExit(f"a {mode} run failed (exit {run.returncode}):\n{stderr}")
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
+    return [rate(logdir) for logdir in logdirs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="halfcheetah")
+    parser.add_argument("--steps", type=int, default=150_000)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="passed to every run's train.py (e.g. env.share_main=false)")
+    args = parser.parse_args()
+    if "disjoint" in args.modes and len(os.sched_getaffinity(0)) < 2:
+        parser.error("disjoint needs at least two usable cores")
+    modes = ["alone"] + [mode for mode in args.modes if mode != "alone"]
+    results: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="batchrl-concurrency-") as tmp:
+        for mode in modes:
+            results[mode] = measure(mode, args, Path(tmp))
+            print(f"{mode}: " + " + ".join(f"{r:,.0f}" for r in results[mode]) + " steps/s",
+                  file=sys.stderr, flush=True)
+    alone = results["alone"][0]
+    print(f"\n`{args.config}`, {args.steps:,} steps per run, "
+          f"{len(os.sched_getaffinity(0))} usable cores, overrides: {args.set or 'none'}\n")
+    print("| set-up | runs (steps/s) | summed | vs alone | target |")
+    print("|---|---|---:|---:|---|")
+    for mode, rates in results.items():
+        target = f">= {TARGETS[mode]}x" if mode in TARGETS else ""
+        print(f"| {mode} | {' + '.join(f'{r:,.0f}' for r in rates)} | {sum(rates):,.0f} "
+              f"| {sum(rates) / alone:.2f}x | {target} |")
+
+
+if __name__ == "__main__":
+    main()

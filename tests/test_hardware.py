@@ -1,0 +1,125 @@
+"""The default layout follows the cores a process may use: its affinity mask and
+its cgroup's CPU quota.
+
+Each case runs a fresh interpreter so that its mask, cgroup and environment are
+in place before torch and the env workers start."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from batchrl.hardware import cgroup_cpu_limit, usable_cores
+from helpers import REPO
+
+SCRIPT = """
+import json, os
+import torch
+from batchrl import BatchPPO, TensorBatchEnv, make_batch_env, simulate
+from batchrl.hardware import usable_cores
+
+if __name__ == "__main__":
+    threads = []
+    set_num_threads = torch.set_num_threads
+    torch.set_num_threads = lambda n: (threads.append(n), set_num_threads(n))[1]
+    env = TensorBatchEnv(make_batch_env("CartPole-v1", 4))
+    try:
+        algo = BatchPPO(env.observation_space, env.action_space, 4, rollout_length=4,
+                        update_epochs=1, inference="eager")
+        simulate(env, algo, reset=True, seed=0)
+        for _ in range(8):  # two updates
+            simulate(env, algo)
+        workers = env.batch_env.workers
+        print(json.dumps({
+            "usable": usable_cores(), "workers": len(workers),
+            "in_process": len(env) - sum(worker.num_envs for worker in workers),
+            "worker_cores": [sorted(os.sched_getaffinity(worker.pid)) for worker in workers],
+            "update_threads": threads}))
+    finally:
+        env.close()
+"""
+
+
+def layout(tmp_path: Path, preexec=None, **environ: str) -> dict:
+    script = tmp_path / "layout.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(REPO), **environ)
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                            text=True, timeout=120, preexec_fn=preexec)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two usable cores")
+def test_an_affinity_mask_of_one_core_keeps_workers_and_threads_there(tmp_path):
+    core = max(os.sched_getaffinity(0))
+    found = layout(tmp_path, preexec=lambda: os.sched_setaffinity(0, {core}))
+    assert found["usable"] == 1 and found["workers"] == 1
+    assert found["worker_cores"] == [[core]]
+    # update() sets its thread count, then restores the caller's: every other call.
+    assert found["update_threads"] and set(found["update_threads"][::2]) == {1}
+
+
+def one_cpu_cgroup() -> Path:
+    """A fresh cgroup (v1 or v2) limited to one CPU, or skip the test."""
+    name = f"batchrl-test-{uuid.uuid4().hex[:8]}"
+    for directory, files in ((Path("/sys/fs/cgroup/cpu") / name,
+                              {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "100000"}),
+                             (Path("/sys/fs/cgroup") / name, {"cpu.max": "100000 100000"})):
+        if not directory.parent.is_dir():
+            continue
+        try:
+            directory.mkdir()
+        except OSError:
+            continue
+        try:
+            for file, value in files.items():
+                (directory / file).write_text(value)
+            return directory
+        except OSError:
+            directory.rmdir()
+    pytest.skip("cannot create a cgroup with a CPU quota here")
+
+
+def test_a_one_cpu_cgroup_quota_gives_a_one_core_layout(tmp_path):
+    group = one_cpu_cgroup()
+    try:
+        found = layout(tmp_path, preexec=lambda: (group / "cgroup.procs").write_text(
+            str(os.getpid())))
+    finally:
+        # The fork server and workers leave the group a moment after the script.
+        deadline = time.monotonic() + 20
+        while (group / "cgroup.procs").read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        group.rmdir()
+    assert found["usable"] == 1 and found["workers"] == 1
+    # update() sets its thread count, then restores the caller's: every other call.
+    assert found["update_threads"] and set(found["update_threads"][::2]) == {1}
+
+
+def test_the_quota_is_read_from_the_process_cgroup_and_its_ancestors(tmp_path):
+    root = tmp_path / "cgroup"
+    for path, quota in (("cpu", "-1"), ("cpu/jobs", "250000"), ("cpu/jobs/run", "-1")):
+        (root / path).mkdir(parents=True)
+        (root / path / "cpu.cfs_quota_us").write_text(quota)
+        (root / path / "cpu.cfs_period_us").write_text("100000")
+    (root / "v2" / "run").mkdir(parents=True)
+    (root / "v2" / "cpu.max").write_text("max 100000\n")
+    (root / "v2" / "run" / "cpu.max").write_text("150000 100000\n")
+    proc = tmp_path / "cgroup-of-process"
+    proc.write_text("4:memory:/elsewhere\n1:cpu:/jobs/run\n")
+    assert cgroup_cpu_limit(proc, root) == 2.5
+    proc.write_text("0::/run\n")
+    assert cgroup_cpu_limit(proc, root / "v2") == 1.5
+    proc.write_text("0::/\n")
+    assert cgroup_cpu_limit(proc, root / "v2") is None
+    assert cgroup_cpu_limit(tmp_path / "missing", root) is None
+    assert 1 <= usable_cores() <= len(os.sched_getaffinity(0))
