@@ -142,7 +142,7 @@ def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
     construct_timeout = None if timeout is None else max(timeout, CONSTRUCT_TIMEOUT)
     try:
         if backend == "workers":
-            cores = allowed_cores()
+            cores = allowed_cores() if pin_workers and hasattr(os, "sched_setaffinity") else []
             processes = workers or max(1, usable_cores() - share_main)
             sizes = split_evenly(num_envs, processes + share_main)
             if share_main and len(sizes) > 1:
@@ -150,8 +150,7 @@ def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
                                for _ in range(sizes.pop(0)))
             for index, size in enumerate(sizes):
                 # Leave the first core to this process when it steps envs too.
-                pin = pin_workers and hasattr(os, "sched_setaffinity")
-                cpu = cores[(index + share_main) % len(cores)] if pin else None
+                cpu = cores[(index + share_main) % len(cores)] if cores else None
                 members.append(EnvWorker([constructor] * size, label=label, timeout=timeout,
                                          infos=infos, cpu=cpu,
                                          construct_timeout=construct_timeout))
