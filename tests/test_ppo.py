@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import threading
 import warnings
 
 import gymnasium as gym
@@ -17,6 +18,7 @@ from batchrl.algos import BatchPPO, KLPenalty, PPOConfig
 from batchrl.algos.networks import Actor
 from batchrl.algos.ppo import compile_actor
 from batchrl.envs.errors import UnsupportedSpaceError
+from batchrl.hardware import usable_cores
 
 OBS_SIZE = 3
 OBSERV = gym.spaces.Box(-np.inf, np.inf, (OBS_SIZE,), np.float32)
@@ -656,6 +658,43 @@ def test_recurrent_update_runs(chunk_length):
     assert not torch.equal(params_of(algo)["policy.body.gru.weight_hh_l0"], before)
 
 
+@pytest.mark.skipif(usable_cores() < 2, reason="needs two usable cores")
+@pytest.mark.parametrize("space,network", [("box", "feed_forward"), ("discrete", "recurrent")])
+def test_side_by_side_update_equals_one_thread_bit_for_bit(space, network):
+    """By default the value step runs in a second thread beside the policy step; the
+    result is that of update_threads=1 to the bit, and the summary too."""
+    results = {}
+    for threads in (None, 1):
+        algo = make(SPACES[space], network=network, update_epochs=3, batch_size=2,
+                    gae_lambda=0.95, update_threads=threads)
+        fill_memory(algo, [8, 5, 3], seed=21, mean_shift=0.5)
+        stepped_in = set()
+        algo.value.out.weight.register_hook(
+            lambda grad: stepped_in.add(threading.current_thread().name))
+        before = torch.get_num_threads()
+        summary = algo.update()
+        assert torch.get_num_threads() == before
+        results[threads] = (summary, params_of(algo), stepped_in)
+    (summary, params, side), (one_summary, one_params, alone) = results[None], results[1]
+    assert side == {"batchrl-value_0"} and alone == {"MainThread"}
+    assert summary == one_summary
+    for name, value in params.items():
+        assert torch.equal(value, one_params[name]), name
+
+
+def test_an_error_in_the_side_by_side_update_reaches_the_caller():
+    algo = make(BOX, update_epochs=1)
+    fill_memory(algo, [8, 5, 3], seed=3)
+    def fail(grad):
+        raise RuntimeError(f"value step failed in {threading.current_thread().name}")
+
+    algo.value.out.weight.register_hook(fail)
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="value step failed"):
+        algo.update()
+    assert torch.get_num_threads() == before
+
+
 def test_update_happens_when_memory_is_full():
     algo = make(BOX, num_agents=2, update_every=4, max_length=5)
     summaries = drive(algo, steps=6, seed=0)
@@ -891,8 +930,8 @@ def test_linear_lr_schedule_decays_to_zero_over_total_steps():
     rates = []
     original = algo._update
 
-    def record():
-        summary = original()
+    def record(*args):
+        summary = original(*args)
         rates.append((summary["ppo/lr_fraction"], algo.policy_optimizer.param_groups[0]["lr"],
                       algo.value_optimizer.param_groups[0]["lr"]))
         return summary

@@ -13,9 +13,11 @@ and adapt ``beta`` from the KL measured after the update.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import math
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -76,7 +78,7 @@ class PPOConfig:
     reward_scale: str = "reward"              # or "return": whose std normalize_reward divides by
     max_length: int = 1000                    # longest episode (the env's time limit)
     inference: str = "script"                 # "script", "eager" or "compile"
-    update_threads: int | None = None         # torch threads in update(); None = all cores
+    update_threads: int | None = None         # None: policy and value steps side by side
 
     def __post_init__(self) -> None:
         for name, choices in (("network", NETWORKS), ("activation", tuple(ACTIVATIONS)),
@@ -465,6 +467,20 @@ class BatchPPO(Algorithm):
         optimizer.step()
         return grad_norm
 
+    def _policy_step(self, batch: dict[str, torch.Tensor], mask: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One gradient step of the policy: its loss, cutoff term and gradient norm."""
+        loss, cutoff = self._policy_loss(batch, mask)
+        grad_norm = self._gradient_step(loss, self.policy, self.policy_optimizer, norm=True)
+        return loss, cutoff, grad_norm
+
+    def _value_step(self, batch: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+        """One gradient step of the value network; returns its loss."""
+        with torch.enable_grad():  # (grad mode is per thread)
+            loss = self._value_loss(batch, mask)
+            self._gradient_step(loss, self.value, self.value_optimizer)
+        return loss
+
     def _adjust_penalty(self, batches: dict[str, torch.Tensor], mask: torch.Tensor
                         ) -> dict[str, float]:
         """Adapt beta to the KL of the whole update; returns the summary of the new policy."""
@@ -476,13 +492,26 @@ class BatchPPO(Algorithm):
 
     def update(self) -> Summary:
         """Learn from the episodes (or the rollout) in memory; returns the summary. Runs
-        with ``update_threads`` torch threads (default: all usable cores, as the envs are
-        idle now), with gradients on even when called under ``no_grad``."""
+        with gradients on, even when called under ``no_grad``.
+
+        Threads: with ``update_threads=None`` (the default), on the CPU with two or more
+        usable cores, each minibatch's policy step and value step run side by side in two
+        threads of one torch thread each. The two networks share nothing, so the result is
+        bit-identical to ``update_threads=1`` on any number of cores, and no thread
+        busy-waits for a core that another run or program holds (as split operations do).
+        ``update_threads=N`` runs the steps one after the other with N torch threads each,
+        for networks large enough that splitting every operation pays.
+        """
         threads = torch.get_num_threads()
-        torch.set_num_threads(self.config.update_threads or usable_cores())
+        side_by_side = (self.config.update_threads is None and self.device.type == "cpu"
+                        and usable_cores() > 1)
+        torch.set_num_threads(self.config.update_threads or 1)
         try:
-            with torch.enable_grad():
-                return self._update()
+            with torch.enable_grad(), contextlib.ExitStack() as stack:
+                # Leaving the pool waits for its step, also when the policy step raised.
+                pool = stack.enter_context(ThreadPoolExecutor(
+                    1, "batchrl-value", torch.set_num_threads, (1,))) if side_by_side else None
+                return self._update(pool)
         finally:
             torch.set_num_threads(threads)
 
@@ -500,7 +529,7 @@ class BatchPPO(Algorithm):
                 group["lr"] = rate * fraction
         return fraction
 
-    def _update(self) -> Summary:
+    def _update(self, pool: ThreadPoolExecutor | None) -> Summary:
         config = self.config
         lr_fraction = self._anneal()
         with torch.no_grad():
@@ -519,11 +548,13 @@ class BatchPPO(Algorithm):
                 picked = order[start:start + size]
                 batch = {name: value[picked] for name, value in batches.items()}
                 batch_mask = mask[picked]
-                policy_loss, cutoff = self._policy_loss(batch, batch_mask)
-                grad_norm = self._gradient_step(policy_loss, self.policy, self.policy_optimizer,
-                                                norm=True)
-                value_loss = self._value_loss(batch, batch_mask)
-                self._gradient_step(value_loss, self.value, self.value_optimizer)
+                if pool is None:
+                    policy_loss, cutoff, grad_norm = self._policy_step(batch, batch_mask)
+                    value_loss = self._value_step(batch, batch_mask)
+                else:  # the networks share nothing: the same result as one after the other
+                    value_step = pool.submit(self._value_step, batch, batch_mask)
+                    policy_loss, cutoff, grad_norm = self._policy_step(batch, batch_mask)
+                    value_loss = value_step.result()
                 totals["policy_loss"] += float(policy_loss.detach())
                 totals["value_loss"] += float(value_loss.detach())
                 totals["grad_norm"] += float(grad_norm)
