@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+STARTED_WITH = "started_with.json"  # in a run's logdir: the --config it was started with
+
 
 def _config_help() -> str:
     from batchrl.config import DERIVED_KEYS, SECTIONS, available_configs
@@ -100,18 +102,25 @@ def main(argv: list[str] | None = None) -> int:
                                   f"config; drop --set (--steps N may raise its budget) or "
                                   f"choose a new --logdir")
             config = load_saved_config(args.logdir, steps)
+            started = _started_with(args.logdir)
             named = load_config(args.config, steps)
-            if (named.env.id, named.algorithm.name) != (config.env.id, config.algorithm.name):
+            if started != args.config and (named.env.id, named.algorithm.name) != (
+                    config.env.id, config.algorithm.name):
+                resume = (f"resume with: {_resume_command(started, args.logdir)}" if started
+                          else "resume with that run's config")
                 raise ConfigError(
                     f"{args.logdir} holds a run of {config.env.id} with "
                     f"{config.algorithm.name}, but --config {args.config} trains "
-                    f"{named.env.id} with {named.algorithm.name}; resume with that run's "
-                    f"config or choose a new --logdir")
+                    f"{named.env.id} with {named.algorithm.name}; {resume} or choose a new "
+                    f"--logdir")
         else:
             config = load_config(args.config, args.overrides + steps)
         logdir = args.logdir or (
             Path("logs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
         created = _prepare_logdir(logdir, ConfigError)
+        if not (logdir / CONFIG_FILE).exists():
+            # The --config a resume names: its --set overrides are in the saved config.
+            (logdir / STARTED_WITH).write_text(json.dumps({"config": args.config}) + "\n")
         print(f"Training {config.env.id} with {config.env.num_agents} agents for "
               f"{config.train.steps:,} steps; writing to {logdir}", flush=True)
         result = Trainer(config, logdir, progress=not args.no_progress,
@@ -164,12 +173,28 @@ def _prepare_logdir(logdir: Path, error: type[Exception]) -> Path | None:
 
 
 def _remove_if_empty(directory: Path | None) -> None:
-    """Undo ``_prepare_logdir`` after a failed start, if nothing was written."""
+    """Undo ``_prepare_logdir`` after a failed start, if nothing but the
+    ``STARTED_WITH`` record was written."""
     if directory is not None:
         try:
+            if [path.name for path in directory.iterdir()] == [STARTED_WITH]:
+                (directory / STARTED_WITH).unlink()
             directory.rmdir()
         except OSError:
             pass
+
+
+def _started_with(logdir: Path) -> str | None:
+    """The --config the run in ``logdir`` was started with, if it was recorded."""
+    try:
+        started = json.loads((logdir / STARTED_WITH).read_text()).get("config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return started if isinstance(started, str) else None
+
+
+def _resume_command(config: str, logdir: Path | None) -> str:
+    return shlex.join(["python", "train.py", "--config", config, "--logdir", str(logdir)])
 
 
 def _print_resume(logdir: Path, config: str) -> None:
@@ -177,7 +202,7 @@ def _print_resume(logdir: Path, config: str) -> None:
     from batchrl.checkpoint import latest_checkpoint
     checkpoint = latest_checkpoint(logdir)
     if checkpoint is not None:
-        resume = shlex.join(["python", "train.py", "--config", config, "--logdir", str(logdir)])
+        resume = _resume_command(config, logdir)
         print(f"\nThe run's latest checkpoint is {checkpoint}. Resume it with: {resume} "
               f"(env.restart_crashed_envs replaces failed env workers instead of stopping)",
               file=sys.stderr)
@@ -186,7 +211,7 @@ def _print_resume(logdir: Path, config: str) -> None:
 def _interrupted_message(stop: Any, config: str, logdir: Path | None) -> str:
     """What a run stopped by ``stop`` (the trainer's ``TrainingInterrupted``)
     saved, and the command that resumes it."""
-    resume = shlex.join(["python", "train.py", "--config", config, "--logdir", str(logdir)])
+    resume = _resume_command(config, logdir)
     if stop.checkpoint is None:
         return (f"Stopped by {stop.signal_name} before the first phase ended: no checkpoint. "
                 f"Run again to start over: {resume}")
