@@ -44,7 +44,7 @@ class EnvConfig:
     max_length: int = 1000        # time limit of an episode, in env steps
     backend: str = "workers"      # "workers", "process" (one per env), "inline" or "ray"
     workers: int = 0              # processes / Ray actors (0: one per usable core / cluster CPU)
-    share_main: bool = True       # "workers": the main process steps a share of the envs too
+    share_main: bool = False      # "workers": the main process steps a share of the envs too
     normalize_ranges: bool = True  # rescale finite Box observation/action ranges to [-1, 1]
     timeout: float = 10.0         # seconds a worker may take for a step or reset (0: no limit)
     restart_crashed_envs: bool = False  # replace a failed worker instead of stopping the run

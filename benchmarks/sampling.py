@@ -1,8 +1,7 @@
 """Sampling speed: ``simulate()`` with BatchPPO acting, against the raw batch env.
 
 For each batch size, builds the trainer's env (``make_batch_env`` with its
-defaults: ``EnvWorker`` processes plus a share stepped in this process,
-batchrl's wrappers) and measures, round by round and interleaved:
+defaults: every env in an ``EnvWorker`` process, batchrl's wrappers) and measures, round by round and interleaved:
 
   * ``raw``: ``BatchEnv.step`` with pre-generated random actions, finished envs
     reset with ``reset(indices)``: the env layer alone;
@@ -20,7 +19,7 @@ bookkeeping (the target is >= 0.75). Learner threads: 1, as in the configs
 
     python benchmarks/sampling.py                      # 8 and 32 envs
     python benchmarks/sampling.py --envs 8 --steps 3000 --rounds 5
-    python benchmarks/sampling.py --envs 8 --workers 2 --no-share-main   # all envs in workers
+    python benchmarks/sampling.py --envs 8 --workers 1 --share-main   # this process steps half
 """
 
 from __future__ import annotations
@@ -73,8 +72,8 @@ def main() -> None:
     parser.add_argument("--inference", default="script", choices=["script", "eager", "compile"])
     parser.add_argument("--workers", type=int, default=0,
                         help="env worker processes (0: make_batch_env's default)")
-    parser.add_argument("--no-share-main", action="store_true",
-                        help="this process only infers; all envs step in workers")
+    parser.add_argument("--share-main", action="store_true",
+                        help="this process steps a share of the envs too")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"{args.env_id}, {args.steps} batch steps per measurement, median of {args.rounds} "
@@ -84,7 +83,7 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|")
     for num_envs in args.envs:
         batch_env = make_batch_env(args.env_id, num_envs, 1000, workers=args.workers,
-                                   share_main=not args.no_share_main)
+                                   share_main=args.share_main)
         try:
             env = TensorBatchEnv(batch_env)
             torch.manual_seed(0)

@@ -7,6 +7,9 @@ inside a real worker process, or returns NaN/inf values.
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,7 +30,7 @@ from batchrl.tensor_env import TensorBatchEnv
 from batchrl.envs.process.shared_memory import EnvWorker
 from batchrl.simulation import simulate
 from batchrl.trainer import Trainer
-from helpers import scalar_events
+from helpers import REPO, TRAIN_PY, scalar_events, sets
 
 ZEROS = np.zeros(4, np.int64)
 
@@ -293,3 +296,32 @@ def test_training_survives_a_crashed_env_and_counts_the_restart(tmp_path, capsys
     counters = load_checkpoint(latest_checkpoint(tmp_path / "run"))["counters"]
     assert counters["env_restarts"] == 1
 
+
+
+@pytest.mark.parametrize("fault, detail", [("hang", "no answer from the env worker"),
+                                           ("segfault", "killed by signal SIGSEGV")])
+def test_the_default_layout_puts_every_env_under_the_timeout_and_the_crash_report(
+        tmp_path, fault, detail):
+    """train.py with the default backend and no layout flag: an env that hangs or
+    segfaults stops the run with exit 1 and an error naming the env, and the run resumes
+    from its last checkpoint."""
+    once, logdir = tmp_path / "fired", tmp_path / "run"
+    command = [sys.executable, str(TRAIN_PY), "--config", "cartpole", "--logdir", str(logdir),
+               "--no-progress"]
+    overrides = sets('env.id="batchrl.testing.faults:make"', "env.backend=workers",
+                     "env.num_agents=4",
+                     "env.timeout=2", "ppo.update_every=4", "train.eval_episodes=4",
+                     "train.steps=3000", "train.device=cpu",
+                     f'env.kwargs={{env_id="CartPole-v1", fault="{fault}", at_step=300, '
+                     f'once_file="{once}"}}')
+    environ = dict(os.environ, PYTHONPATH=str(REPO))
+    failed = subprocess.run(command + overrides, env=environ, capture_output=True, text=True,
+                            timeout=120)
+    assert failed.returncode == 1, failed.stderr
+    assert once.exists() and detail in failed.stderr, failed.stderr
+    assert "batchrl.testing.faults:make" in failed.stderr
+    assert "Resume it with: python train.py --config cartpole" in failed.stderr
+    # The fault fired once: the resumed run (config from its logdir) trains to its budget.
+    resumed = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Resuming from" in resumed.stdout

@@ -20,19 +20,19 @@ from batchrl.hardware import cgroup_cpu_limit, usable_cores
 from helpers import REPO
 
 SCRIPT = """
-import json, os
+import json, os, threading
 import torch
 from batchrl import BatchPPO, TensorBatchEnv, make_batch_env, simulate
 from batchrl.hardware import usable_cores
 
 if __name__ == "__main__":
-    threads = []
-    set_num_threads = torch.set_num_threads
-    torch.set_num_threads = lambda n: (threads.append(n), set_num_threads(n))[1]
     env = TensorBatchEnv(make_batch_env("CartPole-v1", 4))
     try:
         algo = BatchPPO(env.observation_space, env.action_space, 4, rollout_length=4,
                         update_epochs=1, inference="eager")
+        value_steps_in = set()
+        algo.value.out.weight.register_hook(
+            lambda grad: value_steps_in.add(threading.current_thread().name))
         simulate(env, algo, reset=True, seed=0)
         for _ in range(8):  # two updates
             simulate(env, algo)
@@ -41,7 +41,7 @@ if __name__ == "__main__":
             "usable": usable_cores(), "workers": len(workers),
             "in_process": len(env) - sum(worker.num_envs for worker in workers),
             "worker_cores": [sorted(os.sched_getaffinity(worker.pid)) for worker in workers],
-            "update_threads": threads}))
+            "value_steps_in": sorted(value_steps_in)}))
     finally:
         env.close()
 """
@@ -64,8 +64,16 @@ def test_an_affinity_mask_of_one_core_keeps_workers_and_threads_there(tmp_path):
     found = layout(tmp_path, preexec=lambda: os.sched_setaffinity(0, {core}))
     assert found["usable"] == 1 and found["workers"] == 1
     assert found["worker_cores"] == [[core]]
-    # update() sets its thread count, then restores the caller's: every other call.
-    assert found["update_threads"] and set(found["update_threads"][::2]) == {1}
+    # One core: the value step runs after the policy step, in the same thread.
+    assert found["value_steps_in"] == ["MainThread"]
+
+
+def test_the_default_layout_steps_every_env_in_a_worker(tmp_path):
+    found = layout(tmp_path)
+    assert found["in_process"] == 0 and found["workers"] == found["usable"]
+    # Two or more cores: the value step runs beside the policy step, in its own thread.
+    assert found["value_steps_in"] == (["batchrl-value_0"] if found["usable"] > 1
+                                       else ["MainThread"])
 
 
 def one_cpu_cgroup() -> Path:
@@ -101,8 +109,8 @@ def test_a_one_cpu_cgroup_quota_gives_a_one_core_layout(tmp_path):
             time.sleep(0.1)
         group.rmdir()
     assert found["usable"] == 1 and found["workers"] == 1
-    # update() sets its thread count, then restores the caller's: every other call.
-    assert found["update_threads"] and set(found["update_threads"][::2]) == {1}
+    # One core: the value step runs after the policy step, in the same thread.
+    assert found["value_steps_in"] == ["MainThread"]
 
 
 def test_the_quota_is_read_from_the_process_cgroup_and_its_ancestors(tmp_path):

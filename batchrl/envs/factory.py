@@ -96,7 +96,7 @@ def split_evenly(num_envs: int, parts: int) -> list[int]:
 
 
 def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
-                   backend: str = "workers", workers: int = 0, share_main: bool = True,
+                   backend: str = "workers", workers: int = 0, share_main: bool = False,
                    pin_workers: bool = True, infos: bool = True,
                    timeout: float | None = DEFAULT_TIMEOUT, max_restarts: int = 0,
                    label: str | None = None, ray_address: str = "",
@@ -113,8 +113,9 @@ def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
         the one this process takes with ``share_main``), or Ray actors for
         ``"ray"`` (0: as many as the cluster holds, at most ``num_envs``).
       share_main: with ``"workers"``, this process steps an equal share of the
-        envs instead of sleeping. Its envs are not isolated (a crash in their
-        native code ends this process), so not with ``max_restarts``.
+        envs instead of sleeping. Its envs are outside ``timeout`` and not
+        isolated (a hang hangs this process, a crash in their native code ends
+        it), so not with ``max_restarts``.
       pin_workers: pin each worker process to its own core of this process's
         affinity mask (Linux).
       infos: ship the step infos from worker processes and Ray actors (else
