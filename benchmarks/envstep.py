@@ -4,10 +4,9 @@ Measures how many env steps per second (batch steps x envs) HalfCheetah-v5 reach
 with random actions, for several batch sizes, with
 
   * ``batchrl``: ``make_batch_env``'s default layout: ``EnvWorker`` processes,
-    one per usable core but one, each pinned to its core and hosting its share
-    of the envs, with observations and actions in shared memory, while this
-    process steps the remaining share; finished envs are reset with
-    ``batch_env.reset(indices)``;
+    one per usable core, each pinned to its core and hosting its share of the
+    envs, with observations and actions in shared memory; finished envs are
+    reset with ``batch_env.reset(indices)``;
   * ``batchrl-process``: ``BatchEnv`` over one ``ExternalProcess`` per env (the
     BatchPPO paper's layout), stepped in parallel;
   * ``SyncVectorEnv``: ``gymnasium.vector.SyncVectorEnv``, all envs in this process;

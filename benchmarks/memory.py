@@ -141,7 +141,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     """Run the loop, print the table and the JSON summary; returns the exit code."""
     args = parse_args()
-    torch.set_num_threads(1)  # as the trainer (train.threads); updates use all cores
+    torch.set_num_threads(1)  # as the trainer (train.threads)
     parent = psutil.Process()
     # multiprocessing keeps the fork server (and the resource tracker it starts)
     # for the life of this process: start them before the baseline.

@@ -7,9 +7,9 @@ updates included, of
     ``python train.py --config halfcheetah --logdir TMP --steps N --no-progress
     --set train.eval_episodes=0 --set train.device=cpu`` (the config's
     agents, rollouts and updates as configs/halfcheetah.toml sets them;
-    ``make_batch_env``'s default layout of ``EnvWorker`` processes plus a share stepped in the main
-    process; learner with ``train.threads`` = 1 thread while sampling and all
-    usable cores during updates). Evaluations are turned off so that only
+    ``make_batch_env``'s default layout of one ``EnvWorker`` process per usable
+    core; learner with ``train.threads`` = 1 thread while sampling, and during
+    updates the policy and value steps side by side, one thread each). Evaluations are turned off so that only
     training steps are timed. The time is the sum of the trainer's training
     phases as it records them in ``metrics.jsonl`` (``wall_time``: sampling,
     inference, bookkeeping and updates); it leaves out interpreter start-up,
@@ -340,7 +340,8 @@ def main() -> int:
         if config["env"]["id"] != args.env_id:
             print(f"WARNING: batchrl trained {config['env']['id']}, SB3 {args.env_id}.")
         ppo = config["algorithm"]
-        update_threads = ppo["update_threads"] or cores
+        update_threads = (f"{ppo['update_threads']}" if ppo["update_threads"]
+                          else "1 + 1 (policy and value steps side by side)")
         updates = f"{batchrl['updates']} update" + ("s" if batchrl["updates"] != 1 else "")
         print(f"batchrl: {config['env']['num_agents']} agents, {updates} of "
               f"{ppo['update_every']} episodes x {ppo['update_epochs']} "
@@ -386,7 +387,7 @@ def main() -> int:
             "process_seconds": round(batchrl["process_seconds"], 2),
             "process_steps_per_s": round(batchrl["steps"] / batchrl["process_seconds"]),
             "threads": batchrl["config"]["train"]["threads"],
-            "update_threads": batchrl["config"]["algorithm"]["update_threads"] or cores}
+            "update_threads": batchrl["config"]["algorithm"]["update_threads"]}
     if sb3:
         summary["sb3"] = {"version": sb3["version"], "steps": sb3["steps"],
                           "seconds": round(sb3["seconds"], 2),
