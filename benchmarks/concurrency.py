@@ -15,13 +15,18 @@ trainer records it (``wall_time`` in ``metrics.jsonl``: sampling, inference and
 updates; start-up, checkpoints and plots left out). For runs started at once the
 rates are summed. Printed: one markdown table with each set-up's summed rate
 and its ratio to ``alone`` measured in the same invocation (the host's speed
-changes between days: compare ratios, not rates of different days). Targets of
+changes between days: compare ratios, not rates of different days). With
+``--rounds R`` the whole sequence runs R times, so each set-up's runs alternate
+with ``alone`` runs; the table then gives each round's figures and the median
+of the per-round ratios, which drifts of the host's speed within an hour move
+far less than a single pair of runs. Targets of
 the issue "The default layout: fast on a shared machine": ``pair`` and
 ``triple`` >= 0.9x, ``nice`` >= 0.85x.
 
 Run it on an otherwise idle machine, from the repository root::
 
     python benchmarks/concurrency.py                       # all set-ups, 150k steps each
+    python benchmarks/concurrency.py --modes nice --rounds 5 --steps 100000
     python benchmarks/concurrency.py --modes alone pair --steps 100000 --set env.share_main=false
 """
 
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,25 +97,36 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="passed to every run's train.py (e.g. env.share_main=false)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat the whole sequence this many times (alternating set-ups)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if "disjoint" in args.modes and len(os.sched_getaffinity(0)) < 2:
         parser.error("disjoint needs at least two usable cores")
     modes = ["alone"] + [mode for mode in args.modes if mode != "alone"]
-    results: dict[str, list[float]] = {}
+    results: dict[str, list[list[float]]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory(prefix="batchrl-concurrency-") as tmp:
-        for mode in modes:
-            results[mode] = measure(mode, args, Path(tmp))
-            print(f"{mode}: " + " + ".join(f"{r:,.0f}" for r in results[mode]) + " steps/s",
-                  file=sys.stderr, flush=True)
-    alone = results["alone"][0]
-    print(f"\n`{args.config}`, {args.steps:,} steps per run, "
+        for round_index in range(args.rounds):
+            for mode in modes:
+                rates = measure(mode, args, Path(tmp))
+                results[mode].append(rates)
+                print(f"round {round_index + 1}, {mode}: "
+                      + " + ".join(f"{r:,.0f}" for r in rates) + " steps/s",
+                      file=sys.stderr, flush=True)
+    alone = [rates[0] for rates in results["alone"]]
+    print(f"\n`{args.config}`, {args.steps:,} steps per run, {args.rounds} round(s), "
           f"{len(os.sched_getaffinity(0))} usable cores, overrides: {args.set or 'none'}\n")
-    print("| set-up | runs (steps/s) | summed | vs alone | target |")
-    print("|---|---|---:|---:|---|")
-    for mode, rates in results.items():
+    print("| set-up | runs (steps/s), one round per cell | summed | vs alone "
+          "| median vs alone | target |")
+    print("|---|---|---:|---:|---:|---|")
+    for mode, rounds in results.items():
         target = f">= {TARGETS[mode]}x" if mode in TARGETS else ""
-        print(f"| {mode} | {' + '.join(f'{r:,.0f}' for r in rates)} | {sum(rates):,.0f} "
-              f"| {sum(rates) / alone:.2f}x | {target} |")
+        ratios = [sum(rates) / base for rates, base in zip(rounds, alone)]
+        print(f"| {mode} | {'; '.join(' + '.join(f'{r:,.0f}' for r in rates) for rates in rounds)} "
+              f"| {'; '.join(f'{sum(rates):,.0f}' for rates in rounds)} "
+              f"| {'; '.join(f'{ratio:.2f}x' for ratio in ratios)} "
+              f"| {statistics.median(ratios):.2f}x | {target} |")
 
 
 if __name__ == "__main__":
