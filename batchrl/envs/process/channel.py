@@ -185,11 +185,13 @@ class Channel:
 
     def close(self, wait: bool = True) -> None:
         """Stop the worker process; idempotent. ``wait=False`` kills it at
-        once instead of asking it to close (a failed worker may hang)."""
+        once instead of asking it to close (a failed worker may hang), as does
+        closing a worker that let a request time out: it would read the close
+        request only after the request it is stuck in."""
         if self.closed:
             return
         self.closed = True
-        if wait:
+        if wait and not self._stale:
             self._finalizer()
         elif self._finalizer.detach() is not None:
             _shutdown(self.process, self.conn, 0.0)
