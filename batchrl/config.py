@@ -1,4 +1,4 @@
-"""Training configuration: one typed schema, TOML files in ``configs/``, overrides.
+"""Training configuration: one typed schema, TOML files in ``CONFIG_DIR``, overrides.
 
 A config file sets any subset of the schema's keys; the rest keep their defaults.
 ``--set section.key=value`` values are parsed as TOML (a bare word is a string).
@@ -27,7 +27,17 @@ from batchrl.envs.errors import UnsupportedSpaceError
 from batchrl.envs.factory import BACKENDS
 from batchrl.envs.ray.cluster import check_resources
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+def _config_dir() -> Path:
+    """The task configs: in an installed package ``batchrl/configs/`` (the wheel
+    puts the repository's top-level ``configs/`` there), in a checkout that
+    ``configs/`` itself."""
+    package = Path(__file__).resolve().parent
+    installed = package / "configs"
+    return installed if installed.is_dir() else package.parent / "configs"
+
+
+CONFIG_DIR = _config_dir()
 
 
 class ConfigError(ValueError):

@@ -178,10 +178,11 @@ def evaluate(logdir: str | Path, episodes: int = 10, checkpoint: str | Path | No
             "video_frames": frames}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The command line; returns the exit code (2 for a user error)."""
+def main(argv: list[str] | None = None, command: str = "python -m batchrl.evaluate") -> int:
+    """The command line; returns the exit code (2 for a user error). ``command``:
+    how the user ran it, for the usage line."""
     parser = argparse.ArgumentParser(
-        prog="python -m batchrl.evaluate",
+        prog=command,
         description="Mean-action return of a training run's latest checkpoint.",
         epilog="MuJoCo videos render offscreen with the OpenGL backend in MUJOCO_GL "
                "(egl, osmesa, glfw); when unset, a working one is chosen.")
@@ -212,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{result['score']:.1f} ± {result['score_std']:.1f} return over "
               f"{result['episodes']} episodes, mean length {result['length']:.1f}")
     return 0
+
+
+def cli() -> int:
+    """The ``batchrl-evaluate`` console command."""
+    return main(command="batchrl-evaluate")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,231 @@
+"""Train an algorithm (BatchPPO unless the config names another) on a task of batchrl's configs.
+
+  batchrl-train --config halfcheetah        (python train.py in a checkout, python -m batchrl.train)
+  batchrl-train --config pendulum --logdir logs/pendulum --set algorithm.policy_lr=3e-4
+
+Running again with an existing --logdir resumes that run from its latest
+checkpoint, with the config saved there; --steps N (unlike --set) may then
+raise its budget to train a finished run further:
+
+  batchrl-train --config pendulum --logdir logs/pendulum --steps 600000
+
+Ctrl-C (or SIGTERM) stops a run within seconds: the state at the end of the
+last finished phase is written as a checkpoint, the env workers are closed,
+and the command to resume is printed; the exit code is 130 (143 for
+SIGTERM). A second Ctrl-C quits at once, losing only the phases since the
+last checkpoint. Exit codes: 0 done, 1 the env failed (its own error and
+traceback are shown), 2 a user error (bad flag, config, env id, space, log
+directory or checkpoint: a message says what is wrong and what is valid).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+STARTED_WITH = "started_with.json"  # in a run's logdir: the --config it was started with
+
+
+def _config_help() -> str:
+    from batchrl.config import DERIVED_KEYS, SECTIONS, available_configs
+    lines = [f"available configs: {', '.join(available_configs())}", "",
+             "config keys (--set section.key=value; values are TOML: 3e-4, true, [64, 64], "
+             "\"Hopper-v5\"); [algorithm] lists BatchPPO's, the default (another class: "
+             "algorithm.class = \"package.module:Class\" and its constructor's keywords):"]
+    for name, factory in SECTIONS.items():
+        default = factory()
+        lines += [f"  {name}.{field.name} = {_toml(getattr(default, field.name))}"
+                  for field in dataclasses.fields(default)
+                  if field.name not in DERIVED_KEYS.get(name, {})]
+    return "\n".join(lines)
+
+
+def _toml(value: object) -> str:
+    """A default as --set takes it (TOML), e.g. true, "CartPole-v1", [200, 100]."""
+    if value is None:
+        return "(none)"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key} = {_toml(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)
+
+
+def main(argv: list[str] | None = None, command: str = "python -m batchrl.train") -> int:
+    """The command line; returns the exit code. ``command`` is how the user
+    ran it (``batchrl-train``, ``python train.py``): the resume commands
+    printed after a stop or a failure start with it."""
+    parser = argparse.ArgumentParser(
+        prog=command, description=__doc__.split("\n\n")[0], epilog=_config_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True,
+                        help="a config's name (e.g. halfcheetah; --help lists them) or a "
+                             "path to a .toml file")
+    parser.add_argument("--logdir", type=Path, default=None,
+                        help="where to write the run (default: logs/CONFIG-YYYYmmdd-HHMMSS); "
+                             "an existing run there is resumed")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE",
+                        help="override a config key, e.g. algorithm.discount=0.98")
+    parser.add_argument("--steps", type=int, default=None, metavar="N",
+                        help="training budget in env steps (train.steps); unlike --set also "
+                             "allowed when resuming, to train a run further")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    # "package.module:function" env ids may name a module in the current
+    # directory, as with `python -m` (a script only gets its own directory).
+    if os.getcwd() not in sys.path:
+        sys.path.insert(1, os.getcwd())
+
+    from batchrl.checkpoint import CheckpointError
+    from batchrl.config import ConfigError, load_config
+    from batchrl.envs.errors import (EnvError, EnvRaisedError, EnvSpecError,
+                                     SpaceMismatchError, UnsupportedSpaceError)
+    from batchrl.trainer import CONFIG_FILE, Trainer, TrainingInterrupted, load_saved_config
+
+    user_errors = (ConfigError, EnvSpecError, CheckpointError, UnsupportedSpaceError,
+                   SpaceMismatchError)
+    steps = [] if args.steps is None else [f"train.steps={args.steps}"]
+    logdir = created = None
+    try:
+        if args.logdir is not None and (args.logdir / CONFIG_FILE).exists():
+            if args.overrides:
+                raise ConfigError(f"{args.logdir} holds a run, which resumes with its saved "
+                                  f"config; drop --set (--steps N may raise its budget) or "
+                                  f"choose a new --logdir")
+            config = load_saved_config(args.logdir, steps)
+            started = _started_with(args.logdir)
+            named = load_config(args.config, steps)
+            if started != args.config and (named.env.id, named.algorithm.name) != (
+                    config.env.id, config.algorithm.name):
+                resume = (f"resume with: {_resume_command(command, started, args.logdir)}"
+                          if started else "resume with that run's config")
+                raise ConfigError(
+                    f"{args.logdir} holds a run of {config.env.id} with "
+                    f"{config.algorithm.name}, but --config {args.config} trains "
+                    f"{named.env.id} with {named.algorithm.name}; {resume} or choose a new "
+                    f"--logdir")
+        else:
+            config = load_config(args.config, args.overrides + steps)
+        logdir = args.logdir or (
+            Path("logs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+        created = _prepare_logdir(logdir, ConfigError)
+        if not (logdir / CONFIG_FILE).exists():
+            # The --config a resume names: its --set overrides are in the saved config.
+            (logdir / STARTED_WITH).write_text(json.dumps({"config": args.config}) + "\n")
+        print(f"Training {config.env.id} with {config.env.num_agents} agents for "
+              f"{config.train.steps:,} steps; writing to {logdir}", flush=True)
+        result = Trainer(config, logdir, progress=not args.no_progress,
+                         handle_signals=True).run()
+    except TrainingInterrupted as stop:
+        print(_interrupted_message(stop, command, args.config, logdir), flush=True)
+        return stop.exit_code
+    except KeyboardInterrupt:  # before the trainer took over Ctrl-C
+        print("Interrupted before training started", file=sys.stderr)
+        return 130
+    except user_errors as exc:
+        _remove_if_empty(created)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except EnvError as exc:
+        _remove_if_empty(created)
+        # An env's own code rejected its arguments or returned no env: the
+        # user's input, not an env failure.
+        if isinstance(exc, EnvRaisedError) and exc.remote_type in (
+                "EnvSpecError", "UnsupportedSpaceError"):
+            print(f"error: {exc.remote_message}", file=sys.stderr)
+            return 2
+        print(f"error: {exc}", file=sys.stderr)
+        if logdir is not None:
+            _print_resume(logdir, command, args.config)
+        return 1
+    if result:
+        print(f"Final evaluation: {result['score']:.1f} ± {result['score_std']:.1f} "
+              f"over {result['episodes']} episodes (mean action)")
+    return 0
+
+
+def _prepare_logdir(logdir: Path, error: type[Exception]) -> Path | None:
+    """Create ``logdir`` if needed and check that files can be written there,
+    before any env is built; raises ``error`` saying what is wrong. Returns
+    the directory when this call created it."""
+    if logdir.exists() and not logdir.is_dir():
+        raise error(f"--logdir {logdir} is a file, not a directory; give a directory "
+                    f"(new, or a run to resume)")
+    created = None if logdir.exists() else logdir
+    try:
+        logdir.mkdir(parents=True, exist_ok=True)
+        probe = logdir / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise error(f"cannot write to --logdir {logdir}: {exc.strerror or exc}; choose a "
+                    f"directory you can write to") from None
+    return created
+
+
+def _remove_if_empty(directory: Path | None) -> None:
+    """Undo ``_prepare_logdir`` after a failed start, if nothing but the
+    ``STARTED_WITH`` record was written."""
+    if directory is not None:
+        try:
+            if [path.name for path in directory.iterdir()] == [STARTED_WITH]:
+                (directory / STARTED_WITH).unlink()
+            directory.rmdir()
+        except OSError:
+            pass
+
+
+def _started_with(logdir: Path) -> str | None:
+    """The --config the run in ``logdir`` was started with, if it was recorded."""
+    try:
+        started = json.loads((logdir / STARTED_WITH).read_text()).get("config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return started if isinstance(started, str) else None
+
+
+def _resume_command(command: str, config: str, logdir: Path | None) -> str:
+    return " ".join([command, shlex.join(["--config", config, "--logdir", str(logdir)])])
+
+
+def _print_resume(logdir: Path, command: str, config: str) -> None:
+    """After an env failure: where the run's work is and how to go on."""
+    from batchrl.checkpoint import latest_checkpoint
+    checkpoint = latest_checkpoint(logdir)
+    if checkpoint is not None:
+        resume = _resume_command(command, config, logdir)
+        print(f"\nThe run's latest checkpoint is {checkpoint}. Resume it with: {resume} "
+              f"(env.restart_crashed_envs replaces failed env workers instead of stopping)",
+              file=sys.stderr)
+
+
+def _interrupted_message(stop: Any, command: str, config: str, logdir: Path | None) -> str:
+    """What a run stopped by ``stop`` (the trainer's ``TrainingInterrupted``)
+    saved, and the command that resumes it."""
+    resume = _resume_command(command, config, logdir)
+    if stop.checkpoint is None:
+        return (f"Stopped by {stop.signal_name} before the first phase ended: no checkpoint. "
+                f"Run again to start over: {resume}")
+    return (f"Stopped by {stop.signal_name}; checkpoint at step {stop.step:,}: "
+            f"{stop.checkpoint}\nResume with: {resume}")
+
+
+def cli() -> int:
+    """The ``batchrl-train`` console command."""
+    return main(command="batchrl-train")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
