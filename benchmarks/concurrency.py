@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -42,8 +41,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from batchrl.hardware import allowed_cores
+
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("alone", "pair", "triple", "nice", "disjoint")
+RUNS = {"alone": 1, "pair": 2, "triple": 3, "nice": 1}  # disjoint: one run per half of the cores
 TARGETS = {"pair": 0.9, "triple": 0.9, "nice": 0.85}
 
 
@@ -68,11 +70,10 @@ def rate(logdir: Path) -> float:
 
 def measure(mode: str, args: argparse.Namespace, workdir: Path) -> list[float]:
     """The training rates of the runs of one set-up."""
-    cores = sorted(os.sched_getaffinity(0))
-    counts = {"alone": 1, "pair": 2, "triple": 3, "nice": 1, "disjoint": 2}
+    cores = allowed_cores()
     half = len(cores) // 2
     placements = ([cores[:half], cores[half:]] if mode == "disjoint"
-                  else [None] * counts[mode])
+                  else [None] * RUNS[mode])
     busy = None
     if mode == "nice":
         busy = subprocess.Popen(["nice", "-n", "19", sys.executable, "-c", "while True: pass"])
@@ -102,7 +103,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    if "disjoint" in args.modes and len(os.sched_getaffinity(0)) < 2:
+    if "disjoint" in args.modes and len(allowed_cores()) < 2:
         parser.error("disjoint needs at least two usable cores")
     modes = ["alone"] + [mode for mode in args.modes if mode != "alone"]
     results: dict[str, list[list[float]]] = {mode: [] for mode in modes}
@@ -116,7 +117,7 @@ def main() -> None:
                       file=sys.stderr, flush=True)
     alone = [rates[0] for rates in results["alone"]]
     print(f"\n`{args.config}`, {args.steps:,} steps per run, {args.rounds} round(s), "
-          f"{len(os.sched_getaffinity(0))} usable cores, overrides: {args.set or 'none'}\n")
+          f"{len(allowed_cores())} allowed cores, overrides: {args.set or 'none'}\n")
     print("| set-up | runs (steps/s), one round per cell | summed | vs alone "
           "| median vs alone | target |")
     print("|---|---|---:|---:|---:|---|")

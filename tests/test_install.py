@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import batchrl
 from helpers import REPO
 
 
@@ -42,7 +43,7 @@ def wheel(tmp_path_factory) -> Path:
 def test_the_wheel_holds_the_package_its_configs_and_metadata(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert {name.split("/")[0] for name in names} == {
-        "batchrl", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
+        "batchrl", f"batchrl-{batchrl.__version__}.dist-info"}
     configs = sorted(path.relative_to(REPO).as_posix() for path in
                      (REPO / "configs").rglob("*.toml"))
     assert sorted(name for name in names if name.endswith(".toml")) == [
