@@ -254,7 +254,10 @@ class BatchEnv:
         error.env_index = index
         raise error
 
-    def _check_actions(self, actions: Any) -> np.ndarray:
+    def check_actions(self, actions: Any) -> np.ndarray:
+        """``actions`` as an array, if they fit the batch: shape ``(N, *action_space.shape)``,
+        finite reals for a Box, integers in range for a discrete space (else
+        ``ValueError``/``TypeError`` saying what was wrong)."""
         space = self.action_space
         actions = np.asarray(actions)
         expected_shape = (len(self),) + tuple(space.shape)
@@ -284,28 +287,40 @@ class BatchEnv:
                                  f"{actions[bad].tolist()}")
         return actions
 
-    def step(self, actions: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
-                                          list[dict]]:
+    def step(self, actions: Any, skip: np.ndarray | None = None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[dict]]:
         """Step env ``i`` with ``actions[i]`` (shape ``(N, *action_space.shape)``);
-        returns ``(observations, rewards, terminated, truncated, infos)``."""
-        self.step_async(actions)
+        returns ``(observations, rewards, terminated, truncated, infos)``.
+
+        ``skip``: optional bool ``(N,)``; envs where it is true are not stepped
+        (their rows: zero observations and rewards, false flags, empty infos).
+        """
+        self.step_async(actions, skip)
         return self.step_wait()
 
-    def step_async(self, actions: Any) -> None:
+    def step_async(self, actions: Any, skip: np.ndarray | None = None) -> None:
         """Send the worker processes their ``actions`` (as for ``step``) and return;
         ``step_wait`` finishes the step. Meanwhile leave this env and ``actions`` alone."""
         if self._in_flight is not None:
             raise RuntimeError("step_async() was called twice: call step_wait() first")
-        actions = self._check_actions(actions)
+        actions = self.check_actions(actions)
+        if skip is not None:
+            skip = np.asarray(skip)
+            if skip.shape != (len(self),) or skip.dtype != np.bool_:
+                raise ValueError(f"skip must be a bool array of shape ({len(self)},), got "
+                                 f"{skip.dtype} {skip.shape}")
+            skip = skip if skip.any() else None
         starts = self._starts
         self._restarted = self._no_restarts
-        self._episode_steps += 1  # before the step: a restart sets its envs' counts to 0
+        # Before the step: a restart sets its envs' counts to 0.
+        self._episode_steps += 1 if skip is None else ~skip
         self._in_flight = self._send(
             range(len(self._members)),
             # Views of the workers' buffers: step_wait's concatenation copies them.
             lambda position, member, blocking: member.step(
                 actions[starts[position]:starts[position] + member.num_envs], blocking,
-                copy=False))
+                copy=False, skip=None if skip is None else
+                skip[starts[position]:starts[position] + member.num_envs]))
 
     def step_wait(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[dict]]:
         """Finish the step begun by ``step_async``; returns what ``step`` returns."""
@@ -342,12 +357,14 @@ class BatchEnv:
 
     def reset(self, indices: Sequence[int] | np.ndarray | None = None,
               seed: int | Sequence[int] | None = None,
-              options: dict | None = None) -> np.ndarray:
+              options: dict | None = None, return_infos: bool = False) -> Any:
         """Reset the envs at ``indices`` (unique, in ``[0, N)``; all when ``None``).
 
         ``seed`` is ``None``, one seed per index, or an int: env ``i`` then gets ``seed + i`` (as in
         Gymnasium's vector envs). ``options`` go to every env's ``reset``. Returns the new
-        observations, ``(len(indices), *obs_shape)``, in the order of ``indices``.
+        observations, ``(len(indices), *obs_shape)``, in the order of ``indices``; with
+        ``return_infos``, ``(observations, infos)``, the reset info dicts in the same order (empty
+        for envs whose worker was restarted).
         """
         if self._in_flight is not None:
             raise RuntimeError("reset() during a step: call step_wait() after step_async() first")
@@ -359,7 +376,8 @@ class BatchEnv:
             if len(seeds) != len(indices):
                 raise ValueError(f"got {len(seeds)} seeds for {len(indices)} envs to reset")
         if not indices:
-            return np.zeros((0, *self.observation_space.shape), self.observation_space.dtype)
+            observ = np.zeros((0, *self.observation_space.shape), self.observation_space.dtype)
+            return (observ, []) if return_infos else observ
         # Group the requests by member: one round trip per worker process.
         groups: dict[int, tuple[list[int], list[int], list]] = {}
         for slot, index in enumerate(indices):
@@ -376,17 +394,23 @@ class BatchEnv:
             lambda position, observ: (observ[groups[position][1]], None))
         first = results[0][0]
         observ = np.empty((len(indices), *first.shape[1:]), first.dtype)
-        for position, (obs, _) in zip(positions, results):
+        infos: list[dict] = [{}] * len(indices)
+        for position, (obs, member_infos) in zip(positions, results):
             observ[groups[position][0]] = obs
+            if member_infos is not None:
+                for slot, info in zip(groups[position][0], member_infos):
+                    infos[slot] = info
         self._episode_steps[indices] = 0
         rows = np.asarray(indices)
         while True:
             try:
                 self._check_observ(observ, rows, "reset")
-                return observ
+                return (observ, infos) if return_infos else observ
             except EnvNonFiniteError as exc:
                 position = int(self._member_of[exc.env_index])
                 observ[groups[position][0]] = self._restart(position, exc)[groups[position][1]]
+                for slot in groups[position][0]:
+                    infos[slot] = {}
 
     def _check_indices(self, indices: Any) -> list[int]:
         if indices is None:

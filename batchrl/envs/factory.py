@@ -5,9 +5,10 @@ from __future__ import annotations
 import importlib
 import os
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import gymnasium as gym
+import numpy as np
 
 from batchrl.envs.batch import BatchEnv
 from batchrl.envs.errors import EnvRaisedError, EnvSpecError
@@ -95,13 +96,14 @@ def split_evenly(num_envs: int, parts: int) -> list[int]:
     return [base + (i < extra) for i in range(parts)]
 
 
-def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
-                   backend: str = "workers", workers: int = 0, share_main: bool = False,
+def batch_env_from(constructor: Callable[[], gym.Env] | Sequence[Callable[[], gym.Env]],
+                   num_envs: int | None = None, backend: str = "workers", workers: int = 0, share_main: bool = False,
                    pin_workers: bool = True, infos: bool = True,
                    timeout: float | None = DEFAULT_TIMEOUT, max_restarts: int = 0,
                    label: str | None = None, ray_address: str = "",
                    ray_resources: dict[str, float] | None = None) -> BatchEnv:
-    """``num_envs`` envs built by ``constructor``, as one ``BatchEnv``.
+    """``num_envs`` envs built by ``constructor``, as one ``BatchEnv``; or, given a
+    list of constructors, one env built by each, in that order.
 
     Args:
       backend: where the envs run: ``"workers"``, spread over ``EnvWorker``
@@ -131,6 +133,17 @@ def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
       ray_resources: Ray resources each ``"ray"`` actor reserves (default
         ``{"CPU": 1}``).
     """
+    if callable(constructor):
+        if num_envs is None:
+            raise TypeError("batch_env_from needs num_envs with a single constructor")
+        constructors = [constructor] * num_envs
+    else:
+        constructors = list(constructor)
+        if num_envs is not None and num_envs != len(constructors):
+            raise ValueError(f"num_envs={num_envs} but {len(constructors)} constructors given")
+    if not constructors:
+        raise ValueError("batch_env_from needs at least one env")
+    num_envs = len(constructors)
     if backend not in BACKENDS:
         raise EnvSpecError(f"unknown env backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if workers < 0:
@@ -146,24 +159,23 @@ def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
             cores = allowed_cores() if pin_workers and hasattr(os, "sched_setaffinity") else []
             processes = workers or max(1, usable_cores() - share_main)
             sizes = split_evenly(num_envs, processes + share_main)
-            if share_main and len(sizes) > 1:
-                members.extend(build_in_process(constructor, label)
-                               for _ in range(sizes.pop(0)))
-            for index, size in enumerate(sizes):
+            groups = _split(constructors, processes + share_main)
+            if share_main and len(groups) > 1:
+                members.extend(build_in_process(make, label) for make in groups.pop(0))
+            for index, group in enumerate(groups):
                 # Leave the first core to this process when it steps envs too.
                 cpu = cores[(index + share_main) % len(cores)] if cores else None
-                members.append(EnvWorker([constructor] * size, label=label, timeout=timeout,
-                                         infos=infos, cpu=cpu,
-                                         construct_timeout=construct_timeout))
+                members.append(EnvWorker(group, label=label, timeout=timeout, infos=infos,
+                                         cpu=cpu, construct_timeout=construct_timeout))
         elif backend == "process":
-            members = [ExternalProcess(constructor, label=label, timeout=timeout,
+            members = [ExternalProcess(make, label=label, timeout=timeout,
                                        construct_timeout=construct_timeout)
-                       for _ in range(num_envs)]
+                       for make in constructors]
         elif backend == "ray":
-            members = _ray_workers(constructor, num_envs, workers, label, timeout,
-                                   construct_timeout, infos, ray_address, ray_resources)
+            members = _ray_workers(constructors, workers, label, timeout, construct_timeout,
+                                   infos, ray_address, ray_resources)
         else:
-            members = [build_in_process(constructor, label) for _ in range(num_envs)]
+            members = [build_in_process(make, label) for make in constructors]
         return BatchEnv(members, max_restarts=max_restarts)
     except BaseException:
         for member in members:
@@ -171,8 +183,13 @@ def batch_env_from(constructor: Callable[[], gym.Env], num_envs: int,
         raise
 
 
-def _ray_workers(constructor: Callable[[], gym.Env], num_envs: int, workers: int,
-                 label: str | None, timeout: float | None, construct_timeout: float | None,
+def _split(constructors: list, parts: int) -> list[list]:
+    """``constructors`` in ``parts`` contiguous groups (``split_evenly``'s sizes)."""
+    starts = np.cumsum([0] + split_evenly(len(constructors), parts))
+    return [constructors[a:b] for a, b in zip(starts[:-1], starts[1:])]
+
+
+def _ray_workers(constructors: list, workers: int, label: str | None, timeout: float | None, construct_timeout: float | None,
                  infos: bool, address: str, resources: dict[str, float] | None) -> list[Any]:
     """The ``RayEnvWorker``s of the ``"ray"`` backend (Ray imported only here)."""
     from batchrl.envs.ray import cluster as ray_cluster
@@ -182,9 +199,9 @@ def _ray_workers(constructor: Callable[[], gym.Env], num_envs: int, workers: int
     ray = ray_cluster.acquire(address)  # held while the workers connect, then theirs
     members: list[Any] = []
     try:
-        count = ray_cluster.plan_workers(ray, workers, num_envs, resources)
-        for size in split_evenly(num_envs, count):
-            members.append(RayEnvWorker([constructor] * size, label, timeout,
+        count = ray_cluster.plan_workers(ray, workers, len(constructors), resources)
+        for group in _split(constructors, count):
+            members.append(RayEnvWorker(group, label, timeout,
                                         construct_timeout, infos=infos,
                                         resources=resources, address=address))
     except BaseException:

@@ -18,6 +18,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from batchrl.envs.infos import info_columns
+
 # Bytes reserved per action value: actions travel in the caller's dtype, as with in-process envs.
 ACTION_ITEMSIZE = 8
 
@@ -26,8 +28,9 @@ class StepArrays:
     """The arrays of one worker's step in one buffer (shared memory, or a bytearray).
 
     ``observ`` and ``reset_observ`` are ``(num_envs, *obs_shape)`` in the observation space's dtype,
-    ``reward`` ``(num_envs,)`` float64, ``terminated``/``truncated`` ``(num_envs,)`` bool;
-    ``action_bytes`` is raw storage that ``actions(dtype)`` views as ``(num_envs, *act_shape)``.
+    ``reward`` ``(num_envs,)`` float64, ``terminated``/``truncated``/``skip`` ``(num_envs,)`` bool
+    (``skip``: the envs the parent asks not to step); ``action_bytes`` is raw storage that
+    ``actions(dtype)`` views as ``(num_envs, *act_shape)``.
     """
 
     def __init__(self, num_envs: int, obs_space: Any, act_space: Any, buffer: Any = None):
@@ -38,7 +41,8 @@ class StepArrays:
                   ("action_bytes", (math.prod(self._act_shape) * ACTION_ITEMSIZE,), np.uint8),
                   ("reward", (num_envs,), np.float64),
                   ("terminated", (num_envs,), np.bool_),
-                  ("truncated", (num_envs,), np.bool_)]
+                  ("truncated", (num_envs,), np.bool_),
+                  ("skip", (num_envs,), np.bool_)]
         offset = 0
         self._layout = []
         for name, shape, dtype in fields:
@@ -85,9 +89,21 @@ def pack(obj: Any) -> bytes:
     return file.getvalue()
 
 
+def _attribute(obj: Any, name: str) -> Any:
+    """``obj.name``, else (as Gymnasium's vector envs look it up) a wrapped env's."""
+    try:
+        return getattr(obj, name)
+    except AttributeError as missing:
+        try:
+            return obj.get_wrapper_attr(name)
+        except AttributeError:
+            raise missing from None
+
+
 def resolve(obj: Any, dotted: str) -> Any:
-    """``obj.a.b.c`` for ``dotted == "a.b.c"``."""
-    return functools.reduce(getattr, dotted.split("."), obj)
+    """``obj.a.b.c`` for ``dotted == "a.b.c"``; on a Gymnasium env each name may
+    also be an attribute of an env it wraps (``get_wrapper_attr``)."""
+    return functools.reduce(_attribute, dotted.split("."), obj)
 
 
 def error_answer(exc: BaseException, env_index: int | None = None) -> tuple:
@@ -129,17 +145,25 @@ class EnvHost:
                 return error_answer(exc, index)
         return ("ok", [(env.observation_space, env.action_space) for env in self.envs])
 
-    def step(self, actions: np.ndarray, arrays: StepArrays) -> tuple:
-        """Step env ``i`` with ``actions[i]`` into ``arrays``; answers ``(infos, resets)``: the
-        pickled info list (``None`` when infos are off) and ``(index, pickled info)`` of the envs
-        reset after their episode ended (first observations in ``arrays.reset_observ``). An env that
-        raises does not stop the others; the first error is the answer."""
+    def step(self, actions: np.ndarray, arrays: StepArrays, skip: Any = None) -> tuple:
+        """Step env ``i`` with ``actions[i]`` into ``arrays`` unless ``skip[i]`` (a skipped env's
+        row: zeros, false flags, an empty info); answers ``(infos, resets)``: the pickled info list
+        (``None`` when infos are off) and ``(index, pickled info)`` of the envs reset after their
+        episode ended (first observations in ``arrays.reset_observ``). An env that raises does not
+        stop the others; the first error is the answer."""
         # A copy: the parent may write the next actions meanwhile (after a
         # timeout), and Ray hands over read-only views.
         actions = np.array(actions)
+        skip = None if skip is None or not skip.any() else np.array(skip)
         send_infos = self.send_infos
         infos, resets, error = [], [], None
         for index, env in enumerate(self.envs):
+            if skip is not None and skip[index]:
+                arrays.observ[index] = 0
+                arrays.reward[index] = 0.0
+                arrays.terminated[index] = arrays.truncated[index] = False
+                infos.append({})
+                continue
             try:
                 obs, reward, term, trunc, info = env.step(actions[index])
                 arrays.observ[index] = obs
@@ -158,7 +182,10 @@ class EnvHost:
         if error is not None:
             return error
         # The infos stay pickled until the parent reads them: most loops never do.
-        return ("ok", (pack(infos) if send_infos else None, resets))
+        if send_infos:
+            columns = info_columns(infos)
+            infos = pack(infos if columns is None else columns)
+        return ("ok", (infos if send_infos else None, resets))
 
     def reset(self, indices: Sequence[int], seeds: Sequence[int | None],
               options: dict | None, arrays: StepArrays) -> tuple:

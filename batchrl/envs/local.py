@@ -38,16 +38,22 @@ class LocalWorker(Worker):
         """Each env's ``(observation, action)`` spaces (``BatchEnv`` names any that differ)."""
         return [(env.observation_space, env.action_space) for env in self.envs]
 
-    def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True) -> Any:
-        """Step env ``i`` with ``actions[i]``; a promise runs the steps when called."""
+    def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True,
+             skip: np.ndarray | None = None) -> Any:
+        """Step env ``i`` with ``actions[i]`` unless ``skip[i]``; a promise runs the steps
+        when called."""
         if not blocking:
-            return lambda: self.step(actions)
+            return lambda: self.step(actions, skip=skip)
         results = []
         try:
-            for env, action in zip(self.envs, actions):
-                results.append(env.step(action))
+            for index, (env, action) in enumerate(zip(self.envs, actions)):
+                results.append(None if skip is not None and skip[index] else env.step(action))
         except Exception as exc:
             raise self._error(exc, "step", len(results)) from exc
+        if skip is not None and skip.any():
+            space = self.observation_space
+            idle = (np.zeros(space.shape, space.dtype), 0.0, False, False, {})
+            results = [idle if result is None else result for result in results]
         obs, rewards, terminated, truncated, infos = zip(*results)
         return (np.stack(obs), np.array(rewards, np.float64), np.array(terminated, bool),
                 np.array(truncated, bool), list(infos))

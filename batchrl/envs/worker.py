@@ -26,6 +26,10 @@ class Worker(abc.ABC):
     returns ``(observ, infos)`` of the envs at local ``indices``. With ``blocking=False`` both
     return a promise to call for the result (one request in flight at most). Errors are
     ``EnvError``s; a single env's carries its local index in ``worker_env_index``.
+
+    ``step(..., skip=mask)`` leaves the envs where the bool ``(num_envs,)`` mask is true
+    untouched (Gymnasium's next-step autoreset resets an env instead of stepping it); their rows
+    are zero observations and rewards, false flags and empty info dicts.
     """
 
     label: str
@@ -36,9 +40,10 @@ class Worker(abc.ABC):
     in_process: bool = False
 
     @abc.abstractmethod
-    def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True) -> Any:
-        """Step env ``i`` with ``actions[i]``. With ``copy=False`` the arrays
-        may be views of the worker's buffers, valid until its next request."""
+    def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True,
+             skip: np.ndarray | None = None) -> Any:
+        """Step env ``i`` with ``actions[i]`` unless ``skip[i]``. With ``copy=False``
+        the arrays may be views of the worker's buffers, valid until its next request."""
 
     @abc.abstractmethod
     def reset(self, indices: Sequence[int] | None = None,
@@ -124,8 +129,8 @@ class RemoteWorker(Worker):
         """Wait for the envs to be built; their shared ``(observation, action)`` spaces."""
 
     @abc.abstractmethod
-    def _send_step(self, actions: np.ndarray, copy: bool) -> Promise:
-        """Send the actions; the promise gives ``(observ, reward, terminated,
+    def _send_step(self, actions: np.ndarray, copy: bool, skip: np.ndarray | None) -> Promise:
+        """Send the actions (and the envs to skip); the promise gives ``(observ, reward, terminated,
         truncated, infos, resets)``: ``infos`` the info dicts (maybe pickled;
         ``None`` when infos are off), ``resets`` ``(index, observ, info)`` of
         the envs reset after their episode ended."""
@@ -171,11 +176,17 @@ class RemoteWorker(Worker):
         if self.closed:
             raise EnvError(self.label, operation, "the env was closed")
 
-    def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True) -> Any:
+    def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True,
+             skip: np.ndarray | None = None) -> Any:
         """Step every env with its row of ``actions``; see ``Worker``."""
         self._check_open("step")
-        answer = self._send_step(np.asarray(actions), copy)
-        self._prefetched.clear()  # a stepped env is no longer fresh from its reset
+        answer = self._send_step(np.asarray(actions), copy, skip)
+        # A stepped env is no longer fresh from its reset.
+        if skip is None:
+            self._prefetched.clear()
+        else:
+            for index in [i for i in self._prefetched if not skip[i]]:
+                del self._prefetched[index]
 
         def result() -> tuple:
             observ, reward, terminated, truncated, infos, resets = answer()

@@ -173,7 +173,13 @@ class ProcessWorker(Worker):
     def action_space(self) -> gym.Space:
         return self.process.action_space
 
-    def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True) -> Any:
+    def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True,
+             skip: np.ndarray | None = None) -> Any:
+        if skip is not None and skip[0]:
+            space = self.observation_space
+            idle = (np.zeros((1, *space.shape), space.dtype), np.zeros(1), np.zeros(1, bool),
+                    np.zeros(1, bool), [{}])
+            return idle if blocking else lambda: idle
         promise = self.process.step(actions[0], blocking=False)
 
         def result() -> tuple:

@@ -43,11 +43,11 @@ class RayEnvHost:
                  os.getpid())
         return ("ok", (answer[1], where))
 
-    def step(self, actions: np.ndarray) -> tuple:
-        """Step env ``i`` with ``actions[i]``; answers ``(observ, reward, terminated,
-        truncated, infos, resets)`` as ``RemoteWorker._send_step``'s promise."""
+    def step(self, actions: np.ndarray, skip: np.ndarray | None = None) -> tuple:
+        """Step env ``i`` with ``actions[i]`` unless ``skip[i]``; answers ``(observ, reward,
+        terminated, truncated, infos, resets)`` as ``RemoteWorker._send_step``'s promise."""
         arrays = self.arrays
-        answer = self.host.step(actions, arrays)
+        answer = self.host.step(actions, arrays, skip)
         if answer[0] != "ok":
             return answer
         infos, resets = answer[1]
@@ -195,8 +195,8 @@ class RayEnvWorker(RemoteWorker):
         self.node_ip, self.node_id, self.pid = where
         return worker_spaces(self.label, spaces)
 
-    def _send_step(self, actions: np.ndarray, copy: bool) -> Promise:
-        answer = self._actor.step.remote(actions)
+    def _send_step(self, actions: np.ndarray, copy: bool, skip: np.ndarray | None) -> Promise:
+        answer = self._actor.step.remote(actions, skip)
         return lambda: self._receive(answer, "step", self.timeout)[1]
 
     def _send_reset(self, indices: list[int], seeds: list, options: dict | None) -> Promise:
