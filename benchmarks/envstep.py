@@ -7,6 +7,9 @@ with random actions, for several batch sizes, with
     one per usable core, each pinned to its core and hosting its share of the
     envs, with observations and actions in shared memory; finished envs are
     reset with ``batch_env.reset(indices)``;
+  * ``BatchVectorEnv``: the same layout behind Gymnasium's ``VectorEnv`` API
+    (next-step autoreset, infos gathered into Gymnasium's dict of arrays every
+    step);
   * ``batchrl-process``: ``BatchEnv`` over one ``ExternalProcess`` per env (the
     BatchPPO paper's layout), stepped in parallel;
   * ``SyncVectorEnv``: ``gymnasium.vector.SyncVectorEnv``, all envs in this process;
@@ -55,7 +58,7 @@ import gymnasium as gym
 import numpy as np
 import psutil
 
-from batchrl.envs import BatchEnv, ExternalProcess
+from batchrl.envs import BatchEnv, BatchVectorEnv, ExternalProcess
 from batchrl.envs.factory import batch_env_from
 from batchrl.hardware import usable_cores
 
@@ -64,7 +67,7 @@ try:
 except ImportError:  # optional: only adds a column
     envpool = None
 
-BACKENDS = ("batchrl", "batchrl-process", "SyncVectorEnv", "AsyncVectorEnv") + (
+BACKENDS = ("batchrl", "BatchVectorEnv", "batchrl-process", "SyncVectorEnv", "AsyncVectorEnv") + (
     ("envpool",) if envpool is not None else ())
 
 
@@ -80,6 +83,9 @@ def build(backend: str, env_id: str, num_envs: int) -> tuple[Any, list[int]]:
     if backend == "batchrl":
         env = batch_env_from(make, num_envs)  # make_batch_env's layout, without wrappers
         return env, [worker.pid for worker in env.workers]
+    if backend == "BatchVectorEnv":
+        env = BatchVectorEnv([make] * num_envs)
+        return env, [worker.pid for worker in env.batch.workers]
     if backend == "batchrl-process":
         env = BatchEnv([ExternalProcess(make) for _ in range(num_envs)], blocking=False)
         return env, [worker.pid for worker in env.workers]
@@ -144,8 +150,8 @@ def measure(backend: str, env_id: str, actions: np.ndarray, warmup: int,
 
 def markdown_table(results: dict[int, dict[str, dict[str, Any]]]) -> str:
     """Format median rates as a markdown table with ratios to Gymnasium's vector envs."""
-    references = [name for name in ("SyncVectorEnv", "AsyncVectorEnv", "envpool")
-                  if name in BACKENDS]
+    references = [name for name in ("batchrl", "SyncVectorEnv", "AsyncVectorEnv", "envpool")
+                  if name in next(iter(results.values()))]
     lines = ["| envs | backend | steps/s | " + " | ".join(f"vs {name}" for name in references)
              + " | spread | build s |",
              "|---:|---|---:|" + "---:|" * len(references) + "---:|---:|"]
@@ -187,6 +193,8 @@ def parse_args() -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(parser, envs=[2, 8, 32], steps=1500, repeats=5)
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
+                        help="backends to measure (default: all)")
     args = parser.parse_args()
     check_arguments(parser, args)
     return args
@@ -221,8 +229,9 @@ def main() -> int:
         # Rotate the order so no backend always runs first or last. batchrl comes
         # first in round 0 so the fork server starts with batchrl's preload
         # (numpy, gymnasium, torch), which speeds up both multi-process backends.
-        shift = round_index % len(BACKENDS)
-        order = BACKENDS[shift:] + BACKENDS[:shift]
+        backends = [name for name in BACKENDS if name in args.backends]
+        shift = round_index % len(backends)
+        order = backends[shift:] + backends[:shift]
         for num_envs in args.envs:
             for backend in order:
                 sample = measure(backend, args.env_id, actions[:, :num_envs], args.warmup,
@@ -235,7 +244,7 @@ def main() -> int:
 
     results: dict[int, dict[str, dict[str, Any]]] = {}
     for num_envs in args.envs:
-        for backend in BACKENDS:
+        for backend in [name for name in BACKENDS if name in args.backends]:
             rates = [s["steps_per_s"] for s in samples[(num_envs, backend)]]
             median = statistics.median(rates)
             results.setdefault(num_envs, {})[backend] = {

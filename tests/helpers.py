@@ -201,3 +201,40 @@ def scalar_events(logdir: Path) -> dict[str, list[tuple[int, float]]]:
     accumulator.Reload()
     return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
             for tag in accumulator.Tags()["scalars"]}
+
+
+# -- Gymnasium vector envs ------------------------------------------------
+
+def assert_same_value(got, expected, where: str = "") -> None:
+    """``got`` equals ``expected`` down to array dtypes and shapes (tuples, dicts
+    of arrays with ``_key`` masks, object arrays of observations)."""
+    if isinstance(expected, (tuple, list)):
+        assert type(got) is type(expected) and len(got) == len(expected), where
+        for index, (g, e) in enumerate(zip(got, expected)):
+            assert_same_value(g, e, f"{where}[{index}]")
+    elif isinstance(expected, dict):
+        assert isinstance(got, dict) and got.keys() == expected.keys(), \
+            f"{where}: keys {sorted(got)} != {sorted(expected)}"
+        for key in expected:
+            assert_same_value(got[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, np.ndarray):
+        assert isinstance(got, np.ndarray), f"{where}: {type(got).__name__}"
+        assert (got.dtype, got.shape) == (expected.dtype, expected.shape), \
+            f"{where}: {got.dtype} {got.shape} != {expected.dtype} {expected.shape}"
+        if expected.dtype == object:
+            for index, (g, e) in enumerate(zip(got, expected)):
+                assert_same_value(g, e, f"{where}[{index}]")
+        else:
+            np.testing.assert_array_equal(got, expected, err_msg=where)
+    else:
+        assert type(got) is type(expected) and got == expected, f"{where}: {got!r} != {expected!r}"
+
+
+def assert_same_vector_steps(env, reference, seed: int, steps: int) -> None:
+    """``env`` and ``reference`` (Gymnasium vector envs) return the same for a
+    seeded reset and ``steps`` steps of the same random actions."""
+    assert_same_value(env.reset(seed=seed), reference.reset(seed=seed), "reset")
+    reference.action_space.seed(seed)
+    for t in range(steps):
+        actions = reference.action_space.sample()
+        assert_same_value(env.step(actions), reference.step(actions), f"step {t}")

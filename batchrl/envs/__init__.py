@@ -11,12 +11,13 @@ from batchrl.envs.local import LocalWorker
 from batchrl.envs.process.external import ExternalProcess
 from batchrl.envs.process.shared_memory import EnvWorker
 from batchrl.envs.ray.worker import RayEnvWorker
+from batchrl.envs.vector import BatchVectorEnv, make_vec
 from batchrl.envs.worker import RemoteAttribute, Worker, WorkerEnv
 from batchrl.envs.wrappers import (ClipAction, TimeLimit, convert_to_32bit, range_normalize,
                                    wrap_env)
 
 __all__ = [
-    "BatchEnv", "Worker", "LocalWorker", "ExternalProcess", "EnvWorker", "RayEnvWorker",
+    "BatchEnv", "BatchVectorEnv", "make_vec", "Worker", "LocalWorker", "ExternalProcess", "EnvWorker", "RayEnvWorker",
     "WorkerEnv", "InfoList", "RemoteAttribute",
     "EnvError", "EnvRaisedError", "EnvAttributeError", "EnvCrashedError", "EnvTimeoutError",
     "RayWorkerCrashedError", "UnguardedMainError",
