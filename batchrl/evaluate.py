@@ -1,18 +1,19 @@
 """Evaluate a trained run: the mean-action return of its latest checkpoint.
 
   python -m batchrl.evaluate logs/cartpole --episodes 10
-  python -m batchrl.evaluate logs/cheetah --episodes 30 --video cheetah.mp4
+  python -m batchrl.evaluate logs/cheetah --video cheetah.mp4 --episodes 3
 
 The run's ``config.json`` rebuilds the env (stepped in this process) and the algorithm,
 which loads the checkpoint and acts with its mean (mode) action. ``K`` agents run exactly
-``episodes`` whole episodes between them, so short episodes bias nothing. ``--video``
-first renders one episode into an MP4 (``batchrl.video``; classic control needs pygame).
+``episodes`` whole episodes between them, so short episodes bias nothing. With ``--video``
+the episodes are rendered one after another into an MP4 instead (``batchrl.video``; MuJoCo
+cameras follow the agent; classic control needs pygame); episode ``i`` is reset with seed
+``seed + i`` either way.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -90,36 +91,49 @@ def _build_algorithm(env: TensorBatchEnv, config: Config, algorithm_state: dict[
     return algo
 
 
-def evaluate(logdir: str | Path, episodes: int = 10, checkpoint: str | Path | None = None,
-             seed: int = 0, device: str = "auto", video: str | Path | None = None,
-             agents: int | None = None) -> dict[str, Any]:
+def evaluate(logdir: str | Path, episodes: int | None = None,
+             checkpoint: str | Path | None = None, seed: int = 0, device: str = "auto",
+             video: str | Path | None = None, agents: int | None = None,
+             camera: str | None = None, width: int | None = None,
+             height: int | None = None) -> dict[str, Any]:
     """Mean-action return of a training run's checkpoint.
 
     Args:
       logdir: the run's log directory (``config.json`` and ``ckpt-*.pt``).
-      episodes: whole episodes to average over (0 only together with ``video``).
+      episodes: whole episodes to average over (default 10, or 1 with ``video``).
       checkpoint: a checkpoint file instead of ``logdir``'s newest (the env and
         networks still follow ``logdir``'s config).
-      seed: env ``i`` of the batch is reset with seed ``seed + i`` first.
+      seed: episode ``i`` (env ``i`` of the batch) is reset with seed ``seed + i`` first.
       device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``...
-      video: write one rendered mean-action episode to this ``.mp4`` file.
-      agents: envs stepped in lockstep (default ``min(episodes, env.num_agents)``).
+      video: render the episodes, one after another, into this ``.mp4`` file.
+      agents: envs stepped in lockstep without a video (default ``min(episodes,
+        env.num_agents)``).
+      camera, width, height: the video's MuJoCo camera (default: one that follows
+        the agent; ``"free"``: one that does not) and frame size (``follow_agent``).
 
     Returns:
       A dict with ``score``, ``score_std`` (population std), ``length`` (mean
-      episode length; all three NaN without episodes), ``episodes``, ``scores`` and
-      ``lengths`` (per episode), ``checkpoint`` (path), ``step`` (its training step),
-      ``env_id``, ``agents``, ``video`` (path or ``None``), ``video_frames``.
+      episode length), ``episodes``, ``scores`` and ``lengths`` (per episode),
+      ``checkpoint`` (path), ``step`` (its training step), ``env_id``, ``agents``,
+      ``video`` (path or ``None``), ``video_frames``, ``camera`` (in words, or ``None``).
 
     Raises:
       EvaluationError: no run or checkpoint in ``logdir``, one that does not fit, or a failed video.
       ConfigError, EnvSpecError: a bad argument, saved config or env.
     """
     logdir = Path(logdir)
-    if episodes < 0 or (episodes == 0 and video is None):
-        raise ConfigError(f"episodes must be >= 1 (or 0 with a video), got {episodes}")
+    if episodes is None:
+        episodes = 10 if video is None else 1
+    if episodes < 1:
+        raise ConfigError(f"episodes must be >= 1, got {episodes}")
     if agents is not None and agents < 1:
         raise ConfigError(f"agents must be >= 1, got {agents}")
+    for name, size in (("width", width), ("height", height)):
+        if size is not None and size < 16:
+            raise ConfigError(f"--{name} must be at least 16 pixels, got {size}")
+    if video is None and (camera is not None or width is not None or height is not None):
+        raise ConfigError("--camera, --width and --height shape the video: add "
+                          "--video PATH.mp4")
     video_path = None if video is None else Path(video)
     if video_path is not None:
         if video_path.is_dir():
@@ -160,22 +174,25 @@ def evaluate(logdir: str | Path, episodes: int = 10, checkpoint: str | Path | No
     env = TensorBatchEnv(batch_env, torch_device)
     try:
         algo = _build_algorithm(env, config, state["algorithm"], torch_device, checkpoint_path)
-        frames = 0
-        if video_path is not None:  # first, so that a rendering problem shows at once
+        recording = None
+        if video_path is not None:
             try:
-                frames = record_video(config, algo, torch_device, video_path, seed, gl_failures)
+                recording = record_video(config, algo, torch_device, video_path, seed,
+                                         gl_failures, episodes, camera, width, height)
             except VideoError as exc:
                 raise EvaluationError(str(exc)) from None
-        scores, lengths = evaluate_episodes(env, algo, episodes, seed) if episodes else ([], [])
+            scores, lengths, num_agents = recording.scores, recording.lengths, 1
+        else:
+            scores, lengths = evaluate_episodes(env, algo, episodes, seed)
     finally:
         env.close()
-    return {"score": float(np.mean(scores)) if scores else math.nan,
-            "score_std": float(np.std(scores)) if scores else math.nan,
-            "length": float(np.mean(lengths)) if lengths else math.nan,
-            "episodes": len(scores), "scores": scores, "lengths": lengths,
-            "checkpoint": str(checkpoint_path), "step": step, "env_id": config.env.id,
-            "agents": num_agents, "video": None if video_path is None else str(video_path),
-            "video_frames": frames}
+    return {"score": float(np.mean(scores)), "score_std": float(np.std(scores)),
+            "length": float(np.mean(lengths)), "episodes": len(scores), "scores": scores,
+            "lengths": lengths, "checkpoint": str(checkpoint_path), "step": step,
+            "env_id": config.env.id, "agents": num_agents,
+            "video": None if video_path is None else str(video_path),
+            "video_frames": 0 if recording is None else recording.frames,
+            "camera": None if recording is None else recording.camera}
 
 
 def main(argv: list[str] | None = None, command: str = "python -m batchrl.evaluate") -> int:
@@ -187,31 +204,41 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.evalua
         epilog="MuJoCo videos render offscreen with the OpenGL backend in MUJOCO_GL "
                "(egl, osmesa, glfw); when unset, a working one is chosen.")
     parser.add_argument("logdir", type=Path, help="the run's log directory")
-    parser.add_argument("--episodes", type=int, default=10,
-                        help="episodes to average over (default 10; 0 with --video: video only)")
+    parser.add_argument("--episodes", type=int, default=None,
+                        help="episodes to average over (default 10; with --video: episodes "
+                             "to record, default 1)")
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="a checkpoint file (default: the newest in LOGDIR)")
     parser.add_argument("--seed", type=int, default=0, help="env i is seeded with SEED + i")
     parser.add_argument("--device", default="auto",
                         help="auto (CUDA when available), cpu or cuda (default auto)")
     parser.add_argument("--video", type=Path, default=None, metavar="PATH.mp4",
-                        help="also render one mean-action episode into this MP4 file")
+                        help="render the episodes one after another into this MP4 file")
+    parser.add_argument("--camera", default=None, metavar="NAME",
+                        help="the video's MuJoCo camera (default: the model's tracking camera "
+                             "or one following the agent; 'free': one that stays put)")
+    parser.add_argument("--width", type=int, default=None,
+                        help="video frame width in pixels (default: the env's)")
+    parser.add_argument("--height", type=int, default=None,
+                        help="video frame height in pixels (default: the env's)")
     parser.add_argument("--agents", type=int, default=None, metavar="K",
                         help="envs stepped in lockstep (default: min(episodes, env.num_agents))")
     args = parser.parse_args(argv)
     try:
         result = evaluate(args.logdir, args.episodes, args.checkpoint, args.seed, args.device,
-                          args.video, args.agents)
+                          args.video, args.agents, args.camera, args.width, args.height)
     except (EvaluationError, ConfigError, EnvSpecError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"{result['env_id']}, {result['checkpoint']} (step {result['step']:,}), mean actions, "
           f"{result['agents']} agent{'s' if result['agents'] != 1 else ''}")
     if result["video"] is not None:
-        print(f"Video: {result['video']} ({result['video_frames']} frames)")
-    if result["episodes"]:
-        print(f"{result['score']:.1f} ± {result['score_std']:.1f} return over "
-              f"{result['episodes']} episodes, mean length {result['length']:.1f}")
+        print(f"Video: {result['video']} ({result['video_frames']} frames, "
+              f"{result['camera']})")
+        for index, (score, length) in enumerate(zip(result["scores"], result["lengths"]), 1):
+            print(f"  episode {index}: return {score:,.1f}, {length} steps")
+    print(f"{result['score']:.1f} ± {result['score_std']:.1f} return over "
+          f"{result['episodes']} episodes, mean length {result['length']:.1f}")
     return 0
 
 

@@ -6,6 +6,7 @@ first OpenGL backend that renders before MuJoCo's renderer is imported (Gymnasiu
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -29,7 +30,7 @@ from batchrl.simulation import simulate
 from batchrl.tensor_env import TensorBatchEnv
 
 __all__ = ["VideoError", "find_gl_backend", "select_gl_backend", "video_writer_problem",
-           "record_video", "FrameRecorder"]
+           "follow_agent", "record_video", "Recording", "FrameRecorder", "FREE_CAMERA"]
 
 GL_BACKENDS = ("egl", "osmesa", "glfw")
 
@@ -127,6 +128,63 @@ def video_writer_problem() -> str | None:
     return None
 
 
+#: ``--camera`` value for Gymnasium's default view: a free camera that stays where it starts.
+FREE_CAMERA = "free"
+
+
+def follow_agent(env: gym.Env, camera: str | None = None, width: int | None = None,
+                 height: int | None = None) -> str:
+    """Point a MuJoCo env's ``rgb_array`` renderer (before its first frame) at a camera that
+    keeps the agent in view, and set its frame size; returns which camera, in words.
+
+    ``camera``: a camera of the model by name, ``FREE_CAMERA``, or ``None``: the model's first
+    tracking camera (``mode="track"``/``"trackcom"``), else a free camera that follows the
+    first body under the world. Other envs render as they do (no ``camera`` or size then).
+    """
+    base = env.unwrapped
+    renderer = getattr(base, "mujoco_renderer", None)
+    model = getattr(base, "model", None)
+    if renderer is None or model is None:
+        if camera is not None or width is not None or height is not None:
+            raise VideoError(f"--camera, --width and --height apply to MuJoCo envs; "
+                             f"{type(base).__name__} renders its own view")
+        return "the env's own view"
+    import mujoco
+    if width is not None or height is not None:
+        renderer.width = width or renderer.width
+        renderer.height = height or renderer.height
+        # MuJoCo's offscreen buffer must hold the frame.
+        model.vis.global_.offwidth = max(model.vis.global_.offwidth, renderer.width)
+        model.vis.global_.offheight = max(model.vis.global_.offheight, renderer.height)
+    names = [mujoco.mj_id2name(model, mujoco.mjtObj.mjOBJ_CAMERA, i) for i in range(model.ncam)]
+    if camera == FREE_CAMERA:
+        renderer.camera_id = -1
+        return "the free camera"
+    if camera is not None:
+        if camera not in names:
+            named = ", ".join(repr(name) for name in names if name) or "none"
+            raise VideoError(f"the model has no camera {camera!r}; its cameras: {named} "
+                             f"(or {FREE_CAMERA!r}: a camera that does not follow the agent)")
+        renderer.camera_id = names.index(camera)
+        return f"camera {camera!r}"
+    tracking = {int(mujoco.mjtCamLight.mjCAMLIGHT_TRACK),
+                int(mujoco.mjtCamLight.mjCAMLIGHT_TRACKCOM)}
+    for index in range(model.ncam):
+        if int(model.cam_mode[index]) in tracking:
+            renderer.camera_id = index
+            return f"the model's tracking camera {names[index] or index!r}"
+    roots = [body for body in range(1, model.nbody) if model.body_parentid[body] == 0]
+    if not roots:
+        renderer.camera_id = -1
+        return "the free camera"
+    renderer.default_cam_config = {**(renderer.default_cam_config or {}),
+                                   "type": mujoco.mjtCamera.mjCAMERA_TRACKING,
+                                   "trackbodyid": roots[0]}
+    renderer.camera_id = None  # keep the tracking camera (-1 would reset it to a free one)
+    body = mujoco.mj_id2name(model, mujoco.mjtObj.mjOBJ_BODY, roots[0]) or roots[0]
+    return f"a camera following body {body!r}"
+
+
 class _RenderError(Exception):
     """``env.render()`` failed; wraps the original error."""
 
@@ -176,11 +234,25 @@ def _runtime_dir() -> None:
     os.environ["XDG_RUNTIME_DIR"] = path
 
 
+@dataclasses.dataclass
+class Recording:
+    """What ``record_video`` wrote: frames, the camera (in words), and each episode's
+    return and length."""
+
+    frames: int
+    camera: str
+    scores: list[float]
+    lengths: list[int]
+
+
 def record_video(config: Config, algo: Algorithm, device: torch.device, path: Path,
-                 seed: int, failures: dict[str, str]) -> int:
-    """Render one episode of ``algo`` (in its current mode: ``algo.eval()`` for mean
-    actions) in ``config``'s env, reset with ``seed``, into ``path``; returns the number
-    of frames. ``failures``: ``select_gl_backend``'s, for the error messages."""
+                 seed: int, failures: dict[str, str], episodes: int = 1,
+                 camera: str | None = None, width: int | None = None,
+                 height: int | None = None) -> Recording:
+    """Render ``episodes`` episodes of ``algo`` (in its current mode: ``algo.eval()`` for mean
+    actions) one after another in ``config``'s env into ``path``; episode ``i`` is reset with
+    ``seed + i``. ``camera``, ``width``, ``height``: see ``follow_agent``. ``failures``:
+    ``select_gl_backend``'s, for the error messages."""
     import imageio.v2 as imageio
 
     _runtime_dir()
@@ -195,6 +267,11 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
             raise
         raise VideoError(f"cannot build {env_config.id} with render_mode='rgb_array': "
                          f"{exc}") from None
+    try:
+        view = follow_agent(raw, camera, width, height)
+    except VideoError:
+        raw.close()
+        raise
     fps = float(raw.metadata.get("render_fps") or 30)
     frames = 0
     writer = None
@@ -220,12 +297,19 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
     recorder = FrameRecorder(wrap_env(raw, normalize_ranges=env_config.normalize_ranges),
                              write)
     env = TensorBatchEnv(BatchEnv([recorder]), device)
+    scores: list[float] = []
+    lengths: list[int] = []
     completed = False
     try:
         recorder.recording = True
-        done, _, _ = simulate(env, algo, reset=True, seed=seed)
-        while not bool(done[0]):
-            done, _, _ = simulate(env, algo)
+        for episode in range(episodes):
+            done, score, _ = simulate(env, algo, reset=True, seed=seed + episode)
+            length = 1
+            while not bool(done[0]):
+                done, score, _ = simulate(env, algo)
+                length += 1
+            scores.append(float(score[0]))
+            lengths.append(length)
         completed = True
     except EnvRaisedError as exc:  # the env layer names the env; the cause is ours
         if not isinstance(exc.__cause__, _RenderError):
@@ -242,4 +326,4 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
                 raise VideoError(f"cannot write the video {path}: {exc}") from None
         finally:
             env.close()
-    return frames
+    return Recording(frames, view, scores, lengths)

@@ -238,3 +238,30 @@ def assert_same_vector_steps(env, reference, seed: int, steps: int) -> None:
     for t in range(steps):
         actions = reference.action_space.sample()
         assert_same_value(env.step(actions), reference.step(actions), f"step {t}")
+
+
+# -- videos ---------------------------------------------------------------
+
+class PushedForward(gym.Wrapper):
+    """Moves the model's root ``push`` metres along x before every step, so that even
+    an untrained policy travels far (for camera tests)."""
+
+    def __init__(self, env: gym.Env, push: float):
+        super().__init__(env)
+        self.push = push
+
+    def step(self, action):
+        self.unwrapped.data.qpos[0] += self.push
+        return self.env.step(action)
+
+
+def make_pushed_cheetah(push: float = 0.25, **kwargs) -> gym.Env:
+    """HalfCheetah-v5 pushed forward ``push`` metres per step (``helpers:make_pushed_cheetah``)."""
+    return PushedForward(gym.make("HalfCheetah-v5", **kwargs), push)
+
+
+def agent_pixels(frame: np.ndarray) -> int:
+    """Pixels of HalfCheetah's body in an RGB frame: its tan and pink geoms, against a
+    grey floor and sky (their red channel well above the blue one)."""
+    rgb = frame[..., :3].astype(np.int32)
+    return int(((rgb[..., 0] - rgb[..., 2] > 40) & (rgb[..., 0] > 90)).sum())

@@ -15,6 +15,7 @@ from batchrl.checkpoint import list_checkpoints
 from batchrl.config import ConfigError, load_config
 from batchrl.evaluate import EvaluationError, evaluate, find_gl_backend, main, video_writer_problem
 from batchrl.trainer import Trainer
+from helpers import agent_pixels
 
 RESULT_LINE = re.compile(r"^(-?\d+\.\d) ± (\d+\.\d) return over (\d+) episodes, "
                          r"mean length (\d+\.\d)$", re.MULTILINE)
@@ -111,9 +112,9 @@ def test_classic_control_video_needs_pygame_or_works(cartpole_run, tmp_path, mon
         import pygame  # noqa: F401
     except ImportError:
         with pytest.raises(EvaluationError, match="pygame"):
-            evaluate(cartpole_run, episodes=0, video=path)
+            evaluate(cartpole_run, video=path)
     else:
-        result = evaluate(cartpole_run, episodes=0, video=path)
+        result = evaluate(cartpole_run, video=path)
         assert result["video_frames"] >= 2 and path.stat().st_size > 1000
         assert "XDG_RUNTIME_DIR" not in capfd.readouterr().err  # SDL's complaint
 
@@ -145,10 +146,78 @@ def test_mujoco_video(tmp_path):
     process = run_cli(logdir, "--episodes", "2", "--video", video, "--device", "cpu")
     assert process.returncode == 0, process.stderr
     assert RESULT_LINE.search(process.stdout), process.stdout
-    # Reacher-v5 never terminates: a 50-step episode is 51 frames with the reset one.
-    assert f"({50 + 1} frames)" in process.stdout
+    # Reacher-v5 never terminates: a 50-step episode is 51 frames with the reset one;
+    # it has no camera of its own, so a free one follows its first body.
+    assert "(102 frames, a camera following body 'body0')" in process.stdout
+    assert "  episode 2: return " in process.stdout and ", 50 steps" in process.stdout
     assert video.stat().st_size > 2000
     frames, _ = imageio_ffmpeg.count_frames_and_secs(str(video))
-    assert frames == 51
+    assert frames == 102
     first = imageio.get_reader(video).get_data(0)
     assert first.ndim == 3 and first.shape[2] == 3 and first.std() > 5  # not a blank frame
+
+
+@pytest.fixture(scope="module")
+def pushed_cheetah_run(tmp_path_factory) -> Path:
+    """A barely trained HalfCheetah that a wrapper pushes 0.25 m forward per step:
+    about 40 m in its 150-step episode."""
+    reason = _video_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    logdir = tmp_path_factory.mktemp("pushed")
+    Trainer(load_config("halfcheetah", [
+        'env.id="helpers:make_pushed_cheetah"', "env.backend=inline", "env.num_agents=1",
+        "env.max_length=150", "train.steps=150", "train.eval_episodes=1",
+        "ppo.update_every=1", "ppo.update_epochs=1", "ppo.policy_layers=[8]",
+        "ppo.value_layers=[8]", "ppo.inference=\"eager\""]), logdir, progress=False).run()
+    return logdir
+
+
+def test_the_video_keeps_a_running_agent_in_view(pushed_cheetah_run, tmp_path):
+    import imageio.v2 as imageio
+
+    def visible(camera):
+        path = tmp_path / f"{camera}.mp4"
+        result = evaluate(pushed_cheetah_run, video=path, camera=camera, width=160,
+                          height=120, device="cpu")
+        with imageio.get_reader(path) as reader:
+            frames = list(reader.iter_data())
+        assert len(frames) == result["video_frames"] == 151
+        assert frames[0].shape == (120, 160, 3)
+        return result, np.mean([agent_pixels(frame) > 30 for frame in frames])
+
+    result, share = visible(None)
+    assert result["camera"] == "the model's tracking camera 'track'" and share > 0.95
+    # Gymnasium's default view loses it within the first metres.
+    result, share = visible("free")
+    assert result["camera"] == "the free camera" and share < 0.3
+
+
+def test_video_camera_errors_exit_2(pushed_cheetah_run, tmp_path, capsys):
+    video = tmp_path / "v.mp4"
+    assert main([str(pushed_cheetah_run), "--video", str(video), "--camera", "nosuch"]) == 2
+    error = capsys.readouterr().err
+    assert "the model has no camera 'nosuch'; its cameras: 'track'" in error
+    assert main([str(pushed_cheetah_run), "--camera", "track"]) == 2
+    assert "add --video PATH.mp4" in capsys.readouterr().err
+    assert main([str(pushed_cheetah_run), "--video", str(video), "--width", "8"]) == 2
+    assert "at least 16 pixels" in capsys.readouterr().err
+    assert not video.exists()
+
+
+def test_a_model_without_a_tracking_camera_gets_a_following_one(pushed_cheetah_run):
+    from batchrl.video import follow_agent
+    from helpers import make_pushed_cheetah
+
+    env = make_pushed_cheetah(render_mode="rgb_array", width=160, height=120)
+    try:
+        env.unwrapped.model.cam_mode[0] = 0  # the "track" camera made a fixed one
+        assert follow_agent(env) == "a camera following body 'torso'"
+        env.reset(seed=0)
+        seen = []
+        for _ in range(150):
+            env.step(np.zeros(6, np.float32))
+            seen.append(agent_pixels(env.render()) > 30)
+        assert np.mean(seen) > 0.95
+    finally:
+        env.close()
