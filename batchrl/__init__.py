@@ -3,7 +3,7 @@
 The main names are importable from here::
 
     from batchrl import (simulate, BatchEnv, TensorBatchEnv, ExternalProcess, EnvWorker,
-                         make_batch_env, Algorithm, BatchPPO, Reinforce)
+                         make_batch_env, BatchVectorEnv, Algorithm, BatchPPO, Reinforce)
 
 Those that need torch are imported on first use: every env worker process imports
 this package, and torch would add seconds to its start and memory to each.
@@ -11,7 +11,8 @@ this package, and torch would add seconds to its start and memory to each.
 
 import importlib
 
-from batchrl.envs import BatchEnv, EnvWorker, ExternalProcess, RayEnvWorker, wrap_env
+from batchrl.envs import (BatchEnv, BatchVectorEnv, EnvWorker, ExternalProcess, RayEnvWorker,
+                          make_vec, wrap_env)
 from batchrl.envs.factory import make_batch_env
 
 __version__ = "0.1.0"
@@ -27,8 +28,8 @@ _TORCH_NAMES = {
     "Reinforce": "batchrl.algos.reinforce",
 }
 
-__all__ = ["BatchEnv", "EnvWorker", "ExternalProcess", "RayEnvWorker", "wrap_env",
-           "make_batch_env", *_TORCH_NAMES]
+__all__ = ["BatchEnv", "BatchVectorEnv", "EnvWorker", "ExternalProcess", "RayEnvWorker",
+           "make_vec", "wrap_env", "make_batch_env", *_TORCH_NAMES]
 
 
 def __getattr__(name: str):  # noqa: ANN202 - PEP 562
