@@ -29,8 +29,9 @@ from batchrl.envs.factory import make_batch_env
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.simulation import evaluate_episodes
 from batchrl.trainer import CONFIG_FILE, load_saved_config, resolve_device
-from batchrl.video import (VideoError, find_gl_backend, from_opengl, opengl_failure, record_video,
-                           select_gl_backend, video_writer_problem)
+from batchrl.video import (VIDEO_SUFFIXES, VideoError, find_gl_backend, from_opengl,
+                           opengl_failure, record_video, select_gl_backend,
+                           video_writer_problem)
 
 __all__ = ["EvaluationError", "evaluate", "find_gl_backend", "video_writer_problem", "main"]
 
@@ -95,7 +96,7 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
              checkpoint: str | Path | None = None, seed: int = 0, device: str = "auto",
              video: str | Path | None = None, agents: int | None = None,
              camera: str | None = None, width: int | None = None,
-             height: int | None = None) -> dict[str, Any]:
+             height: int | None = None, max_frames: int | None = None) -> dict[str, Any]:
     """Mean-action return of a training run's checkpoint.
 
     Args:
@@ -105,11 +106,13 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
         networks still follow ``logdir``'s config).
       seed: episode ``i`` (env ``i`` of the batch) is reset with seed ``seed + i`` first.
       device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``...
-      video: render the episodes, one after another, into this ``.mp4`` file.
+      video: render the episodes, one after another, into this ``.mp4`` file (or a
+        ``.gif``/``.webp`` animation).
       agents: envs stepped in lockstep without a video (default ``min(episodes,
         env.num_agents)``).
       camera, width, height: the video's MuJoCo camera (default: one that follows
         the agent; ``"free"``: one that does not) and frame size (``follow_agent``).
+      max_frames: record at most this many frames (the episodes still count whole).
 
     Returns:
       A dict with ``score``, ``score_std`` (population std), ``length`` (mean
@@ -131,18 +134,21 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
     for name, size in (("width", width), ("height", height)):
         if size is not None and size < 16:
             raise ConfigError(f"--{name} must be at least 16 pixels, got {size}")
-    if video is None and (camera is not None or width is not None or height is not None):
-        raise ConfigError("--camera, --width and --height shape the video: add "
+    if max_frames is not None and max_frames < 1:
+        raise ConfigError(f"--max-frames must be >= 1, got {max_frames}")
+    if video is None and (camera is not None or width is not None or height is not None
+                          or max_frames is not None):
+        raise ConfigError("--camera, --width, --height and --max-frames shape the video: add "
                           "--video PATH.mp4")
     video_path = None if video is None else Path(video)
     if video_path is not None:
         if video_path.is_dir():
             raise ConfigError(f"--video {video_path} is a directory; give a file name "
                               f"ending in .mp4")
-        if video_path.suffix.lower() != ".mp4":
-            raise ConfigError(f"the video is written as MP4: give a path ending in .mp4, "
-                              f"got {str(video_path)!r}")
-        problem = video_writer_problem()
+        if video_path.suffix.lower() not in VIDEO_SUFFIXES:
+            raise ConfigError(f"the video is written as MP4, GIF or WebP: give a path ending "
+                              f"in {', '.join(VIDEO_SUFFIXES)}, got {str(video_path)!r}")
+        problem = video_writer_problem() if video_path.suffix.lower() == ".mp4" else None
         if problem:
             raise EvaluationError(problem)
     config, checkpoint_path = _load_run(logdir, None if checkpoint is None else Path(checkpoint))
@@ -178,7 +184,8 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
         if video_path is not None:
             try:
                 recording = record_video(config, algo, torch_device, video_path, seed,
-                                         gl_failures, episodes, camera, width, height)
+                                         gl_failures, episodes, camera, width, height,
+                                         max_frames)
             except VideoError as exc:
                 raise EvaluationError(str(exc)) from None
             scores, lengths, num_agents = recording.scores, recording.lengths, 1
@@ -213,7 +220,8 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.evalua
     parser.add_argument("--device", default="auto",
                         help="auto (CUDA when available), cpu or cuda (default auto)")
     parser.add_argument("--video", type=Path, default=None, metavar="PATH.mp4",
-                        help="render the episodes one after another into this MP4 file")
+                        help="render the episodes one after another into this MP4 file "
+                             "(or a .gif or .webp animation)")
     parser.add_argument("--camera", default=None, metavar="NAME",
                         help="the video's MuJoCo camera (default: the model's tracking camera "
                              "or one following the agent; 'free': one that stays put)")
@@ -221,12 +229,16 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.evalua
                         help="video frame width in pixels (default: the env's)")
     parser.add_argument("--height", type=int, default=None,
                         help="video frame height in pixels (default: the env's)")
+    parser.add_argument("--max-frames", type=int, default=None, metavar="N",
+                        help="record at most N frames (a short preview; the episodes still "
+                             "run to their end)")
     parser.add_argument("--agents", type=int, default=None, metavar="K",
                         help="envs stepped in lockstep (default: min(episodes, env.num_agents))")
     args = parser.parse_args(argv)
     try:
         result = evaluate(args.logdir, args.episodes, args.checkpoint, args.seed, args.device,
-                          args.video, args.agents, args.camera, args.width, args.height)
+                          args.video, args.agents, args.camera, args.width, args.height,
+                          args.max_frames)
     except (EvaluationError, ConfigError, EnvSpecError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,5 +1,5 @@
-"""Render a policy's episode into an MP4 offscreen, with imageio's ffmpeg writer (the
-``video`` extra). A set ``MUJOCO_GL`` is used as it is; else ``select_gl_backend`` sets the
+"""Render a policy's episodes offscreen into an MP4, with imageio's ffmpeg writer (the
+``video`` extra), or into a GIF or WebP animation. A set ``MUJOCO_GL`` is used as it is; else ``select_gl_backend`` sets the
 first OpenGL backend that renders before MuJoCo's renderer is imported (Gymnasium would try
 ``glfw`` first, which fails without a display)."""
 
@@ -30,7 +30,8 @@ from batchrl.simulation import simulate
 from batchrl.tensor_env import TensorBatchEnv
 
 __all__ = ["VideoError", "find_gl_backend", "select_gl_backend", "video_writer_problem",
-           "follow_agent", "record_video", "Recording", "FrameRecorder", "FREE_CAMERA"]
+           "follow_agent", "record_video", "Recording", "FrameRecorder", "FREE_CAMERA",
+           "VIDEO_SUFFIXES"]
 
 GL_BACKENDS = ("egl", "osmesa", "glfw")
 
@@ -245,15 +246,22 @@ class Recording:
     lengths: list[int]
 
 
+#: File types ``record_video`` writes: MP4 with ffmpeg, animations with Pillow.
+VIDEO_SUFFIXES = (".mp4", ".gif", ".webp")
+
+
 def record_video(config: Config, algo: Algorithm, device: torch.device, path: Path,
                  seed: int, failures: dict[str, str], episodes: int = 1,
                  camera: str | None = None, width: int | None = None,
-                 height: int | None = None) -> Recording:
+                 height: int | None = None, max_frames: int | None = None) -> Recording:
     """Render ``episodes`` episodes of ``algo`` (in its current mode: ``algo.eval()`` for mean
-    actions) one after another in ``config``'s env into ``path``; episode ``i`` is reset with
-    ``seed + i``. ``camera``, ``width``, ``height``: see ``follow_agent``. ``failures``:
+    actions) one after another in ``config``'s env into ``path`` (``VIDEO_SUFFIXES``; a GIF
+    or WebP animation is kept in memory until written); episode ``i`` is reset with
+    ``seed + i``. ``camera``, ``width``, ``height``: see ``follow_agent``; ``max_frames``: stop
+    recording after this many frames (the episodes still run to their end). ``failures``:
     ``select_gl_backend``'s, for the error messages."""
     import imageio.v2 as imageio
+    import imageio.v3 as iio
 
     _runtime_dir()
     env_config = config.env
@@ -275,9 +283,16 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
     fps = float(raw.metadata.get("render_fps") or 30)
     frames = 0
     writer = None
+    animation: list[np.ndarray] | None = None if path.suffix.lower() == ".mp4" else []
 
     def write(frame: np.ndarray) -> None:
         nonlocal writer, frames
+        frames += 1
+        if frames == max_frames:
+            recorder.recording = False
+        if animation is not None:
+            animation.append(np.ascontiguousarray(frame[..., :3], dtype=np.uint8))
+            return
         try:
             if writer is None:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -292,7 +307,6 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
             writer.append_data(np.ascontiguousarray(frame[..., :3], dtype=np.uint8))
         except (OSError, RuntimeError, ValueError) as exc:
             raise VideoError(f"cannot write the video {path}: {exc}") from None
-        frames += 1
 
     recorder = FrameRecorder(wrap_env(raw, normalize_ranges=env_config.normalize_ranges),
                              write)
@@ -321,6 +335,9 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
         try:
             if writer is not None:
                 writer.close()  # ffmpeg finishes the file
+            if animation and completed:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                iio.imwrite(path, np.stack(animation), duration=1000.0 / fps, loop=0)
         except Exception as exc:
             if completed:  # else the error on the way out says more
                 raise VideoError(f"cannot write the video {path}: {exc}") from None

@@ -221,3 +221,17 @@ def test_a_model_without_a_tracking_camera_gets_a_following_one(pushed_cheetah_r
         assert np.mean(seen) > 0.95
     finally:
         env.close()
+
+
+@pytest.mark.parametrize("suffix", [".gif", ".webp"])
+def test_a_short_animated_preview(pushed_cheetah_run, tmp_path, suffix):
+    from PIL import Image
+
+    path = tmp_path / f"preview{suffix}"
+    result = evaluate(pushed_cheetah_run, video=path, width=160, height=120, max_frames=20,
+                      device="cpu")
+    assert result["video_frames"] == 20 and result["lengths"] == [150]  # the episode is whole
+    with Image.open(path) as image:
+        assert image.is_animated and image.n_frames == 20 and image.size == (160, 120)
+    with pytest.raises(ConfigError, match="max-frames must be >= 1"):
+        evaluate(pushed_cheetah_run, video=path, max_frames=0)
