@@ -337,7 +337,10 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
                 writer.close()  # ffmpeg finishes the file
             if animation and completed:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                iio.imwrite(path, np.stack(animation), duration=1000.0 / fps, loop=0)
+                # WebP at quality 60: a preview of a few hundred KB that still looks sharp.
+                options = {"quality": 60} if path.suffix.lower() == ".webp" else {}
+                iio.imwrite(path, np.stack(animation), duration=1000.0 / fps, loop=0,
+                            **options)
         except Exception as exc:
             if completed:  # else the error on the way out says more
                 raise VideoError(f"cannot write the video {path}: {exc}") from None
