@@ -131,6 +131,9 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
         raise ConfigError(f"episodes must be >= 1, got {episodes}")
     if agents is not None and agents < 1:
         raise ConfigError(f"agents must be >= 1, got {agents}")
+    if agents is not None and video is not None:
+        raise ConfigError("--agents sets the envs stepped in lockstep without a video; "
+                          "--video records its episodes one after another in one env")
     for name, size in (("width", width), ("height", height)):
         if size is not None and size < 16:
             raise ConfigError(f"--{name} must be at least 16 pixels, got {size}")
@@ -157,7 +160,7 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
     except RuntimeError as exc:  # torch's own error for a malformed device string
         raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r} "
                           f"({exc})") from None
-    num_agents = min(agents or config.env.num_agents, max(episodes, 1))
+    num_agents = 1 if video_path is not None else min(agents or config.env.num_agents, episodes)
     if not config.algorithm.cls.per_agent_state:
         # Its state_dict() may be sized by the training run's agents throughout.
         num_agents = config.env.num_agents

@@ -1,7 +1,8 @@
 """Render a policy's episodes offscreen into an MP4, with imageio's ffmpeg writer (the
-``video`` extra), or into a GIF or WebP animation. A set ``MUJOCO_GL`` is used as it is; else ``select_gl_backend`` sets the
-first OpenGL backend that renders before MuJoCo's renderer is imported (Gymnasium would try
-``glfw`` first, which fails without a display)."""
+``video`` extra), or into a GIF or WebP animation; MuJoCo cameras follow the agent. A set
+``MUJOCO_GL`` is used as it is; else ``select_gl_backend`` sets the first OpenGL backend that
+renders before MuJoCo's renderer is imported (Gymnasium would try ``glfw`` first, which
+fails without a display)."""
 
 from __future__ import annotations
 

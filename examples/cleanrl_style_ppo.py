@@ -2,7 +2,7 @@
 file, read top to bottom), running on batchrl's ``BatchVectorEnv``.
 
 The only batchrl line is the one that builds the vector env; swap it for
-``gym.vector.AsyncVectorEnv(env_fns)`` and the script runs the same way, slower.
+``gym.vector.AsyncVectorEnv(env_fns)`` and the script runs unchanged.
 
     python examples/cleanrl_style_ppo.py                    # CartPole-v1 to 500
     python examples/cleanrl_style_ppo.py --total-steps 200000 --num-envs 16
@@ -74,6 +74,14 @@ def main(argv: list[str] | None = None) -> float:
     make = lambda: gym.make(args.env_id)  # noqa: E731
     # The one-line swap: gym.vector.AsyncVectorEnv([make] * args.num_envs) works here too.
     envs = gym.wrappers.vector.RecordEpisodeStatistics(BatchVectorEnv([make] * args.num_envs))
+    try:
+        return train(args, envs)
+    finally:
+        envs.close()  # stops the worker processes
+
+
+def train(args: argparse.Namespace, envs: gym.vector.VectorEnv) -> float:
+    """The PPO loop on ``envs``; returns the mean greedy-episode return."""
     agent = Agent(int(np.prod(envs.single_observation_space.shape)),
                   int(envs.single_action_space.n))
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
@@ -106,10 +114,11 @@ def main(argv: list[str] | None = None) -> float:
             next_observ, reward, terminated, truncated, infos = envs.step(actions[t].numpy())
             rewards[t] = torch.as_tensor(reward, dtype=torch.float32)
             # A truncated episode would go on: bootstrap from the value of its last state.
-            if truncated.any():
+            cut = truncated & ~terminated
+            if cut.any():
                 with torch.no_grad():
-                    last = agent.value(torch.as_tensor(next_observ[truncated]))
-                rewards[t, torch.as_tensor(truncated)] += args.gamma * last
+                    last = agent.value(torch.as_tensor(next_observ[cut]))
+                rewards[t, torch.as_tensor(cut)] += args.gamma * last
             dones[t] = torch.as_tensor(terminated | truncated, dtype=torch.float32)
             resetting = dones[t]
             observ = torch.as_tensor(next_observ)
@@ -160,7 +169,6 @@ def main(argv: list[str] | None = None) -> float:
               f"{steps / (time.perf_counter() - start):,.0f} steps/s", flush=True)
 
     greedy = evaluate(agent, envs, args.seed + 1000)
-    envs.close()
     print(f"greedy episode returns: {greedy.tolist()}  mean {greedy.mean():.1f}")
     return float(greedy.mean())
 

@@ -205,9 +205,13 @@ def test_video_camera_errors_exit_2(pushed_cheetah_run, tmp_path, capsys):
     assert not video.exists()
 
 
-def test_a_model_without_a_tracking_camera_gets_a_following_one(pushed_cheetah_run):
+def test_a_model_without_a_tracking_camera_gets_a_following_one():
     from batchrl.video import follow_agent
     from helpers import make_pushed_cheetah
+
+    reason = _video_skip_reason()
+    if reason:
+        pytest.skip(reason)
 
     env = make_pushed_cheetah(render_mode="rgb_array", width=160, height=120)
     try:

@@ -4,9 +4,11 @@ The same envs, seeds and actions go through envs in this process, one child
 process per env (``ExternalProcess``), shared-memory workers (``EnvWorker``)
 and Ray actors (``RayEnvWorker``, on a real cluster on 127.0.0.1). Each must
 give the trajectories of plain in-process envs, raise the same errors for the
-same faults, forward attribute access, skip the envs it is told to skip, and
-(except in-process envs) restart a failed worker; a ``BatchVectorEnv`` on it
-steps as Gymnasium's ``SyncVectorEnv``. A new transport joins by adding an entry to ``TRANSPORTS``.
+same faults, forward attribute access, reset the envs it is told to reset
+instead of stepping them, and (except in-process envs) restart a failed
+worker; a ``BatchVectorEnv`` on it steps as Gymnasium's ``SyncVectorEnv``. A
+new transport joins by adding an entry to ``TRANSPORTS`` (and its
+``batch_env_from`` options to ``VECTOR_LAYOUTS``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from batchrl.envs import BatchEnv, EnvRaisedError, EnvWorker, ExternalProcess
+from batchrl.envs import BatchEnv, BatchVectorEnv, EnvRaisedError, EnvWorker, ExternalProcess
 from helpers import (CountingEnv, assert_same_log, assert_same_vector_steps, fails_at,
                      make_cartpole, make_cheetah, raise_site, rollout)
 
@@ -122,18 +124,18 @@ def test_a_failed_worker_restarts_or_in_process_envs_raise(transport):
     assert observ[kept, 0].tolist() == [2.0] * len(kept)
 
 
-def test_skipped_envs_are_not_stepped(transport):
+def test_autoreset_envs_are_reset_instead_of_stepped(transport):
     batch = transport([CountingEnv] * 4)
     batch.reset(seed=0)
     batch.step(np.zeros(4, np.int64))
-    skip = np.array([False, True, False, True])
-    observ, reward, terminated, truncated, infos = batch.step(np.zeros(4, np.int64), skip)
+    autoreset = np.array([False, True, False, True])
+    observ, reward, terminated, truncated, infos = batch.step(np.zeros(4, np.int64), autoreset)
     assert observ[:, 0].tolist() == [2, 0, 2, 0] and reward.tolist() == [2, 0, 2, 0]
     assert not terminated.any() and not truncated.any()
-    assert list(infos) == [{"count": 2}, {}, {"count": 2}, {}]
+    assert list(infos) == [{"count": 2}, {"reset": True}, {"count": 2}, {"reset": True}]
     observ, *_ = batch.step(np.zeros(4, np.int64))
-    assert observ[:, 0].tolist() == [3, 2, 3, 2]
-    assert [env.count for env in batch.envs] == [3, 2, 3, 2]
+    assert observ[:, 0].tolist() == [3, 1, 3, 1]
+    assert [env.count for env in batch.envs] == [3, 1, 3, 1]
 
 
 # The layout options that put a BatchVectorEnv's envs on each transport.
@@ -145,7 +147,6 @@ VECTOR_LAYOUTS = {"local": dict(backend="inline"), "process": dict(backend="proc
 @pytest.mark.parametrize("mode", [gym.vector.AutoresetMode.NEXT_STEP,
                                   gym.vector.AutoresetMode.SAME_STEP], ids=["next", "same"])
 def test_vector_env_steps_as_sync_vector_env(transport, mode):
-    from batchrl.envs import BatchVectorEnv
     make = functools.partial(gym.make, "CartPole-v1", max_episode_steps=25)
     with BatchVectorEnv([make] * 4, mode, **VECTOR_LAYOUTS[transport.name]) as env, \
             closing(gym.vector.SyncVectorEnv([make] * 4, autoreset_mode=mode)) as reference:

@@ -17,7 +17,8 @@ from batchrl.envs.wrappers import (ClipAction, TimeLimit, convert_to_32bit, rang
                                    wrap_env)
 
 __all__ = [
-    "BatchEnv", "BatchVectorEnv", "make_vec", "Worker", "LocalWorker", "ExternalProcess", "EnvWorker", "RayEnvWorker",
+    "BatchEnv", "BatchVectorEnv", "make_vec", "Worker", "LocalWorker", "ExternalProcess",
+    "EnvWorker", "RayEnvWorker",
     "WorkerEnv", "InfoList", "RemoteAttribute",
     "EnvError", "EnvRaisedError", "EnvAttributeError", "EnvCrashedError", "EnvTimeoutError",
     "RayWorkerCrashedError", "UnguardedMainError",

@@ -254,10 +254,7 @@ class BatchEnv:
         error.env_index = index
         raise error
 
-    def check_actions(self, actions: Any) -> np.ndarray:
-        """``actions`` as an array, if they fit the batch: shape ``(N, *action_space.shape)``,
-        finite reals for a Box, integers in range for a discrete space (else
-        ``ValueError``/``TypeError`` saying what was wrong)."""
+    def _check_actions(self, actions: Any) -> np.ndarray:
         space = self.action_space
         actions = np.asarray(actions)
         expected_shape = (len(self),) + tuple(space.shape)
@@ -287,40 +284,43 @@ class BatchEnv:
                                  f"{actions[bad].tolist()}")
         return actions
 
-    def step(self, actions: Any, skip: np.ndarray | None = None
+    def step(self, actions: Any, autoreset: np.ndarray | None = None
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[dict]]:
         """Step env ``i`` with ``actions[i]`` (shape ``(N, *action_space.shape)``);
         returns ``(observations, rewards, terminated, truncated, infos)``.
 
-        ``skip``: optional bool ``(N,)``; envs where it is true are not stepped
-        (their rows: zero observations and rewards, false flags, empty infos).
+        ``autoreset``: optional bool ``(N,)``; envs where it is true are reset (no seed or
+        options) instead of stepped, in the same round trip: their rows are the first
+        observations, zero rewards, false flags and the reset infos.
         """
-        self.step_async(actions, skip)
+        self.step_async(actions, autoreset)
         return self.step_wait()
 
-    def step_async(self, actions: Any, skip: np.ndarray | None = None) -> None:
+    def step_async(self, actions: Any, autoreset: np.ndarray | None = None) -> None:
         """Send the worker processes their ``actions`` (as for ``step``) and return;
         ``step_wait`` finishes the step. Meanwhile leave this env and ``actions`` alone."""
         if self._in_flight is not None:
             raise RuntimeError("step_async() was called twice: call step_wait() first")
-        actions = self.check_actions(actions)
-        if skip is not None:
-            skip = np.asarray(skip)
-            if skip.shape != (len(self),) or skip.dtype != np.bool_:
-                raise ValueError(f"skip must be a bool array of shape ({len(self)},), got "
-                                 f"{skip.dtype} {skip.shape}")
-            skip = skip if skip.any() else None
+        actions = self._check_actions(actions)
+        if autoreset is not None:
+            autoreset = np.array(autoreset)  # a copy: in-process envs read it in step_wait
+            if autoreset.shape != (len(self),) or autoreset.dtype != np.bool_:
+                raise ValueError(f"autoreset must be a bool array of shape ({len(self)},), "
+                                 f"got {autoreset.dtype} {autoreset.shape}")
+            autoreset = autoreset if autoreset.any() else None
         starts = self._starts
         self._restarted = self._no_restarts
         # Before the step: a restart sets its envs' counts to 0.
-        self._episode_steps += 1 if skip is None else ~skip
+        self._episode_steps += 1
+        if autoreset is not None:
+            self._episode_steps[autoreset] = 0
         self._in_flight = self._send(
             range(len(self._members)),
             # Views of the workers' buffers: step_wait's concatenation copies them.
             lambda position, member, blocking: member.step(
                 actions[starts[position]:starts[position] + member.num_envs], blocking,
-                copy=False, skip=None if skip is None else
-                skip[starts[position]:starts[position] + member.num_envs]))
+                copy=False, autoreset=None if autoreset is None else
+                autoreset[starts[position]:starts[position] + member.num_envs]))
 
     def step_wait(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[dict]]:
         """Finish the step begun by ``step_async``; returns what ``step`` returns."""
@@ -394,7 +394,7 @@ class BatchEnv:
             lambda position, observ: (observ[groups[position][1]], None))
         first = results[0][0]
         observ = np.empty((len(indices), *first.shape[1:]), first.dtype)
-        infos: list[dict] = [{}] * len(indices)
+        infos: list[dict] = [{} for _ in indices]
         for position, (obs, member_infos) in zip(positions, results):
             observ[groups[position][0]] = obs
             if member_infos is not None:

@@ -97,8 +97,9 @@ def split_evenly(num_envs: int, parts: int) -> list[int]:
 
 
 def batch_env_from(constructor: Callable[[], gym.Env] | Sequence[Callable[[], gym.Env]],
-                   num_envs: int | None = None, backend: str = "workers", workers: int = 0, share_main: bool = False,
-                   pin_workers: bool = True, infos: bool = True,
+                   num_envs: int | None = None, backend: str = "workers", workers: int = 0,
+                   share_main: bool = False,
+                   pin_workers: bool = True, infos: bool = True, prefetch_reset: bool = True,
                    timeout: float | None = DEFAULT_TIMEOUT, max_restarts: int = 0,
                    label: str | None = None, ray_address: str = "",
                    ray_resources: dict[str, float] | None = None) -> BatchEnv:
@@ -122,6 +123,8 @@ def batch_env_from(constructor: Callable[[], gym.Env] | Sequence[Callable[[], gy
         affinity mask (Linux).
       infos: ship the step infos from worker processes and Ray actors (else
         empty dicts).
+      prefetch_reset: worker processes and Ray actors reset an env as soon as
+        its episode ends, so that a later ``reset`` without seed is free.
       timeout: seconds a child process may take to answer a step or reset
         before ``EnvTimeoutError`` (``None``: no limit).
       max_restarts: ``BatchEnv``'s ``max_restarts`` (also for a Ray actor lost
@@ -158,7 +161,6 @@ def batch_env_from(constructor: Callable[[], gym.Env] | Sequence[Callable[[], gy
         if backend == "workers":
             cores = allowed_cores() if pin_workers and hasattr(os, "sched_setaffinity") else []
             processes = workers or max(1, usable_cores() - share_main)
-            sizes = split_evenly(num_envs, processes + share_main)
             groups = _split(constructors, processes + share_main)
             if share_main and len(groups) > 1:
                 members.extend(build_in_process(make, label) for make in groups.pop(0))
@@ -166,14 +168,15 @@ def batch_env_from(constructor: Callable[[], gym.Env] | Sequence[Callable[[], gy
                 # Leave the first core to this process when it steps envs too.
                 cpu = cores[(index + share_main) % len(cores)] if cores else None
                 members.append(EnvWorker(group, label=label, timeout=timeout, infos=infos,
-                                         cpu=cpu, construct_timeout=construct_timeout))
+                                         cpu=cpu, construct_timeout=construct_timeout,
+                                         prefetch_reset=prefetch_reset))
         elif backend == "process":
             members = [ExternalProcess(make, label=label, timeout=timeout,
                                        construct_timeout=construct_timeout)
                        for make in constructors]
         elif backend == "ray":
             members = _ray_workers(constructors, workers, label, timeout, construct_timeout,
-                                   infos, ray_address, ray_resources)
+                                   infos, prefetch_reset, ray_address, ray_resources)
         else:
             members = [build_in_process(make, label) for make in constructors]
         return BatchEnv(members, max_restarts=max_restarts)
@@ -189,8 +192,9 @@ def _split(constructors: list, parts: int) -> list[list]:
     return [constructors[a:b] for a, b in zip(starts[:-1], starts[1:])]
 
 
-def _ray_workers(constructors: list, workers: int, label: str | None, timeout: float | None, construct_timeout: float | None,
-                 infos: bool, address: str, resources: dict[str, float] | None) -> list[Any]:
+def _ray_workers(constructors: list, workers: int, label: str | None, timeout: float | None,
+                 construct_timeout: float | None, infos: bool, prefetch_reset: bool,
+                 address: str, resources: dict[str, float] | None) -> list[Any]:
     """The ``RayEnvWorker``s of the ``"ray"`` backend (Ray imported only here)."""
     from batchrl.envs.ray import cluster as ray_cluster
     from batchrl.envs.ray.worker import RayEnvWorker
@@ -201,8 +205,8 @@ def _ray_workers(constructors: list, workers: int, label: str | None, timeout: f
     try:
         count = ray_cluster.plan_workers(ray, workers, len(constructors), resources)
         for group in _split(constructors, count):
-            members.append(RayEnvWorker(group, label, timeout,
-                                        construct_timeout, infos=infos,
+            members.append(RayEnvWorker(group, label, timeout, construct_timeout,
+                                        prefetch_reset=prefetch_reset, infos=infos,
                                         resources=resources, address=address))
     except BaseException:
         for member in members:

@@ -28,8 +28,8 @@ class StepArrays:
     """The arrays of one worker's step in one buffer (shared memory, or a bytearray).
 
     ``observ`` and ``reset_observ`` are ``(num_envs, *obs_shape)`` in the observation space's dtype,
-    ``reward`` ``(num_envs,)`` float64, ``terminated``/``truncated``/``skip`` ``(num_envs,)`` bool
-    (``skip``: the envs the parent asks not to step); ``action_bytes`` is raw storage that
+    ``reward`` ``(num_envs,)`` float64, ``terminated``/``truncated``/``autoreset`` ``(num_envs,)``
+    bool (``autoreset``: the envs to reset instead of step); ``action_bytes`` is raw storage that
     ``actions(dtype)`` views as ``(num_envs, *act_shape)``.
     """
 
@@ -42,7 +42,7 @@ class StepArrays:
                   ("reward", (num_envs,), np.float64),
                   ("terminated", (num_envs,), np.bool_),
                   ("truncated", (num_envs,), np.bool_),
-                  ("skip", (num_envs,), np.bool_)]
+                  ("autoreset", (num_envs,), np.bool_)]
         offset = 0
         self._layout = []
         for name, shape, dtype in fields:
@@ -112,16 +112,18 @@ def error_answer(exc: BaseException, env_index: int | None = None) -> tuple:
 
 
 def attribute_answer(env: Any, name: str) -> tuple:
-    """The answer to a ``getattr`` request: a copy of the value, or a proxy for
-    methods, envs and unpicklable values (a copy would detach from the live env)."""
+    """The answer to a ``getattr`` request: a copy of the value, or ``("proxy",
+    (type name, callable))`` for methods, envs and unpicklable values (a copy would
+    detach from the live env)."""
     import gymnasium as gym
     value = resolve(env, name)
+    proxy = ("proxy", (type(value).__name__, callable(value)))
     if isinstance(value, gym.Env) or (callable(value) and not isinstance(value, gym.Space)):
-        return ("proxy", type(value).__name__)
+        return proxy
     try:
         pickle.dumps(value)
     except Exception:  # not picklable: hand out a proxy
-        return ("proxy", type(value).__name__)
+        return proxy
     return ("ok", value)
 
 
@@ -145,27 +147,25 @@ class EnvHost:
                 return error_answer(exc, index)
         return ("ok", [(env.observation_space, env.action_space) for env in self.envs])
 
-    def step(self, actions: np.ndarray, arrays: StepArrays, skip: Any = None) -> tuple:
-        """Step env ``i`` with ``actions[i]`` into ``arrays`` unless ``skip[i]`` (a skipped env's
-        row: zeros, false flags, an empty info); answers ``(infos, resets)``: the pickled info list
-        (``None`` when infos are off) and ``(index, pickled info)`` of the envs reset after their
-        episode ended (first observations in ``arrays.reset_observ``). An env that raises does not
-        stop the others; the first error is the answer."""
+    def step(self, actions: np.ndarray, arrays: StepArrays, autoreset: Any = None) -> tuple:
+        """Step env ``i`` with ``actions[i]`` into ``arrays``, or reset it (no seed or options:
+        zero reward, false flags) if ``autoreset[i]``; answers ``(infos, resets)``: the pickled
+        info list (``None`` when infos are off) and ``(index, pickled info)`` of the envs reset
+        after their episode ended (first observations in ``arrays.reset_observ``). An env that
+        raises does not stop the others; the first error is the answer."""
         # A copy: the parent may write the next actions meanwhile (after a
         # timeout), and Ray hands over read-only views.
         actions = np.array(actions)
-        skip = None if skip is None or not skip.any() else np.array(skip)
+        autoreset = None if autoreset is None or not autoreset.any() else np.array(autoreset)
         send_infos = self.send_infos
         infos, resets, error = [], [], None
         for index, env in enumerate(self.envs):
-            if skip is not None and skip[index]:
-                arrays.observ[index] = 0
-                arrays.reward[index] = 0.0
-                arrays.terminated[index] = arrays.truncated[index] = False
-                infos.append({})
-                continue
             try:
-                obs, reward, term, trunc, info = env.step(actions[index])
+                if autoreset is not None and autoreset[index]:
+                    obs, info = env.reset()
+                    reward, term, trunc = 0.0, False, False
+                else:
+                    obs, reward, term, trunc, info = env.step(actions[index])
                 arrays.observ[index] = obs
                 arrays.reward[index] = reward
                 arrays.terminated[index] = term

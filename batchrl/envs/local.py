@@ -39,21 +39,21 @@ class LocalWorker(Worker):
         return [(env.observation_space, env.action_space) for env in self.envs]
 
     def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True,
-             skip: np.ndarray | None = None) -> Any:
-        """Step env ``i`` with ``actions[i]`` unless ``skip[i]``; a promise runs the steps
-        when called."""
+             autoreset: np.ndarray | None = None) -> Any:
+        """Step env ``i`` with ``actions[i]`` (reset it if ``autoreset[i]``); a promise runs
+        the steps when called."""
         if not blocking:
-            return lambda: self.step(actions, skip=skip)
+            return lambda: self.step(actions, autoreset=autoreset)
         results = []
         try:
             for index, (env, action) in enumerate(zip(self.envs, actions)):
-                results.append(None if skip is not None and skip[index] else env.step(action))
+                if autoreset is not None and autoreset[index]:
+                    observ, info = env.reset()
+                    results.append((observ, 0.0, False, False, info))
+                else:
+                    results.append(env.step(action))
         except Exception as exc:
             raise self._error(exc, "step", len(results)) from exc
-        if skip is not None and skip.any():
-            space = self.observation_space
-            idle = (np.zeros(space.shape, space.dtype), 0.0, False, False, {})
-            results = [idle if result is None else result for result in results]
         obs, rewards, terminated, truncated, infos = zip(*results)
         return (np.stack(obs), np.array(rewards, np.float64), np.array(terminated, bool),
                 np.array(truncated, bool), list(infos))

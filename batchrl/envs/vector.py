@@ -19,7 +19,7 @@ from batchrl.envs.worker import RemoteAttribute
 
 #: ``batch_env_from``'s options that ``BatchVectorEnv`` takes as keywords.
 LAYOUT_OPTIONS = tuple(name for name in inspect.signature(batch_env_from).parameters
-                       if name not in ("constructor", "num_envs"))
+                       if name not in ("constructor", "num_envs", "prefetch_reset"))
 
 
 def _autoreset_mode(mode: str | AutoresetMode) -> AutoresetMode:
@@ -87,7 +87,10 @@ class BatchVectorEnv(VectorEnv):
             raise TypeError(f"BatchVectorEnv got unknown options {unknown}; valid: "
                             f"autoreset_mode, {', '.join(LAYOUT_OPTIONS)}")
         self.env_fns = env_fns
-        self.batch = batch_env_from(env_fns, **layout)
+        # A worker resets an env as its episode ends only where Gymnasium does too (same-step
+        # autoreset); else an env keeps its final state until the next step or reset.
+        same_step = self.autoreset_mode is AutoresetMode.SAME_STEP
+        self.batch = batch_env_from(env_fns, prefetch_reset=same_step, **layout)
         try:
             self.num_envs = len(self.batch)
             self.single_observation_space = self.batch.observation_space
@@ -142,10 +145,12 @@ class BatchVectorEnv(VectorEnv):
         return observations.copy(), self._stack_infos(env_infos, reset=shown)
 
     def _check_mask(self, mask: Any) -> np.ndarray:
-        if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_ or mask.shape != (
-                self.num_envs,):
+        if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_:
             raise TypeError(f"options['reset_mask'] must be a bool numpy array of shape "
                             f"({self.num_envs},), got {mask!r:.80}")
+        if mask.shape != (self.num_envs,):
+            raise ValueError(f"options['reset_mask'] must have shape ({self.num_envs},), "
+                             f"got {mask.shape}")
         if not mask.any():
             raise ValueError("options['reset_mask'] must select at least one env")
         return np.flatnonzero(mask)
@@ -154,49 +159,35 @@ class BatchVectorEnv(VectorEnv):
                                           dict[str, Any]]:
         """Step env ``i`` with ``actions[i]`` (``(num_envs, *action_shape)``), resetting
         finished envs as ``autoreset_mode`` says; Gymnasium's 5-tuple."""
-        num_envs = self.num_envs
-        fresh: dict[int, tuple[np.ndarray, dict]] = {}  # env -> first observation, reset info
-        skip = None
+        autoreset = None
         if self._autoreset.any():
-            # Bad actions must fail before the resets below take the prefetched episodes.
-            self.batch.check_actions(actions)
-            rows = np.flatnonzero(self._autoreset)
             if self.autoreset_mode is AutoresetMode.DISABLED:
                 raise RuntimeError(
-                    f"envs {rows.tolist()} finished their episodes: with autoreset_mode "
-                    f"DISABLED, reset them with reset(options={{'reset_mask': mask}}) first")
-            if self.autoreset_mode is AutoresetMode.NEXT_STEP:
-                # Served from the workers' prefetched resets: no round trip.
-                observ, infos = self.batch.reset(rows, return_infos=True)
-                fresh.update(zip(rows.tolist(), zip(observ, infos)))
-                restarted_rows, restarted_observ = self.batch.restarted
-                for row, first in zip(restarted_rows.tolist(), restarted_observ):
-                    # Restarted beside them: not stepped either.
-                    fresh[row] = (first, {"restarted": True})
-                skip = np.zeros(num_envs, bool)
-                skip[list(fresh)] = True
-        observ, reward, terminated, truncated, infos = self.batch.step(actions, skip)
+                    f"envs {np.flatnonzero(self._autoreset).tolist()} finished their episodes: "
+                    f"with autoreset_mode DISABLED, reset them with "
+                    f"reset(options={{'reset_mask': mask}}) first")
+            autoreset = self._autoreset  # NEXT_STEP: these envs reset instead of stepping
+        observ, reward, terminated, truncated, infos = self.batch.step(actions, autoreset)
         ended = np.flatnonzero(terminated | truncated)
-        self._autoreset = terminated | truncated
-        if not fresh and not len(self.batch.restarted[0]) and not (
-                len(ended) and self.autoreset_mode is AutoresetMode.SAME_STEP):
+        same_step = self.autoreset_mode is AutoresetMode.SAME_STEP
+        self._autoreset = np.zeros(self.num_envs, bool) if same_step else terminated | truncated
+        if not len(self.batch.restarted[0]) and not (same_step and len(ended)):
             # The usual step: the infos go to arrays without becoming dicts.
             self._observations = observ
             return observ.copy(), reward, terminated, truncated, self._stack_infos(infos)
         env_infos = list(infos)
-        for row, (first, info) in fresh.items():
-            observ[row] = first
-            env_infos[row] = info
         self._take_restarts(observ, env_infos)
         several: dict[int, list[dict]] = {}  # envs with several infos, added in order
-        if len(ended) and self.autoreset_mode is AutoresetMode.SAME_STEP:
+        if same_step and len(ended):
+            # Served from the resets the workers made as the episodes ended.
             first, infos = self.batch.reset(ended, return_infos=True)
             for row, info in zip(ended.tolist(), infos):
                 several[row] = [{"final_obs": observ[row].copy(),
                                  "final_info": env_infos[row]}, info]
             observ[ended] = first
             for row in self._take_restarts(observ, env_infos):
-                several.pop(row, None)
+                if row in several:
+                    several[row][1] = {"restarted": True}
         self._observations = observ
         return (observ.copy(), reward, terminated, truncated,
                 self._stack_infos(env_infos, several))
@@ -281,28 +272,30 @@ def _get_attr(env: Any, name: str) -> Any:
 def _call(env: Any, name: str, args: tuple, kwargs: dict) -> Any:
     """Gymnasium's ``VectorEnv.call`` for one env: in this process or remote."""
     value = _get_attr(env, name)
-    if isinstance(value, RemoteAttribute) or (isinstance(env, gym.Env) and callable(value)):
-        return value(*args, **kwargs)
-    return value
+    if isinstance(value, RemoteAttribute):
+        return value(*args, **kwargs) if value.remote_callable else value
+    return value(*args, **kwargs) if callable(value) else value
 
 
-def make_vec(env_id: str, num_envs: int = 1,
+def make_vec(env_id: str, num_envs: int = 1, *,
              autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
              vector_kwargs: dict[str, Any] | None = None,
              wrappers: Sequence[Callable[[gym.Env], gym.Wrapper]] | None = None,
              **kwargs: Any) -> BatchVectorEnv:
     """``num_envs`` copies of the registered env ``env_id`` as a ``BatchVectorEnv``, as
     ``gymnasium.make_vec`` builds them: ``kwargs`` go to ``gymnasium.make``, each env is wrapped
-    by ``wrappers`` in order, and ``vector_kwargs`` are ``BatchVectorEnv``'s layout options."""
+    by ``wrappers`` in order, and ``vector_kwargs`` are ``BatchVectorEnv``'s options (the
+    autoreset mode may be given there too)."""
     try:
         gym.spec(env_id)
     except gym.error.Error as exc:
         raise EnvSpecError(f"env {env_id!r}: {exc}") from None
     if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
         raise ValueError(f"num_envs must be a positive int, got {num_envs!r}")
-    wrappers = list(wrappers or [])
-    build = functools.partial(_build, env_id, kwargs, wrappers)
-    return BatchVectorEnv([build] * int(num_envs), autoreset_mode, **dict(vector_kwargs or {}))
+    options = dict(vector_kwargs or {})
+    autoreset_mode = options.pop("autoreset_mode", autoreset_mode)
+    build = functools.partial(_build, env_id, kwargs, list(wrappers or []))
+    return BatchVectorEnv([build] * int(num_envs), autoreset_mode, **options)
 
 
 def _build(env_id: str, kwargs: dict[str, Any], wrappers: list) -> gym.Env:

@@ -27,9 +27,9 @@ class Worker(abc.ABC):
     return a promise to call for the result (one request in flight at most). Errors are
     ``EnvError``s; a single env's carries its local index in ``worker_env_index``.
 
-    ``step(..., skip=mask)`` leaves the envs where the bool ``(num_envs,)`` mask is true
-    untouched (Gymnasium's next-step autoreset resets an env instead of stepping it); their rows
-    are zero observations and rewards, false flags and empty info dicts.
+    ``step(..., autoreset=mask)`` resets the envs where the bool ``(num_envs,)`` mask is true
+    (without seed or options) instead of stepping them, as Gymnasium's next-step autoreset does:
+    their rows are the first observations, zero rewards, false flags and the reset infos.
     """
 
     label: str
@@ -41,9 +41,10 @@ class Worker(abc.ABC):
 
     @abc.abstractmethod
     def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True,
-             skip: np.ndarray | None = None) -> Any:
-        """Step env ``i`` with ``actions[i]`` unless ``skip[i]``. With ``copy=False``
-        the arrays may be views of the worker's buffers, valid until its next request."""
+             autoreset: np.ndarray | None = None) -> Any:
+        """Step env ``i`` with ``actions[i]``, or reset it if ``autoreset[i]``. With
+        ``copy=False`` the arrays may be views of the worker's buffers, valid until its
+        next request."""
 
     @abc.abstractmethod
     def reset(self, indices: Sequence[int] | None = None,
@@ -129,11 +130,12 @@ class RemoteWorker(Worker):
         """Wait for the envs to be built; their shared ``(observation, action)`` spaces."""
 
     @abc.abstractmethod
-    def _send_step(self, actions: np.ndarray, copy: bool, skip: np.ndarray | None) -> Promise:
-        """Send the actions (and the envs to skip); the promise gives ``(observ, reward, terminated,
-        truncated, infos, resets)``: ``infos`` the info dicts (maybe pickled;
-        ``None`` when infos are off), ``resets`` ``(index, observ, info)`` of
-        the envs reset after their episode ended."""
+    def _send_step(self, actions: np.ndarray, copy: bool,
+                   autoreset: np.ndarray | None) -> Promise:
+        """Send the actions (and the envs to reset instead); the promise gives ``(observ,
+        reward, terminated, truncated, infos, resets)``: ``infos`` the info dicts (maybe
+        pickled; ``None`` when infos are off), ``resets`` ``(index, observ, info)`` of the envs
+        reset after their episode ended."""
 
     @abc.abstractmethod
     def _send_reset(self, indices: list[int], seeds: list, options: dict | None) -> Promise:
@@ -177,16 +179,11 @@ class RemoteWorker(Worker):
             raise EnvError(self.label, operation, "the env was closed")
 
     def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True,
-             skip: np.ndarray | None = None) -> Any:
+             autoreset: np.ndarray | None = None) -> Any:
         """Step every env with its row of ``actions``; see ``Worker``."""
         self._check_open("step")
-        answer = self._send_step(np.asarray(actions), copy, skip)
-        # A stepped env is no longer fresh from its reset.
-        if skip is None:
-            self._prefetched.clear()
-        else:
-            for index in [i for i in self._prefetched if not skip[i]]:
-                del self._prefetched[index]
+        answer = self._send_step(np.asarray(actions), copy, autoreset)
+        self._prefetched.clear()  # a stepped (or reset) env is no longer fresh from its reset
 
         def result() -> tuple:
             observ, reward, terminated, truncated, infos, resets = answer()
@@ -227,7 +224,7 @@ class RemoteWorker(Worker):
         or a ``RemoteAttribute`` proxy for methods and unpicklable values."""
         self._check_open("getattr")
         kind, value = self._ask("getattr", (index, name))
-        return RemoteAttribute(self.env(index), name, value) if kind == "proxy" else value
+        return RemoteAttribute(self.env(index), name, *value) if kind == "proxy" else value
 
     def call(self, name: str, *args: Any, index: int = 0, **kwargs: Any) -> Any:
         """Call env ``index``'s method ``name`` and return its result."""
@@ -277,12 +274,14 @@ class WorkerEnv:
 class RemoteAttribute:
     """A method or unpicklable attribute of a remote env (``env``: an ``ExternalProcess``
     or a ``WorkerEnv``): attribute access is forwarded further (``env.unwrapped.model.nq``),
-    a call calls the remote method (``env.unwrapped.render()``)."""
+    a call calls the remote method (``env.unwrapped.render()``). ``remote_callable``: whether
+    the remote value is callable."""
 
-    def __init__(self, env: Any, path: str, type_name: str):
+    def __init__(self, env: Any, path: str, type_name: str, remote_callable: bool = True):
         self._env = env
         self._path = path
         self._type_name = type_name
+        self.remote_callable = remote_callable
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):

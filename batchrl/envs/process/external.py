@@ -136,7 +136,7 @@ class ExternalProcess(WorkerHandle):
     def get_attr(self, name: str) -> Any:
         """Return the env's attribute ``name`` (dotted paths allowed)."""
         kind, value = self._request("getattr", name, True, raw=True)
-        return RemoteAttribute(self, name, value) if kind == "proxy" else value
+        return RemoteAttribute(self, name, *value) if kind == "proxy" else value
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -174,16 +174,16 @@ class ProcessWorker(Worker):
         return self.process.action_space
 
     def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True,
-             skip: np.ndarray | None = None) -> Any:
-        if skip is not None and skip[0]:
-            space = self.observation_space
-            idle = (np.zeros((1, *space.shape), space.dtype), np.zeros(1), np.zeros(1, bool),
-                    np.zeros(1, bool), [{}])
-            return idle if blocking else lambda: idle
-        promise = self.process.step(actions[0], blocking=False)
+             autoreset: np.ndarray | None = None) -> Any:
+        reset = autoreset is not None and bool(autoreset[0])
+        promise = (self.process.reset(blocking=False) if reset else
+                   self.process.step(actions[0], blocking=False))
 
         def result() -> tuple:
-            obs, reward, terminated, truncated, info = promise()
+            if reset:
+                (obs, info), reward, terminated, truncated = promise(), 0.0, False, False
+            else:
+                obs, reward, terminated, truncated, info = promise()
             return (np.asarray(obs)[None], np.array([reward], np.float64),
                     np.array([terminated], bool), np.array([truncated], bool), [info])
 

@@ -73,7 +73,7 @@ def _serve(conn, payload: bytes, parent_pid: int) -> None:
                 view = actions.get(message)
                 if view is None:
                     view = actions[message] = arrays.actions(np.dtype(message[1:].decode()))
-                frames.send(pickle.dumps(host.step(view, arrays, arrays.skip), _PICKLE))
+                frames.send(pickle.dumps(host.step(view, arrays, arrays.autoreset), _PICKLE))
                 continue
             command, args = pickle.loads(message)
             if command == "close":
@@ -180,8 +180,9 @@ class EnvWorker(WorkerHandle, RemoteWorker):
         self._shm, self._arrays = shm, arrays
         return obs_space, act_space
 
-    def _send_step(self, actions: np.ndarray, copy: bool, skip: np.ndarray | None) -> Promise:
-        self._arrays.skip[...] = False if skip is None else skip
+    def _send_step(self, actions: np.ndarray, copy: bool,
+                   autoreset: np.ndarray | None) -> Promise:
+        self._arrays.autoreset[...] = False if autoreset is None else autoreset
         if actions.dtype.itemsize > ACTION_ITEMSIZE:
             actions = actions.astype(np.float64)
         view = self._action_views.get(actions.dtype)

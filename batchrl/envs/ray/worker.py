@@ -43,11 +43,12 @@ class RayEnvHost:
                  os.getpid())
         return ("ok", (answer[1], where))
 
-    def step(self, actions: np.ndarray, skip: np.ndarray | None = None) -> tuple:
-        """Step env ``i`` with ``actions[i]`` unless ``skip[i]``; answers ``(observ, reward,
-        terminated, truncated, infos, resets)`` as ``RemoteWorker._send_step``'s promise."""
+    def step(self, actions: np.ndarray, autoreset: np.ndarray | None = None) -> tuple:
+        """Step env ``i`` with ``actions[i]`` (reset it if ``autoreset[i]``); answers
+        ``(observ, reward, terminated, truncated, infos, resets)`` as
+        ``RemoteWorker._send_step``'s promise."""
         arrays = self.arrays
-        answer = self.host.step(actions, arrays, skip)
+        answer = self.host.step(actions, arrays, autoreset)
         if answer[0] != "ok":
             return answer
         infos, resets = answer[1]
@@ -195,8 +196,9 @@ class RayEnvWorker(RemoteWorker):
         self.node_ip, self.node_id, self.pid = where
         return worker_spaces(self.label, spaces)
 
-    def _send_step(self, actions: np.ndarray, copy: bool, skip: np.ndarray | None) -> Promise:
-        answer = self._actor.step.remote(actions, skip)
+    def _send_step(self, actions: np.ndarray, copy: bool,
+                   autoreset: np.ndarray | None) -> Promise:
+        answer = self._actor.step.remote(actions, autoreset)
         return lambda: self._receive(answer, "step", self.timeout)[1]
 
     def _send_reset(self, indices: list[int], seeds: list, options: dict | None) -> Promise:
