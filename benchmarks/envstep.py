@@ -29,7 +29,8 @@ actions, the same ones for every backend; construction time is reported apart
 and is not part of the rate. Worker processes use the ``forkserver`` start
 method for both multi-process backends. The whole round (every backend at
 every batch size, backend order rotated each round) is repeated ``--repeats``
-times and the median rate is reported, so that machine noise hits all backends
+times; the table gives each backend's median rate and, as ratios, the median
+of the per-round ratios, so that machine noise hits both sides of a ratio
 alike. As a reference, the "physical limit" is one in-process env's raw step
 rate times the number of usable cores, an upper bound no backend can beat.
 Other programs' CPU load is sampled before each round and reported, with a
@@ -148,8 +149,15 @@ def measure(backend: str, env_id: str, actions: np.ndarray, warmup: int,
             "build_s": build_s, "pids": pids}
 
 
+def _ratio(row: dict[str, Any], reference: dict[str, Any]) -> float:
+    """The median over rounds of ``row``'s rate over ``reference``'s in the same round."""
+    return statistics.median(a / b for a, b in zip(row["samples"], reference["samples"]))
+
+
 def markdown_table(results: dict[int, dict[str, dict[str, Any]]]) -> str:
-    """Format median rates as a markdown table with ratios to Gymnasium's vector envs."""
+    """Format median rates as a markdown table; a ratio column is the median of the
+    per-round ratios (every round measures every backend, so noise that hits one round
+    hits both sides of its ratio)."""
     references = [name for name in ("batchrl", "SyncVectorEnv", "AsyncVectorEnv", "envpool")
                   if name in next(iter(results.values()))]
     lines = ["| envs | backend | steps/s | " + " | ".join(f"vs {name}" for name in references)
@@ -157,10 +165,8 @@ def markdown_table(results: dict[int, dict[str, dict[str, Any]]]) -> str:
              "|---:|---|---:|" + "---:|" * len(references) + "---:|---:|"]
     for num_envs, rows in results.items():
         for backend, row in rows.items():
-            rate = row["steps_per_s"]
-            ratios = " | ".join(f"{rate / rows[name]['steps_per_s']:.2f}x"
-                                for name in references)
-            lines.append(f"| {num_envs} | {backend} | {rate:,.0f} | {ratios} "
+            ratios = " | ".join(f"{_ratio(row, rows[name]):.2f}x" for name in references)
+            lines.append(f"| {num_envs} | {backend} | {row['steps_per_s']:,.0f} | {ratios} "
                          f"| ±{row['spread'] / 2:.0%} | {row['build_s']:.2f} |")
     return "\n".join(lines)
 
@@ -261,8 +267,9 @@ def main() -> int:
     print()
     print(f"Physical limit: one in-process env steps {single_rate:,.0f} steps/s x {cores} "
           f"usable cores = {limit:,.0f} steps/s (upper bound; ignores the main process).")
-    print("spread: half the min-max range of the rounds, relative to the median; "
-          "build s: median construction time, not part of steps/s.")
+    print("steps/s: median of the rounds; vs X: median of the per-round ratios; spread: half "
+          "the min-max range of the rounds, relative to the median; build s: median "
+          "construction time, not part of steps/s.")
 
     print(f"Background CPU load before each round: "
           f"{', '.join(f'{load:.0f}%' for load in background)} of all cores.")

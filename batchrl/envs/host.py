@@ -181,10 +181,10 @@ class EnvHost:
                 infos.append({})
         if error is not None:
             return error
-        # The infos stay pickled until the parent reads them: most loops never do.
+        # Dicts stay pickled until the parent reads them (most loops never do); columns
+        # cost little to unpickle.
         if send_infos:
-            columns = info_columns(infos)
-            infos = pack(infos if columns is None else columns)
+            infos = info_columns(infos) or pack(infos)
         return ("ok", (infos if send_infos else None, resets))
 
     def reset(self, indices: Sequence[int], seeds: Sequence[int | None],

@@ -15,49 +15,68 @@ import numpy as np
 
 # Info values that ``info_columns`` keeps in arrays: the types Gymnasium's
 # ``VectorEnv._add_info`` gathers into typed arrays (numpy bools it does not).
-_NUMBER_TYPES = (int, float, bool)
+_NUMBER_TYPES = {int: "int", float: "float", bool: "bool"}
+# A payload names each column's type by a code (a type would cost a module lookup
+# per column to unpickle): a Python number type's name, or a numpy type's dtype string.
+_kind_types: dict[str, type] = {name: kind for kind, name in _NUMBER_TYPES.items()}
 _dtypes: dict[tuple, np.dtype] = {}
 
 
-def _record_dtype(keys: tuple, kinds: tuple) -> np.dtype:
-    dtype = _dtypes.get((keys, kinds))
+def _kind_type(code: str) -> type:
+    kind = _kind_types.get(code)
+    if kind is None:
+        kind = _kind_types[code] = np.dtype(code).type
+    return kind
+
+
+def _record_dtype(keys: tuple, codes: tuple) -> np.dtype:
+    dtype = _dtypes.get((keys, codes))
     if dtype is None:
-        dtype = _dtypes[(keys, kinds)] = np.dtype(list(zip(keys, kinds)))
+        dtype = _dtypes[(keys, codes)] = np.dtype(
+            [(key, _kind_type(code)) for key, code in zip(keys, codes)])
     return dtype
 
 
 def info_columns(infos: Sequence[dict]) -> tuple | None:
-    """``(keys, kinds, bytes)``: the infos as one record array (a field per key, of the
-    values' type), if every info has the same string keys in the same order and each key's
-    values share one number type; else ``None``."""
+    """``(keys, codes, bytes)``: the infos as one record array (a field per key, of the
+    values' type, named by a code), if every info has the same string keys in the same
+    order and each key's values share one number type; else ``None``."""
     if not infos or len(set(map(tuple, infos))) != 1:
         return None
     keys = tuple(infos[0])
     if not keys or not all(isinstance(key, str) and key for key in keys):
         return None
     rows = list(map(tuple, map(dict.values, infos)))
-    kinds = tuple(map(type, rows[0]))
-    for kind, column in zip(kinds, zip(*rows)):
-        if not (kind in _NUMBER_TYPES or issubclass(kind, np.number)) or len(
-                set(map(type, column))) != 1:
+    codes = []
+    for column in zip(*rows):
+        kinds = set(map(type, column))
+        if len(kinds) != 1:
             return None
+        kind = kinds.pop()
+        if kind in _NUMBER_TYPES:
+            codes.append(_NUMBER_TYPES[kind])
+        elif issubclass(kind, np.number):
+            codes.append(np.dtype(kind).str)
+        else:
+            return None
+    codes = tuple(codes)
     try:
-        return keys, kinds, np.array(rows, _record_dtype(keys, kinds)).tobytes()
+        return keys, codes, np.array(rows, _record_dtype(keys, codes)).tobytes()
     except (OverflowError, ValueError, TypeError):  # e.g. an int beyond int64
         return None
 
 
 def _records(payload: tuple) -> np.ndarray:
-    keys, kinds, data = payload
-    return np.frombuffer(data, _record_dtype(keys, kinds))
+    keys, codes, data = payload
+    return np.frombuffer(data, _record_dtype(keys, codes))
 
 
 def _dicts(payload: tuple) -> list[dict]:
     """The info dicts of an ``info_columns`` payload, with values of their original types."""
-    keys, kinds, _ = payload
+    keys, codes, _ = payload
     records = _records(payload)
-    columns = [records[key].tolist() if kind in _NUMBER_TYPES else list(records[key])
-               for key, kind in zip(keys, kinds)]
+    columns = [records[key].tolist() if _kind_type(code) in _NUMBER_TYPES else list(records[key])
+               for key, code in zip(keys, codes)]
     return [dict(zip(keys, values)) for values in zip(*columns)]
 
 
@@ -97,20 +116,26 @@ class InfoList(collections.abc.Sequence):
         and types; else ``None``."""
         if self._items is not None or not self._parts:
             return None
-        self._unpickle()
-        if all(part is None for _, part in self._parts):
-            return {}
-        payloads = [part if isinstance(part, tuple) else info_columns(part or [])
-                    for _, part in self._parts]
-        if None in payloads or len({part[:2] for part in payloads}) != 1:
+        payloads = [part for _, part in self._parts]
+        if any(type(part) is not tuple for part in payloads):  # noqa: E721 - exact type
+            self._unpickle()
+            payloads = [part for _, part in self._parts]
+            if all(part is None for part in payloads):
+                return {}
+            payloads = [part if type(part) is tuple else info_columns(part or [])
+                        for part in payloads]
+        keys, codes, data = payloads[0] or (None, None, None)
+        if keys is None or any(part is None or part[0] != keys or part[1] != codes
+                               for part in payloads[1:]):
             return None
-        keys, kinds, _ = payloads[0]
-        merged = _records((keys, kinds, b"".join(part[2] for part in payloads)))
-        mask = np.ones(self._length, bool)
+        if len(payloads) > 1:
+            data = b"".join([part[2] for part in payloads])
+        merged = np.frombuffer(data, _record_dtype(keys, codes))
+        masks = np.ones((len(keys), self._length), bool)
         stacked: dict[str, np.ndarray] = {}
-        for key in keys:
+        for key, mask in zip(keys, masks):
             stacked[key] = merged[key].copy()
-            stacked["_" + key] = mask.copy()
+            stacked["_" + key] = mask
         return stacked
 
     def __len__(self) -> int:

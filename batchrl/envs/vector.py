@@ -106,7 +106,7 @@ class BatchVectorEnv(VectorEnv):
             raise
         space = self.single_observation_space
         self._observations = np.zeros((self.num_envs, *space.shape), space.dtype)
-        self._autoreset = np.zeros(self.num_envs, bool)
+        self._autoreset: np.ndarray | None = None  # envs whose episodes ended: bool (num_envs,)
 
     def reset(self, *, seed: int | Sequence[int | None] | None = None,
               options: dict[str, Any] | None = None) -> tuple[np.ndarray, dict[str, Any]]:
@@ -135,7 +135,8 @@ class BatchVectorEnv(VectorEnv):
         else:
             observations = self._observations.copy()
             observations[indices] = observ
-        self._autoreset[indices] = False
+        if self._autoreset is not None:
+            self._autoreset[indices] = False
         env_infos: list[dict] = [{}] * num_envs
         for index, info in zip(indices.tolist(), infos):
             env_infos[index] = info
@@ -159,26 +160,27 @@ class BatchVectorEnv(VectorEnv):
                                           dict[str, Any]]:
         """Step env ``i`` with ``actions[i]`` (``(num_envs, *action_shape)``), resetting
         finished envs as ``autoreset_mode`` says; Gymnasium's 5-tuple."""
-        autoreset = None
-        if self._autoreset.any():
-            if self.autoreset_mode is AutoresetMode.DISABLED:
-                raise RuntimeError(
-                    f"envs {np.flatnonzero(self._autoreset).tolist()} finished their episodes: "
-                    f"with autoreset_mode DISABLED, reset them with "
-                    f"reset(options={{'reset_mask': mask}}) first")
-            autoreset = self._autoreset  # NEXT_STEP: these envs reset instead of stepping
+        autoreset = self._autoreset  # NEXT_STEP: these envs reset instead of stepping
+        if autoreset is not None and self.autoreset_mode is AutoresetMode.DISABLED and \
+                autoreset.any():
+            raise RuntimeError(
+                f"envs {np.flatnonzero(autoreset).tolist()} finished their episodes: "
+                f"with autoreset_mode DISABLED, reset them with "
+                f"reset(options={{'reset_mask': mask}}) first")
         observ, reward, terminated, truncated, infos = self.batch.step(actions, autoreset)
-        ended = np.flatnonzero(terminated | truncated)
+        done = terminated | truncated
+        any_done = done.any()
         same_step = self.autoreset_mode is AutoresetMode.SAME_STEP
-        self._autoreset = np.zeros(self.num_envs, bool) if same_step else terminated | truncated
-        if not len(self.batch.restarted[0]) and not (same_step and len(ended)):
+        self._autoreset = done if any_done and not same_step else None
+        if not (same_step and any_done) and not len(self.batch.restarted[0]):
             # The usual step: the infos go to arrays without becoming dicts.
             self._observations = observ
             return observ.copy(), reward, terminated, truncated, self._stack_infos(infos)
         env_infos = list(infos)
         self._take_restarts(observ, env_infos)
         several: dict[int, list[dict]] = {}  # envs with several infos, added in order
-        if same_step and len(ended):
+        if same_step and any_done:
+            ended = np.flatnonzero(done)
             # Served from the resets the workers made as the episodes ended.
             first, infos = self.batch.reset(ended, return_infos=True)
             for row, info in zip(ended.tolist(), infos):
@@ -200,7 +202,8 @@ class BatchVectorEnv(VectorEnv):
         for row, row_observ in zip(rows, first):
             observ[row] = row_observ
             env_infos[row] = {"restarted": True}
-            self._autoreset[row] = False
+            if self._autoreset is not None:
+                self._autoreset[row] = False
         return rows
 
     def _stack_infos(self, env_infos: Sequence[dict], several: dict[int, list[dict]] | None = None,
