@@ -9,6 +9,8 @@ TORCH_PIP_ARGS ?=
 CONFIG ?= halfcheetah
 TRAIN_ARGS ?=
 PYTEST_ARGS ?=
+# Test processes side by side (pytest-xdist; "0" runs the suite in this process).
+TEST_WORKERS ?= auto
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -28,11 +30,11 @@ train: $(STAMP)
 	$(BIN)/python train.py --config $(CONFIG) $(TRAIN_ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # Everything but the tests marked slow (learning runs, long end-to-end checks).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/envstep.py

@@ -2,7 +2,8 @@
 
 Every test is checked for leaked env worker processes: after it ends, no child
 of this process's multiprocessing fork server may still be running.
-``host_path`` runs a test on both paths of the per-step bookkeeping.
+``host_path`` runs a test on both paths of the per-step bookkeeping; the tests that use
+the Ray ``cluster`` run in one test process under pytest-xdist.
 """
 
 from __future__ import annotations
@@ -117,3 +118,11 @@ def cluster():
     from ray_nodes import running_cluster
     with running_cluster() as nodes:
         yield nodes
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """With ``pytest -n N --dist loadgroup`` (``make test``), run every test that uses
+    the Ray cluster in one test process: one cluster at a time on the machine."""
+    for item in items:
+        if "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("ray"))
