@@ -5,15 +5,13 @@ The main names are importable from here::
     from batchrl import (simulate, BatchEnv, TensorBatchEnv, ExternalProcess, EnvWorker,
                          make_batch_env, BatchVectorEnv, Algorithm, BatchPPO, Reinforce)
 
-Those that need torch are imported on first use: every env worker process imports
-this package, and torch would add seconds to its start and memory to each.
+Those that need torch are imported on first use (``batchrl.lazy``).
 """
-
-import importlib
 
 from batchrl.envs import (BatchEnv, BatchVectorEnv, EnvWorker, ExternalProcess, RayEnvWorker,
                           make_vec, wrap_env)
 from batchrl.envs.factory import make_batch_env
+from batchrl.lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -31,15 +29,4 @@ _TORCH_NAMES = {
 __all__ = ["BatchEnv", "BatchVectorEnv", "EnvWorker", "ExternalProcess", "RayEnvWorker",
            "make_vec", "wrap_env", "make_batch_env", *_TORCH_NAMES]
 
-
-def __getattr__(name: str):  # noqa: ANN202 - PEP 562
-    module = _TORCH_NAMES.get(name)
-    if module is None:
-        raise AttributeError(f"module 'batchrl' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(globals(), _TORCH_NAMES)

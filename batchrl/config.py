@@ -8,8 +8,9 @@ Every value is checked against its type and range; errors name the key and what 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
+import json
+import re
 import sys
 import types
 import typing
@@ -22,9 +23,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from batchrl.algos.ppo import PPOConfig
+from batchrl.algos.ppo_config import PPOConfig
 from batchrl.envs.errors import UnsupportedSpaceError
-from batchrl.envs.factory import BACKENDS
+from batchrl.envs.factory import BACKENDS, import_from
 from batchrl.envs.ray.cluster import check_resources
 
 
@@ -38,6 +39,7 @@ def _config_dir() -> Path:
 
 
 CONFIG_DIR = _config_dir()
+CONFIG_FILE = "config.json"  # a run's resolved config, in its log directory
 
 
 class ConfigError(ValueError):
@@ -93,7 +95,7 @@ class TrainConfig:
         _check_range(self, 1, "steps")
         _check_range(self, 0, "eval_episodes")
         _check_range(self, 1, "eval_every", "threads", "checkpoint_every", "keep_checkpoints")
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"train.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', "
                              f"got {self.device!r}")
 
@@ -176,16 +178,9 @@ def algorithm_class(path: str) -> type:
     """The ``Algorithm`` subclass named ``"package.module:Class"`` (importable
     from the current directory, as for ``env.id``); ``ConfigError`` otherwise."""
     from batchrl.algos.base import Algorithm
-    module_name, _, name = path.partition(":")
-    if not module_name or not name:
+    if not all(path.partition(":")[::2]):
         raise ConfigError(f"algorithm.class must be 'package.module:Class', got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"algorithm.class = {path!r}: cannot import module {module_name!r} "
-                          f"({exc}); it must be importable from the current directory or "
-                          f"the Python path") from None
-    cls = getattr(module, name, None)
+    module_name, name, cls = import_from(path, f"algorithm.class = {path!r}", ConfigError)
     if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
         found = "nothing" if cls is None else repr(cls)
         raise ConfigError(f"algorithm.class = {path!r}: {module_name}.{name} must be a "
@@ -395,3 +390,30 @@ def apply_overrides(values: dict[str, Any], overrides: list[str] = ()) -> dict[s
             raise ConfigError(f"[{section}] must be a table")
         values[section][key] = value
     return values
+
+
+def save_config(config: Config, logdir: Path) -> None:
+    """Write the resolved config as ``config.json``, less the derived keys
+    (such as BatchPPO's ``max_length``), which follow their sources when read back."""
+    with open(Path(logdir) / CONFIG_FILE, "w") as file:
+        json.dump(strip_derived(config.to_dict()), file, indent=2)
+        file.write("\n")
+
+
+def load_saved_config(logdir: Path, overrides: list[str] = ()) -> Config:
+    """The config a run in ``logdir`` was started with, with ``section.key=value``
+    ``overrides`` applied (``train.py`` only allows ``train.steps`` on resume)."""
+    path = Path(logdir) / CONFIG_FILE
+    try:
+        with open(path) as file:
+            values = json.load(file)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read the saved config {path}: {exc}; restore the file "
+                          f"or start a new run in another --logdir") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"the saved config {path} is not a JSON object; restore the file "
+                          f"or start a new run in another --logdir")
+    try:
+        return build_config(apply_overrides(strip_derived(values), overrides))
+    except ConfigError as exc:
+        raise ConfigError(f"the saved config {path}: {exc}") from None

@@ -23,12 +23,12 @@ import torch
 
 from batchrl.algos.base import Algorithm
 from batchrl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
-from batchrl.config import Config, ConfigError
+from batchrl.config import CONFIG_FILE, Config, ConfigError, load_saved_config
 from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.factory import make_batch_env
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.simulation import evaluate_episodes
-from batchrl.trainer import CONFIG_FILE, load_saved_config, resolve_device
+from batchrl.trainer import resolve_device
 from batchrl.video import (VIDEO_SUFFIXES, VideoError, find_gl_backend, from_opengl,
                            opengl_failure, record_video, select_gl_backend,
                            video_writer_problem)
@@ -155,11 +155,7 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
         if problem:
             raise EvaluationError(problem)
     config, checkpoint_path = _load_run(logdir, None if checkpoint is None else Path(checkpoint))
-    try:
-        torch_device = resolve_device(device, "--device")
-    except RuntimeError as exc:  # torch's own error for a malformed device string
-        raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r} "
-                          f"({exc})") from None
+    torch_device = resolve_device(device, "--device")
     num_agents = 1 if video_path is not None else min(agents or config.env.num_agents, episodes)
     if not config.algorithm.cls.per_agent_state:
         # Its state_dict() may be sized by the training run's agents throughout.

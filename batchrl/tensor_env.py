@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from batchrl.envs.batch import BatchEnv
+from batchrl.envs.worker import Closeable
 from batchrl.parts import numpy_views
 
 
@@ -59,7 +60,7 @@ class Episodes:
         return episodes
 
 
-class TensorBatchEnv:
+class TensorBatchEnv(Closeable):
     """Wraps a ``BatchEnv`` and exposes its state as tensors on ``device``.
 
     Attributes (on ``device``, first dimension ``N = len(batch_env)``):
@@ -208,8 +209,3 @@ class TensorBatchEnv:
         """Close the underlying batch env."""
         self.batch_env.close()
 
-    def __enter__(self) -> "TensorBatchEnv":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

@@ -88,42 +88,25 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
     if os.getcwd() not in sys.path:
         sys.path.insert(1, os.getcwd())
 
-    from batchrl.checkpoint import CheckpointError
-    from batchrl.config import ConfigError, load_config
+    from batchrl.config import ConfigError
     from batchrl.envs.errors import (EnvError, EnvRaisedError, EnvSpecError,
                                      SpaceMismatchError, UnsupportedSpaceError)
-    from batchrl.trainer import CONFIG_FILE, Trainer, TrainingInterrupted, load_saved_config
+
+    # Checked before torch is imported (seconds), so that a typo is reported at once.
+    try:
+        config, logdir, created = _configure(args, command)
+    except (ConfigError, EnvSpecError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("Interrupted before training started", file=sys.stderr)
+        return 130
+    from batchrl.checkpoint import CheckpointError
+    from batchrl.trainer import Trainer, TrainingInterrupted
 
     user_errors = (ConfigError, EnvSpecError, CheckpointError, UnsupportedSpaceError,
                    SpaceMismatchError)
-    steps = [] if args.steps is None else [f"train.steps={args.steps}"]
-    logdir = created = None
     try:
-        if args.logdir is not None and (args.logdir / CONFIG_FILE).exists():
-            if args.overrides:
-                raise ConfigError(f"{args.logdir} holds a run, which resumes with its saved "
-                                  f"config; drop --set (--steps N may raise its budget) or "
-                                  f"choose a new --logdir")
-            config = load_saved_config(args.logdir, steps)
-            started = _started_with(args.logdir)
-            named = load_config(args.config, steps)
-            if started != args.config and (named.env.id, named.algorithm.name) != (
-                    config.env.id, config.algorithm.name):
-                resume = (f"resume with: {_resume_command(command, started, args.logdir)}"
-                          if started else "resume with that run's config")
-                raise ConfigError(
-                    f"{args.logdir} holds a run of {config.env.id} with "
-                    f"{config.algorithm.name}, but --config {args.config} trains "
-                    f"{named.env.id} with {named.algorithm.name}; {resume} or choose a new "
-                    f"--logdir")
-        else:
-            config = load_config(args.config, args.overrides + steps)
-        logdir = args.logdir or (
-            Path("logs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-        created = _prepare_logdir(logdir, ConfigError)
-        if not (logdir / CONFIG_FILE).exists():
-            # The --config a resume names: its --set overrides are in the saved config.
-            (logdir / STARTED_WITH).write_text(json.dumps({"config": args.config}) + "\n")
         print(f"Training {config.env.id} with {config.env.num_agents} agents for "
               f"{config.train.steps:,} steps; writing to {logdir}", flush=True)
         result = Trainer(config, logdir, progress=not args.no_progress,
@@ -147,13 +130,49 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
             print(f"error: {exc.remote_message}", file=sys.stderr)
             return 2
         print(f"error: {exc}", file=sys.stderr)
-        if logdir is not None:
-            _print_resume(logdir, command, args.config)
+        _print_resume(logdir, command, args.config)
         return 1
     if result:
         print(f"Final evaluation: {result['score']:.1f} ± {result['score_std']:.1f} "
               f"over {result['episodes']} episodes (mean action)")
     return 0
+
+
+def _configure(args: argparse.Namespace, command: str) -> tuple[Any, Path, Path | None]:
+    """The run's config (new, or the saved one of the run to resume), its log directory
+    and that directory if this call created it; ``ConfigError`` or ``EnvSpecError``
+    for a user error. Imports no torch (unless the config names a user's module)."""
+    from batchrl.config import CONFIG_FILE, ConfigError, load_config, load_saved_config
+    from batchrl.envs.factory import resolve_constructor
+
+    steps = [] if args.steps is None else [f"train.steps={args.steps}"]
+    if args.logdir is not None and (args.logdir / CONFIG_FILE).exists():
+        if args.overrides:
+            raise ConfigError(f"{args.logdir} holds a run, which resumes with its saved "
+                              f"config; drop --set (--steps N may raise its budget) or "
+                              f"choose a new --logdir")
+        config = load_saved_config(args.logdir, steps)
+        started = _started_with(args.logdir)
+        named = load_config(args.config, steps)
+        if started != args.config and (named.env.id, named.algorithm.name) != (
+                config.env.id, config.algorithm.name):
+            resume = (f"resume with: {_resume_command(command, started, args.logdir)}"
+                      if started else "resume with that run's config")
+            raise ConfigError(
+                f"{args.logdir} holds a run of {config.env.id} with "
+                f"{config.algorithm.name}, but --config {args.config} trains "
+                f"{named.env.id} with {named.algorithm.name}; {resume} or choose a new "
+                f"--logdir")
+    else:
+        config = load_config(args.config, args.overrides + steps)
+    resolve_constructor(config.env.id, config.env.kwargs, config.env.max_length)
+    logdir = args.logdir or (
+        Path("logs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    created = _prepare_logdir(logdir, ConfigError)
+    if not (logdir / CONFIG_FILE).exists():
+        # The --config a resume names: its --set overrides are in the saved config.
+        (logdir / STARTED_WITH).write_text(json.dumps({"config": args.config}) + "\n")
+    return config, logdir, created
 
 
 def _prepare_logdir(logdir: Path, error: type[Exception]) -> Path | None:

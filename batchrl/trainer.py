@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import random
 import sys
 import time
@@ -30,8 +29,7 @@ import torch
 
 from batchrl.algos.base import Algorithm
 from batchrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, serialize
-from batchrl.config import (Config, ConfigError, apply_overrides, build_config,
-                            strip_derived)
+from batchrl.config import Config, ConfigError, save_config
 from batchrl.envs.errors import EnvError
 from batchrl.envs.factory import make_batch_env
 from batchrl.tensor_env import TensorBatchEnv
@@ -39,46 +37,20 @@ from batchrl.interrupt import Interrupted, StopSignals
 from batchrl.metrics import RunLog
 from batchrl.simulation import episode_length, flush, simulate
 
-CONFIG_FILE = "config.json"
-
-
 def resolve_device(name: str, key: str = "train.device") -> torch.device:
     """``"auto"`` is CUDA when available, else the CPU; others are checked
     (errors name the setting as ``key``)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # torch's own error for a malformed device string
+        raise ConfigError(f"{key} must be 'auto', 'cpu', 'cuda' or 'cuda:N', got "
+                          f"{name!r}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{key}={name!r} but CUDA is not available here; "
                           f"use 'auto' or 'cpu'")
     return device
-
-
-def save_config(config: Config, logdir: Path) -> None:
-    """Write the resolved config as ``config.json``, less the derived keys
-    (such as BatchPPO's ``max_length``), which follow their sources when read back."""
-    with open(Path(logdir) / CONFIG_FILE, "w") as file:
-        json.dump(strip_derived(config.to_dict()), file, indent=2)
-        file.write("\n")
-
-
-def load_saved_config(logdir: Path, overrides: list[str] = ()) -> Config:
-    """The config a run in ``logdir`` was started with, with ``section.key=value``
-    ``overrides`` applied (``train.py`` only allows ``train.steps`` on resume)."""
-    path = Path(logdir) / CONFIG_FILE
-    try:
-        with open(path) as file:
-            values = json.load(file)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read the saved config {path}: {exc}; restore the file "
-                          f"or start a new run in another --logdir") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"the saved config {path} is not a JSON object; restore the file "
-                          f"or start a new run in another --logdir")
-    try:
-        return build_config(apply_overrides(strip_derived(values), overrides))
-    except ConfigError as exc:
-        raise ConfigError(f"the saved config {path}: {exc}") from None
 
 
 def _rng_state() -> dict[str, Any]:

@@ -21,7 +21,8 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from batchrl.algos.ppo import INFERENCE_MODES, BatchPPO, PPOConfig
+from batchrl.algos.ppo import BatchPPO, PPOConfig
+from batchrl.algos.ppo_config import INFERENCE_MODES
 
 
 def time_calls(fn, calls: int, device: torch.device) -> float:

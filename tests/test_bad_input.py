@@ -234,7 +234,7 @@ def test_evaluate_cli_bad_logdirs(tmp_path):
                         ([logdir], [f"cannot read checkpoint {damaged}", "Delete it"]),
                         ([logdir, "--checkpoint", missing],
                          [f"checkpoint {missing} does not exist"]),
-                        ([logdir, "--device", "tpu"], ["device must be 'auto', 'cpu', 'cuda'"])):
+                        ([logdir, "--device", "tpu"], ["--device must be 'auto', 'cpu', 'cuda'"])):
         result = subprocess.run([sys.executable, "-m", "batchrl.evaluate", *map(str, args)],
                                 cwd=REPO, env=environ, capture_output=True, text=True,
                                 timeout=120)

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from batchrl.config import (CONFIG_DIR, Config, ConfigError, available_configs, build_config,
-                            load_config, parse_override, strip_derived)
+                            load_config, load_saved_config, parse_override, strip_derived)
 from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.factory import make_batch_env, resolve_constructor
 from batchrl.metrics import read_metrics
-from batchrl.trainer import Trainer, load_saved_config
+from batchrl.trainer import Trainer
 
 PPO_KEYS = ("network", "policy_layers", "update_every", "discount", "inference")
 
@@ -164,6 +164,7 @@ def test_wrong_type_names_the_key_and_the_type(override, expected):
     ("train.eval_episodes=-1", "train.eval_episodes must be >= 0"),
     ("train.eval_every=0", "train.eval_every must be >= 1"),
     ("train.device=tpu", "train.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+    ("train.device=cuda:x", "train.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'cuda:x'"),
 ])
 def test_out_of_range_names_the_key_and_what_is_valid(override, expected):
     with pytest.raises(ConfigError) as info:

@@ -126,3 +126,25 @@ def test_importing_batchrl_or_its_env_layer_does_not_import_torch():
     code = ("import sys, batchrl, batchrl.envs; "
             "assert 'torch' not in sys.modules and 'ray' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_algos_export_their_names_and_ppo_config_needs_no_torch():
+    import batchrl.algos
+    from batchrl.algos import networks, ppo_config
+    assert all(hasattr(batchrl.algos, name) for name in batchrl.algos.__all__)
+    assert set(batchrl.algos.__all__) <= set(dir(batchrl.algos))
+    assert tuple(networks.ACTIVATIONS) == ppo_config.ACTIVATIONS
+    code = ("import sys; from batchrl.algos import PPOConfig; import batchrl.config; "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("args", [["--config", "cartpole", "--steps", "0"],
+                                  ["--config", "cartpole", "--set", "env.id=NoSuch-v0"]])
+def test_train_reports_a_bad_config_or_env_id_before_importing_torch(args, tmp_path):
+    code = ("import sys; from batchrl.train import main; "
+            f"code = main({args!r}); print(code, 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60)
+    assert result.stdout.split() == ["2", "False"], result
+    assert result.stderr.startswith("error: ") and not list(tmp_path.iterdir())

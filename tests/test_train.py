@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from batchrl.checkpoint import list_checkpoints
-from batchrl.config import DERIVED_KEYS, SECTIONS, Config, load_config, strip_derived
+from batchrl.config import (DERIVED_KEYS, SECTIONS, Config, load_config, load_saved_config,
+                            strip_derived)
 from batchrl.metrics import read_metrics
-from batchrl.trainer import Trainer, load_saved_config
+from batchrl.trainer import Trainer
 from helpers import REPO, TRAIN_PY, scalar_events, sets
 RECORD_KEYS = {"step", "phase", "score", "score_std", "length", "episodes", "wall_time",
                "steps_per_s"}

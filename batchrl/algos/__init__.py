@@ -1,7 +1,13 @@
-"""Algorithms that run under ``simulate()``: the ``Algorithm`` interface and implementations."""
+"""Algorithms that run under ``simulate()``: the ``Algorithm`` interface and implementations.
 
-from batchrl.algos.base import Algorithm, Summary
-from batchrl.algos.ppo import BatchPPO, KLPenalty, PPOConfig
-from batchrl.algos.reinforce import Reinforce
+``PPOConfig`` imports without torch (``train.py`` checks a config with it before it loads
+torch); the other names import their modules on first use (``batchrl.lazy``)."""
 
-__all__ = ["Algorithm", "Summary", "BatchPPO", "KLPenalty", "PPOConfig", "Reinforce"]
+from batchrl.algos.ppo_config import PPOConfig
+from batchrl.lazy import lazy_names
+
+_TORCH_NAMES = {"Algorithm": "batchrl.algos.base", "Summary": "batchrl.algos.base",
+                "BatchPPO": "batchrl.algos.ppo", "KLPenalty": "batchrl.algos.ppo",
+                "Reinforce": "batchrl.algos.reinforce"}
+__all__ = ["PPOConfig", *_TORCH_NAMES]
+__getattr__, __dir__ = lazy_names(globals(), _TORCH_NAMES)

@@ -18,7 +18,7 @@ import copy
 import math
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import gymnasium as gym
@@ -27,91 +27,15 @@ from torch import nn
 from torch.distributions import Categorical, Distribution, Independent, Normal, kl_divergence
 
 from batchrl.algos.base import Algorithm, Summary
-from batchrl.algos.networks import (ACTIVATIONS, Actor, CategoricalHead, FeedForwardBody,
-                                    GaussianHead, Policy, RecurrentBody, ValueNet,
-                                    orthogonal_init)
+from batchrl.algos.networks import (Actor, CategoricalHead, FeedForwardBody, GaussianHead,
+                                    Policy, RecurrentBody, ValueNet, orthogonal_init)
+from batchrl.algos.ppo_config import PPOConfig
 from batchrl.envs.errors import UnsupportedSpaceError
 from batchrl.hardware import usable_cores
 from batchrl.parts import numpy_views
 from batchrl.parts.memory import EpisodeMemory, RolloutMemory
 from batchrl.parts.normalize import StreamingNormalizer
 from batchrl.parts.returns import gae, generalized_advantage
-
-INFERENCE_MODES = ("script", "eager", "compile")
-NETWORKS = ("feed_forward", "recurrent")
-INITS = ("default", "orthogonal")
-REWARD_SCALES = ("reward", "return")
-LR_SCHEDULES = ("constant", "linear")
-
-
-@dataclass
-class PPOConfig:
-    """Hyperparameters of BatchPPO; defaults follow the paper and BatchPPO's code."""
-
-    network: str = "feed_forward"            # or "recurrent" (MLP then GRU)
-    policy_layers: tuple[int, ...] = (200, 100)
-    value_layers: tuple[int, ...] = (200, 100)
-    activation: str = "relu"                  # or "tanh", after every hidden layer
-    init: str = "default"                     # or "orthogonal" weights (zero biases)
-    gru_size: int = 100                       # recurrent policies only
-    chunk_length: int | None = None           # recurrent: train on chunks of episodes
-    init_std: float = 0.35
-    init_output_factor: float = 0.1           # scale (orthogonal: gain) of the policy output
-    update_every: int = 30                    # episodes per update (whole-episode updates)
-    rollout_length: int | None = None         # steps per agent per update; None: whole episodes
-    update_epochs: int = 25
-    batch_size: int | None = None             # sequences per gradient step; None = all
-    minibatch_size: int | None = None         # time steps per gradient step (feed-forward only)
-    policy_lr: float = 1e-4
-    value_lr: float = 1e-3
-    lr_schedule: str = "constant"             # or "linear": decay to 0 over total_steps
-    total_steps: int | None = None            # env steps of the run (train.steps)
-    discount: float = 0.99
-    gae_lambda: float | None = None           # None: plain discounted returns
-    kl_target: float = 1e-2
-    kl_cutoff_factor: float = 2.0
-    kl_cutoff_coef: float = 1000.0
-    kl_init_penalty: float = 1.0
-    max_grad_norm: float | None = None
-    normalize_observ: bool = True
-    normalize_reward: bool = True
-    reward_scale: str = "reward"              # or "return": whose std normalize_reward divides by
-    max_length: int = 1000                    # longest episode (the env's time limit)
-    inference: str = "script"                 # "script", "eager" or "compile"
-    update_threads: int | None = None         # None: policy and value steps side by side
-
-    def __post_init__(self) -> None:
-        for name, choices in (("network", NETWORKS), ("activation", tuple(ACTIVATIONS)),
-                              ("init", INITS), ("reward_scale", REWARD_SCALES),
-                              ("lr_schedule", LR_SCHEDULES), ("inference", INFERENCE_MODES)):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
-        for name in ("update_every", "update_epochs", "max_length", "gru_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 <= self.discount <= 1.0:
-            raise ValueError(f"discount must be in [0, 1], got {self.discount}")
-        if self.gae_lambda is not None and not 0.0 <= self.gae_lambda <= 1.0:
-            raise ValueError(f"gae_lambda must be in [0, 1] or None, got {self.gae_lambda}")
-        for name in ("init_std", "policy_lr", "value_lr", "kl_target"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("batch_size", "minibatch_size", "rollout_length", "chunk_length",
-                     "update_threads", "total_steps"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1 or None, got {value}")
-        if self.batch_size is not None and self.minibatch_size is not None:
-            raise ValueError(f"batch_size ({self.batch_size} sequences) and minibatch_size "
-                             f"({self.minibatch_size} time steps) both set the size of a "
-                             f"gradient step's batch: set one of them")
-        if self.network == "recurrent":
-            for name in ("rollout_length", "minibatch_size"):
-                if getattr(self, name) is not None:
-                    raise ValueError(f"{name} needs network='feed_forward': a recurrent "
-                                     f"policy trains on whole episodes (or chunk_length "
-                                     f"chunks) of them, batch_size at a time")
-
 
 class KLPenalty:
     """The adaptive KL coefficient beta of the PPO penalty objective.

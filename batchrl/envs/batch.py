@@ -14,7 +14,7 @@ from batchrl.envs.process.external import ExternalProcess, ProcessWorker
 from batchrl.envs.infos import InfoList
 from batchrl.envs.local import LocalWorker
 from batchrl.envs.spaces import check_space
-from batchrl.envs.worker import Worker
+from batchrl.envs.worker import Closeable, Worker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,7 @@ class _InFlight:
     failures: list[tuple[int, int, EnvError]] = dataclasses.field(default_factory=list)
 
 
-class BatchEnv:
+class BatchEnv(Closeable):
     """N environments with equal observation and action spaces as one batched env.
 
     Args:
@@ -129,11 +129,6 @@ class BatchEnv:
     def __getitem__(self, index: int) -> Any:
         return self.envs[index]
 
-    def __enter__(self) -> "BatchEnv":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     @property
     def envs(self) -> list[Any]:

@@ -18,6 +18,19 @@ from batchrl.envs.wrappers import TimeLimit, check_time_limit, wrap_env
 from batchrl.hardware import allowed_cores, usable_cores
 
 
+def import_from(path: str, what: str, error: type[Exception]) -> tuple[str, str, Any]:
+    """``(module name, name, the module's attribute or None)`` for ``path``
+    ``"package.module:name"``; ``error`` (its message starting with ``what``) when the
+    module cannot be imported from the current directory or the Python path."""
+    module_name, _, name = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise error(f"{what}: cannot import module {module_name!r} ({exc}); it must be "
+                    f"importable from the current directory or the Python path") from None
+    return module_name, name, getattr(module, name, None)
+
+
 def resolve_constructor(env_id: str, kwargs: dict[str, Any] | None = None,
                         max_episode_steps: int | None = None) -> Callable[[], gym.Env]:
     """A function that builds the raw env named ``env_id``, a registered
@@ -33,14 +46,7 @@ def resolve_constructor(env_id: str, kwargs: dict[str, Any] | None = None,
     if max_episode_steps is not None:
         check_time_limit(max_episode_steps)
     if ":" in env_id:
-        module_name, _, attr = env_id.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise EnvSpecError(f"env {env_id!r}: cannot import module {module_name!r} "
-                               f"({exc}); it must be importable from the current directory "
-                               f"or the Python path") from None
-        function = getattr(module, attr, None)
+        module_name, attr, function = import_from(env_id, f"env {env_id!r}", EnvSpecError)
         if not callable(function):
             raise EnvSpecError(f"env {env_id!r}: module {module_name!r} has no callable "
                                f"{attr!r}")

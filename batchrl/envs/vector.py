@@ -15,7 +15,7 @@ from gymnasium.vector.utils import batch_space
 from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.factory import batch_env_from
 from batchrl.envs.infos import InfoList
-from batchrl.envs.worker import RemoteAttribute
+from batchrl.envs.worker import Closeable, RemoteAttribute
 
 #: ``batch_env_from``'s options that ``BatchVectorEnv`` takes as keywords.
 LAYOUT_OPTIONS = tuple(name for name in inspect.signature(batch_env_from).parameters
@@ -54,7 +54,7 @@ def _check_env_fns(env_fns: Any) -> list[Callable[[], gym.Env]]:
     return env_fns
 
 
-class BatchVectorEnv(VectorEnv):
+class BatchVectorEnv(Closeable, VectorEnv):
     """``len(env_fns)`` envs in batchrl's layout as a ``gymnasium.vector.VectorEnv``.
 
     Args:
@@ -257,11 +257,6 @@ class BatchVectorEnv(VectorEnv):
         """Each env's ``np_random_seed``."""
         return self.get_attr("np_random_seed")
 
-    def __enter__(self) -> "BatchVectorEnv":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def close_extras(self, **kwargs: Any) -> None:
         """Close the envs and stop the worker processes."""

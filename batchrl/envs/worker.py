@@ -4,6 +4,7 @@ shared part for envs served elsewhere by an ``EnvHost``; subclasses add the tran
 from __future__ import annotations
 
 import abc
+import functools
 import pickle
 from typing import Any, Callable, Sequence
 
@@ -16,7 +17,17 @@ from batchrl.envs.infos import InfoList
 Promise = Callable[[], Any]
 
 
-class Worker(abc.ABC):
+class Closeable:
+    """``with obj:`` calls ``obj.close()`` at the end of the block."""
+
+    def __enter__(self):  # noqa: ANN204 - returns the subclass
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Worker(Closeable, abc.ABC):
     """``num_envs`` envs with equal spaces, stepped together here, in a child process or in a Ray
     actor.
 
@@ -75,11 +86,6 @@ class Worker(abc.ABC):
     def __len__(self) -> int:
         return self.num_envs
 
-    def __enter__(self):  # noqa: ANN204 - returns the subclass
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def reset_arguments(num_envs: int, indices: Sequence[int] | None,
@@ -90,6 +96,18 @@ def reset_arguments(num_envs: int, indices: Sequence[int] | None,
     if len(seeds) != len(indices):
         raise ValueError(f"got {len(seeds)} seeds for {len(indices)} envs to reset")
     return indices, seeds
+
+
+def constructor_label(constructor: Any) -> str:
+    """A readable name for an env constructor (for error messages)."""
+    if isinstance(constructor, str):
+        return constructor
+    if isinstance(constructor, functools.partial):  # partial(gym.make, "HalfCheetah-v5")
+        args = ", ".join(repr(arg) for arg in constructor.args)
+        return f"{constructor_label(constructor.func)}({args})"
+    name = getattr(constructor, "__qualname__", None) or repr(constructor)
+    module = getattr(constructor, "__module__", None)
+    return f"{module}.{name}" if module and module != "__main__" else name
 
 
 def check_constructors(kind: str, constructors: Sequence[Any]) -> list:
@@ -121,7 +139,17 @@ class RemoteWorker(Worker):
     _spaces: tuple[gym.Space, gym.Space] | None = None
     _construct_error: EnvError | None = None
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str, constructors: Sequence[Callable[[], gym.Env] | str],
+                 label: str | None, prefetch_reset: bool, infos: bool) -> None:
+        """Check ``constructors`` (``kind`` names the class in errors); ``_calls`` are
+        them as callables (an id becomes ``gym.make(id)``)."""
+        self._constructors = check_constructors(kind, constructors)
+        self._calls = [functools.partial(gym.make, c) if isinstance(c, str) else c
+                       for c in self._constructors]
+        self.label = label or constructor_label(self._constructors[0])
+        self.num_envs = len(self._constructors)
+        self.prefetch_reset = prefetch_reset
+        self.infos = infos
         # local index -> (first observation, info) of envs the host reset
         self._prefetched: dict[int, tuple[np.ndarray, Any]] = {}
 

@@ -5,7 +5,6 @@ it exists: no inherited threads (torch's pools make ``fork`` unsafe), yet a fast
 from __future__ import annotations
 
 import contextlib
-import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -20,6 +19,7 @@ from typing import Any, Callable
 
 from batchrl.envs.errors import EnvCrashedError, EnvError, EnvTimeoutError, error_from_answer
 from batchrl.envs.process.main_guard import check_main_guard
+from batchrl.envs.worker import Closeable
 
 _POLL_SECONDS = 0.2
 # The fork server imports these before it forks any worker.
@@ -90,18 +90,6 @@ def _shutdown(process, conn, timeout: float) -> None:
             process.close()  # frees its sentinel descriptor now, not at garbage collection
     finally:
         conn.close()
-
-
-def constructor_label(constructor: Any) -> str:
-    """A readable name for an env constructor (for error messages)."""
-    if isinstance(constructor, str):
-        return constructor
-    if isinstance(constructor, functools.partial):  # partial(gym.make, "HalfCheetah-v5")
-        args = ", ".join(repr(arg) for arg in constructor.args)
-        return f"{constructor_label(constructor.func)}({args})"
-    name = getattr(constructor, "__qualname__", None) or repr(constructor)
-    module = getattr(constructor, "__module__", None)
-    return f"{module}.{name}" if module and module != "__main__" else name
 
 
 _HEADER = struct.Struct("!i")  # multiprocessing.Connection's length prefix
@@ -252,7 +240,7 @@ class Channel:
         return kind, value
 
 
-class WorkerHandle:
+class WorkerHandle(Closeable):
     """The user's side of ``self._channel``: pid, timeout, ``close()``, ``with``."""
 
     _channel: Channel
@@ -280,8 +268,3 @@ class WorkerHandle:
         """Stop the worker process. Safe to call more than once."""
         self._channel.close()
 
-    def __enter__(self):  # noqa: ANN204 - returns the subclass
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

@@ -13,8 +13,8 @@ import numpy as np
 
 from batchrl.envs.errors import EnvCrashedError, EnvError, EnvRaisedError
 from batchrl.envs.host import attribute_answer, error_answer, resolve
-from batchrl.envs.process.channel import Channel, WorkerHandle, constructor_label, start_worker
-from batchrl.envs.worker import RemoteAttribute, Worker, reset_arguments
+from batchrl.envs.process.channel import Channel, WorkerHandle, start_worker
+from batchrl.envs.worker import RemoteAttribute, Worker, constructor_label, reset_arguments
 
 
 def _worker(conn, payload: bytes, parent_pid: int) -> None:

@@ -5,7 +5,6 @@ answers with the info dicts. Nothing on the hot path pickles an array."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import pickle
 import sys
@@ -18,10 +17,9 @@ import numpy as np
 
 from batchrl.envs.errors import EnvError, UnsupportedSpaceError
 from batchrl.envs.host import ACTION_ITEMSIZE, EnvHost, StepArrays, error_answer
-from batchrl.envs.process.channel import (Channel, Frames, WorkerHandle, constructor_label,
-                                          start_worker)
+from batchrl.envs.process.channel import Channel, Frames, WorkerHandle, start_worker
 from batchrl.envs.spaces import check_space, worker_spaces
-from batchrl.envs.worker import Promise, RemoteWorker, check_constructors
+from batchrl.envs.worker import Promise, RemoteWorker
 
 _STEP = b"S"
 _PICKLE = pickle.HIGHEST_PROTOCOL
@@ -122,17 +120,12 @@ class EnvWorker(WorkerHandle, RemoteWorker):
                  label: str | None = None, timeout: float | None = None,
                  prefetch_reset: bool = True, infos: bool = True, cpu: int | None = None,
                  construct_timeout: float | None = None):
-        constructors = check_constructors("EnvWorker", constructors)
-        super().__init__()
-        self.label = label or constructor_label(constructors[0])
-        self.num_envs = len(constructors)
-        self.prefetch_reset = prefetch_reset
-        self.infos = infos
-        calls = [functools.partial(gym.make, c) if isinstance(c, str) else c
-                 for c in constructors]
-        self._options = dict(constructors=constructors, label=self.label, infos=infos, cpu=cpu,
-                             prefetch_reset=prefetch_reset, construct_timeout=construct_timeout)
-        self._channel = Channel(_serve, cloudpickle.dumps((calls, prefetch_reset, infos, cpu)),
+        super().__init__("EnvWorker", constructors, label, prefetch_reset, infos)
+        self._options = dict(constructors=self._constructors, label=self.label, infos=infos,
+                             cpu=cpu, prefetch_reset=prefetch_reset,
+                             construct_timeout=construct_timeout)
+        self._channel = Channel(_serve, cloudpickle.dumps((self._calls, prefetch_reset, infos,
+                                                           cpu)),
                                 self.label, timeout, construct_timeout)
         self._shm: shared_memory.SharedMemory | None = None
         self._arrays: StepArrays | None = None

@@ -15,9 +15,8 @@ from batchrl.envs.ray import cluster as ray_cluster
 from batchrl.envs.errors import (EnvRaisedError, EnvTimeoutError,
                                  RayWorkerCrashedError, error_from_answer)
 from batchrl.envs.host import EnvHost, StepArrays
-from batchrl.envs.process.channel import constructor_label
 from batchrl.envs.spaces import worker_spaces
-from batchrl.envs.worker import Promise, RemoteWorker, check_constructors
+from batchrl.envs.worker import Promise, RemoteWorker
 
 
 class RayEnvHost:
@@ -110,28 +109,21 @@ class RayEnvWorker(RemoteWorker):
                  construct_timeout: float | None = None, prefetch_reset: bool = True,
                  infos: bool = True, resources: dict[str, float] | None = None,
                  address: str = "", scheduling_strategy: Any = "SPREAD"):
-        constructors = check_constructors("RayEnvWorker", constructors)
-        super().__init__()
+        super().__init__("RayEnvWorker", constructors, label, prefetch_reset, infos)
         resources = {"CPU": 1} if resources is None else dict(resources)
         options = ray_cluster.actor_options(resources)  # checks them before connecting
-        self.label = label or constructor_label(constructors[0])
-        self.num_envs = len(constructors)
         self.timeout = timeout
         self.construct_timeout = timeout if construct_timeout is None else construct_timeout
-        self.prefetch_reset = prefetch_reset
-        self.infos = infos
         self.resources = resources
-        self._options = dict(constructors=constructors, label=label, address=address,
+        self._options = dict(constructors=self._constructors, label=label, address=address,
                              construct_timeout=construct_timeout, resources=resources, infos=infos,
                              prefetch_reset=prefetch_reset, scheduling_strategy=scheduling_strategy)
-        calls = [functools.partial(gym.make, c) if isinstance(c, str) else c
-                 for c in constructors]
         self._ray = ray_cluster.acquire(address)
         self.closed = False
         try:
             self._actor = _actor_class(self._ray).options(
                 **options, scheduling_strategy=scheduling_strategy, max_restarts=0,
-                max_task_retries=0).remote(cloudpickle.dumps(calls), prefetch_reset, infos)
+                max_task_retries=0).remote(cloudpickle.dumps(self._calls), prefetch_reset, infos)
             self._built = self._actor.build.remote()
         except BaseException:
             self.closed = True
