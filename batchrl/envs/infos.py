@@ -117,21 +117,24 @@ class InfoList(collections.abc.Sequence):
         if self._items is not None or not self._parts:
             return None
         payloads = [part for _, part in self._parts]
-        if any(type(part) is not tuple for part in payloads):  # noqa: E721 - exact type
+        if set(map(type, payloads)) != {tuple}:
             self._unpickle()
             payloads = [part for _, part in self._parts]
             if all(part is None for part in payloads):
                 return {}
             payloads = [part if type(part) is tuple else info_columns(part or [])
                         for part in payloads]
-        keys, codes, data = payloads[0] or (None, None, None)
-        if keys is None or any(part is None or part[0] != keys or part[1] != codes
-                               for part in payloads[1:]):
-            return None
+            if None in payloads:
+                return None
+        keys, codes, data = payloads[0]
+        for part in payloads[1:]:
+            if part[0] != keys or part[1] != codes:
+                return None
         if len(payloads) > 1:
             data = b"".join([part[2] for part in payloads])
         merged = np.frombuffer(data, _record_dtype(keys, codes))
-        masks = np.ones((len(keys), self._length), bool)
+        masks = np.empty((len(keys), self._length), bool)
+        masks.fill(True)
         stacked: dict[str, np.ndarray] = {}
         for key, mask in zip(keys, masks):
             stacked[key] = merged[key].copy()
