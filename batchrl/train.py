@@ -28,7 +28,10 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from batchrl.config import Config
 
 STARTED_WITH = "started_with.json"  # in a run's logdir: the --config it was started with
 
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
     return 0
 
 
-def _configure(args: argparse.Namespace, command: str) -> tuple[Any, Path, Path | None]:
+def _configure(args: argparse.Namespace, command: str) -> tuple[Config, Path, Path | None]:
     """The run's config (new, or the saved one of the run to resume), its log directory
     and that directory if this call created it; ``ConfigError`` or ``EnvSpecError``
     for a user error. Imports no torch (unless the config names a user's module)."""

@@ -37,6 +37,7 @@ from batchrl.interrupt import Interrupted, StopSignals
 from batchrl.metrics import RunLog
 from batchrl.simulation import episode_length, flush, simulate
 
+
 def resolve_device(name: str, key: str = "train.device") -> torch.device:
     """``"auto"`` is CUDA when available, else the CPU; others are checked
     (errors name the setting as ``key``)."""

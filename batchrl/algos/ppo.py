@@ -37,6 +37,7 @@ from batchrl.parts.memory import EpisodeMemory, RolloutMemory
 from batchrl.parts.normalize import StreamingNormalizer
 from batchrl.parts.returns import gae, generalized_advantage
 
+
 class KLPenalty:
     """The adaptive KL coefficient beta of the PPO penalty objective.
 

@@ -129,7 +129,6 @@ class BatchEnv(Closeable):
     def __getitem__(self, index: int) -> Any:
         return self.envs[index]
 
-
     @property
     def envs(self) -> list[Any]:
         """The envs in batch order (a ``WorkerEnv`` handle for a remote one)."""

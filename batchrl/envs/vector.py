@@ -257,7 +257,6 @@ class BatchVectorEnv(Closeable, VectorEnv):
         """Each env's ``np_random_seed``."""
         return self.get_attr("np_random_seed")
 
-
     def close_extras(self, **kwargs: Any) -> None:
         """Close the envs and stop the worker processes."""
         self.batch.close()

@@ -87,7 +87,6 @@ class Worker(Closeable, abc.ABC):
         return self.num_envs
 
 
-
 def reset_arguments(num_envs: int, indices: Sequence[int] | None,
                     seeds: Sequence[int | None] | None) -> tuple[list[int], list]:
     """``indices`` (all when ``None``) as ints, and one seed per index."""
