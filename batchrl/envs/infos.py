@@ -1,8 +1,8 @@
 """The info dicts of a batch step, unpickled only when someone reads them.
 
-A worker sends its envs' infos pickled, as a list of dicts or, when every env
+A worker sends its envs' infos as a pickled list of dicts or, when every env
 has the same keys with numbers of one type per key (most tasks' step infos),
-as ``info_columns``: one record array, cheaper to pickle, to send and to stack
+as ``info_columns``: one record array, cheap to send, to unpickle and to stack
 into Gymnasium's dict of arrays (``InfoList.columns``)."""
 
 from __future__ import annotations
