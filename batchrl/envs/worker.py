@@ -160,8 +160,8 @@ class RemoteWorker(Worker):
     def _send_step(self, actions: np.ndarray, copy: bool,
                    autoreset: np.ndarray | None) -> Promise:
         """Send the actions (and the envs to reset instead); the promise gives ``(observ,
-        reward, terminated, truncated, infos, resets)``: ``infos`` the info dicts (maybe
-        pickled; ``None`` when infos are off), ``resets`` ``(index, observ, info)`` of the envs
+        reward, terminated, truncated, infos, resets)``: ``infos`` the info dicts (a list,
+        pickled list or ``info_columns`` payload; ``None`` when infos are off), ``resets`` ``(index, observ, info)`` of the envs
         reset after their episode ended."""
 
     @abc.abstractmethod
