@@ -2,8 +2,9 @@
 
 The main names are importable from here::
 
-    from batchrl import (simulate, BatchEnv, TensorBatchEnv, ExternalProcess, EnvWorker,
-                         make_batch_env, BatchVectorEnv, Algorithm, BatchPPO, Reinforce)
+    from batchrl import (Simulation, simulate, BatchEnv, TensorBatchEnv, ExternalProcess,
+                         EnvWorker, make_batch_env, BatchVectorEnv, Algorithm, BatchPPO,
+                         Reinforce)
 
 Those that need torch are imported on first use (``batchrl.lazy``).
 """
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 
 # name -> the module that defines it (imported on first access)
 _TORCH_NAMES = {
+    "Simulation": "batchrl.simulation",
     "simulate": "batchrl.simulation",
     "flush": "batchrl.simulation",
     "evaluate_episodes": "batchrl.simulation",

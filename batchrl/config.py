@@ -7,6 +7,7 @@ Every value is checked against its type and range; errors name the key and what 
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import inspect
 import json
@@ -24,9 +25,8 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from batchrl.algos.ppo_config import PPOConfig
-from batchrl.envs.errors import UnsupportedSpaceError
-from batchrl.envs.factory import BACKENDS, import_from
-from batchrl.envs.ray.cluster import check_resources
+from batchrl.envs.factory import BACKENDS, check_resources, import_from
+from batchrl.errors import UnsupportedSpaceError
 
 
 def _config_dir() -> Path:
@@ -83,7 +83,11 @@ class TrainConfig:
 
     steps: int = 1_000_000        # env steps of training (evaluation steps not counted)
     eval_episodes: int = 30       # mean-action episodes per evaluation phase (0: never)
-    eval_every: int = 1           # updates between evaluations
+    eval_every: int = 1           # training phases between evaluations (see phase_steps)
+    # Env steps of a training phase for an algorithm that names no update length (neither
+    # episodes_per_phase nor steps_per_update); 0: max(50,000, 10 x eval_episodes x
+    # env.max_length), so that evaluations cost at most about a tenth of the run.
+    phase_steps: int = 0
     seed: int = 0
     device: str = "auto"          # "auto" (CUDA when available), "cpu", "cuda", "cuda:1"...
     threads: int = 1              # torch intra-op threads of the learner
@@ -93,7 +97,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check_range(self, 1, "steps")
-        _check_range(self, 0, "eval_episodes")
+        _check_range(self, 0, "eval_episodes", "phase_steps")
         _check_range(self, 1, "eval_every", "threads", "checkpoint_every", "keep_checkpoints")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"train.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', "
@@ -101,34 +105,46 @@ class TrainConfig:
 
 
 BATCHPPO = "batchrl.algos.ppo:BatchPPO"
-# Set by the trainer, not by an [algorithm] section.
-TRAINER_ARGUMENTS = ("observation_space", "action_space", "num_agents", "max_length", "device")
+SHIPPED_ALGORITHMS = (BATCHPPO, "batchrl.algos.reinforce:Reinforce")
+# What the trainer tells every algorithm about the run, as keyword arguments its constructor
+# takes by these names: the episode time limit, the training budget and the device.
+RUN_FACTS = ("max_length", "total_steps", "device")
+# Set by the trainer, not by an [algorithm] section: the positional arguments and the run facts.
+TRAINER_ARGUMENTS = ("observation_space", "action_space", "num_agents", *RUN_FACTS)
+_FACT_SOURCES = {"max_length": "env.max_length", "total_steps": "train.steps",
+                 "device": "train.device"}
+# Hyperparameter classes of shipped algorithms, known without importing the algorithm (and so
+# torch): train.py checks a config before it loads torch. Other classes may name theirs in a
+# ``config_class`` attribute; without one, their constructor's signature is the schema.
+_CONFIG_CLASSES = {BATCHPPO: PPOConfig}
 
 
 @dataclass
 class AlgorithmConfig:
-    """The ``[algorithm]`` section: ``path`` ``"package.module:Class"`` of the
-    ``Algorithm`` (``""``: BatchPPO, configured by the typed ``ppo``), and
-    ``kwargs`` for another class."""
+    """The ``[algorithm]`` section: ``path``, the ``"package.module:Class"`` of the
+    ``Algorithm``, and ``keys``, its checked keyword arguments (for a class with a
+    ``config_class``, all of that class's fields, defaults filled in)."""
 
-    path: str = ""
-    ppo: PPOConfig | None = field(default_factory=PPOConfig)
-    kwargs: dict = field(default_factory=dict)
+    path: str = BATCHPPO
+    keys: dict | None = None  # None: the defaults of a shipped class's config_class, else {}
+
+    def __post_init__(self) -> None:
+        if self.keys is None:
+            schema = _CONFIG_CLASSES.get(self.path)
+            self.keys = dataclasses.asdict(schema()) if schema is not None else {}
 
     @property
     def name(self) -> str:
         """``"package.module:Class"`` of the algorithm."""
-        return self.path or BATCHPPO
+        return self.path
 
     @property
     def cls(self) -> type:
         """The ``Algorithm`` subclass (imported)."""
-        return algorithm_class(self.name)
+        return algorithm_class(self.path)
 
     def to_dict(self) -> dict[str, Any]:
-        if self.ppo is not None:
-            return dataclasses.asdict(self.ppo)
-        return {"class": self.path, **self.kwargs}
+        return {"class": self.path, **self.keys}
 
 
 @dataclass
@@ -139,77 +155,133 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
 
-    def __post_init__(self) -> None:
-        # The keys of DERIVED_KEYS follow their sources in every Config.
-        if self.algorithm.ppo is not None:
-            ppo = dataclasses.replace(self.algorithm.ppo, max_length=self.env.max_length,
-                                      total_steps=self.train.steps)
-            self.algorithm = dataclasses.replace(self.algorithm, ppo=ppo)
-
-    @property
-    def ppo(self) -> PPOConfig:
-        """BatchPPO's hyperparameters (``ConfigError`` for another algorithm)."""
-        if self.algorithm.ppo is None:
-            raise ConfigError(f"this config trains {self.algorithm.path}, not BatchPPO")
-        return self.algorithm.ppo
-
     def to_dict(self) -> dict[str, Any]:
         return {"env": dataclasses.asdict(self.env), "train": dataclasses.asdict(self.train),
                 "algorithm": self.algorithm.to_dict()}
 
+    def run_facts(self, device: Any) -> dict[str, Any]:
+        """What the trainer passes every algorithm besides spaces and agent count:
+        ``max_length`` (``env.max_length``), ``total_steps`` (``train.steps``), ``device``."""
+        return {"max_length": self.env.max_length, "total_steps": self.train.steps,
+                "device": device}
+
     def make_algorithm(self, observation_space: Any, action_space: Any, num_agents: int,
                        device: Any) -> Any:
-        """The configured ``Algorithm``: ``Class(observation_space, action_space,
-        num_agents, max_length=env.max_length, device=device, **[algorithm] keys)``."""
+        """The configured ``Algorithm``: ``Class(observation_space, action_space, num_agents,
+        **run facts it takes, **[algorithm] keys)``; the run facts (``RUN_FACTS``) are passed
+        by name to a constructor that takes them (or ``**kwargs``)."""
         cls = self.algorithm.cls
-        if self.algorithm.ppo is not None:
-            return cls(observation_space, action_space, num_agents, self.algorithm.ppo, device)
+        parameters = inspect.signature(cls).parameters
+        open_ended = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+        facts = {name: value for name, value in self.run_facts(device).items()
+                 if open_ended or name in parameters}
         try:
-            return cls(observation_space, action_space, num_agents,
-                       max_length=self.env.max_length, device=device, **self.algorithm.kwargs)
+            return cls(observation_space, action_space, num_agents, **facts,
+                       **self.algorithm.keys)
         except UnsupportedSpaceError:
             raise
         except (TypeError, ValueError) as exc:  # the constructor rejected a value
             raise ConfigError(f"[algorithm] {self.algorithm.path}() rejected its arguments "
-                              f"{self.algorithm.kwargs}: {type(exc).__name__}: {exc}") from None
+                              f"{self.algorithm.keys}: {type(exc).__name__}: {exc}") from None
 
 
 def algorithm_class(path: str) -> type:
     """The ``Algorithm`` subclass named ``"package.module:Class"`` (importable
     from the current directory, as for ``env.id``); ``ConfigError`` otherwise."""
     from batchrl.algos.base import Algorithm
-    if not all(path.partition(":")[::2]):
+    if not isinstance(path, str) or not all(path.partition(":")[::2]):
         raise ConfigError(f"algorithm.class must be 'package.module:Class', got {path!r}")
     module_name, name, cls = import_from(path, f"algorithm.class = {path!r}", ConfigError)
-    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
-        found = "nothing" if cls is None else repr(cls)
-        raise ConfigError(f"algorithm.class = {path!r}: {module_name}.{name} must be a "
-                          f"subclass of batchrl.algos.Algorithm, found {found}")
-    return cls
+    if isinstance(cls, type) and issubclass(cls, Algorithm):
+        return cls
+    module = sys.modules[module_name]
+    found = sorted(key for key, value in vars(module).items()
+                   if isinstance(value, type) and issubclass(value, Algorithm)
+                   and value is not Algorithm and value.__module__ == module_name)
+    listed = (f"its algorithms: {', '.join(found)}" if found else
+              "it defines no subclass of batchrl.algos.Algorithm")
+    if cls is None:
+        raise ConfigError(f"algorithm.class = {path!r}: module {module_name} has no name "
+                          f"{name!r}; {listed}")
+    what = "a class" if isinstance(cls, type) else f"a {type(cls).__name__}"
+    raise ConfigError(f"algorithm.class = {path!r}: {module_name}.{name} is {what}, not a "
+                      f"subclass of batchrl.algos.Algorithm; {listed}")
 
 
-def _check_arguments(cls: type, path: str, kwargs: dict[str, Any]) -> None:
-    """``ConfigError`` unless ``cls``'s constructor takes the trainer's
-    arguments and the section's keys."""
-    for key in kwargs:
+def config_class(path: str) -> Any:
+    """The dataclass of the hyperparameters of the algorithm at ``path``, or ``None`` when
+    its constructor's keyword arguments are its schema (imports the class unless shipped)."""
+    if path in _CONFIG_CLASSES:
+        return _CONFIG_CLASSES[path]
+    return getattr(algorithm_class(path), "config_class", None)
+
+
+def algorithm_keys(path: str) -> dict[str, Any]:
+    """The keys ``[algorithm]`` may set for the class at ``path``, with their defaults
+    (``inspect.Parameter.empty`` for a required one)."""
+    schema = config_class(path)
+    if schema is not None:
+        defaults = schema()
+        return {f.name: getattr(defaults, f.name) for f in dataclasses.fields(schema)
+                if f.name not in TRAINER_ARGUMENTS}
+    parameters = inspect.signature(algorithm_class(path)).parameters.values()
+    return {p.name: p.default for p in parameters
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.name not in TRAINER_ARGUMENTS}
+
+
+def _algorithm_keys(path: str, section: dict[str, Any]) -> dict[str, Any]:
+    """The checked keyword arguments of ``[algorithm]`` for the class at ``path``:
+    converted to the annotated types, ``ConfigError`` naming the first bad key."""
+    for key in section:
         if key in TRAINER_ARGUMENTS:
-            raise ConfigError(f"algorithm.{key} is the trainer's to pass (from "
-                              f"{'env.max_length' if key == 'max_length' else 'the env'} "
-                              f"and train.device); remove it from [algorithm]")
+            source = _FACT_SOURCES.get(key, "the env")
+            raise ConfigError(f"algorithm.{key} is the trainer's to pass (from {source}); "
+                              f"remove it from [algorithm]" + (
+                                  f" and set {source} instead" if key in _FACT_SOURCES else ""))
+    schema = config_class(path)
+    if schema is not None:
+        return dataclasses.asdict(_build("algorithm", schema, section, path=path))
+    cls = algorithm_class(path)
     signature = inspect.signature(cls)
     parameters = signature.parameters.values()
-    named = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    valid = [name for name in named if name not in TRAINER_ARGUMENTS]
-    unknown = [key for key in kwargs if key not in named]
+    valid = list(algorithm_keys(path))
+    unknown = [key for key in section if key not in valid]
     if unknown and not any(p.kind is p.VAR_KEYWORD for p in parameters):
-        raise ConfigError(f"unknown key algorithm.{unknown[0]}: {path}() takes "
-                          f"{', '.join(valid) or 'no keyword arguments'}")
+        raise ConfigError(_unknown_keys(path, unknown, valid))
     try:
-        signature.bind(None, None, 1, max_length=1, device="cpu", **kwargs)
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # annotations that do not evaluate here: take the values as they are
+        hints = {}
+    keys = {key: _convert(f"algorithm.{key}", value, hints[key])
+            if _checkable(hints.get(key)) else value for key, value in section.items()}
+    try:
+        signature.bind(None, None, 1, **{name: None for name in RUN_FACTS
+                                         if name in signature.parameters}, **keys)
     except TypeError as exc:
         raise ConfigError(f"[algorithm] does not fit {path}(observation_space, action_space, "
-                          f"num_agents, max_length=..., device=..., **keys): {exc}; its "
-                          f"keys: {', '.join(valid)}") from None
+                          f"num_agents, **keys): {exc}; its keys: {', '.join(valid)}") from None
+    return keys
+
+
+def _unknown_keys(path: str, unknown: list[str], valid: list[str]) -> str:
+    names = ", ".join(f"algorithm.{key}" for key in unknown)
+    return (f"{path.rpartition(':')[2]} ({path}) does not take {names}; its keys: "
+            f"{', '.join(valid) or 'none'}")
+
+
+def _checkable(annotation: Any) -> bool:
+    """Whether ``_convert`` can check a value against ``annotation``."""
+    if annotation is None:
+        return False
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return all(option is type(None) or _checkable(option)
+                   for option in typing.get_args(annotation))
+    if origin in (tuple, typing.Sequence, collections.abc.Sequence):
+        args = typing.get_args(annotation)
+        return bool(args) and _checkable(args[0])
+    return annotation in (float, int, bool, str, dict)
 
 
 def _check_range(obj: Any, minimum: int, *names: str) -> None:
@@ -219,20 +291,25 @@ def _check_range(obj: Any, minimum: int, *names: str) -> None:
             raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-SECTIONS = {"env": EnvConfig, "train": TrainConfig, "algorithm": PPOConfig}
-# Keys set from other keys, not by users: key -> (the key it follows, what that is).
-DERIVED_KEYS = {"algorithm": {"max_length": ("env.max_length", "the episode time limit"),
-                              "total_steps": ("train.steps", "the run's training budget")}}
+SECTIONS = {"env": EnvConfig, "train": TrainConfig}
+# Keys earlier versions saved in a run's config.json: read (and dropped) only to resume such runs.
+_OLD_SAVED_KEYS = {"algorithm": ("max_length", "total_steps")}
 
 
-def strip_derived(values: dict[str, Any]) -> dict[str, Any]:
-    """Drop the derived keys from a nested dict (as a run's config.json holds
-    them), so that ``build_config`` derives them again; returns ``values``."""
-    _rename_ppo(values)
-    for section, keys in DERIVED_KEYS.items():
-        if isinstance(values.get(section), dict):
-            for key in keys:
-                values[section].pop(key, None)
+def _upgrade_saved(values: dict[str, Any]) -> dict[str, Any]:
+    """A run's saved config as earlier versions wrote it, in today's form: BatchPPO's keys
+    were saved as ``[ppo]`` or as ``[algorithm]`` without ``class``, with the keys that followed
+    ``env.max_length`` and ``train.steps``."""
+    if "ppo" in values:
+        values["algorithm"] = {**_table(values, "ppo"), **_table(values, "algorithm")}
+        del values["ppo"]
+    algorithm = values.get("algorithm")
+    if isinstance(algorithm, dict):
+        algorithm.setdefault("class", BATCHPPO)
+        if algorithm["class"] in ("", BATCHPPO):
+            algorithm["class"] = BATCHPPO
+            for key in _OLD_SAVED_KEYS["algorithm"]:
+                algorithm.pop(key, None)
     return values
 
 
@@ -264,7 +341,7 @@ def _convert(key: str, value: Any, annotation: Any) -> Any:
                 except ConfigError:
                     pass
         raise ConfigError(f"{key}: expected {_type_name(annotation)}, got {value!r}")
-    if origin is tuple:
+    if origin in (tuple, collections.abc.Sequence):
         item_type = typing.get_args(annotation)[0]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list of {_type_name(item_type)}, got {value!r}")
@@ -274,19 +351,25 @@ def _convert(key: str, value: Any, annotation: Any) -> Any:
         raise ConfigError(f"{key}: unsupported type {annotation}")  # a schema bug
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if annotation is int and isinstance(value, float) and value.is_integer():
+        value = int(value)  # 1e6 steps
     # bool is an int, but not a valid value of an int, float, str or dict key.
     if not isinstance(value, annotation) or (isinstance(value, bool) and annotation is not bool):
         raise ConfigError(f"{key}: expected {expected[annotation]}, got {value!r}")
     return value
 
 
-def _build(section: str, factory: Any, values: dict[str, Any], skip: Any = ()) -> Any:
+def _build(section: str, factory: Any, values: dict[str, Any], path: str = "") -> Any:
+    """``factory(**values)`` with each value checked against the field's type; ``path``
+    names the algorithm whose hyperparameters ``factory`` holds (for messages)."""
     hints = typing.get_type_hints(factory)
-    fields = {f.name for f in dataclasses.fields(factory)}
-    unknown = sorted(set(values) - fields)
+    fields = [f.name for f in dataclasses.fields(factory)]
+    unknown = [key for key in values if key not in fields]
     if unknown:
+        if path:
+            raise ConfigError(_unknown_keys(path, unknown, fields))
         raise ConfigError(f"unknown key {section}.{unknown[0]}; valid keys of [{section}]: "
-                          f"{', '.join(sorted(fields - set(skip)))}")
+                          f"{', '.join(sorted(fields))}")
     converted = {name: _convert(f"{section}.{name}", value, hints[name])
                  for name, value in values.items()}
     try:
@@ -305,49 +388,27 @@ def _table(values: dict[str, Any], name: str) -> dict[str, Any]:
     return section
 
 
-def _rename_ppo(values: dict[str, Any]) -> str:
-    """Merge ``[ppo]`` (``[algorithm]``'s old name, and what ``--set ppo.key=...``
-    writes) into ``[algorithm]``; returns the section name to use in messages."""
-    if "ppo" not in values:
-        return "algorithm"
-    ppo, algorithm = _table(values, "ppo"), _table(values, "algorithm")
-    if algorithm.get("class", "") not in ("", BATCHPPO):
-        raise ConfigError(f"[ppo] holds BatchPPO's keys, but [algorithm] names "
-                          f"{algorithm['class']}: put that class's keys in [algorithm]")
-    del values["ppo"]
-    values["algorithm"] = {**algorithm, **ppo}
-    return "ppo"
-
-
 def build_config(values: dict[str, Any]) -> Config:
     """Validate a nested dict (as read from TOML) and build a ``Config``.
 
-    ``[algorithm]`` (or ``[ppo]``) names the class in ``class`` (BatchPPO without it);
-    its other keys are BatchPPO's typed hyperparameters or, for another class,
-    keyword arguments checked against its constructor."""
+    ``[algorithm]`` names the class in ``class`` (BatchPPO without it); its other keys are
+    that class's: the fields of its hyperparameter class (``config_class``, such as BatchPPO's
+    ``PPOConfig``), or else its constructor's keyword arguments, checked against the
+    signature and converted to their annotated types."""
     values = dict(values)
-    label = _rename_ppo(values)
-    unknown = sorted(set(values) - set(SECTIONS))
+    unknown = sorted(set(values) - {*SECTIONS, "algorithm"})
     if unknown:
+        hint = " (BatchPPO's keys go in [algorithm])" if unknown[0] == "ppo" else ""
         raise ConfigError(f"unknown section [{unknown[0]}]; valid sections: "
-                          f"{', '.join(SECTIONS)} ([ppo] is read as [algorithm])")
-    sections = {name: _build(name, SECTIONS[name], _table(values, name))
-                for name in ("env", "train")}
+                          f"{', '.join([*SECTIONS, 'algorithm'])}{hint}")
+    sections = {name: _build(name, factory, _table(values, name))
+                for name, factory in SECTIONS.items()}
     section = dict(_table(values, "algorithm"))
-    path = section.pop("class", "")
+    path = section.pop("class", "") or BATCHPPO
     if not isinstance(path, str):
         raise ConfigError(f"algorithm.class must be a string 'package.module:Class', got "
                           f"{path!r}")
-    if path in ("", BATCHPPO):
-        for key, (source, meaning) in DERIVED_KEYS["algorithm"].items():
-            if key in section:
-                raise ConfigError(f"{label}.{key} follows {source} ({meaning}); "
-                                  f"set {source} instead")
-        algorithm = AlgorithmConfig(
-            ppo=_build(label, PPOConfig, section, skip=DERIVED_KEYS["algorithm"]))
-    else:
-        _check_arguments(algorithm_class(path), path, section)
-        algorithm = AlgorithmConfig(path=path, ppo=None, kwargs=section)
+    algorithm = AlgorithmConfig(path=path, keys=_algorithm_keys(path, section))
     return Config(**sections, algorithm=algorithm)
 
 
@@ -358,7 +419,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, raw = text.split("=", 1)
     path = key.strip().split(".")
     if len(path) != 2 or not all(path):
-        raise ConfigError(f"--set key must be section.key (e.g. ppo.discount), got {key!r}")
+        raise ConfigError(f"--set key must be section.key (e.g. algorithm.discount), got "
+                          f"{key!r}")
     try:
         value = tomllib.loads(f"value = {raw.strip()}")["value"]
     except tomllib.TOMLDecodeError:
@@ -393,10 +455,9 @@ def apply_overrides(values: dict[str, Any], overrides: list[str] = ()) -> dict[s
 
 
 def save_config(config: Config, logdir: Path) -> None:
-    """Write the resolved config as ``config.json``, less the derived keys
-    (such as BatchPPO's ``max_length``), which follow their sources when read back."""
+    """Write the resolved config as ``config.json``."""
     with open(Path(logdir) / CONFIG_FILE, "w") as file:
-        json.dump(strip_derived(config.to_dict()), file, indent=2)
+        json.dump(config.to_dict(), file, indent=2)
         file.write("\n")
 
 
@@ -414,6 +475,6 @@ def load_saved_config(logdir: Path, overrides: list[str] = ()) -> Config:
         raise ConfigError(f"the saved config {path} is not a JSON object; restore the file "
                           f"or start a new run in another --logdir")
     try:
-        return build_config(apply_overrides(strip_derived(values), overrides))
+        return build_config(apply_overrides(_upgrade_saved(values), overrides))
     except ConfigError as exc:
         raise ConfigError(f"the saved config {path}: {exc}") from None

@@ -1,15 +1,71 @@
-"""One fused step of a batch of envs and an algorithm (TF Agents' ``simulate`` op)."""
+"""The simulation loop: one fused step of a batch of envs and an algorithm (TF Agents'
+``simulate`` op), and the state that loop keeps between steps.
+
+A ``Simulation`` owns the loop state of one ``TensorBatchEnv`` (each agent's running episode, the
+experience ``overlap=True`` still owes the algorithm), so two loops over two envs, in one process or
+in several, never touch each other. ``simulate(env, algo)`` is the paper's one-call interface on
+top: it keeps one such state per env for the caller.
+"""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from batchrl.algos.base import Algorithm, Summary
-from batchrl.tensor_env import Episodes, TensorBatchEnv
+from batchrl.parts import numpy_views
+from batchrl.tensor_env import TensorBatchEnv
+
+
+@dataclass
+class Episodes:
+    """The ``N`` agents' running episodes, as a ``Simulation`` tracks them (env's device).
+
+    Attributes:
+      score: ``(N,)`` float32, each agent's return so far (in full right after the end).
+      length: ``(N,)`` int64, the steps of each agent's current episode.
+      agents: ``(N,)`` int64, ``arange(N)``: every step acts for all agents.
+      starting: ``(K,)`` int64, the agents to reset before the next step, or ``None``.
+      finished_score, finished_length, finished_count: scalar sums over the
+        episodes finished since the loop last logged them.
+      late: ``(algorithm, observ, action)`` of the step whose ``experience()`` is
+        still due (``overlap=True``); its reward, done and next observation are the env's.
+      fast: on the CPU, the env's ``(done, reward)`` and numpy views of them and of
+        ``score`` and ``length`` (see ``batchrl.parts.numpy_views``).
+    """
+
+    score: torch.Tensor
+    length: torch.Tensor
+    agents: torch.Tensor
+    starting: torch.Tensor | None
+    finished_score: torch.Tensor
+    finished_length: torch.Tensor
+    finished_count: torch.Tensor
+    late: tuple[Any, torch.Tensor, torch.Tensor] | None = None
+    fast: tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray, np.ndarray,
+                np.ndarray] | None = None
+
+    @classmethod
+    def start(cls, env: TensorBatchEnv) -> "Episodes":
+        """No episode begun yet in ``env`` (every agent starts on the next step)."""
+        done, reward = env.done, env.reward
+        n, device = len(done), done.device
+        zero = torch.zeros((), device=device)
+        episodes = cls(score=torch.zeros(n, device=device),
+                       length=torch.zeros(n, dtype=torch.int64, device=device),
+                       agents=torch.arange(n, device=device),
+                       starting=torch.arange(n, device=device),
+                       finished_score=zero.clone(), finished_length=zero.clone(),
+                       finished_count=zero.clone())
+        views = [numpy_views.view(t) for t in (done, reward, episodes.score, episodes.length)]
+        if all(view is not None for view in views):
+            episodes.fast = (done, reward, *views)
+        return episodes
 
 
 def _merge(summary: Summary, returned: Any, algo: Algorithm, method: str) -> None:
@@ -45,24 +101,6 @@ def _begin(tracker: Episodes, algo: Algorithm, agents: torch.Tensor, summary: Su
     _merge(summary, algo.begin_episodes(agents), algo, "begin_episodes")
 
 
-def flush(env: TensorBatchEnv, summary: Summary | None = None) -> Summary:
-    """Deliver the ``experience()`` that ``simulate(..., overlap=True)`` held back, if
-    any; returns its summary (merged into ``summary``). Call it before saving the
-    algorithm mid-episode; ``simulate`` flushes whenever an episode ends or starts."""
-    summary = {} if summary is None else summary
-    tracker = env.episodes
-    if tracker.late is not None:
-        (algo, observ, action), tracker.late = tracker.late, None
-        _merge(summary, algo.experience(tracker.agents, observ, action, env.reward, env.done,
-                                        env.observ, env.terminated), algo, "experience")
-    return summary
-
-
-def episode_length(env: TensorBatchEnv) -> torch.Tensor:
-    """``(N,)`` int64: steps of each agent's current (or just finished) episode."""
-    return env.episodes.length
-
-
 def _count_step(tracker: Episodes, reward: torch.Tensor, done: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Count one step of ``reward`` ``(N,)`` into every running episode; returns
@@ -83,105 +121,180 @@ def _count_step(tracker: Episodes, reward: torch.Tensor, done: torch.Tensor
     return finished, ended if ended.numel() else None, tracker.score.clone()
 
 
-def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
-             reset: bool = False, overlap: bool = False, seed: int | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, Summary]:
-    """Advance every env of ``env`` by one step with actions from ``algo``.
-
-    Agents done on the previous step (all on the first call or with ``reset``, which discontinues
-    running episodes) are reset first; ``algo`` is called as ``Algorithm`` says. Agents whose env
-    restarted after a failure (``env.restarted``) get ``begin_episodes`` again, without
-    ``end_episodes``.
+class Simulation:
+    """The simulation loop of one batch env: the env and the state kept between its steps.
 
     Args:
-      env, algo: the batch env (on the algorithm's device) and the algorithm for its N agents.
-      log: add the mean ``score`` and ``length`` and the number ``episodes`` of the
-        episodes finished since the last call with ``log`` (if any finished).
-      reset: start new episodes for all agents first.
-      overlap: when ``algo.experience_may_lag``, deliver the experience of a step that
-        ended no episode in the next call, while the env steps (see ``flush``).
-      seed: with ``reset``, env ``i``'s reset gets ``seed + i`` (reproducible phases).
-    Returns:
-      ``done`` ``(N,)`` bool: the episodes that ended at this step; ``score`` ``(N,)`` float32:
-      each agent's return so far (in full where done); ``summary``: all summaries and the log.
+      env: the batch env, on the device of the algorithms that act in it.
+
+    ``step(algo)`` advances every env by one step with actions from ``algo``; ``evaluate(algo, n)``
+    runs ``n`` whole mean-action episodes; ``flush()`` delivers an experience held back by
+    ``overlap``. Every new ``Simulation`` starts new episodes on its first step. Two simulations of
+    one env would disagree about its episodes: step an env through one of them at a time (a new one
+    takes over cleanly, since its first step resets every env).
     """
+
+    def __init__(self, env: TensorBatchEnv, episodes: Episodes | None = None):
+        if not isinstance(env, TensorBatchEnv):
+            raise TypeError(f"a simulation needs a TensorBatchEnv (the batch as torch tensors), "
+                            f"got a {type(env).__name__}: wrap it as TensorBatchEnv(batch_env, "
+                            f"device)")
+        self.env = env
+        self.episodes = Episodes.start(env) if episodes is None else episodes
+
+    @property
+    def episode_length(self) -> torch.Tensor:
+        """``(N,)`` int64: steps of each agent's current (or just finished) episode."""
+        return self.episodes.length
+
+    def flush(self, summary: Summary | None = None) -> Summary:
+        """Deliver the ``experience()`` that ``step(..., overlap=True)`` held back, if any;
+        returns its summary (merged into ``summary``). Call it before saving the algorithm
+        mid-episode; ``step`` flushes whenever an episode ends or starts."""
+        summary = {} if summary is None else summary
+        tracker, env = self.episodes, self.env
+        if tracker.late is not None:
+            (algo, observ, action), tracker.late = tracker.late, None
+            _merge(summary, algo.experience(tracker.agents, observ, action, env.reward, env.done,
+                                            env.observ, env.terminated), algo, "experience")
+        return summary
+
+    def step(self, algo: Algorithm, log: bool = False, reset: bool = False,
+             overlap: bool = False, seed: int | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, Summary]:
+        """Advance every env by one step with actions from ``algo``.
+
+        Agents done on the previous step (all on the first call or with ``reset``, which
+        discontinues running episodes) are reset first; ``algo`` is called as ``Algorithm`` says.
+        Agents whose env restarted after a failure (``env.restarted``) get ``begin_episodes``
+        again, without ``end_episodes``.
+
+        Args:
+          algo: the algorithm for the env's N agents.
+          log: add the mean ``score`` and ``length`` and the number ``episodes`` of the
+            episodes finished since the last call with ``log`` (if any finished).
+          reset: start new episodes for all agents first.
+          overlap: when ``algo.experience_may_lag``, deliver the experience of a step that
+            ended no episode in the next call, while the env steps (see ``flush``).
+          seed: with ``reset``, env ``i``'s reset gets ``seed + i`` (reproducible phases).
+        Returns:
+          ``done`` ``(N,)`` bool: the episodes that ended at this step; ``score`` ``(N,)``
+          float32: each agent's return so far (in full where done); ``summary``: all summaries
+          and the log.
+        """
+        if seed is not None and not reset:
+            raise ValueError("simulate(seed=...) seeds the resets of all agents: it needs "
+                             "reset=True")
+        env, tracker = self.env, self.episodes
+        summary: Summary = {}
+        lag = overlap and algo.experience_may_lag
+        if tracker.late is not None and (reset or not lag or tracker.late[0] is not algo):
+            self.flush(summary)  # before begin_episodes discards the running episodes
+        starting = tracker.agents if reset else tracker.starting
+        if starting is not None:
+            tracker.starting = None
+            env.reset(starting, seed=seed)
+            _begin(tracker, algo, starting, summary)
+            if env.restarted is not None:  # a failed worker restarted other envs as well
+                _begin(tracker, algo, env.restarted, summary)
+
+        agents = tracker.agents
+        observ = env.observ.clone()  # the env overwrites its buffer when it steps
+        action = _performed(algo.perform(agents, observ), algo, summary)
+        env.step_async(action)
+        if lag:
+            self.flush(summary)  # the previous step's, while the workers step this one
+        next_observ, reward, done = env.step_wait()
+        finished, ended, score = _count_step(tracker, reward, done)
+        if not lag or env.restarted is not None or ended is not None:
+            _merge(summary, algo.experience(agents, observ, action, reward, done, next_observ,
+                                            env.terminated), algo, "experience")
+        else:  # nothing ends or starts before the next call: deliver it then
+            tracker.late = (algo, observ, action.detach())
+
+        if env.restarted is not None:  # their old episodes, this step included, are dropped
+            _begin(tracker, algo, env.restarted, summary)
+            score = tracker.score.clone()
+        if ended is not None:
+            tracker.starting = ended
+            _merge(summary, algo.end_episodes(ended), algo, "end_episodes")
+            tracker.finished_score += tracker.score[ended].sum()
+            tracker.finished_length += tracker.length[ended].sum()
+            tracker.finished_count += ended.numel()
+
+        if log:
+            count = int(tracker.finished_count.item())
+            if count:
+                summary["score"] = float(tracker.finished_score.item()) / count
+                summary["length"] = float(tracker.finished_length.item()) / count
+                summary["episodes"] = float(count)
+            for total in (tracker.finished_score, tracker.finished_length,
+                          tracker.finished_count):
+                total.zero_()
+        return finished, score, summary
+
+    def evaluate(self, algo: Algorithm, episodes: int, seed: int = 0
+                 ) -> tuple[list[float], list[int]]:
+        """Returns and lengths of exactly ``episodes`` whole mean-action episodes (eval mode,
+        resets seeded ``seed + i`` for env ``i``). Each agent counts its first episodes, an
+        equal share, so short ones bias nothing; the lists hold all first episodes first."""
+        if episodes < 1:
+            raise ValueError(f"episodes must be >= 1, got {episodes}")
+        num_agents = len(self.env)
+        quota = [episodes // num_agents + (i < episodes % num_agents)
+                 for i in range(num_agents)]
+        results: list[list[tuple[float, int]]] = [[] for _ in range(num_agents)]
+        training = algo.training
+        algo.eval()
+        try:
+            reset = True
+            while any(len(results[i]) < quota[i] for i in range(num_agents)):
+                done, score, _ = self.step(algo, reset=reset, seed=seed if reset else None)
+                reset = False
+                if bool(done.any()):
+                    lengths = self.episode_length
+                    for i in done.nonzero().squeeze(1).tolist():
+                        if len(results[i]) < quota[i]:
+                            results[i].append((float(score[i]), int(lengths[i])))
+        finally:
+            algo.train(training)
+        ordered = [results[i][k] for k in range(max(quota)) for i in range(num_agents)
+                   if k < len(results[i])]
+        return [s for s, _ in ordered], [n for _, n in ordered]
+
+
+# The state simulate() keeps for each env it was called with. Only the env is weakly held (the
+# state references its tensors, never the env object), so a dropped env frees its entry.
+_STATES: "weakref.WeakKeyDictionary[TensorBatchEnv, Episodes]" = weakref.WeakKeyDictionary()
+
+
+def _simulation(env: TensorBatchEnv) -> Simulation:
+    """The ``Simulation`` that ``simulate`` keeps for ``env``."""
     if not isinstance(env, TensorBatchEnv):
         raise TypeError(f"simulate() needs a TensorBatchEnv (the batch as torch tensors), got "
                         f"a {type(env).__name__}: wrap it as TensorBatchEnv(batch_env, device)")
-    if seed is not None and not reset:
-        raise ValueError("simulate(seed=...) seeds the resets of all agents: it needs reset=True")
-    tracker = env.episodes
-    summary: Summary = {}
-    lag = overlap and algo.experience_may_lag
-    if tracker.late is not None and (reset or not lag or tracker.late[0] is not algo):
-        flush(env, summary)  # before begin_episodes discards the running episodes
-    starting = tracker.agents if reset else tracker.starting
-    if starting is not None:
-        tracker.starting = None
-        env.reset(starting, seed=seed)
-        _begin(tracker, algo, starting, summary)
-        if env.restarted is not None:  # a failed worker restarted other envs as well
-            _begin(tracker, algo, env.restarted, summary)
+    episodes = _STATES.get(env)
+    if episodes is None:
+        episodes = _STATES[env] = Episodes.start(env)
+    return Simulation(env, episodes)
 
-    agents = tracker.agents
-    observ = env.observ.clone()  # the env overwrites its buffer when it steps
-    action = _performed(algo.perform(agents, observ), algo, summary)
-    env.step_async(action)
-    if lag:
-        flush(env, summary)  # the previous step's, while the workers step this one
-    next_observ, reward, done = env.step_wait()
-    finished, ended, score = _count_step(tracker, reward, done)
-    if not lag or env.restarted is not None or ended is not None:
-        _merge(summary, algo.experience(agents, observ, env.action, reward, done, next_observ,
-                                        env.terminated), algo, "experience")
-    else:  # nothing ends or starts before the next call: deliver it then
-        tracker.late = (algo, observ, env.action.clone())
 
-    if env.restarted is not None:  # their old episodes, this step included, are dropped
-        _begin(tracker, algo, env.restarted, summary)
-        score = tracker.score.clone()
-    if ended is not None:
-        tracker.starting = ended
-        _merge(summary, algo.end_episodes(ended), algo, "end_episodes")
-        tracker.finished_score += tracker.score[ended].sum()
-        tracker.finished_length += tracker.length[ended].sum()
-        tracker.finished_count += ended.numel()
+def simulate(env: TensorBatchEnv, algo: Algorithm, log: bool = False,
+             reset: bool = False, overlap: bool = False, seed: int | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, Summary]:
+    """Advance every env of ``env`` by one step with actions from ``algo``: the paper's one-call
+    interface, ``Simulation.step`` on a loop state kept for ``env``. Arguments and results are
+    ``Simulation.step``'s."""
+    return _simulation(env).step(algo, log=log, reset=reset, overlap=overlap, seed=seed)
 
-    if log:
-        count = int(tracker.finished_count.item())
-        if count:
-            summary["score"] = float(tracker.finished_score.item()) / count
-            summary["length"] = float(tracker.finished_length.item()) / count
-            summary["episodes"] = float(count)
-        for total in (tracker.finished_score, tracker.finished_length, tracker.finished_count):
-            total.zero_()
-    return finished, score, summary
+
+def flush(env: TensorBatchEnv, summary: Summary | None = None) -> Summary:
+    """``Simulation.flush`` of the loop ``simulate`` keeps for ``env``."""
+    return _simulation(env).flush(summary)
 
 
 def evaluate_episodes(env: TensorBatchEnv, algo: Algorithm, episodes: int,
                       seed: int = 0) -> tuple[list[float], list[int]]:
-    """Returns and lengths of exactly ``episodes`` whole mean-action episodes (eval mode,
-    resets seeded ``seed + i`` for env ``i``). Each agent counts its first episodes, an
-    equal share, so short ones bias nothing; the lists hold all first episodes first."""
-    if episodes < 1:
-        raise ValueError(f"episodes must be >= 1, got {episodes}")
-    num_agents = len(env)
-    quota = [episodes // num_agents + (i < episodes % num_agents) for i in range(num_agents)]
-    results: list[list[tuple[float, int]]] = [[] for _ in range(num_agents)]
-    training = algo.training
-    algo.eval()
-    try:
-        reset = True
-        while any(len(results[i]) < quota[i] for i in range(num_agents)):
-            done, score, _ = simulate(env, algo, reset=reset, seed=seed if reset else None)
-            reset = False
-            if bool(done.any()):
-                lengths = episode_length(env)
-                for i in done.nonzero().squeeze(1).tolist():
-                    if len(results[i]) < quota[i]:
-                        results[i].append((float(score[i]), int(lengths[i])))
-    finally:
-        algo.train(training)
-    ordered = [results[i][k] for k in range(max(quota)) for i in range(num_agents)
-               if k < len(results[i])]
-    return [s for s, _ in ordered], [n for _, n in ordered]
+    """``Simulation.evaluate`` on the loop ``simulate`` keeps for ``env``: returns and lengths of
+    exactly ``episodes`` whole mean-action episodes, resets seeded ``seed + i`` for env ``i``."""
+    return _simulation(env).evaluate(algo, episodes, seed)

@@ -1,10 +1,11 @@
 """A batch env whose state (observations, last actions, rewards, done flags) lives in
-preallocated torch tensors on a device: the PyTorch ``InGraphBatchEnv`` of TF Agents."""
+preallocated torch tensors on a device: the PyTorch ``InGraphBatchEnv`` of TF Agents. It is a
+tensor view of the batch and nothing more: the loop's own state (episodes, returns) belongs to
+``batchrl.simulation.Simulation``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import gymnasium as gym
 import numpy as np
@@ -12,52 +13,6 @@ import torch
 
 from batchrl.envs.batch import BatchEnv
 from batchrl.envs.worker import Closeable
-from batchrl.parts import numpy_views
-
-
-@dataclass
-class Episodes:
-    """The ``N`` agents' running episodes, as ``simulation.simulate`` tracks them (env's device).
-
-    Attributes:
-      score: ``(N,)`` float32, each agent's return so far (in full right after the end).
-      length: ``(N,)`` int64, the steps of each agent's current episode.
-      agents: ``(N,)`` int64, ``arange(N)``: every step acts for all agents.
-      starting: ``(K,)`` int64, the agents to reset before the next step, or ``None``.
-      finished_score, finished_length, finished_count: scalar sums over the
-        episodes finished since ``simulate`` last logged them.
-      late: ``(algorithm, observ, action)`` of the step whose ``experience()`` is
-        still due (``overlap=True``); its reward, done and next observation are the env's.
-      fast: on the CPU, the env's ``(done, reward)`` and numpy views of them and of
-        ``score`` and ``length`` (see ``batchrl.parts.numpy_views``).
-    """
-
-    score: torch.Tensor
-    length: torch.Tensor
-    agents: torch.Tensor
-    starting: torch.Tensor | None
-    finished_score: torch.Tensor
-    finished_length: torch.Tensor
-    finished_count: torch.Tensor
-    late: tuple[Any, torch.Tensor, torch.Tensor] | None = None
-    fast: tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray, np.ndarray,
-                np.ndarray] | None = None
-
-    @classmethod
-    def start(cls, done: torch.Tensor, reward: torch.Tensor) -> "Episodes":
-        """No episode begun yet, for an env with these ``done`` and ``reward`` buffers."""
-        n, device = len(done), done.device
-        zero = torch.zeros((), device=device)
-        episodes = cls(score=torch.zeros(n, device=device),
-                       length=torch.zeros(n, dtype=torch.int64, device=device),
-                       agents=torch.arange(n, device=device),
-                       starting=torch.arange(n, device=device),
-                       finished_score=zero.clone(), finished_length=zero.clone(),
-                       finished_count=zero.clone())
-        views = [numpy_views.view(t) for t in (done, reward, episodes.score, episodes.length)]
-        if all(view is not None for view in views):
-            episodes.fast = (done, reward, *views)
-        return episodes
 
 
 class TensorBatchEnv(Closeable):
@@ -70,7 +25,6 @@ class TensorBatchEnv(Closeable):
       done: ``(N,)`` float32, 1.0 where the last step ended the episode (terminated or truncated).
       terminated: ``(N,)`` float32, 1.0 where it terminated (``done - terminated``: truncated).
       infos: the info dicts of the last ``step`` (on the host; ``reset`` keeps them).
-      episodes: the running episodes, as ``simulate`` tracks them (``Episodes``).
       restarted: ``None``, or the ``(K,)`` int64 envs whose worker the last ``step``
         or ``reset`` restarted after a failure (``BatchEnv``'s ``max_restarts``):
         their ``observ`` rows hold the first observations of new episodes.
@@ -106,7 +60,6 @@ class TensorBatchEnv(Closeable):
                          for name in names if name != "action"]  # (device, staging) pairs
         self.infos: Sequence[dict] = [{} for _ in range(n)]
         self.restarted: torch.Tensor | None = None
-        self.episodes = Episodes.start(self.done, self.reward)
         # The staging buffers may only be rewritten once the last upload finished.
         self._uploaded = torch.cuda.Event() if cuda else None
 

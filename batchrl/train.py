@@ -36,24 +36,56 @@ if TYPE_CHECKING:
 STARTED_WITH = "started_with.json"  # in a run's logdir: the --config it was started with
 
 
-def _config_help() -> str:
-    from batchrl.config import DERIVED_KEYS, SECTIONS, available_configs
+def _config_help(name: str | None) -> str:
+    """The epilog of ``--help``: the configs, the keys of [env] and [train], and the
+    [algorithm] keys of the class the config ``name`` trains (of each shipped algorithm
+    without one)."""
+    import inspect
+
+    from batchrl.config import (BATCHPPO, SECTIONS, SHIPPED_ALGORITHMS, ConfigError,
+                                algorithm_keys, available_configs, load_config)
     lines = [f"available configs: {', '.join(available_configs())}", "",
              "config keys (--set section.key=value; values are TOML: 3e-4, true, [64, 64], "
-             "\"Hopper-v5\"); [algorithm] lists BatchPPO's, the default (another class: "
-             "algorithm.class = \"package.module:Class\" and its constructor's keywords):"]
-    for name, factory in SECTIONS.items():
+             "\"Hopper-v5\"):"]
+    for section, factory in SECTIONS.items():
         default = factory()
-        lines += [f"  {name}.{field.name} = {_toml(getattr(default, field.name))}"
-                  for field in dataclasses.fields(default)
-                  if field.name not in DERIVED_KEYS.get(name, {})]
+        lines += [f"  {section}.{field.name} = {_toml(getattr(default, field.name))}"
+                  for field in dataclasses.fields(default)]
+    classes = SHIPPED_ALGORITHMS
+    if name is not None:
+        try:
+            classes = (load_config(name).algorithm.path,)
+        except ConfigError as exc:
+            lines += ["", f"(--config {name}: {exc})"]
+    for path in classes:
+        what = "the default" if path == BATCHPPO else "algorithm.class = " + _toml(path)
+        try:
+            keys = algorithm_keys(path)
+        except ConfigError as exc:
+            lines += ["", f"[algorithm] of {path}: {exc}"]
+            continue
+        lines += ["", f"[algorithm] keys of {path.rpartition(':')[2]} ({what}):"]
+        lines += [f"  algorithm.{key} = "
+                  f"{'(required)' if value is inspect.Parameter.empty else _toml(value)}"
+                  for key, value in keys.items()]
     return "\n".join(lines)
+
+
+def _count(text: str) -> int:
+    """An argparse type: a count of steps, also written ``1e6`` or ``1_000_000``."""
+    try:
+        value = float(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of steps, got {text!r}")
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"expected a whole number of steps, got {text!r}")
+    return int(value)
 
 
 def _toml(value: object) -> str:
     """A default as --set takes it (TOML), e.g. true, "CartPole-v1", [200, 100]."""
     if value is None:
-        return "(none)"
+        return "none"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (list, tuple)):
@@ -69,8 +101,14 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
     """The command line; returns the exit code. ``command`` is how the user
     ran it (``batchrl-train``, ``python train.py``): the resume commands
     printed after a stop or a failure start with it."""
+    argv = sys.argv[1:] if argv is None else argv
+    # --help lists the [algorithm] keys of the class that --config names, when given.
+    named = argparse.ArgumentParser(add_help=False)
+    named.add_argument("--config")
+    wants_help = any(arg in ("-h", "--help") for arg in argv)
     parser = argparse.ArgumentParser(
-        prog=command, description=__doc__.split("\n\n")[0], epilog=_config_help(),
+        prog=command, description=__doc__.split("\n\n")[0],
+        epilog=_config_help(named.parse_known_args(argv)[0].config) if wants_help else None,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True,
                         help="a config's name (e.g. halfcheetah; --help lists them) or a "
@@ -80,8 +118,9 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
                              "an existing run there is resumed")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE",
-                        help="override a config key, e.g. algorithm.discount=0.98")
-    parser.add_argument("--steps", type=int, default=None, metavar="N",
+                        help="override a config key, e.g. algorithm.discount=0.98 (--help "
+                             "--config NAME lists the keys of its algorithm)")
+    parser.add_argument("--steps", type=_count, default=None, metavar="N",
                         help="training budget in env steps (train.steps); unlike --set also "
                              "allowed when resuming, to train a run further")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -4,9 +4,12 @@ For any ``Algorithm`` (the config's ``[algorithm]``): with whole-episode updates
 (``episodes_per_phase``) a training phase collects one update's episodes, and every
 ``train.eval_every`` training phases an evaluation phase runs ``train.eval_episodes``
 mean-action episodes. With fixed-length rollouts (``steps_per_update``) a training phase
-is ``train.eval_every`` updates long and an evaluation follows every phase. Each phase
-starts with seeded resets (``simulate(..., reset=True)``), so a run resumed from a
-checkpoint (written at phase boundaries) continues exactly as it would have.
+is ``train.eval_every`` updates long and an evaluation follows every phase. An algorithm
+that names neither trains in phases of ``train.phase_steps`` env steps (by default sized so
+that evaluations cost at most about a tenth of the run), with an evaluation every
+``train.eval_every`` of them. The last training phase stops at the budget, ``train.steps``.
+Each phase starts with seeded resets (``Simulation.step(..., reset=True)``), so a run resumed
+from a checkpoint (written at phase boundaries) continues exactly as it would have.
 
 With ``handle_signals``, SIGINT or SIGTERM stops the run within a step or gradient step:
 the state at the last phase boundary, kept in memory, is written as the final checkpoint
@@ -35,7 +38,7 @@ from batchrl.envs.factory import make_batch_env
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.interrupt import Interrupted, StopSignals
 from batchrl.metrics import RunLog
-from batchrl.simulation import episode_length, flush, simulate
+from batchrl.simulation import Simulation
 
 
 def resolve_device(name: str, key: str = "train.device") -> torch.device:
@@ -66,6 +69,21 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def phase_plan(config: Config, algo: Algorithm, num_agents: int
+               ) -> tuple[int | None, int | None, int]:
+    """How a run of ``algo`` is split: ``(episodes, batch_steps, eval_every)``, a training
+    phase's whole episodes (``None``: it is ``batch_steps`` steps of the batch instead) and the
+    training phases between evaluations (see the module docstring)."""
+    eval_every = config.train.eval_every
+    if algo.episodes_per_phase is not None:
+        return algo.episodes_per_phase, None, eval_every
+    if algo.steps_per_update is not None:
+        return None, algo.steps_per_update * eval_every, 1
+    env_steps = config.train.phase_steps or max(
+        50_000, 10 * config.train.eval_episodes * config.env.max_length)
+    return None, -(-env_steps // num_agents), eval_every
 
 
 class TrainingInterrupted(Interrupted):
@@ -116,13 +134,15 @@ class Trainer:
         self._batch_env: Any = None  # the run's BatchEnv, for its restart events
         self._lines = False  # progress as plain lines (not a terminal)
 
-    def _phase(self, env: TensorBatchEnv, algo: Algorithm, phase: str, episodes: int | None,
+    def _phase(self, simulation: Simulation, algo: Algorithm, phase: str, episodes: int | None,
                bar: Any, batch_steps: int | None = None) -> dict[str, Any]:
         """Run one phase until ``episodes`` episodes finished, or for
-        ``batch_steps`` steps of the whole batch when given; returns its record."""
+        ``batch_steps`` steps of the whole batch when given; a training phase
+        also ends at the run's budget (``train.steps``). Returns its record."""
         config, counters = self.config, self.counters
         training = phase == "train"
         algo.train(training)
+        env = simulation.env
         num_agents = len(env)
         # Seeded resets make phases reproducible across resumes.
         seed = config.train.seed * 1_000_003 + counters.phases * num_agents
@@ -131,9 +151,12 @@ class Trainer:
         lengths: list[float] = []
         start, steps, calls = time.perf_counter(), 0, 0
         while len(scores) < episodes if batch_steps is None else calls < batch_steps:
+            if training and counters.steps >= config.train.steps:
+                break  # the budget is spent: the last phase stops at it
             reset = calls == 0
-            done, score, summary = simulate(env, algo, reset=reset, seed=seed if reset else None,
-                                            overlap=training and config.train.overlap)
+            done, score, summary = simulation.step(algo, reset=reset,
+                                                   seed=seed if reset else None,
+                                                   overlap=training and config.train.overlap)
             calls += 1
             self._stop.check()
             # Envs restarted in this step did not step (they were reset).
@@ -141,17 +164,17 @@ class Trainer:
             steps += stepped
             if training:
                 counters.steps += stepped
-                if bar is not None:  # full at the budget (the last phase may run past it)
+                if bar is not None:  # (the last batch step may end past the budget)
                     bar.update(max(0, min(stepped, bar.total - bar.n)))
             if self._batch_env.restarts != self._restarts_seen:
                 self._report_restarts(bar)
             if bool(done.any()):
                 ended = done.nonzero().squeeze(1)
                 scores += score[ended].tolist()
-                lengths += episode_length(env)[ended].tolist()
+                lengths += simulation.episode_length[ended].tolist()
             if summary and training:
                 self.log.scalars(summary, counters.steps)
-        summary = flush(env)  # a checkpoint must hold every step's experience
+        summary = simulation.flush()  # a checkpoint must hold every step's experience
         if summary and training:
             self.log.scalars(summary, counters.steps)
         elapsed = time.perf_counter() - start
@@ -255,18 +278,16 @@ class Trainer:
                 bar = tqdm(total=config.train.steps, initial=self.counters.steps,
                            unit="step", unit_scale=True, dynamic_ncols=True)
             evals = self.counters.phases - self.counters.train_phases  # over all sessions
-            # See the module docstring (steps_per_update None: 1 batch step per update).
-            episodes, phase_steps = algo.episodes_per_phase, None
-            eval_every = config.train.eval_every
-            if episodes is None:
-                phase_steps, eval_every = (algo.steps_per_update or 1) * eval_every, 1
+            episodes, phase_steps, eval_every = phase_plan(config, algo, len(env))
+            simulation = Simulation(env)
             while self.counters.steps < config.train.steps:
-                record = self._phase(env, algo, "train", episodes, bar, phase_steps)
+                record = self._phase(simulation, algo, "train", episodes, bar, phase_steps)
                 self._report(record, bar)
                 due = self.counters.train_phases % eval_every == 0
                 final = self.counters.steps >= config.train.steps
                 if config.train.eval_episodes and (due or final):
-                    last_eval = self._phase(env, algo, "eval", config.train.eval_episodes, None)
+                    last_eval = self._phase(simulation, algo, "eval", config.train.eval_episodes,
+                                            None)
                     self._report(last_eval, bar)
                     self.log.plot()
                     evals += 1

@@ -67,8 +67,8 @@ def main() -> None:
         env = TensorBatchEnv(BatchEnv([NullEnv(1000, seed) for seed in range(num_envs)]))
         torch.manual_seed(0)
         algo = BatchPPO(env.observation_space, env.action_space, num_envs,
-                        PPOConfig(update_every=episodes, max_length=1000,
-                                  update_threads=1))
+                        PPOConfig(update_every=episodes, update_threads=1),
+                        max_length=1000)
         simulate(env, algo, reset=True)
         for _ in range(200):
             simulate(env, algo)

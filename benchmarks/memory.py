@@ -175,7 +175,7 @@ def main() -> int:
         env = TensorBatchEnv(batch_env)
         torch.manual_seed(args.seed)
         algo = BatchPPO(env.observation_space, env.action_space, args.envs,
-                        PPOConfig(update_every=args.update_every, max_length=MAX_LENGTH))
+                        PPOConfig(update_every=args.update_every), max_length=MAX_LENGTH)
         algo.train()
         if args.no_updates:
             algo.update = lambda: {}  # this instance only: memory still fills and clears

@@ -88,8 +88,8 @@ def main() -> None:
             env = TensorBatchEnv(batch_env)
             torch.manual_seed(0)
             algo = BatchPPO(env.observation_space, env.action_space, num_envs,
-                            PPOConfig(update_every=num_envs, max_length=1000,
-                                      inference=args.inference, update_threads=1))
+                            PPOConfig(update_every=num_envs, inference=args.inference,
+                                      update_threads=1), max_length=1000)
             # The wrapped action space is unbounded (ClipAction); the task's is [-1, 1].
             shape = batch_env.action_space.shape
             actions = np.random.default_rng(0).uniform(

@@ -53,7 +53,7 @@ from batchrl.testing.faults import FAULTS, FaultyEnv
 from batchrl.envs.process.channel import context
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.envs.wrappers import wrap_env
-from batchrl.simulation import episode_length, simulate
+from batchrl.simulation import Simulation
 from memory import alive, growth, shm_mappings
 
 MIB = 1024 * 1024
@@ -106,9 +106,10 @@ def main() -> int:
 
     threading.Thread(target=watchdog, daemon=True).start()
     env = TensorBatchEnv(batch_env)
+    simulation = Simulation(env)
     torch.manual_seed(0)
     algo = BatchPPO(env.observation_space, env.action_space, args.envs,
-                    PPOConfig(update_every=args.envs, max_length=MAX_LENGTH))
+                    PPOConfig(update_every=args.envs), max_length=MAX_LENGTH)
     counted = finished = finished_steps = discarded = 0
     lengths: set[int] = set()
     start_rss = start_fds = None
@@ -116,9 +117,9 @@ def main() -> int:
     done = torch.ones(args.envs, dtype=torch.bool)
     try:
         while counted < args.steps:
-            before = episode_length(env).clone()
+            before = simulation.episode_length.clone()
             done_before = done
-            done, _, _ = simulate(env, algo, reset=counted == 0)
+            done, _, _ = simulation.step(algo, reset=counted == 0)
             progress["time"] = time.monotonic()
             restarted = env.restarted
             counted += args.envs - (0 if restarted is None else len(restarted))
@@ -128,14 +129,14 @@ def main() -> int:
                 kept = ~done_before[restarted]
                 discarded += int(before[restarted][kept].sum())
             if done.any():
-                ended = episode_length(env)[done]
+                ended = simulation.episode_length[done]
                 lengths.update(ended.tolist())
                 finished += len(ended)
                 finished_steps += int(ended.sum())
             # The baseline after the first update: it allocates for good.
             if start_rss is None and counted >= args.warmup and algo.updates:
                 start_rss, start_fds = parent.memory_info().rss, parent.num_fds()
-        running = int(episode_length(env)[~done].sum())
+        running = int(simulation.episode_length[~done].sum())
         end_rss, end_fds = parent.memory_info().rss, parent.num_fds()
         elapsed = time.perf_counter() - started
         pids = [worker.pid for worker in batch_env.workers]

@@ -27,7 +27,7 @@ from batchrl.envs.process.external import ExternalProcess
 from batchrl.envs.process.shared_memory import EnvWorker
 from batchrl.trainer import Trainer
 from helpers import REPO, TRAIN_PY
-TINY = ["--set", "env.num_agents=2", "--set", "ppo.update_every=2", "--set",
+TINY = ["--set", "env.num_agents=2", "--set", "algorithm.update_every=2", "--set",
         "train.eval_episodes=2", "--set", "train.device=cpu", "--set", "train.steps=200"]
 
 USER_ENVS = '''
@@ -90,8 +90,8 @@ def make_cases(tmp: Path) -> dict[str, tuple[list[str], int, list[str]]]:
                     ["train.steps must be >= 1, got 0"]),
         "steps -5": (["--config", "cartpole", "--steps", "-5"], 2,
                      ["train.steps must be >= 1, got -5"]),
-        "set without =": (["--config", "cartpole", "--set", "ppo.discount"], 2,
-                          ["--set needs section.key=value, got 'ppo.discount'"]),
+        "set without =": (["--config", "cartpole", "--set", "algorithm.discount"], 2,
+                          ["--set needs section.key=value, got 'algorithm.discount'"]),
         "set without section": (["--config", "cartpole", "--set", "discount=0.9"], 2,
                                 ["--set key must be section.key"]),
         "unknown config": (["--config", "nosuch"], 2,
@@ -220,7 +220,7 @@ def test_evaluate_cli_bad_logdirs(tmp_path):
     """``python -m batchrl.evaluate`` on a log directory without checkpoints,
     on one whose checkpoint is damaged, and naming a checkpoint that is not there."""
     logdir = tmp_path / "run"
-    Trainer(load_config("cartpole", ["env.num_agents=2", "ppo.update_every=2",
+    Trainer(load_config("cartpole", ["env.num_agents=2", "algorithm.update_every=2",
                                      "train.eval_episodes=2", "train.steps=50",
                                      "train.device=cpu"]), logdir, progress=False).run()
     empty = tmp_path / "empty"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import sys
@@ -11,14 +12,17 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from batchrl.config import (CONFIG_DIR, Config, ConfigError, available_configs, build_config,
-                            load_config, load_saved_config, parse_override, strip_derived)
+from batchrl.algos.ppo_config import PPOConfig
+from batchrl.config import (BATCHPPO, CONFIG_DIR, RUN_FACTS, AlgorithmConfig, Config,
+                            ConfigError, algorithm_keys, available_configs, build_config,
+                            load_config, load_saved_config, parse_override, save_config)
 from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.factory import make_batch_env, resolve_constructor
 from batchrl.metrics import read_metrics
 from batchrl.trainer import Trainer
 
 PPO_KEYS = ("network", "policy_layers", "update_every", "discount", "inference")
+REINFORCE = "batchrl.algos.reinforce:Reinforce"
 
 
 # --- the shipped configs ---------------------------------------------------------
@@ -36,9 +40,14 @@ def test_configs_dir_holds_the_documented_tasks():
 def test_every_config_loads_validates_and_names_a_known_env(name):
     config = load_config(name)
     assert isinstance(config, Config)
-    # BatchPPO's max_length is derived from the episode time limit.
-    if config.algorithm.ppo is not None:
-        assert config.ppo.max_length == config.env.max_length
+    # BatchPPO's keys are all of PPOConfig's fields, defaults filled in; the run facts
+    # (max_length, total_steps, device) are the trainer's to pass, not keys.
+    if config.algorithm.path == BATCHPPO:
+        assert config.algorithm.keys == dataclasses.asdict(PPOConfig(**config.algorithm.keys))
+        assert list(config.algorithm.keys) == list(algorithm_keys(BATCHPPO))
+    assert not set(RUN_FACTS) & set(config.algorithm.keys)
+    assert config.to_dict()["algorithm"] == {"class": config.algorithm.path,
+                                             **config.algorithm.keys}
     assert config.train.steps >= config.env.num_agents
     # The env id resolves (a registered Gymnasium id; MuJoCo need not be installed).
     assert callable(resolve_constructor(config.env.id, config.env.kwargs))
@@ -46,13 +55,17 @@ def test_every_config_loads_validates_and_names_a_known_env(name):
     assert load_config(str(CONFIG_DIR / f"{name}.toml")) == config
     # The resolved config survives the JSON round trip a run's config.json makes.
     values = json.loads(json.dumps(config.to_dict()))
-    assert build_config(strip_derived(values)) == config
+    assert build_config(values) == config
 
 
 def test_defaults_of_an_empty_config_file(tmp_path):
     path = tmp_path / "empty.toml"
     path.write_text("# nothing set\n")
     assert load_config(str(path)) == build_config({}) == Config()
+    # The default algorithm is BatchPPO with PPOConfig's defaults.
+    assert Config().algorithm == AlgorithmConfig(BATCHPPO, dataclasses.asdict(PPOConfig()))
+    assert Config().to_dict()["algorithm"] == {"class": BATCHPPO,
+                                               **dataclasses.asdict(PPOConfig())}
 
 
 # --- unknown names, sections and keys ----------------------------------------------
@@ -83,12 +96,12 @@ def test_unknown_section_lists_the_valid_sections():
         load_config("cartpole", ["optim.lr=3"])
     message = str(info.value)
     assert "[optim]" in message
-    for section in ("env", "train", "ppo"):
+    for section in ("env", "train", "algorithm"):
         assert section in message
 
 
 @pytest.mark.parametrize("section, key, sample_valid", [
-    ("ppo", "learning_rate", "policy_lr"),
+    ("algorithm", "learning_rate", "policy_lr"),
     ("env", "agents", "num_agents"),
     ("train", "step", "eval_every"),
 ])
@@ -98,11 +111,30 @@ def test_unknown_key_is_named_with_the_valid_keys(section, key, sample_valid):
     message = str(info.value)
     assert f"{section}.{key}" in message
     assert sample_valid in message
-    if section == "ppo":
+    if section == "algorithm":
+        assert message.startswith(f"BatchPPO ({BATCHPPO}) does not take algorithm.{key}; "
+                                  f"its keys: network, policy_layers, "), message
         for valid in PPO_KEYS:
             assert valid in message
-        # Derived from env.max_length: not offered as a key to set.
-        assert "max_length" not in message
+        # The trainer's to pass (from env.max_length, train.steps): not offered as keys.
+        assert "max_length" not in message and "total_steps" not in message
+
+
+def test_every_unknown_algorithm_key_is_named_in_one_line(tmp_path):
+    path = tmp_path / "typos.toml"
+    path.write_text("[algorithm]\nbogus = 1\ndiscount = 0.9\nnope = 2\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    message = str(info.value)
+    assert "\n" not in message
+    assert message == (f"BatchPPO ({BATCHPPO}) does not take algorithm.bogus, algorithm.nope; "
+                       f"its keys: {', '.join(algorithm_keys(BATCHPPO))}")
+    # The same for another class: its constructor's keywords.
+    with pytest.raises(ConfigError) as info:
+        load_config("cartpole_reinforce", ["algorithm.bogus=1", "algorithm.nope=2"])
+    assert str(info.value) == (f"Reinforce ({REINFORCE}) does not take algorithm.bogus, "
+                               f"algorithm.nope; its keys: discount, learning_rate, "
+                               f"update_every, hidden, seed")
 
 
 def test_unknown_key_in_a_toml_file(tmp_path):
@@ -112,22 +144,25 @@ def test_unknown_key_in_a_toml_file(tmp_path):
         load_config(str(path))
 
 
-def test_a_section_that_is_not_a_table(tmp_path):
+@pytest.mark.parametrize("section", ["env", "train", "algorithm"])
+def test_a_section_that_is_not_a_table(tmp_path, section):
     path = tmp_path / "flat.toml"
-    path.write_text("ppo = 3\n")
-    with pytest.raises(ConfigError, match=r"\[ppo\] must be a table"):
+    path.write_text(f"{section} = 3\n")
+    with pytest.raises(ConfigError, match=rf"\[{section}\] must be a table"):
         load_config(str(path))
 
 
 # --- types and ranges ---------------------------------------------------------------
 
 @pytest.mark.parametrize("override, expected", [
-    ("ppo.discount=high", "expected a number"),
-    ('ppo.discount="0.9"', "expected a number"),
-    ("ppo.discount=true", "expected a number"),
+    ("algorithm.discount=high", "expected a number"),
+    ('algorithm.discount="0.9"', "expected a number"),
+    ("algorithm.discount=true", "expected a number"),
     ("env.num_agents=2.5", "expected an integer"),
     ("train.steps=true", "expected an integer"),
-    ("train.steps=1e5", "expected an integer"),
+    ("train.steps=1.5", "expected an integer"),          # integral floats only
+    ("algorithm.update_every=2.5", "expected an integer"),
+    ("algorithm.rollout_length=2.5", "expected"),
     ("env.share_main=yes", "expected bool"),
     ("env.backend=threads", "env.backend must be one of"),
     ("env.workers=-1", "workers must be >= 0"),
@@ -137,9 +172,9 @@ def test_a_section_that_is_not_a_table(tmp_path):
     ("env.ray_resources={CPU=-1}", "env.ray_resources must map Ray resource names to "
                                    "amounts >= 0, e.g. {CPU = 1}"),
     ('env.ray_resources={CPU="one"}', "env.ray_resources must map Ray resource names"),
-    ("ppo.policy_layers=64", "expected a list of int"),
-    ("ppo.policy_layers=[64, 6.5]", "expected an integer"),
-    ("ppo.gae_lambda=high", "expected"),
+    ("algorithm.policy_layers=64", "expected a list of int"),
+    ("algorithm.policy_layers=[64, 6.5]", "expected an integer"),
+    ("algorithm.gae_lambda=high", "expected"),
 ])
 def test_wrong_type_names_the_key_and_the_type(override, expected):
     key = override.split("=")[0]
@@ -151,13 +186,14 @@ def test_wrong_type_names_the_key_and_the_type(override, expected):
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("ppo.discount=1.5", "ppo.discount must be in [0, 1], got 1.5"),
-    ("ppo.discount=-0.1", "ppo.discount must be in [0, 1]"),
-    ("ppo.gae_lambda=2", "ppo.gae_lambda must be in [0, 1]"),
-    ("ppo.policy_lr=0", "ppo.policy_lr must be > 0"),
-    ("ppo.update_every=0", "ppo.update_every must be >= 1"),
-    ("ppo.network=transformer", "ppo.network must be one of ('feed_forward', 'recurrent')"),
-    ("ppo.inference=jit", "ppo.inference must be one of"),
+    ("algorithm.discount=1.5", "algorithm.discount must be in [0, 1], got 1.5"),
+    ("algorithm.discount=-0.1", "algorithm.discount must be in [0, 1]"),
+    ("algorithm.gae_lambda=2", "algorithm.gae_lambda must be in [0, 1]"),
+    ("algorithm.policy_lr=0", "algorithm.policy_lr must be > 0"),
+    ("algorithm.update_every=0", "algorithm.update_every must be >= 1"),
+    ("algorithm.network=transformer",
+     "algorithm.network must be one of ('feed_forward', 'recurrent')"),
+    ("algorithm.inference=jit", "algorithm.inference must be one of"),
     ("env.num_agents=0", "env.num_agents must be >= 1, got 0"),
     ("env.max_length=-5", "env.max_length must be >= 1"),
     ("train.steps=0", "train.steps must be >= 1"),
@@ -172,6 +208,28 @@ def test_out_of_range_names_the_key_and_what_is_valid(override, expected):
     assert expected in str(info.value)
 
 
+def test_integer_keys_take_integral_floats():
+    config = load_config("cartpole", [
+        "train.steps=1e5", "env.num_agents=4.0", "algorithm.update_every=2e1",
+        "algorithm.rollout_length=5e1", "algorithm.policy_layers=[64.0, 32]"])
+    assert config.train.steps == 100_000 and type(config.train.steps) is int
+    assert config.env.num_agents == 4 and type(config.env.num_agents) is int
+    keys = config.algorithm.keys
+    assert keys["update_every"] == 20 and type(keys["update_every"]) is int
+    assert keys["rollout_length"] == 50 and type(keys["rollout_length"]) is int
+    assert keys["policy_layers"] == (64, 32)
+    assert all(type(size) is int for size in keys["policy_layers"])
+    # Another class's int keywords too; float keys stay floats.
+    reinforce = load_config("cartpole_reinforce", ["algorithm.update_every=3e1",
+                                                   "algorithm.learning_rate=1"])
+    assert type(reinforce.algorithm.keys["update_every"]) is int
+    assert reinforce.algorithm.keys["update_every"] == 30
+    assert type(reinforce.algorithm.keys["learning_rate"]) is float
+    # The same value in a file; it round-trips as an int.
+    assert json.loads(json.dumps(config.to_dict()))["train"]["steps"] == 100_000
+    assert build_config(json.loads(json.dumps(config.to_dict()))) == config
+
+
 def test_errors_are_value_errors_for_callers():
     assert issubclass(ConfigError, ValueError)
     assert issubclass(EnvSpecError, ValueError)
@@ -180,25 +238,26 @@ def test_errors_are_value_errors_for_callers():
 # --- override parsing -----------------------------------------------------------------
 
 @pytest.mark.parametrize("text, path, value", [
-    ("ppo.policy_lr=3e-4", ["ppo", "policy_lr"], 3e-4),
+    ("algorithm.policy_lr=3e-4", ["algorithm", "policy_lr"], 3e-4),
     ("train.steps=2_000", ["train", "steps"], 2000),
     ("env.share_main=false", ["env", "share_main"], False),
-    ("ppo.policy_layers=[64, 64]", ["ppo", "policy_layers"], [64, 64]),
+    ("algorithm.policy_layers=[64, 64]", ["algorithm", "policy_layers"], [64, 64]),
+    ("train.steps=1e5", ["train", "steps"], 1e5),      # TOML's float; the schema makes it int
     ('env.id="Hopper-v5"', ["env", "id"], "Hopper-v5"),
     ("env.id=Hopper-v5", ["env", "id"], "Hopper-v5"),               # a bare word
     ("env.id=mypackage.envs:make_env", ["env", "id"], "mypackage.envs:make_env"),
     ("train.device=cuda:1", ["train", "device"], "cuda:1"),
     ("env.kwargs={g = 9.81, render_mode = \"rgb_array\"}", ["env", "kwargs"],
      {"g": 9.81, "render_mode": "rgb_array"}),
-    ("  ppo.discount = 0.98  ", ["ppo", "discount"], 0.98),
+    ("  algorithm.discount = 0.98  ", ["algorithm", "discount"], 0.98),
     ("env.id=a=b", ["env", "id"], "a=b"),                           # split at the first "="
 ])
 def test_parse_override(text, path, value):
     assert parse_override(text) == (path, value)
 
 
-@pytest.mark.parametrize("text", ["ppo.discount", "discount=0.9", "ppo.adam.lr=1", ".lr=1",
-                                  "ppo.=1"])
+@pytest.mark.parametrize("text", ["algorithm.discount", "discount=0.9", "algorithm.adam.lr=1",
+                                  ".lr=1", "algorithm.=1"])
 def test_malformed_override(text):
     with pytest.raises(ConfigError, match="--set"):
         parse_override(text)
@@ -206,21 +265,23 @@ def test_malformed_override(text):
 
 def test_overrides_are_converted_to_the_schema_types():
     config = load_config("cartpole", [
-        "ppo.policy_layers=[64, 64]", "ppo.value_layers=[32]", "ppo.discount=1",
-        "env.id=CartPole-v1", "env.num_agents=4", "train.device=cpu", "ppo.gae_lambda=0.95",
-        "env.kwargs={sutton_barto_reward = true}"])
-    assert config.ppo.policy_layers == (64, 64)           # lists become tuples
-    assert config.ppo.value_layers == (32,)
-    assert config.ppo.discount == 1.0 and isinstance(config.ppo.discount, float)
+        "algorithm.policy_layers=[64, 64]", "algorithm.value_layers=[32]",
+        "algorithm.discount=1", "env.id=CartPole-v1", "env.num_agents=4", "train.device=cpu",
+        "algorithm.gae_lambda=0.95", "env.kwargs={sutton_barto_reward = true}"])
+    keys = config.algorithm.keys
+    assert keys["policy_layers"] == (64, 64)           # lists become tuples
+    assert keys["value_layers"] == (32,)
+    assert keys["discount"] == 1.0 and isinstance(keys["discount"], float)
     assert config.env.id == "CartPole-v1"
     assert config.env.num_agents == 4
     assert config.train.device == "cpu"
-    assert config.ppo.gae_lambda == 0.95
+    assert keys["gae_lambda"] == 0.95
     assert config.env.kwargs == {"sutton_barto_reward": True}
     # Everything else keeps the file's values or the defaults.
     base = load_config("cartpole")
     assert config.env.max_length == base.env.max_length == 500
-    assert config.ppo.update_every == base.ppo.update_every
+    assert keys["update_every"] == base.algorithm.keys["update_every"] == 20
+    assert keys["init_std"] == PPOConfig().init_std   # neither file nor override: the default
     assert config.train.eval_every == Config().train.eval_every
 
 
@@ -229,41 +290,116 @@ def test_later_overrides_win():
     assert config.train.seed == 7
 
 
-def test_env_max_length_sets_the_ppo_buffer_length():
-    config = load_config("pendulum", ["env.max_length=50"])
-    assert config.env.max_length == config.ppo.max_length == 50
+def test_the_trainer_passes_the_run_facts_to_the_algorithm():
+    config = load_config("pendulum", ["env.max_length=50", "train.steps=12345",
+                                      "algorithm.inference=eager"])
+    assert config.run_facts("cpu") == {"max_length": 50, "total_steps": 12345, "device": "cpu"}
+    assert tuple(config.run_facts("cpu")) == RUN_FACTS
+    assert not set(RUN_FACTS) & set(config.algorithm.keys)
+    observation_space = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
+    action_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    algo = config.make_algorithm(observation_space, action_space, 2, "cpu")
+    assert type(algo).__name__ == "BatchPPO"
+    assert algo.max_length == 50 and algo.total_steps == 12345  # BatchPPO's buffer, schedule
+    # A class whose constructor takes only some of them gets only those (Reinforce: no
+    # total_steps).
+    reinforce = load_config("cartpole_reinforce", ["env.max_length=40"])
+    algo = reinforce.make_algorithm(observation_space, gym.spaces.Discrete(2), 2, "cpu")
+    assert type(algo).__name__ == "Reinforce" and algo.max_length == 40
 
 
-def test_ppo_max_length_points_to_env_max_length(tmp_path):
+@pytest.mark.parametrize("fact, source", [("max_length", "env.max_length"),
+                                          ("total_steps", "train.steps"),
+                                          ("device", "train.device")])
+@pytest.mark.parametrize("name", ["cartpole", "cartpole_reinforce"])
+def test_run_facts_in_algorithm_point_to_their_source(tmp_path, fact, source, name):
+    expected = (f"algorithm.{fact} is the trainer's to pass (from {source}); remove it from "
+                f"[algorithm] and set {source} instead")
     with pytest.raises(ConfigError) as info:
-        load_config("cartpole", ["ppo.max_length=100"])
-    assert "ppo.max_length" in str(info.value)
-    assert "env.max_length" in str(info.value)
-    path = tmp_path / "old.toml"
-    path.write_text("[ppo]\nmax_length = 100\n")
-    with pytest.raises(ConfigError, match="env.max_length"):
+        load_config(name, [f"algorithm.{fact}=100"])
+    assert str(info.value) == expected
+    path = tmp_path / "file.toml"
+    path.write_text(f"[algorithm]\n{fact} = 100\n")
+    with pytest.raises(ConfigError) as info:
         load_config(str(path))
+    assert str(info.value) == expected
 
 
-def test_saved_config_drops_the_derived_max_length(tmp_path):
-    config = load_config("pendulum", ["env.max_length=77"])
-    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+def test_saved_config_round_trips_and_a_new_budget_reaches_the_algorithm(tmp_path):
+    config = load_config("pendulum", ["env.max_length=77", "algorithm.lr_schedule=linear"])
+    save_config(config, tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved == json.loads(json.dumps(config.to_dict()))
+    assert saved["algorithm"]["class"] == BATCHPPO
+    assert not set(RUN_FACTS) & set(saved["algorithm"])  # the trainer's, not keys
     assert load_saved_config(tmp_path) == config
     extended = load_saved_config(tmp_path, ["train.steps=5000"])
-    # A new budget also moves the learning-rate schedule's horizon.
-    assert extended.train.steps == extended.ppo.total_steps == 5000
+    # A new budget also moves the learning-rate schedule's horizon (the run fact).
+    assert extended.train.steps == extended.run_facts("cpu")["total_steps"] == 5000
+    assert extended.algorithm == config.algorithm
 
 
-def test_ppo_total_steps_follows_train_steps():
-    config = load_config("pendulum", ["train.steps=12345", "ppo.lr_schedule=linear"])
-    assert config.ppo.total_steps == 12345 and config.ppo.lr_schedule == "linear"
-    with pytest.raises(ConfigError, match=r"ppo.total_steps follows train.steps .* set "
-                                          r"train.steps instead"):
-        load_config("pendulum", ["ppo.total_steps=100"])
-    # Not offered as a key to set.
+def test_run_facts_are_not_offered_as_keys():
+    config = load_config("pendulum", ["train.steps=12345", "algorithm.lr_schedule=linear"])
+    assert config.algorithm.keys["lr_schedule"] == "linear"
+    for path in (BATCHPPO, REINFORCE):
+        assert not set(RUN_FACTS) & set(algorithm_keys(path))
     with pytest.raises(ConfigError) as info:
-        load_config("pendulum", ["ppo.nope=1"])
+        load_config("pendulum", ["algorithm.nope=1"])
     assert "total_steps" not in str(info.value) and "lr_schedule" in str(info.value)
+    assert "max_length" not in str(info.value) and "device" not in str(info.value)
+
+
+# --- [ppo]: no longer a section; old runs' saved configs still resume ---------------------
+
+PPO_SECTION_ERROR = ("unknown section [ppo]; valid sections: env, train, algorithm "
+                     "(BatchPPO's keys go in [algorithm])")
+
+
+def test_a_ppo_section_is_an_error_naming_algorithm(tmp_path):
+    old = tmp_path / "old.toml"
+    old.write_text("[ppo]\ndiscount = 0.98\nupdate_every = 7\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(old))
+    assert str(info.value) == PPO_SECTION_ERROR
+    for name in ("cartpole", "cartpole_reinforce"):
+        with pytest.raises(ConfigError) as info:
+            load_config(name, ["ppo.discount=0.9"])
+        assert str(info.value) == PPO_SECTION_ERROR
+    with pytest.raises(ConfigError) as info:
+        build_config({"ppo": {"discount": 0.9}})
+    assert str(info.value) == PPO_SECTION_ERROR
+
+
+OLD_PPO_KEYS = {"discount": 0.98, "update_every": 7, "policy_layers": [64, 64],
+                "max_length": 123, "total_steps": 4000}
+
+
+@pytest.mark.parametrize("form", ["ppo", "algorithm without class", "stripped"])
+def test_an_old_runs_saved_config_still_loads(tmp_path, form):
+    """Earlier versions saved BatchPPO's keys as [ppo] with max_length and total_steps (which
+    followed env.max_length and train.steps), later as [algorithm] without class and without
+    those two."""
+    env = {"id": "Pendulum-v1", "num_agents": 2, "max_length": 123}
+    keys = dict(OLD_PPO_KEYS)
+    if form == "stripped":
+        del keys["max_length"], keys["total_steps"]
+    section = "ppo" if form == "ppo" else "algorithm"
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"env": env, "train": {"steps": 4000}, section: keys}))
+    config = load_saved_config(tmp_path)
+    assert config.algorithm.path == BATCHPPO
+    assert config.algorithm.keys == {**dataclasses.asdict(PPOConfig()), "discount": 0.98,
+                                     "update_every": 7, "policy_layers": (64, 64)}
+    assert config.env == dataclasses.replace(Config().env, **env)
+    assert config.train == dataclasses.replace(Config().train, steps=4000)
+    assert config.run_facts("cpu")["max_length"] == 123
+    # Resuming with a larger budget: train.steps moves, the old total_steps does not linger.
+    extended = load_saved_config(tmp_path, ["train.steps=8000"])
+    assert extended.run_facts("cpu")["total_steps"] == 8000
+    assert extended.algorithm == config.algorithm
+    # Once loaded, it saves in today's form.
+    assert build_config(json.loads(json.dumps(config.to_dict()))) == config
 
 
 def test_unreadable_saved_config_is_a_config_error(tmp_path):
@@ -338,16 +474,20 @@ def test_env_id_as_module_function_trains_end_to_end(env_package, tmp_path):
     config = load_config("pendulum", [
         f'env.id="{env_package}.countdown:make_env"', "env.kwargs={length = 7, scale = 2.0}",
         "env.num_agents=2", "env.max_length=20", "env.backend=inline",
-        "ppo.update_every=2", "ppo.update_epochs=2", "ppo.policy_layers=[16]",
-        "ppo.value_layers=[16]", "train.steps=60", "train.eval_episodes=2",
-        "train.device=cpu"])
+        "algorithm.update_every=2", "algorithm.update_epochs=2",
+        "algorithm.policy_layers=[16]", "algorithm.value_layers=[16]", "train.steps=60",
+        "train.eval_episodes=2", "train.device=cpu"])
     result = Trainer(config, tmp_path / "run", progress=False).run()
     records = read_metrics(tmp_path / "run")
     assert [r["phase"] for r in records][:2] == ["train", "eval"]
-    assert records[-1]["step"] >= 60
-    # Every episode of the custom env lasts `length` steps and scores at most 2 per step.
-    assert {r["length"] for r in records} == {7.0}
-    assert all(0.0 <= r["score"] <= 14.0 for r in records)
+    assert records[-1]["step"] == 60  # the last training phase stops at the budget
+    # Every episode of the custom env lasts `length` steps and scores at most 2 per step
+    # (the last training phase, cut at the budget after 2 of its 7 steps, ends none).
+    ended = [r for r in records if r["episodes"]]
+    assert [r for r in records if r not in ended] == [
+        r for r in records if r["phase"] == "train" and r["step"] == 60]
+    assert {r["length"] for r in ended} == {7.0}
+    assert all(0.0 <= r["score"] <= 14.0 for r in ended)
     assert result["episodes"] == 2 and result["length"] == 7.0
     assert load_saved_config(tmp_path / "run") == config
 
@@ -435,29 +575,62 @@ def test_ray_backend_keys_from_the_command_line():
     assert load_config("halfcheetah").env.ray_resources == {"CPU": 1}
 
 
-def test_algorithm_section_and_its_old_name_ppo_read_the_same(tmp_path):
-    new, old = tmp_path / "new.toml", tmp_path / "old.toml"
+def test_algorithm_section_with_and_without_class_read_the_same(tmp_path):
+    new = tmp_path / "new.toml"
     new.write_text("[algorithm]\ndiscount = 0.98\nupdate_every = 7\n")
-    old.write_text("[ppo]\ndiscount = 0.98\nupdate_every = 7\n")
-    assert load_config(str(new)) == load_config(str(old))
-    assert load_config(str(new)).ppo.update_every == 7
-    # --set ppo.key (as the README's older commands write it) reaches [algorithm].
-    assert load_config(str(new), ["ppo.discount=0.9"]).ppo.discount == 0.9
+    config = load_config(str(new))
+    assert config.algorithm.path == BATCHPPO
+    assert config.algorithm.keys["update_every"] == 7
+    # --set algorithm.key reaches BatchPPO's keys.
+    assert load_config(str(new), ["algorithm.discount=0.9"]).algorithm.keys["discount"] == 0.9
     explicit = tmp_path / "explicit.toml"
     explicit.write_text('[algorithm]\nclass = "batchrl.algos.ppo:BatchPPO"\ndiscount = 0.98\n'
                         'update_every = 7\n')
-    assert load_config(str(explicit)) == load_config(str(new))
+    assert load_config(str(explicit)) == config
+    empty = tmp_path / "empty_class.toml"
+    empty.write_text('[algorithm]\nclass = ""\ndiscount = 0.98\nupdate_every = 7\n')
+    assert load_config(str(empty)) == config
+    # The old name of the section is an error that says where the keys go.
+    old = tmp_path / "old.toml"
+    old.write_text("[ppo]\ndiscount = 0.98\nupdate_every = 7\n")
+    with pytest.raises(ConfigError, match=r"unknown section \[ppo\].*BatchPPO's keys go in "
+                                          r"\[algorithm\]"):
+        load_config(str(old))
 
 
 def test_another_algorithm_keeps_its_keys_and_round_trips(tmp_path):
     config = load_config("cartpole_reinforce", ["algorithm.learning_rate=0.005"])
-    assert config.algorithm.path == "batchrl.algos.reinforce:Reinforce"
-    assert config.algorithm.kwargs == {"discount": 0.99, "learning_rate": 0.005,
-                                       "update_every": 16, "hidden": [64, 64]}
+    assert config.algorithm.path == REINFORCE
+    # The keys set (converted to the constructor's annotated types), not its defaults.
+    assert config.algorithm.keys == {"discount": 0.99, "learning_rate": 0.005,
+                                     "update_every": 16, "hidden": (64, 64)}
+    assert config.to_dict()["algorithm"] == {"class": REINFORCE, **config.algorithm.keys}
     values = json.loads(json.dumps(config.to_dict()))
-    assert build_config(strip_derived(values)) == config
-    with pytest.raises(ConfigError, match="trains batchrl.algos.reinforce:Reinforce, not BatchPPO"):
-        config.ppo  # noqa: B018
-    with pytest.raises(ConfigError, match=r"\[ppo\] holds BatchPPO's keys, but \[algorithm\] "
-                                          r"names batchrl.algos.reinforce:Reinforce"):
+    assert build_config(values) == config
+    save_config(config, tmp_path)
+    assert load_saved_config(tmp_path) == config
+    assert not hasattr(config, "ppo")
+    # Its keys are set as algorithm.key, like BatchPPO's.
+    assert load_config("cartpole_reinforce",
+                       ["algorithm.discount=0.9"]).algorithm.keys["discount"] == 0.9
+    with pytest.raises(ConfigError, match=r"unknown section \[ppo\]"):
         load_config("cartpole_reinforce", ["ppo.discount=0.9"])
+
+
+def test_swapping_the_class_names_the_keys_the_new_class_does_not_take(tmp_path):
+    # cartpole's [algorithm] sets BatchPPO's discount, update_every and policy_lr.
+    with pytest.raises(ConfigError) as info:
+        load_config("cartpole", [f"algorithm.class={REINFORCE}"])
+    assert str(info.value) == (f"Reinforce ({REINFORCE}) does not take algorithm.policy_lr; "
+                               f"its keys: discount, learning_rate, update_every, hidden, seed")
+    # The other way: Reinforce's learning_rate and hidden are not BatchPPO's.
+    with pytest.raises(ConfigError) as info:
+        load_config("cartpole_reinforce", [f"algorithm.class={BATCHPPO}"])
+    assert str(info.value) == (f"BatchPPO ({BATCHPPO}) does not take algorithm.learning_rate, "
+                               f"algorithm.hidden; its keys: "
+                               f"{', '.join(algorithm_keys(BATCHPPO))}")
+    # Keys both classes take carry over.
+    shared = tmp_path / "shared.toml"
+    shared.write_text("[algorithm]\ndiscount = 0.9\nupdate_every = 4\n")
+    config = load_config(str(shared), [f"algorithm.class={REINFORCE}"])
+    assert config.algorithm == AlgorithmConfig(REINFORCE, {"discount": 0.9, "update_every": 4})

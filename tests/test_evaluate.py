@@ -30,7 +30,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def cartpole_run(tmp_path_factory) -> Path:
     logdir = tmp_path_factory.mktemp("cartpole")
     Trainer(load_config("cartpole", ["train.steps=2000", "env.num_agents=4",
-                                     "ppo.update_every=4", "train.eval_episodes=4"]),
+                                     "algorithm.update_every=4", "train.eval_episodes=4"]),
             logdir, progress=False).run()
     return logdir
 
@@ -140,8 +140,8 @@ def test_mujoco_video(tmp_path):
     logdir = tmp_path / "reacher"
     Trainer(load_config("reacher", [
         "env.backend=inline", "env.num_agents=2", "train.steps=100", "train.eval_episodes=2",
-        "ppo.update_every=2", "ppo.update_epochs=2", "ppo.policy_layers=[16]",
-        "ppo.value_layers=[16]", "ppo.inference=\"eager\""]), logdir, progress=False).run()
+        "algorithm.update_every=2", "algorithm.update_epochs=2", "algorithm.policy_layers=[16]",
+        "algorithm.value_layers=[16]", "algorithm.inference=\"eager\""]), logdir, progress=False).run()
     video = tmp_path / "out" / "reacher.mp4"
     process = run_cli(logdir, "--episodes", "2", "--video", video, "--device", "cpu")
     assert process.returncode == 0, process.stderr
@@ -168,8 +168,8 @@ def pushed_cheetah_run(tmp_path_factory) -> Path:
     Trainer(load_config("halfcheetah", [
         'env.id="helpers:make_pushed_cheetah"', "env.backend=inline", "env.num_agents=1",
         "env.max_length=150", "train.steps=150", "train.eval_episodes=1",
-        "ppo.update_every=1", "ppo.update_epochs=1", "ppo.policy_layers=[8]",
-        "ppo.value_layers=[8]", "ppo.inference=\"eager\""]), logdir, progress=False).run()
+        "algorithm.update_every=1", "algorithm.update_epochs=1", "algorithm.policy_layers=[8]",
+        "algorithm.value_layers=[8]", "algorithm.inference=\"eager\""]), logdir, progress=False).run()
     return logdir
 
 

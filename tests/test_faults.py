@@ -284,7 +284,7 @@ def test_training_survives_a_crashed_env_and_counts_the_restart(tmp_path, capsys
     config = load_config("cartpole", [
         'env.id="batchrl.testing.faults:make"', "env.backend=process", "env.num_agents=3",
         f'env.kwargs={{env_id="CartPole-v1", fault="abort", at_step=40, once_file="{once}"}}',
-        "env.restart_crashed_envs=true", "env.max_restarts=2", "ppo.update_every=3",
+        "env.restart_crashed_envs=true", "env.max_restarts=2", "algorithm.update_every=3",
         "train.eval_episodes=3", "train.steps=300", "train.device=cpu"])
     Trainer(config, tmp_path / "run", progress=False).run()
     out = capsys.readouterr().out
@@ -310,7 +310,7 @@ def test_the_default_layout_puts_every_env_under_the_timeout_and_the_crash_repor
                "--no-progress"]
     overrides = sets('env.id="batchrl.testing.faults:make"', "env.backend=workers",
                      "env.num_agents=4",
-                     "env.timeout=2", "ppo.update_every=4", "train.eval_episodes=4",
+                     "env.timeout=2", "algorithm.update_every=4", "train.eval_episodes=4",
                      "train.steps=3000", "train.device=cpu",
                      f'env.kwargs={{env_id="CartPole-v1", fault="{fault}", at_step=300, '
                      f'once_file="{once}"}}')

@@ -19,6 +19,7 @@ from batchrl.algos.networks import Actor
 from batchrl.algos.ppo import compile_actor
 from batchrl.envs.errors import UnsupportedSpaceError
 from batchrl.hardware import usable_cores
+from batchrl.parts import losses
 
 OBS_SIZE = 3
 OBSERV = gym.spaces.Box(-np.inf, np.inf, (OBS_SIZE,), np.float32)
@@ -27,12 +28,22 @@ DISCRETE = gym.spaces.Discrete(4)
 SPACES = {"box": BOX, "discrete": DISCRETE}
 
 
-def make(action_space=BOX, num_agents=3, seed=0, **overrides) -> BatchPPO:
+def make(action_space=BOX, num_agents=3, seed=0, max_length=8, total_steps=None,
+         **overrides) -> BatchPPO:
     config = dict(policy_layers=(16,), value_layers=(16,), gru_size=8, update_every=3,
-                  update_epochs=2, max_length=8, inference="eager")
+                  update_epochs=2, inference="eager")
     config.update(overrides)
     torch.manual_seed(seed)
-    return BatchPPO(OBSERV, action_space, num_agents, PPOConfig(**config))
+    return BatchPPO(OBSERV, action_space, num_agents, PPOConfig(**config),
+                    max_length=max_length, total_steps=total_steps)
+
+
+def policy_terms(algo: BatchPPO, batch: dict, mask: torch.Tensor) -> tuple:
+    """``(surrogate, kl, entropy, log_ratio)`` of the algorithm's policy at ``batch``."""
+    new, old = algo._distributions(batch)
+    surrogate, kl, log_ratio = losses.policy_terms(new, old, batch["action"],
+                                                   batch["advantage"], mask)
+    return surrogate, kl, losses.masked_mean(new.entropy(), mask), log_ratio
 
 
 def valid_mask(length: torch.Tensor, steps: int) -> torch.Tensor:
@@ -46,7 +57,7 @@ def fill_memory(algo: BatchPPO, lengths, seed: int, mean_shift: float = 0.0,
     current policy, its parameters shifted by ``mean_shift`` / ``log_std_shift``
     (categorical: logits plus ``mean_shift`` times noise); actions are sampled
     from it. Uses its own generator, never the global RNG."""
-    episodes, steps = len(lengths), algo.config.max_length
+    episodes, steps = len(lengths), algo.max_length
     generator = torch.Generator().manual_seed(seed)
     length = torch.tensor(lengths)
     observ = torch.randn(episodes, steps, OBS_SIZE, generator=generator)
@@ -172,7 +183,7 @@ def expected_first_step(algo: BatchPPO, data: dict[str, torch.Tensor]) -> dict[s
     rewards (config.normalize_reward=False)."""
     config = algo.config
     length = data["length"].numpy()
-    valid = valid_mask(data["length"], config.max_length).numpy()
+    valid = valid_mask(data["length"], algo.max_length).numpy()
     with torch.no_grad():
         value = algo.value(data["observ"]).double().numpy()
         bootstrap = algo.value(data["bootstrap_observ"]).double().numpy()
@@ -235,7 +246,7 @@ def test_policy_terms_match_hand_computation(space):
     valid = valid_mask(length, 8)
     advantage = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
     batch["advantage"] = advantage * valid
-    surrogate, kl, entropy, log_ratio = algo._policy_terms(batch, valid.float())
+    surrogate, kl, entropy, log_ratio = policy_terms(algo, batch, valid.float())
 
     with torch.no_grad():
         new_a, new_b, _ = algo.policy(data["observ"], data["state"][:, 0])
@@ -520,7 +531,7 @@ def test_eval_mode_acts_with_the_mean_and_learns_nothing(space):
     torch.manual_seed(1)
     assert torch.equal(algo.perform(agents, observ)[0], action)  # deterministic
 
-    for step in range(algo.config.max_length + 2):  # would overflow memory if stored
+    for step in range(algo.max_length + 2):  # would overflow memory if stored
         algo.perform(agents, observ)
         done = torch.ones(3)
         assert algo.experience(agents, observ, action, torch.ones(3), done, observ, done) == {}
@@ -550,10 +561,10 @@ def test_eval_mode_acts_with_the_mean_and_learns_nothing(space):
 
 @pytest.mark.parametrize("field,value", [
     ("network", "cnn"), ("inference", "fast"), ("discount", 1.5), ("discount", -0.1),
-    ("update_every", 0), ("update_epochs", 0), ("max_length", 0), ("gae_lambda", 1.5),
+    ("update_every", 0), ("update_epochs", 0), ("gae_lambda", 1.5),
     ("kl_target", 0.0), ("policy_lr", -1.0), ("batch_size", 0), ("chunk_length", 0),
     ("rollout_length", 0), ("minibatch_size", 0), ("activation", "gelu"), ("init", "xavier"),
-    ("reward_scale", "value"), ("lr_schedule", "cosine"), ("total_steps", 0),
+    ("reward_scale", "value"), ("lr_schedule", "cosine"),
 ])
 def test_config_validation(field, value):
     with pytest.raises(ValueError, match=field):
@@ -563,6 +574,9 @@ def test_config_validation(field, value):
 def test_config_rejects_combinations():
     with pytest.raises(ValueError, match="lr_schedule='linear' needs total_steps"):
         make(BOX, lr_schedule="linear")
+    for name in ("max_length", "total_steps"):  # the run facts
+        with pytest.raises(ValueError, match=f"{name} must be >= 1"):
+            make(BOX, **{name: 0})
     with pytest.raises(ValueError, match="batch_size .* and minibatch_size .* set one of them"):
         PPOConfig(batch_size=2, minibatch_size=64)
     for name in ("rollout_length", "minibatch_size"):
@@ -635,8 +649,8 @@ def test_recurrent_chunks_match_whole_episodes():
     # Every chunk starts from the state stored at its first step, so chunked and
     # whole-episode evaluation of the policy agree.
     with torch.no_grad():
-        by_chunk = algo._policy_terms(chunks, mask.float())
-        whole = algo._policy_terms(data, valid.float())
+        by_chunk = policy_terms(algo, chunks, mask.float())
+        whole = policy_terms(algo, data, valid.float())
     for a, b in zip(by_chunk[:3], whole[:3]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(by_chunk[3][mask], whole[3][valid], rtol=1e-4, atol=1e-5)
@@ -953,3 +967,59 @@ def test_linear_lr_schedule_decays_to_zero_over_total_steps():
     constant = make(BOX, num_agents=2, rollout_length=2, update_epochs=1, policy_lr=0.3)
     rollout_steps(constant, 4, seed=9, done_at={})
     assert constant.policy_optimizer.param_groups[0]["lr"] == 0.3
+
+
+# -- networks that share a torso -----------------------------------------------------------
+
+
+class TorsoValue(torch.nn.Module):
+    """A value head on the policy's own hidden layers."""
+
+    def __init__(self, body: torch.nn.Module):
+        super().__init__()
+        self.body = body
+        self.out = torch.nn.Linear(body.out_size, 1)
+
+    def forward(self, observ: torch.Tensor) -> torch.Tensor:
+        return self.out(self.body.net(observ)).squeeze(-1)
+
+
+class SharedTorsoPPO(BatchPPO):
+    def build_networks(self, obs_size, action_space):
+        policy, _ = super().build_networks(obs_size, action_space)
+        return policy, TorsoValue(policy.body)
+
+
+@pytest.mark.parametrize("update_threads", [None, 1])
+def test_networks_that_share_a_torso_take_one_joint_step(update_threads):
+    torch.manual_seed(0)
+    algo = SharedTorsoPPO(OBSERV, BOX, 3, PPOConfig(
+        policy_layers=(16,), update_every=3, update_epochs=2, inference="eager",
+        update_threads=update_threads), max_length=8)
+    torso = algo.policy.body.net[0].weight
+    assert algo.shared_torso
+    # The torso learns with the policy's optimiser; the value's has its output layer only.
+    assert {id(p) for p in algo.value_optimizer.param_groups[0]["params"]} == {
+        id(p) for p in algo.value.out.parameters()}
+    backward_passes = []
+    torso.register_hook(lambda grad: backward_passes.append(grad.norm().item()))
+    before = torso.detach().clone()
+    value_out = algo.value.out.weight.detach().clone()
+    summaries = [s for s in drive(algo, steps=3, seed=4) if s]
+    assert len(summaries) == 1 and algo.updates == 1
+    # Two epochs of one full batch: two gradient steps, each one backward pass through the
+    # torso carrying both losses (a separate value step would add a second pass).
+    assert len(backward_passes) == 2
+    assert not torch.equal(torso, before) and not torch.equal(algo.value.out.weight, value_out)
+    assert all(math.isfinite(summaries[0][f"ppo/{name}"])
+               for name in ("policy_loss", "value_loss", "kl", "grad_norm"))
+
+
+def test_a_value_network_without_parameters_of_its_own_is_refused():
+    class NoHead(BatchPPO):
+        def build_networks(self, obs_size, action_space):
+            policy, _ = super().build_networks(obs_size, action_space)
+            return policy, policy.body.net
+
+    with pytest.raises(ValueError, match="no parameters of its own"):
+        NoHead(OBSERV, BOX, 2, PPOConfig(policy_layers=(16,), inference="eager"))

@@ -272,7 +272,7 @@ def test_train_py_runs_its_envs_on_the_cluster(cluster, closing, tmp_path):
     cluster.wait_idle()
     logdir = tmp_path / "run"
     settings = ["env.backend=ray", f"env.ray_address={cluster.address}", "env.num_agents=4",
-                "env.workers=2", "env.max_length=50", "ppo.update_every=4",
+                "env.workers=2", "env.max_length=50", "algorithm.update_every=4",
                 "train.steps=400", "train.eval_episodes=2"]
     process = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "--config", "cartpole", "--logdir",

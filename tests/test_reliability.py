@@ -27,7 +27,7 @@ from batchrl.trainer import Trainer
 from helpers import REPO, TRAIN_PY, running, sets, wait_gone
 
 ENVIRON = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-CARTPOLE = ["env.num_agents=4", "ppo.update_every=4", "train.eval_episodes=4",
+CARTPOLE = ["env.num_agents=4", "algorithm.update_every=4", "train.eval_episodes=4",
             "train.device=cpu"]
 
 

@@ -29,9 +29,9 @@ from batchrl.metrics import read_metrics
 from helpers import REPO, TRAIN_PY, descendants, sets, wait_for, wait_gone
 
 # CartPole with 4 agents and an update every 4 episodes: a phase takes ~0.1 s.
-CARTPOLE = ["env.num_agents=4", "ppo.update_every=4", "train.eval_episodes=4",
+CARTPOLE = ["env.num_agents=4", "algorithm.update_every=4", "train.eval_episodes=4",
             "train.device=cpu", "train.checkpoint_every=3", "train.keep_checkpoints=100",
-            "ppo.update_threads=1"]  # several threads crawl on a busy 2-core machine
+            "algorithm.update_threads=1"]  # several threads crawl on a busy 2-core machine
 
 
 def start_train_py(*args: str, cwd: Path = REPO) -> subprocess.Popen:
@@ -123,8 +123,8 @@ def test_stop_signals_flag_the_first_signal_and_die_on_the_second(first, second,
 def test_ppo_update_stops_between_gradient_steps():
     observation_space = gym.spaces.Box(-1, 1, (3,), np.float32)
     action_space = gym.spaces.Box(-1, 1, (2,), np.float32)
-    config = PPOConfig(update_every=2, update_epochs=50, max_length=5, inference="eager")
-    algo = BatchPPO(observation_space, action_space, 2, config)
+    config = PPOConfig(update_every=2, update_epochs=50, inference="eager")
+    algo = BatchPPO(observation_space, action_space, 2, config, max_length=5)
     agents = torch.arange(2)
     algo.begin_episodes(agents)
     for step in range(5):
@@ -161,7 +161,7 @@ def test_signal_to_the_process_group_stops_train_py_cleanly(signum, tmp_path):
     logdir = tmp_path / "run"
     process = start_train_py("--config", "cartpole", "--logdir", str(logdir),
                              *sets(*CARTPOLE, "env.backend=workers", "env.workers=1",
-                                   "env.share_main=false", "ppo.update_epochs=200",
+                                   "env.share_main=false", "algorithm.update_epochs=200",
                                    "train.steps=1000000"))
     try:
         wait_for(lambda: len(read_metrics(logdir)) >= 3 or process.poll() is not None, 90,
@@ -240,7 +240,7 @@ def test_interrupted_twice_and_resumed_equals_an_uninterrupted_run(tmp_path):
     each time with the printed command: metrics.jsonl ends up exactly as an
     uninterrupted run's, no phase repeated or missing, and the final model is
     the same (CPU, same seed)."""
-    args = sets(*CARTPOLE, "ppo.update_epochs=100", "train.steps=4000")
+    args = sets(*CARTPOLE, "algorithm.update_epochs=100", "train.steps=4000")
     straight = tmp_path / "straight"
     process = start_train_py("--config", "cartpole", "--logdir", str(straight), *args)
     code, stdout, stderr = finish(process, timeout=200)

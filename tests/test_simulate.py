@@ -13,7 +13,7 @@ from gymnasium.wrappers import TimeLimit
 from batchrl.algos import Algorithm, Summary
 from batchrl.envs import BatchEnv
 from batchrl.tensor_env import TensorBatchEnv
-from batchrl.simulation import evaluate_episodes, flush, simulate
+from batchrl.simulation import Simulation, evaluate_episodes, flush, simulate
 
 
 class CountdownEnv(gym.Env):
@@ -222,6 +222,65 @@ def test_envs_keep_separate_state():
     assert score.tolist() == [1, 4, 6, 8]
 
 
+def test_two_simulations_in_one_process_keep_their_own_episodes():
+    # Each Simulation owns its loop state: interleaving two leaves each one's episodes as if
+    # it ran alone, and the env object carries none of it.
+    def alone(steps: int) -> list:
+        simulation = Simulation(make_env())
+        return [simulation.step(Recorder())[1].tolist() for _ in range(steps)]
+
+    first, second = Simulation(make_env()), Simulation(make_env())
+    algo = Recorder()
+    scores = {id(first): [], id(second): []}
+    for simulation in (first, first, second, first, second, second, first):
+        scores[id(simulation)].append(simulation.step(algo)[1].tolist())
+    assert scores[id(first)] == alone(4) and scores[id(second)] == alone(3)
+    assert not hasattr(first.env, "episodes")
+
+
+def _child_loop(queue) -> None:
+    """A simulation loop in a child process: CartPole with a fixed policy."""
+    env = TensorBatchEnv(BatchEnv([gym.make("CartPole-v1") for _ in range(2)]))
+    simulation = Simulation(env)
+    algo = Recorder()
+    scores = [simulation.step(algo, reset=step == 0, seed=7 if step == 0 else None)[1].tolist()
+              for step in range(30)]
+    queue.put(scores)
+
+
+def test_a_loop_in_a_child_process_runs_beside_one_here():
+    import multiprocessing
+    context = multiprocessing.get_context("forkserver")
+    queue = context.Queue()
+    child = context.Process(target=_child_loop, args=(queue,))
+    child.start()
+    try:
+        here = Simulation(make_env())
+        algo = Recorder()
+        for _ in range(5):
+            here.step(algo)
+        scores = queue.get(timeout=60)
+    finally:
+        child.join(30)
+    assert child.exitcode == 0
+    # The child's loop counted its own episodes: the same as the same loop run here.
+    env = TensorBatchEnv(BatchEnv([gym.make("CartPole-v1") for _ in range(2)]))
+    simulation = Simulation(env)
+    expected = [simulation.step(Recorder(), reset=step == 0,
+                                seed=7 if step == 0 else None)[1].tolist() for step in range(30)]
+    assert scores == expected
+    assert here.episode_length.tolist() == [1, 1, 2, 1]
+
+
+def test_a_new_simulation_starts_new_episodes_on_an_env_stepped_before():
+    env, algo = make_env(), Recorder()
+    simulate(env, algo)
+    simulate(env, algo)
+    algo.calls.clear()
+    _, score, _ = Simulation(env).step(algo)
+    assert algo.calls[0] == ("begin", [0, 1, 2, 3]) and score.tolist() == [1, 2, 3, 4]
+
+
 def test_seeded_reset_resets_every_env_once_with_its_seed():
     class SeedRecorder(CountdownEnv):
         def reset(self, *, seed=None, options=None):
@@ -230,13 +289,14 @@ def test_seeded_reset_resets_every_env_once_with_its_seed():
 
     env = TensorBatchEnv(BatchEnv([SeedRecorder(i, 5, 1.0) for i in range(3)]))
     algo = Recorder()
-    simulate(env, algo)
-    simulate(env, algo)
-    simulate(env, algo, reset=True, seed=100)
+    simulation = Simulation(env)
+    simulation.step(algo)
+    simulation.step(algo)
+    simulation.step(algo, reset=True, seed=100)
     # One reset per env at the start, then one seeded reset each: seed + index.
     assert [e.seeds for e in env.batch_env.envs] == [[None, 100], [None, 101], [None, 102]]
-    # Episodes begin afresh: the env's episode state is that of a new episode.
-    assert env.episodes.length.tolist() == [1, 1, 1]
+    # Episodes begin afresh: the loop's episode state is that of a new episode.
+    assert simulation.episode_length.tolist() == [1, 1, 1]
 
 
 def test_seeded_phases_repeat_their_episodes():
@@ -263,6 +323,8 @@ def test_a_batch_env_instead_of_a_tensor_batch_env_is_named():
     with pytest.raises(TypeError, match=r"simulate\(\) needs a TensorBatchEnv .*got a "
                                         r"BatchEnv: wrap it as TensorBatchEnv\(batch_env, device\)"):
         simulate(env.batch_env, Recorder())
+    with pytest.raises(TypeError, match=r"a simulation needs a TensorBatchEnv .*got a BatchEnv"):
+        Simulation(env.batch_env)
 
 
 class Broken(Recorder):
@@ -383,7 +445,7 @@ def test_overlap_trains_batchppo_exactly_as_without_it():
             torch.manual_seed(3)
             algo = BatchPPO(env.observation_space, env.action_space, 4, PPOConfig(
                 policy_layers=(16,), value_layers=(16,), update_every=4, update_epochs=2,
-                max_length=20, inference="script"))
+                inference="script"), max_length=20)
             batch_env.reset(seed=5)
             steps = []
             for step in range(50):

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from batchrl.checkpoint import list_checkpoints
-from batchrl.config import (DERIVED_KEYS, SECTIONS, Config, load_config, load_saved_config,
-                            strip_derived)
+from batchrl.config import (BATCHPPO, RUN_FACTS, SECTIONS, SHIPPED_ALGORITHMS, Config,
+                            algorithm_keys, load_config, load_saved_config)
 from batchrl.metrics import read_metrics
 from batchrl.trainer import Trainer
 from helpers import REPO, TRAIN_PY, scalar_events, sets
@@ -30,7 +30,7 @@ RECORD_KEYS = {"step", "phase", "score", "score_std", "length", "episodes", "wal
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 # CartPole in-process, 4 agents, an update every 4 episodes: a phase takes ~0.1 s.
-CARTPOLE = ["env.num_agents=4", "ppo.update_every=4", "train.eval_episodes=4",
+CARTPOLE = ["env.num_agents=4", "algorithm.update_every=4", "train.eval_episodes=4",
             "train.device=cpu"]
 CARTPOLE_STEPS = 600
 
@@ -41,19 +41,34 @@ def train_py(*args: str, cwd: Path = REPO, timeout: float = 120,
                           capture_output=True, text=True, timeout=timeout)
 
 
+def budget_end(budget: int, num_agents: int) -> int:
+    """The step a session with this budget ends at: the last training phase stops at the
+    budget, after the batch step that reaches it."""
+    return -(-budget // num_agents) * num_agents
+
+
 def check_records(records: list[dict], config: Config, budgets: list[int]) -> None:
     """Phases alternate as the loop promises: an evaluation after every
     ``eval_every``-th training phase and after the last training phase of each
-    session (whose budgets are ``budgets``); no phase repeated or missing."""
+    session (whose budgets are ``budgets``, where that phase stops); no phase
+    repeated or missing."""
     assert records, "no records"
-    train_every, eval_every = config.ppo.update_every, config.train.eval_every
+    train_every, eval_every = config.algorithm.keys["update_every"], config.train.eval_every
+    ends = {budget_end(budget, config.env.num_agents) for budget in budgets}
     for record in records:
         assert RECORD_KEYS <= set(record), record
         assert record["phase"] in ("train", "eval")
-        assert record["episodes"] == (train_every if record["phase"] == "train"
-                                      else config.train.eval_episodes)
+        if record["phase"] == "eval":
+            assert record["episodes"] == config.train.eval_episodes
+        elif record["step"] in ends:  # stopped at the budget: may end fewer episodes
+            assert 0 <= record["episodes"] <= train_every, record
+        else:
+            assert record["episodes"] == train_every, record
         assert record["step"] % config.env.num_agents == 0
-        assert 1 <= record["length"] <= config.env.max_length
+        if record["episodes"]:
+            assert 1 <= record["length"] <= config.env.max_length
+        else:
+            assert record["length"] is None and record["score"] is None, record
         assert record["steps_per_s"] > 0
     for phase in ("train", "eval"):
         steps = [r["step"] for r in records if r["phase"] == phase]
@@ -73,7 +88,10 @@ def check_records(records: list[dict], config: Config, budgets: list[int]) -> No
         assert evaluated == expect_eval, (i, record, train_phases)
         previous = record["step"]
     train_steps = [r["step"] for r in records if r["phase"] == "train"]
-    assert train_steps[-1] >= budgets[-1] > (train_steps[-2] if len(train_steps) > 1 else 0)
+    # Each session ends at its budget, not at the end of a whole phase past it.
+    assert ends <= set(train_steps), (ends, train_steps)
+    assert train_steps[-1] == budget_end(budgets[-1], config.env.num_agents)
+    assert budgets[-1] > (train_steps[-2] if len(train_steps) > 1 else 0)
     assert records[-1]["phase"] == "eval"
 
 
@@ -81,8 +99,9 @@ def check_logdir(logdir: Path, config: Config, budgets: list[int]) -> list[dict]
     """Everything a run writes; returns the records of metrics.jsonl."""
     # config.json: valid JSON, the resolved config.
     saved = json.loads((logdir / "config.json").read_text())
-    assert saved == strip_derived(json.loads(json.dumps(config.to_dict())))
-    assert "max_length" not in saved["algorithm"]  # derived: not a key to set
+    assert saved == json.loads(json.dumps(config.to_dict()))
+    assert saved["algorithm"]["class"] == config.algorithm.path
+    assert not set(RUN_FACTS) & set(saved["algorithm"])  # the trainer's to pass: not keys
     assert load_saved_config(logdir) == config
 
     # metrics.jsonl: one JSON object per line, one line per phase.
@@ -101,7 +120,8 @@ def check_logdir(logdir: Path, config: Config, budgets: list[int]) -> list[dict]
         assert tag in events, sorted(events)
     for phase in ("train", "eval"):
         logged = events[f"{phase}/score"]
-        expected = [(r["step"], r["score"]) for r in records if r["phase"] == phase]
+        expected = [(r["step"], r["score"]) for r in records
+                    if r["phase"] == phase and r["score"] is not None]
         assert [step for step, _ in logged] == [step for step, _ in expected]
         assert [value for _, value in logged] == pytest.approx([v for _, v in expected])
     kl_steps = [step for step, _ in events["ppo/kl"]]
@@ -184,16 +204,18 @@ def test_train_py_resumes_and_extends_the_budget(cartpole_run, tmp_path):
     assert read_metrics(logdir) == before
 
     # --steps raises the budget: the step counter continues from the checkpoint,
-    # twice in a row.
+    # twice in a row (N also written as 1.2e3 or 1_800).
     budgets = [CARTPOLE_STEPS]
-    for budget in (2 * CARTPOLE_STEPS, 3 * CARTPOLE_STEPS):
+    assert CARTPOLE_STEPS == 600
+    for budget, text in ((2 * CARTPOLE_STEPS, "1.2e3"), (3 * CARTPOLE_STEPS, "1_800")):
         start = read_metrics(logdir)
         process = train_py("--config", "cartpole", "--logdir", str(logdir), "--no-progress",
-                           "--steps", str(budget))
+                           "--steps", text)
         assert process.returncode == 0, process.stderr
         assert "Traceback" not in process.stderr
         assert f"Resuming from {list_checkpoints(logdir)[0].parent}" in process.stdout
         assert f"at step {start[-1]['step']:,}" in process.stdout
+        assert f"for {budget:,} steps" in process.stdout
         budgets.append(budget)
         config = dataclasses.replace(config, train=dataclasses.replace(config.train,
                                                                        steps=budget))
@@ -212,7 +234,7 @@ def test_train_py_resumes_and_extends_the_budget(cartpole_run, tmp_path):
 
 def test_trainer_on_pendulum_with_external_envs(tmp_path):
     config = load_config("pendulum", [
-        "env.num_agents=2", "env.max_length=50", "env.backend=workers", "ppo.update_every=2",
+        "env.num_agents=2", "env.max_length=50", "env.backend=workers", "algorithm.update_every=2",
         "train.steps=400", "train.eval_episodes=2", "train.device=cpu",
         "train.keep_checkpoints=2"])
     trainer = Trainer(config, tmp_path / "run", progress=False)
@@ -234,23 +256,38 @@ def comparable(records: list[dict]) -> list[tuple]:
             for r in records]
 
 
-def test_resumed_run_equals_an_uninterrupted_one(tmp_path):
-    overrides = CARTPOLE + ["train.checkpoint_every=2", "train.keep_checkpoints=50"]
-    full = load_config("cartpole", overrides + [f"train.steps={2 * CARTPOLE_STEPS}"])
-    half = load_config("cartpole", overrides + [f"train.steps={CARTPOLE_STEPS}"])
+RESUME_OVERRIDES = CARTPOLE + ["train.checkpoint_every=2", "train.keep_checkpoints=50"]
 
-    straight = tmp_path / "straight"
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """An uninterrupted run of 2 x CARTPOLE_STEPS: (logdir, its config)."""
+    full = load_config("cartpole", RESUME_OVERRIDES + [f"train.steps={2 * CARTPOLE_STEPS}"])
+    straight = tmp_path_factory.mktemp("straight") / "run"
     Trainer(full, straight, progress=False).run()
+    return straight, full
+
+
+def test_resumed_run_equals_an_uninterrupted_one(straight_run, tmp_path):
+    straight, full = straight_run
     expected = comparable(read_metrics(straight))
     straight_state = torch.load(list_checkpoints(straight)[-1], weights_only=False)
+    # The first session's budget ends where a training phase of the straight run ends (the
+    # last phase of a session stops at its budget, which may cut a phase short: see
+    # test_a_budget_inside_a_phase_stops_there_and_the_run_extends).
+    half_budget = min(r["step"] for r in read_metrics(straight)
+                      if r["phase"] == "train" and r["step"] >= CARTPOLE_STEPS)
+    assert half_budget < 2 * CARTPOLE_STEPS
+    half = load_config("cartpole", RESUME_OVERRIDES + [f"train.steps={half_budget}"])
 
     resumed = tmp_path / "resumed"
     Trainer(half, resumed, progress=False).run()
     first = read_metrics(resumed)
+    assert first[-1]["step"] == half_budget
     assert comparable(first) == expected[:len(first)]
     Trainer(full, resumed, progress=False).run()
     assert comparable(read_metrics(resumed)) == expected
-    check_logdir(resumed, full, [CARTPOLE_STEPS, 2 * CARTPOLE_STEPS])
+    check_logdir(resumed, full, [half_budget, 2 * CARTPOLE_STEPS])
 
     # The same model, and checkpoints at the same phases (checkpoint_every counts
     # the evaluations of every session), plus the first session's final one.
@@ -270,7 +307,7 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path):
         path.unlink()
     Trainer(full, resumed, progress=False).run()
     assert comparable(read_metrics(resumed)) == expected
-    check_logdir(resumed, full, [CARTPOLE_STEPS, 2 * CARTPOLE_STEPS])
+    check_logdir(resumed, full, [half_budget, 2 * CARTPOLE_STEPS])
 
     # A crash before the first checkpoint: the run starts over, cleanly.
     for path in list_checkpoints(resumed):
@@ -278,6 +315,29 @@ def test_resumed_run_equals_an_uninterrupted_one(tmp_path):
     Trainer(full, resumed, progress=False).run()
     assert comparable(read_metrics(resumed)) == expected
     check_logdir(resumed, full, [2 * CARTPOLE_STEPS])
+
+
+def test_a_budget_inside_a_phase_stops_there_and_the_run_extends(straight_run, tmp_path):
+    straight, full = straight_run
+    expected = comparable(read_metrics(straight))
+    train_steps = [r["step"] for r in read_metrics(straight) if r["phase"] == "train"]
+    assert CARTPOLE_STEPS not in train_steps  # inside a training phase of the straight run
+    half = load_config("cartpole", RESUME_OVERRIDES + [f"train.steps={CARTPOLE_STEPS}"])
+    resumed = tmp_path / "resumed"
+    Trainer(half, resumed, progress=False).run()
+    first = read_metrics(resumed)
+    # The same phases until the one the budget cuts short, which stops at the budget
+    # (then the final evaluation).
+    assert comparable(first[:-2]) == expected[:len(first) - 2]
+    assert [(r["phase"], r["step"]) for r in first[-2:]] == [("train", CARTPOLE_STEPS),
+                                                             ("eval", CARTPOLE_STEPS)]
+    assert first[-2]["episodes"] < full.algorithm.keys["update_every"]
+    check_logdir(resumed, half, [CARTPOLE_STEPS])
+    # A larger budget continues from there, to exactly the new budget.
+    Trainer(full, resumed, progress=False).run()
+    records = check_logdir(resumed, full, [CARTPOLE_STEPS, 2 * CARTPOLE_STEPS])
+    assert records[:len(first)] == first
+    assert records[-1]["step"] == 2 * CARTPOLE_STEPS
 
 
 # --- a custom env via train.py, from the current directory --------------------------
@@ -322,7 +382,7 @@ def test_train_py_with_an_env_from_the_current_directory(tmp_path):
     process = train_py("--config", "pendulum", "--logdir", "run", "--no-progress",
                        *sets("env.id=myenvs.steps:make", "env.kwargs={length = 6}",
                              "env.num_agents=2", "env.max_length=20", "env.backend=workers",
-                             "ppo.update_every=2", "ppo.update_epochs=2",
+                             "algorithm.update_every=2", "algorithm.update_epochs=2",
                              "train.steps=48", "train.eval_episodes=2"),
                        cwd=tmp_path, env=environ)
     assert process.returncode == 0, process.stderr
@@ -336,25 +396,45 @@ def test_train_py_with_an_env_from_the_current_directory(tmp_path):
 BAD_INPUT = {  # name: (arguments, what stderr must say)
     "unknown config": (["--config", "nosuch"], ["no config named 'nosuch'", "cartpole",
                                                 "halfcheetah"]),
-    "unknown key": (["--config", "cartpole", *sets("ppo.bogus=1")],
-                    ["unknown key ppo.bogus", "policy_lr"]),
+    "unknown key": (["--config", "cartpole", *sets("algorithm.bogus=1")],
+                    ["BatchPPO (batchrl.algos.ppo:BatchPPO) does not take algorithm.bogus; "
+                     "its keys: network, policy_layers, ", "policy_lr"]),
     "bad type": (["--config", "cartpole", *sets("env.num_agents=2.5")],
                  ["env.num_agents", "expected an integer"]),
-    "out of range": (["--config", "cartpole", *sets("ppo.discount=1.5")],
-                     ["ppo.discount must be in [0, 1]"]),
+    "out of range": (["--config", "cartpole", *sets("algorithm.discount=1.5")],
+                     ["algorithm.discount must be in [0, 1]"]),
     "bad env id": (["--config", "cartpole", *sets("env.id=NoSuchEnv-v0")],
                    ["NoSuchEnv-v0", "package.module:function"]),
 }
 
 MORE_BAD_INPUT = {  # checked in-process through train.main()
-    "malformed --set": (["--config", "cartpole", "--set", "ppo.discount"],
+    "malformed --set": (["--config", "cartpole", "--set", "algorithm.discount"],
                         ["--set needs section.key=value"]),
     "unknown section": (["--config", "cartpole", *sets("optim.lr=1")], ["[optim]"]),
     "bad device": (["--config", "cartpole", *sets("train.device=tpu")], ["train.device",
                                                                          "'cpu'"]),
     "bad steps": (["--config", "cartpole", "--steps", "0"], ["train.steps must be >= 1"]),
-    "ppo.max_length": (["--config", "cartpole", *sets("ppo.max_length=9")],
-                       ["env.max_length"]),
+    "algorithm.max_length": (["--config", "cartpole", *sets("algorithm.max_length=9")],
+                             ["algorithm.max_length is the trainer's to pass (from "
+                              "env.max_length); remove it from [algorithm] and set "
+                              "env.max_length instead"]),
+    "algorithm.total_steps": (["--config", "cartpole", *sets("algorithm.total_steps=9")],
+                              ["algorithm.total_steps is the trainer's to pass (from "
+                               "train.steps); remove it from [algorithm] and set train.steps "
+                               "instead"]),
+    "--set ppo.key": (["--config", "cartpole", *sets("ppo.discount=0.9")],
+                      ["unknown section [ppo]; valid sections: env, train, algorithm "
+                       "(BatchPPO's keys go in [algorithm])"]),
+    "[ppo] in a file": (["--config", "{tmp}/old.toml"],
+                        ["unknown section [ppo]; valid sections: env, train, algorithm "
+                         "(BatchPPO's keys go in [algorithm])"]),
+    "swapped class": (["--config", "cartpole",
+                       *sets("algorithm.class=batchrl.algos.reinforce:Reinforce")],
+                      ["Reinforce (batchrl.algos.reinforce:Reinforce) does not take "
+                       "algorithm.policy_lr; its keys: discount, learning_rate, update_every, "
+                       "hidden, seed"]),
+    "non-integral steps": (["--config", "cartpole", *sets("train.steps=1.5")],
+                           ["train.steps: expected an integer, got 1.5"]),
     "missing module": (["--config", "cartpole", *sets("env.id=no_such_mod_xyz:make")],
                        ["cannot import module 'no_such_mod_xyz'"]),
     "bad toml file": (["--config", "{tmp}/broken.toml"], ["not valid TOML"]),
@@ -392,6 +472,7 @@ def train_main(monkeypatch):
 @pytest.mark.parametrize("name", sorted(MORE_BAD_INPUT))
 def test_train_main_bad_input(name, train_main, tmp_path, capsys):
     (tmp_path / "broken.toml").write_text("[env\n")
+    (tmp_path / "old.toml").write_text("[ppo]\ndiscount = 0.9\n")
     args, expected = MORE_BAD_INPUT[name]
     args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
     assert train_main([*args, "--logdir", str(tmp_path / "run"), "--no-progress"]) == 2
@@ -401,9 +482,10 @@ def test_train_main_bad_input(name, train_main, tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-def test_train_main_non_integer_steps_is_a_usage_error(train_main, capsys):
+@pytest.mark.parametrize("steps", ["many", "1.5", "1e-1"])
+def test_train_main_non_integer_steps_is_a_usage_error(train_main, capsys, steps):
     with pytest.raises(SystemExit) as info:
-        train_main(["--config", "cartpole", "--steps", "many"])
+        train_main(["--config", "cartpole", "--steps", steps])
     assert info.value.code == 2
     assert "--steps" in capsys.readouterr().err
 
@@ -415,26 +497,83 @@ def test_train_main_cuda_without_cuda(train_main, tmp_path, capsys):
     assert "CUDA is not available" in capsys.readouterr().err
 
 
+def algorithm_sections(text: str) -> dict[str, list[str]]:
+    """The ``[algorithm] keys of NAME (...):`` blocks of ``--help``: header -> keys."""
+    blocks: dict[str, list[str]] = {}
+    header = None
+    for line in text.splitlines():
+        if line.startswith("[algorithm] keys of "):
+            header = line
+            blocks[header] = []
+        elif header is not None and line.startswith("  algorithm."):
+            blocks[header].append(line.strip().split(" = ")[0].removeprefix("algorithm."))
+        else:
+            header = None
+    return blocks
+
+
+def algorithm_header(path: str) -> str:
+    what = "the default" if path == BATCHPPO else f'algorithm.class = "{path}"'
+    return f"[algorithm] keys of {path.rpartition(':')[2]} ({what}):"
+
+
 def test_train_py_help_lists_the_config_keys():
     process = train_py("--help")
     assert process.returncode == 0, process.stderr
     text = process.stdout
     for option in ("--config", "--logdir", "--set", "--steps", "--no-progress"):
         assert option in text
-    for name in ("cartpole", "pendulum", "halfcheetah"):
+    for name in ("cartpole", "pendulum", "halfcheetah", "cartpole_reinforce"):
         assert name in text
+    # Every key of [env] and [train] (train.phase_steps too), before the algorithms' keys.
+    assert set(SECTIONS) == {"env", "train"}
+    first_algorithm = text.index("[algorithm] keys of ")
     for section, factory in SECTIONS.items():
         for field in dataclasses.fields(factory):
-            key = f"{section}.{field.name}"
-            if field.name in DERIVED_KEYS.get(section, {}):
-                assert f"{key} =" not in text  # derived from env.max_length, train.steps
-            else:
-                assert f"  {key} = " in text, key
-    assert 'algorithm.class = "package.module:Class"' in text
+            key = f"  {section}.{field.name} = "
+            assert key in text, key
+            assert text.index(key) < first_algorithm, key
+    assert "  train.phase_steps = 0" in text
+    # Then the [algorithm] keys of each shipped algorithm, in their order; not the run
+    # facts, which the trainer passes.
+    assert list(algorithm_sections(text)) == [algorithm_header(path)
+                                              for path in SHIPPED_ALGORITHMS]
+    for path in SHIPPED_ALGORITHMS:
+        assert algorithm_sections(text)[algorithm_header(path)] == list(algorithm_keys(path))
+    for fact in RUN_FACTS:
+        assert f"algorithm.{fact} =" not in text
     # Defaults are shown as --set takes them (TOML).
     assert 'env.id = "CartPole-v1"' in text
     assert "env.backend = \"workers\"" in text
     assert "algorithm.policy_layers = [200, 100]" in text
+    assert "algorithm.hidden = [64, 64]" in text  # Reinforce's
+
+
+def test_train_main_help_with_a_config_lists_its_algorithms_keys(train_main, capsys):
+    reinforce = "batchrl.algos.reinforce:Reinforce"
+    with pytest.raises(SystemExit) as info:
+        train_main(["--config", "cartpole_reinforce", "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert "  env.num_agents = 30" in text and "  train.phase_steps = 0" in text
+    assert algorithm_sections(text) == {algorithm_header(reinforce): [
+        "discount", "learning_rate", "update_every", "hidden", "seed"]}
+    assert "BatchPPO" not in text.partition("config keys")[2]
+    assert "algorithm.policy_lr" not in text and "algorithm.learning_rate = 0.01" in text
+    # A BatchPPO config: BatchPPO's keys only.
+    with pytest.raises(SystemExit):
+        train_main(["--help", "--config", "cartpole"])
+    text = capsys.readouterr().out
+    assert list(algorithm_sections(text)) == [algorithm_header(BATCHPPO)]
+    assert "algorithm.learning_rate" not in text
+    # A config that does not load: said so, and every shipped algorithm's keys.
+    with pytest.raises(SystemExit) as info:
+        train_main(["--config", "nosuch", "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert "(--config nosuch: no config named 'nosuch'" in text
+    assert list(algorithm_sections(text)) == [algorithm_header(path)
+                                              for path in SHIPPED_ALGORITHMS]
 
 
 def test_run_without_evaluations_still_plots_and_checkpoints(tmp_path):
@@ -455,3 +594,83 @@ def test_progress_in_a_log_file_is_one_plain_line_per_phase(tmp_path):
     assert len(lines) == len(records) > 0
     assert lines[0].startswith(f"step {records[0]['step']:,} of 300: train return ")
     assert "\r" not in process.stdout + process.stderr  # no progress bar
+
+
+# --- the budget: the last training phase stops at train.steps ----------------------------
+
+def test_train_py_ends_at_exactly_the_budget(tmp_path):
+    # cartpole: 10 agents, an update every 20 episodes (about 400 steps early on); 1,250 is
+    # a multiple of 10 inside a phase, which stops there.
+    process = train_py("--config", "cartpole", "--logdir", str(tmp_path / "run"),
+                       "--steps", "1250", *sets("train.device=cpu"))
+    assert process.returncode == 0, process.stderr
+    assert "Training CartPole-v1 with 10 agents for 1,250 steps" in process.stdout
+    records = read_metrics(tmp_path / "run")
+    train = [r for r in records if r["phase"] == "train"]
+    assert train[-1]["step"] == 1250 and all(r["step"] < 1250 for r in train[:-1])
+    assert records[-1] == {**records[-1], "phase": "eval", "step": 1250}
+    lines = [line for line in process.stdout.splitlines() if line.startswith("step ")]
+    assert lines[-2].startswith("step 1,250 of 1,250: train return ")
+    assert lines[-1].startswith("step 1,250 of 1,250: eval return ")
+    assert len(lines) == len(records)
+    assert all(0 < int(line.split()[1].replace(",", "")) <= 1250 and " of 1,250: " in line
+               for line in lines)
+    assert list_checkpoints(tmp_path / "run")[-1].name == f"ckpt-{1250:012d}.pt"
+    state = torch.load(list_checkpoints(tmp_path / "run")[-1], weights_only=False)
+    assert state["counters"]["steps"] == 1250
+
+
+@pytest.mark.parametrize("name, overrides, budget, plan", [
+    # Fixed-length rollouts (as halfcheetah): 10 agents x 16 steps x eval_every 2 = 320
+    # steps a phase; a 1,000-step budget trains 1,000, not 1,280.
+    ("cartpole", ["algorithm.rollout_length=16", "algorithm.update_epochs=2",
+                  "train.eval_every=2"], 1000, [320, 640, 960, 1000]),
+    # No update length (Reinforce): phases of train.phase_steps env steps.
+    ("cartpole_reinforce", ["train.phase_steps=400"], 1000, [400, 800, 1000]),
+    # A budget that is no multiple of env.num_agents ends after the batch step reaching it.
+    ("cartpole_reinforce", ["train.phase_steps=400"], 999, [400, 800, 1000]),
+])
+def test_every_phase_plan_stops_at_the_budget(tmp_path, name, overrides, budget, plan):
+    config = load_config(name, overrides + [f"train.steps={budget}", "train.eval_episodes=2",
+                                            "train.device=cpu"])
+    trainer = Trainer(config, tmp_path / "run", progress=False)
+    trainer.run()
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records if r["phase"] == "train"] == plan
+    assert trainer.counters.steps == plan[-1]
+    assert [r["phase"] for r in records] == ["train", "eval"] * len(plan)
+
+
+# --- resuming a run that an earlier version saved -----------------------------------------
+
+@pytest.mark.parametrize("form", ["ppo with run facts", "algorithm without class"])
+def test_train_py_resumes_a_run_saved_by_an_earlier_version(cartpole_run, tmp_path, form):
+    """Earlier versions saved BatchPPO's keys as [ppo], with max_length and total_steps,
+    later as [algorithm] without class; such a run still resumes and trains further."""
+    logdir = tmp_path / "run"
+    shutil.copytree(cartpole_run[0], logdir)
+    config = cartpole_run[1]
+    saved = json.loads((logdir / "config.json").read_text())
+    keys = {key: value for key, value in saved.pop("algorithm").items() if key != "class"}
+    if form == "ppo with run facts":
+        saved["ppo"] = {**keys, "max_length": config.env.max_length,
+                        "total_steps": config.train.steps}
+    else:
+        saved["algorithm"] = keys
+    (logdir / "config.json").write_text(json.dumps(saved, indent=2))
+    assert load_saved_config(logdir) == config
+    before = read_metrics(logdir)
+
+    budget = 2 * CARTPOLE_STEPS
+    process = train_py("--config", "cartpole", "--logdir", str(logdir), "--no-progress",
+                       "--steps", str(budget))
+    assert process.returncode == 0, process.stderr
+    assert "Traceback" not in process.stderr
+    assert f"Resuming from {logdir}" in process.stdout
+    assert f"at step {before[-1]['step']:,}" in process.stdout
+    extended = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=budget))
+    # config.json is rewritten in today's form (class, no run facts), the budget raised.
+    records = check_logdir(logdir, extended, [CARTPOLE_STEPS, budget])
+    assert "ppo" not in json.loads((logdir / "config.json").read_text())
+    assert records[:len(before)] == before
+    assert records[-1]["step"] == budget

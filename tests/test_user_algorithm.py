@@ -31,7 +31,7 @@ USER_MODULE = textwrap.dedent('''
 
     class Hill(Algorithm):
         def __init__(self, observation_space, action_space, num_agents, max_length,
-                     device="cpu", step_size=0.1):
+                     device="cpu", step_size: float = 0.1):
             super().__init__(device)
             self.step_size = step_size
             n, size = num_agents, observation_space.shape[0]
@@ -92,7 +92,7 @@ CONFIG = textwrap.dedent('''
 
     [train]
     steps = 6_000
-    eval_every = 250
+    phase_steps = 1_000
     eval_episodes = 4
     device = "cpu"
 
@@ -123,7 +123,7 @@ def test_a_user_algorithm_trains_resumes_exactly_and_evaluates(project):
     done = train_py(project, "--config", "hill.toml", "--logdir", "straight")
     assert done.returncode == 0, done.stderr
     records = read_metrics(project / "straight")
-    # Phases of eval_every batch steps, each followed by an evaluation.
+    # Phases of phase_steps env steps, each followed by an evaluation.
     assert [r["phase"] for r in records] == ["train", "eval"] * 6
     assert [r["step"] for r in records if r["phase"] == "train"] == [1000 * k
                                                                     for k in range(1, 7)]
@@ -154,6 +154,26 @@ def test_a_user_algorithm_trains_resumes_exactly_and_evaluates(project):
     assert "over 2 episodes" in evaluated.stdout
 
 
+def test_an_algorithm_naming_no_update_length_trains_in_default_phases(project):
+    # No [train] phase settings: the default phases are env steps, so the algorithm trains
+    # at full speed and the evaluations are a small share of the env steps.
+    config = CONFIG.replace("steps = 6_000\nphase_steps = 1_000\neval_episodes = 4\n",
+                            "steps = 100_000\n")
+    (project / "defaults.toml").write_text(config)
+    done = train_py(project, "--config", "defaults.toml", "--logdir", "defaults")
+    assert done.returncode == 0, done.stderr
+    records = read_metrics(project / "defaults")
+    # Default phases: max(50,000, 10 x 30 evaluation episodes x 200 steps) = 60,000 env steps,
+    # the last one stopping at the budget.
+    assert [(r["phase"], r["step"]) for r in records] == [
+        ("train", 60_000), ("eval", 60_000), ("train", 100_000), ("eval", 100_000)]
+    assert [r["episodes"] for r in records if r["phase"] == "eval"] == [30, 30]
+    counters = load_checkpoint(list_checkpoints(project / "defaults")[-1], "cpu")["counters"]
+    assert counters["steps"] == 100_000
+    assert counters["eval_steps"] <= 0.1 * counters["steps"], counters
+    assert int(final_state(project / "defaults")["episodes"]) > 1000  # it learned from them
+
+
 def test_the_reinforce_config_trains_the_example_algorithm(tmp_path):
     done = train_py(REPO, "--config", "cartpole_reinforce", "--logdir", str(tmp_path / "run"),
                     "--steps", "16000")
@@ -166,10 +186,20 @@ def test_the_reinforce_config_trains_the_example_algorithm(tmp_path):
     ('class = "no_such_module:Algo"',
      r"^error: algorithm.class = 'no_such_module:Algo': cannot import module 'no_such_module'"),
     ('class = "user_algos:NotAnAlgorithm"',
-     r"^error: algorithm.class = 'user_algos:NotAnAlgorithm': user_algos.NotAnAlgorithm must "
-     r"be a subclass of batchrl.algos.Algorithm"),
+     r"^error: algorithm.class = 'user_algos:NotAnAlgorithm': user_algos.NotAnAlgorithm is a "
+     r"class, not a subclass of batchrl.algos.Algorithm; its algorithms: Hill$"),
+    ('class = "user_algos:Nope"',
+     r"^error: algorithm.class = 'user_algos:Nope': module user_algos has no name 'Nope'; "
+     r"its algorithms: Hill$"),
     ('class = "user_algos:Hill"\nstep = 0.5',
-     r"^error: unknown key algorithm.step: user_algos:Hill\(\) takes step_size$"),
+     r"^error: Hill \(user_algos:Hill\) does not take algorithm.step; its keys: step_size$"),
+    ('class = "user_algos:Hill"\nstep_size = "big"',
+     r"^error: algorithm.step_size: expected a number, got 'big'$"),
+    ('class = "batchrl.algos.reinforce:Reinforce"\nupdate_every = 16\npolicy_lr = 1e-3'
+     '\nupdate_epochs = 3',
+     r"^error: Reinforce \(batchrl.algos.reinforce:Reinforce\) does not take "
+     r"algorithm.policy_lr, algorithm.update_epochs; its keys: discount, learning_rate, "
+     r"update_every, hidden, seed$"),
     ('class = "user_algos:Hill"\nmax_length = 5',
      r"^error: algorithm.max_length is the trainer's to pass"),
     ('class = "Hill"', r"^error: algorithm.class must be 'package.module:Class', got 'Hill'"),

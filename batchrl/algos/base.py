@@ -41,7 +41,7 @@ class Algorithm(abc.ABC):
     time. Set it only when ``perform`` does not depend on the previous ``experience`` (update the
     statistics ``perform`` uses in ``perform``). The order of ``perform``/``experience`` pairs is
     kept, every ``experience`` comes before ``end_episodes`` and ``begin_episodes`` of its agents,
-    and ``simulate.flush()`` delivers a late one before a checkpoint.
+    and ``Simulation.flush()`` delivers a late one before a checkpoint.
 
     ``train()`` / ``eval()`` switch ``self.training``; in evaluation an algorithm acts with its mean
     (mode) action and learns nothing. ``state_dict()`` / ``load_state_dict()`` must cover everything
@@ -51,18 +51,24 @@ class Algorithm(abc.ABC):
     with ``simulate(..., reset=True)``.
 
     Built by ``train.py``: a config's ``[algorithm]`` section names the class
-    (``class = "package.module:Class"``; BatchPPO without it) and its other keys
-    are keyword arguments: ``Class(observation_space, action_space, num_agents,
-    max_length=env.max_length, device=train.device, **keys)``. The trainer then
-    offers everything it has (evaluation phases, TensorBoard, checkpoints of
-    ``state_dict()``, exact resume, Ctrl-C, ``python -m batchrl.evaluate``).
-    Optional attributes tell it more:
+    (``class = "package.module:Class"``; BatchPPO without it) and its other keys are keyword
+    arguments: ``Class(observation_space, action_space, num_agents, **run facts, **keys)``. The
+    run facts are passed by name to a constructor that takes them: ``max_length`` (the episode
+    time limit, ``env.max_length``), ``total_steps`` (the training budget, ``train.steps``) and
+    ``device`` (``train.device``). A class may name a dataclass of its hyperparameters in
+    ``config_class`` (as BatchPPO does with ``PPOConfig``); otherwise its constructor's signature
+    and annotations check the keys. The trainer then offers everything it has (evaluation
+    phases, TensorBoard, checkpoints of ``state_dict()``, exact resume, Ctrl-C,
+    ``python -m batchrl.evaluate``). Optional attributes tell it more:
 
     - ``episodes_per_phase``: an update's worth of whole episodes. A training phase then ends once
       that many episodes finished, and an evaluation follows every ``train.eval_every`` phases.
-      Without it, a training phase is ``train.eval_every`` updates of ``steps_per_update`` batch
-      steps (one batch step when that is ``None`` too), and an evaluation follows every phase. Every
-      phase starts new episodes (seeded resets).
+    - ``steps_per_update``: an update's worth of batch steps (fixed-length rollouts). A training
+      phase is then ``train.eval_every`` updates, and an evaluation follows every phase.
+    - Neither (the default): a training phase is ``train.phase_steps`` env steps (by default
+      sized so that evaluations cost at most about a tenth of the run), and an evaluation follows
+      every ``train.eval_every`` phases. Every phase starts new episodes (seeded resets), and the
+      last one stops at ``train.steps``.
     - ``per_agent_state``: the ``state_dict()`` entries whose first dimension is the agent, which
       ``batchrl.evaluate`` takes fresh when it runs another number of agents than the training run
       (without them it runs the training run's number).
@@ -71,6 +77,7 @@ class Algorithm(abc.ABC):
     """
 
     experience_may_lag: bool = False
+    config_class: type | None = None
     episodes_per_phase: int | None = None
     steps_per_update: int | None = None
     per_agent_state: tuple[str, ...] = ()

@@ -7,7 +7,9 @@ episodes, then take ``update_epochs`` full-batch gradient steps on
                   + kl_cutoff_coef * max(0, KL - kl_cutoff_factor * kl_target)^2
     value loss  = 1/2 E[(return - V)^2]
 
-and adapt ``beta`` from the KL measured after the update.
+and adapt ``beta`` from the KL measured after the update. The losses are parts
+(``batchrl.parts.losses``); this class builds the networks, keeps the memory and the
+statistics, estimates advantages and runs the update loop.
 """
 
 from __future__ import annotations
@@ -24,37 +26,21 @@ from typing import Any
 import gymnasium as gym
 import torch
 from torch import nn
-from torch.distributions import Categorical, Distribution, Independent, Normal, kl_divergence
+from torch.distributions import Distribution
 
 from batchrl.algos.base import Algorithm, Summary
 from batchrl.algos.networks import (Actor, CategoricalHead, FeedForwardBody, GaussianHead,
                                     Policy, RecurrentBody, ValueNet, orthogonal_init)
 from batchrl.algos.ppo_config import PPOConfig
-from batchrl.envs.errors import UnsupportedSpaceError
+from batchrl.errors import UnsupportedSpaceError
 from batchrl.hardware import usable_cores
 from batchrl.parts import numpy_views
+from batchrl.parts.losses import KLPenalizedObjective, KLPenalty, action_distribution, value_loss
 from batchrl.parts.memory import EpisodeMemory, RolloutMemory
 from batchrl.parts.normalize import StreamingNormalizer
 from batchrl.parts.returns import gae, generalized_advantage
 
-
-class KLPenalty:
-    """The adaptive KL coefficient beta of the PPO penalty objective.
-
-    After each update: ``beta *= 1.5`` if ``kl > 1.3 * target``; ``beta /= 1.5``
-    if ``kl < 0.7 * target``; unchanged in between (the dead band).
-    """
-
-    def __init__(self, target: float, initial: float = 1.0):
-        self.target = target
-        self.value = initial
-
-    def adapt(self, kl: float) -> float:
-        if kl > 1.3 * self.target:
-            self.value *= 1.5
-        elif kl < 0.7 * self.target:
-            self.value /= 1.5
-        return self.value
+__all__ = ["BatchPPO", "KLPenalty", "compile_actor"]
 
 
 def compile_actor(actor: Actor, mode: str) -> nn.Module:
@@ -80,27 +66,38 @@ class BatchPPO(Algorithm):
       action_space: Box (Gaussian policy) or Discrete (categorical policy).
       num_agents: the batch size N of the env.
       config: hyperparameters (``PPOConfig``); or give them as keyword
-        arguments (``max_length`` and any ``PPOConfig`` field), as
-        ``train.py`` does with a config's ``[algorithm]`` section.
+        arguments (any ``PPOConfig`` field), as ``train.py`` does with a config's
+        ``[algorithm]`` section.
       device: where networks, memory and statistics live.
+      max_length: the longest episode (the env's time limit); sizes the episode memory.
+      total_steps: the run's training env steps, over which ``lr_schedule="linear"``
+        decays the learning rates (``train.py`` passes ``train.steps``).
+
+    ``build_networks`` makes the policy and the value network; a subclass may return
+    networks that share layers (a torso), which the update then trains with one joint step.
     """
 
+    config_class = PPOConfig
     # state_dict() entries sized by num_agents: unfinished episodes, not what was learned.
     per_agent_state = ("recurrent_state", "running_return", "memory")
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, num_agents: int,
                  config: PPOConfig | None = None, device: str | torch.device = "cpu",
-                 **options: Any):
+                 max_length: int = 1000, total_steps: int | None = None, **options: Any):
         super().__init__(device)
         if config is not None and options:
             raise TypeError(f"BatchPPO takes a PPOConfig or keyword arguments, not both "
                             f"(got config and {sorted(options)})")
         self.config = config = config or PPOConfig(**options)
+        if max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {max_length}")
+        if total_steps is not None and total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1 or None, got {total_steps}")
+        self.max_length, self.total_steps = max_length, total_steps
         if config.rollout_length is None:  # (else an update every rollout_length batch steps)
             self.episodes_per_phase = config.update_every
         self.steps_per_update = config.rollout_length
-        if config.lr_schedule == "linear" and config.total_steps is None:
-            # (not checked in PPOConfig: a run's Config sets total_steps after reading it)
+        if config.lr_schedule == "linear" and total_steps is None:
             raise ValueError("lr_schedule='linear' needs total_steps, the env steps over which "
                              "the learning rates decay to zero (train.py sets it to train.steps)")
         if not isinstance(observation_space, gym.spaces.Box):
@@ -115,33 +112,28 @@ class BatchPPO(Algorithm):
                                         f"{action_space}")
         self.num_agents = num_agents
         obs_size = math.prod(observation_space.shape)
-        if config.network == "recurrent":
-            body = RecurrentBody(obs_size, config.policy_layers, config.gru_size,
-                                 config.activation)
-        else:
-            body = FeedForwardBody(obs_size, config.policy_layers, config.activation)
         if self.discrete:
-            head = CategoricalHead(body.out_size, int(action_space.n), config.init_output_factor)
-            output, action_shape, action_dtype = head.logits, (), torch.int64
+            action_shape, action_dtype = (), torch.int64
             param_shape, log_std_shape = (int(action_space.n),), (0,)
         else:
-            head = GaussianHead(body.out_size, action_space.shape[0], config.init_std,
-                                config.init_output_factor)
-            output, action_shape, action_dtype = head.mean, tuple(action_space.shape), torch.float32
+            action_shape, action_dtype = tuple(action_space.shape), torch.float32
             param_shape = log_std_shape = action_shape
-        self.policy = Policy(body, head, self.discrete).to(self.device)
-        self.value = ValueNet(obs_size, config.value_layers, config.activation).to(self.device)
-        if config.init == "orthogonal":
-            # Hidden layers keep their input's scale; the policy's output starts near zero.
-            for module in (body.net, self.value.net):
-                orthogonal_init(module, math.sqrt(2.0))
-            orthogonal_init(output, config.init_output_factor)
-            orthogonal_init(self.value.out, 1.0)
+        policy, value = self.build_networks(obs_size, action_space)
+        self.policy, self.value = policy.to(self.device), value.to(self.device)
+        # Parameters of both networks (a shared torso) take the policy's optimiser, and
+        # both losses' gradients in one joint step (see update()).
+        policy_params = list(self.policy.parameters())
+        shared = {id(p) for p in policy_params}
+        value_params = [p for p in self.value.parameters() if id(p) not in shared]
+        self.shared_torso = len(value_params) < len(list(self.value.parameters()))
+        if not value_params:
+            raise ValueError("the value network has no parameters of its own: give it at "
+                             "least an output layer besides the shared torso")
         self.actor = compile_actor(Actor(self.policy), config.inference)
         # A TorchScript module's forward, called directly, skips nn.Module's hook handling.
         self._act = self.actor.forward if config.inference == "script" else self.actor
-        self.policy_optimizer = torch.optim.Adam(self.policy.parameters(), lr=config.policy_lr)
-        self.value_optimizer = torch.optim.Adam(self.value.parameters(), lr=config.value_lr)
+        self.policy_optimizer = torch.optim.Adam(policy_params, lr=config.policy_lr)
+        self.value_optimizer = torch.optim.Adam(value_params, lr=config.value_lr)
         self.observ_normalizer = StreamingNormalizer(
             (obs_size,), center=True, scale=True, clip=5.0).to(self.device)
         # Read only by update(): the rewards of 64 steps are merged at once.
@@ -149,8 +141,9 @@ class BatchPPO(Algorithm):
             (), center=False, scale=True, clip=10.0, defer=64 * num_agents).to(self.device)
         # reward_scale "return": each agent's discounted return so far (unit-scale value targets).
         self.running_return = torch.zeros(num_agents, device=self.device)
-        self.penalty = KLPenalty(config.kl_target, config.kl_init_penalty)
-        self.state_size = body.state_size
+        self.objective = KLPenalizedObjective(config.kl_target, config.kl_cutoff_factor,
+                                              config.kl_cutoff_coef, config.kl_init_penalty)
+        self.state_size = self.policy.state_size
         self.recurrent_state = torch.zeros(num_agents, self.state_size, device=self.device)
         self._no_state = torch.zeros(num_agents, 0, device=self.device)
         step_fields = {"observ": ((obs_size,), torch.float32),
@@ -163,7 +156,7 @@ class BatchPPO(Algorithm):
                       "terminated": ((), torch.float32)}
         self.memory: EpisodeMemory | RolloutMemory
         if config.rollout_length is None:
-            self.memory = EpisodeMemory(num_agents, config.update_every, config.max_length,
+            self.memory = EpisodeMemory(num_agents, config.update_every, max_length,
                                         step_fields, end_fields, self.device)
         else:
             self.memory = RolloutMemory(num_agents, config.rollout_length, step_fields,
@@ -173,6 +166,39 @@ class BatchPPO(Algorithm):
         self.env_steps = self.updated_steps = 0
         # What perform() saw, for experience(), which may come after the next perform().
         self._performed: collections.deque[dict[str, torch.Tensor]] = collections.deque(maxlen=2)
+
+    def build_networks(self, obs_size: int, action_space: gym.Space
+                       ) -> tuple[Policy, nn.Module]:
+        """The policy (``Policy``: ``(observ (B, T, obs_size), state (B, H))`` ->
+        ``(mean_or_logits, log_std, state)``) and the value network (``(..., obs_size)`` ->
+        ``(...)``), from the config. Override to build others; they may share modules."""
+        config = self.config
+        if config.network == "recurrent":
+            body = RecurrentBody(obs_size, config.policy_layers, config.gru_size,
+                                 config.activation)
+        else:
+            body = FeedForwardBody(obs_size, config.policy_layers, config.activation)
+        if self.discrete:
+            head = CategoricalHead(body.out_size, int(action_space.n), config.init_output_factor)
+            output = head.logits
+        else:
+            head = GaussianHead(body.out_size, action_space.shape[0], config.init_std,
+                                config.init_output_factor)
+            output = head.mean
+        policy = Policy(body, head, self.discrete)
+        value = ValueNet(obs_size, config.value_layers, config.activation)
+        if config.init == "orthogonal":
+            # Hidden layers keep their input's scale; the policy's output starts near zero.
+            for module in (body.net, value.net):
+                orthogonal_init(module, math.sqrt(2.0))
+            orthogonal_init(output, config.init_output_factor)
+            orthogonal_init(value.out, 1.0)
+        return policy, value
+
+    @property
+    def penalty(self) -> KLPenalty:
+        """The adaptive KL coefficient (beta) of the objective."""
+        return self.objective.penalty
 
     # -- helpers ---------------------------------------------------------------
 
@@ -190,9 +216,7 @@ class BatchPPO(Algorithm):
 
     def distribution(self, mean_or_logits: torch.Tensor, log_std: torch.Tensor) -> Distribution:
         """The action distribution for parameters from the policy (any batch shape)."""
-        if self.discrete:
-            return Categorical(logits=mean_or_logits)
-        return Independent(Normal(mean_or_logits, log_std.exp()), 1)
+        return action_distribution(mean_or_logits, log_std, self.discrete)
 
     # -- Algorithm interface -------------------------------------------------------
 
@@ -348,72 +372,69 @@ class BatchPPO(Algorithm):
         keep = chunk_mask.any(1)
         return {name: value[keep] for name, value in result.items()}, chunk_mask[keep]
 
-    def _policy_terms(self, batch: dict[str, torch.Tensor], mask: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Surrogate, KL(old || new), entropy (masked means) and the per-step
-        log-ratio (zero at padded steps)."""
+    def _distributions(self, batch: dict[str, torch.Tensor]
+                       ) -> tuple[Distribution, Distribution]:
+        """The current policy's and the acting policy's action distributions at ``batch``'s
+        steps ``(R, C)``, the current one's from the state stored at each row's first step."""
         mean_or_logits, log_std, _ = self.policy(batch["observ"], batch["state"][:, 0])
-        new = self.distribution(mean_or_logits, log_std)
-        old = self.distribution(batch["mean_or_logits"], batch["log_std"])
-        # Padded steps' ratio or KL can be inf, and inf * 0 is nan: where() them away first.
-        valid = mask > 0
-        log_ratio = torch.where(
-            valid, new.log_prob(batch["action"]) - old.log_prob(batch["action"]), 0.0)
-        count = mask.sum().clamp(min=1)
-        surrogate = -(torch.exp(log_ratio) * batch["advantage"] * mask).sum() / count
-        kl = (torch.where(valid, kl_divergence(old, new), 0.0) * mask).sum() / count
-        entropy = (new.entropy() * mask).sum() / count
-        return surrogate, kl, entropy, log_ratio
+        return (self.distribution(mean_or_logits, log_std),
+                self.distribution(batch["mean_or_logits"], batch["log_std"]))
 
     def _policy_loss(self, batch: dict[str, torch.Tensor], mask: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The KL-penalised objective and its cutoff term (included in the loss)."""
-        config = self.config
-        surrogate, kl, _, _ = self._policy_terms(batch, mask)
-        cutoff = config.kl_cutoff_coef * torch.relu(
-            kl - config.kl_cutoff_factor * config.kl_target) ** 2
-        return surrogate + self.penalty.value * kl + cutoff, cutoff
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The objective's loss at ``batch`` and its terms to log."""
+        new, old = self._distributions(batch)
+        return self.objective(new, old, batch["action"], batch["advantage"], mask)
 
     def _value_loss(self, batch: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-        """Half the mean squared error of the value against the returns."""
-        error = batch["returns"] - self.value(batch["observ"])
-        return 0.5 * (error ** 2 * mask).sum() / mask.sum().clamp(min=1)
+        """The value network's loss against the returns at ``batch``."""
+        return value_loss(self.value(batch["observ"]), batch["returns"], mask)
 
-    def _gradient_step(self, loss: torch.Tensor, module: nn.Module,
-                       optimizer: torch.optim.Optimizer, norm: bool = False) -> float | None:
-        """One Adam step on ``loss``, the gradient clipped to ``max_grad_norm``;
-        returns the norm before clipping when measured (``norm`` or clipping)."""
-        optimizer.zero_grad(set_to_none=True)
+    def _gradient_step(self, loss: torch.Tensor, modules: tuple[nn.Module, ...],
+                       optimizers: tuple[torch.optim.Optimizer | None, ...],
+                       norm: bool = False) -> float | None:
+        """One Adam step on ``loss``, the gradient of ``modules`` clipped to
+        ``max_grad_norm``; returns the norm before clipping when measured (``norm`` or
+        clipping)."""
+        for optimizer in optimizers:
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = None
         if norm or self.config.max_grad_norm:
+            parameters = {id(p): p for module in modules for p in module.parameters()}
             grad_norm = float(nn.utils.clip_grad_norm_(
-                module.parameters(), self.config.max_grad_norm or float("inf")))
-        optimizer.step()
+                list(parameters.values()), self.config.max_grad_norm or float("inf")))
+        for optimizer in optimizers:
+            if optimizer is not None:
+                optimizer.step()
         return grad_norm
 
     def _policy_step(self, batch: dict[str, torch.Tensor], mask: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """One gradient step of the policy: its loss, cutoff term and gradient norm."""
-        loss, cutoff = self._policy_loss(batch, mask)
-        grad_norm = self._gradient_step(loss, self.policy, self.policy_optimizer, norm=True)
-        return loss, cutoff, grad_norm
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
+        """One gradient step of the policy: its loss, terms and gradient norm."""
+        loss, terms = self._policy_loss(batch, mask)
+        grad_norm = self._gradient_step(loss, (self.policy,), (self.policy_optimizer,),
+                                        norm=True)
+        return loss, terms, grad_norm
 
     def _value_step(self, batch: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
         """One gradient step of the value network; returns its loss."""
         with torch.enable_grad():  # (grad mode is per thread)
             loss = self._value_loss(batch, mask)
-            self._gradient_step(loss, self.value, self.value_optimizer)
+            self._gradient_step(loss, (self.value,), (self.value_optimizer,))
         return loss
 
-    def _adjust_penalty(self, batches: dict[str, torch.Tensor], mask: torch.Tensor
-                        ) -> dict[str, float]:
-        """Adapt beta to the KL of the whole update; returns the summary of the new policy."""
-        with torch.no_grad():
-            _, kl, entropy, _ = self._policy_terms(batches, mask)
-        kl, beta = float(kl), self.penalty.value
-        return {"ppo/kl": kl, "ppo/beta": beta, "ppo/beta_next": self.penalty.adapt(kl),
-                "ppo/entropy": float(entropy)}
+    def _joint_step(self, batch: dict[str, torch.Tensor], mask: torch.Tensor
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], float, torch.Tensor]:
+        """One gradient step of networks that share a torso, on the sum of both losses:
+        the policy's loss, terms and gradient norm (of both networks), and the value loss."""
+        loss, terms = self._policy_loss(batch, mask)
+        values = self._value_loss(batch, mask)
+        grad_norm = self._gradient_step(loss + values, (self.policy, self.value),
+                                        (self.policy_optimizer, self.value_optimizer),
+                                        norm=True)
+        return loss, terms, grad_norm, values
 
     def update(self) -> Summary:
         """Learn from the episodes (or the rollout) in memory; returns the summary. Runs
@@ -425,11 +446,12 @@ class BatchPPO(Algorithm):
         bit-identical to ``update_threads=1`` on any number of cores, and no thread
         busy-waits for a core that another run or program holds (as split operations do).
         ``update_threads=N`` runs the steps one after the other with N torch threads each,
-        for networks large enough that splitting every operation pays.
+        for networks large enough that splitting every operation pays. Networks that share a
+        torso take one joint step on the sum of both losses instead (no threads).
         """
         threads = torch.get_num_threads()
         side_by_side = (self.config.update_threads is None and self.device.type == "cpu"
-                        and usable_cores() > 1)
+                        and usable_cores() > 1 and not self.shared_torso)
         torch.set_num_threads(self.config.update_threads or 1)
         try:
             with torch.enable_grad(), contextlib.ExitStack() as stack:
@@ -447,7 +469,7 @@ class BatchPPO(Algorithm):
         config = self.config
         if config.lr_schedule == "constant":
             return 1.0
-        fraction = max(0.0, 1.0 - self.updated_steps / config.total_steps)
+        fraction = max(0.0, 1.0 - self.updated_steps / self.total_steps)
         for optimizer, rate in ((self.policy_optimizer, config.policy_lr),
                                 (self.value_optimizer, config.value_lr)):
             for group in optimizer.param_groups:
@@ -463,7 +485,7 @@ class BatchPPO(Algorithm):
         mask = mask.float()
         rows = mask.shape[0]
         size = config.minibatch_size or config.batch_size or rows
-        totals = {"policy_loss": 0.0, "value_loss": 0.0, "grad_norm": 0.0, "kl_cutoff": 0.0}
+        totals = {"policy_loss": 0.0, "value_loss": 0.0, "grad_norm": 0.0}
         steps = 0
         for _ in range(config.update_epochs):
             order = torch.randperm(rows, device=self.device)
@@ -473,22 +495,28 @@ class BatchPPO(Algorithm):
                 picked = order[start:start + size]
                 batch = {name: value[picked] for name, value in batches.items()}
                 batch_mask = mask[picked]
-                if pool is None:
-                    policy_loss, cutoff, grad_norm = self._policy_step(batch, batch_mask)
-                    value_loss = self._value_step(batch, batch_mask)
+                if self.shared_torso:
+                    policy_loss, terms, grad_norm, values = self._joint_step(batch, batch_mask)
+                elif pool is None:
+                    policy_loss, terms, grad_norm = self._policy_step(batch, batch_mask)
+                    values = self._value_step(batch, batch_mask)
                 else:  # the networks share nothing: the same result as one after the other
                     value_step = pool.submit(self._value_step, batch, batch_mask)
-                    policy_loss, cutoff, grad_norm = self._policy_step(batch, batch_mask)
-                    value_loss = value_step.result()
+                    policy_loss, terms, grad_norm = self._policy_step(batch, batch_mask)
+                    values = value_step.result()
                 totals["policy_loss"] += float(policy_loss.detach())
-                totals["value_loss"] += float(value_loss.detach())
+                totals["value_loss"] += float(values.detach())
                 totals["grad_norm"] += float(grad_norm)
-                totals["kl_cutoff"] += float(cutoff.detach())
+                for name, term in terms.items():
+                    totals[name] = totals.get(name, 0.0) + float(term.detach())
                 steps += 1
 
         summary = {f"ppo/{name}": total / steps for name, total in totals.items()}
         summary["ppo/total_loss"] = summary["ppo/policy_loss"] + summary["ppo/value_loss"]
-        summary.update(self._adjust_penalty(batches, mask))
+        with torch.no_grad():
+            new, old = self._distributions(batches)
+        summary.update({f"ppo/{name}": value for name, value in self.objective.end_update(
+            new, old, batches["action"], batches["advantage"], mask).items()})
         with torch.no_grad():
             returns = data["returns"][valid]
             residual = returns - self.value(data["observ"])[valid]

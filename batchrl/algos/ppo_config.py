@@ -15,7 +15,9 @@ LR_SCHEDULES = ("constant", "linear")
 
 @dataclass
 class PPOConfig:
-    """Hyperparameters of BatchPPO; defaults follow the paper and BatchPPO's code."""
+    """Hyperparameters of BatchPPO. The defaults follow the paper's update scheme (whole
+    episodes, 25 full-batch epochs, the adaptive KL penalty); ``configs/paper/`` sets the
+    released code's values where they differ (discount, value learning rate, initial std)."""
 
     network: str = "feed_forward"            # or "recurrent" (MLP then GRU)
     policy_layers: tuple[int, ...] = (200, 100)
@@ -33,8 +35,7 @@ class PPOConfig:
     minibatch_size: int | None = None         # time steps per gradient step (feed-forward only)
     policy_lr: float = 1e-4
     value_lr: float = 1e-3
-    lr_schedule: str = "constant"             # or "linear": decay to 0 over total_steps
-    total_steps: int | None = None            # env steps of the run (train.steps)
+    lr_schedule: str = "constant"             # or "linear": decay to 0 over the run's steps
     discount: float = 0.99
     gae_lambda: float | None = None           # None: plain discounted returns
     kl_target: float = 1e-2
@@ -45,7 +46,6 @@ class PPOConfig:
     normalize_observ: bool = True
     normalize_reward: bool = True
     reward_scale: str = "reward"              # or "return": whose std normalize_reward divides by
-    max_length: int = 1000                    # longest episode (the env's time limit)
     inference: str = "script"                 # "script", "eager" or "compile"
     update_threads: int | None = None         # None: policy and value steps side by side
 
@@ -55,7 +55,7 @@ class PPOConfig:
                               ("lr_schedule", LR_SCHEDULES), ("inference", INFERENCE_MODES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
-        for name in ("update_every", "update_epochs", "max_length", "gru_size"):
+        for name in ("update_every", "update_epochs", "gru_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.discount <= 1.0:
@@ -66,7 +66,7 @@ class PPOConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("batch_size", "minibatch_size", "rollout_length", "chunk_length",
-                     "update_threads", "total_steps"):
+                     "update_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {value}")

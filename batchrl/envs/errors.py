@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import signal
 
+from batchrl.errors import UnsupportedSpaceError  # noqa: F401 - the env layer's too
+
 
 class EnvError(RuntimeError):
     """A failure of an environment, local or in a worker process.
@@ -112,10 +114,6 @@ class EnvSpecError(ValueError):
 
 class UnguardedMainError(RuntimeError):
     """Env worker processes started outside ``if __name__ == "__main__":`` of the main script."""
-
-
-class UnsupportedSpaceError(TypeError):
-    """An observation or action space that cannot be batched or learned from."""
 
 
 class SpaceMismatchError(ValueError):

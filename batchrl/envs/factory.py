@@ -14,6 +14,7 @@ from batchrl.envs.batch import BatchEnv
 from batchrl.envs.errors import EnvRaisedError, EnvSpecError
 from batchrl.envs.process.external import ExternalProcess
 from batchrl.envs.process.shared_memory import EnvWorker
+from batchrl.envs.ray.cluster import check_resources
 from batchrl.envs.wrappers import TimeLimit, check_time_limit, wrap_env
 from batchrl.hardware import allowed_cores, usable_cores
 
@@ -205,7 +206,7 @@ def _ray_workers(constructors: list, workers: int, label: str | None, timeout: f
     from batchrl.envs.ray import cluster as ray_cluster
     from batchrl.envs.ray.worker import RayEnvWorker
     resources = {"CPU": 1} if resources is None else dict(resources)
-    ray_cluster.check_resources(resources)
+    check_resources(resources)
     ray = ray_cluster.acquire(address)  # held while the workers connect, then theirs
     members: list[Any] = []
     try:

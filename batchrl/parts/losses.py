@@ -1,0 +1,116 @@
+"""Policy-gradient losses as parts, beside the return estimators of ``batchrl.parts.returns``.
+
+Every policy objective here is called the same way, so an algorithm's update loop can take any of
+them (and a new one, such as the clipped objective or an entropy bonus, goes beside them):
+
+    loss, terms = objective(new, old, action, advantage, mask)   # during the update
+    summary = objective.end_update(new, old, action, advantage, mask)  # once, after it
+
+``new`` and ``old`` are ``torch.distributions`` over actions for the same ``(B, T)`` steps (from
+``action_distribution``), ``action`` the actions taken, ``advantage`` ``(B, T)`` float32 and
+``mask`` ``(B, T)`` float32, 1.0 on real steps and 0.0 on padding; means are over the real steps.
+``terms`` are detached-able tensors to log. All tensors on one device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributions import Categorical, Distribution, Independent, Normal, kl_divergence
+
+
+def action_distribution(mean_or_logits: torch.Tensor, log_std: torch.Tensor,
+                        discrete: bool) -> Distribution:
+    """The policy's action distribution: categorical over ``mean_or_logits`` ``(..., n)``
+    logits, or a diagonal Gaussian with mean ``(..., A)`` and ``log_std`` ``(..., A)``."""
+    if discrete:
+        return Categorical(logits=mean_or_logits)
+    return Independent(Normal(mean_or_logits, log_std.exp()), 1)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The mean of ``values`` over the steps where ``mask`` is 1.0 (0 when there are none)."""
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def policy_terms(new: Distribution, old: Distribution, action: torch.Tensor,
+                 advantage: torch.Tensor, mask: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(surrogate, kl, log_ratio)``: the negated importance-weighted advantage
+    ``-E[ratio * advantage]`` and ``KL(old || new)`` (masked means), and the ``(B, T)``
+    log-ratio ``log new(a) - log old(a)`` (zero on padding)."""
+    # Padded steps' ratio or KL can be inf, and inf * 0 is nan: where() them away first.
+    valid = mask > 0
+    log_ratio = torch.where(valid, new.log_prob(action) - old.log_prob(action), 0.0)
+    count = mask.sum().clamp(min=1)
+    surrogate = -(torch.exp(log_ratio) * advantage * mask).sum() / count
+    kl = (torch.where(valid, kl_divergence(old, new), 0.0) * mask).sum() / count
+    return surrogate, kl, log_ratio
+
+
+def value_loss(value: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Half the mean squared error of ``value`` against ``returns`` (both ``(B, T)``)."""
+    error = returns - value
+    return 0.5 * (error ** 2 * mask).sum() / mask.sum().clamp(min=1)
+
+
+class KLPenalty:
+    """The adaptive KL coefficient beta of the PPO penalty objective.
+
+    After each update: ``beta *= 1.5`` if ``kl > 1.3 * target``; ``beta /= 1.5``
+    if ``kl < 0.7 * target``; unchanged in between (the dead band).
+    """
+
+    def __init__(self, target: float, initial: float = 1.0):
+        self.target = target
+        self.value = initial
+
+    def adapt(self, kl: float) -> float:
+        """Adapt beta to the ``kl`` an update reached; returns the new beta."""
+        if kl > 1.3 * self.target:
+            self.value *= 1.5
+        elif kl < 0.7 * self.target:
+            self.value /= 1.5
+        return self.value
+
+
+class KLPenalizedObjective:
+    """BatchPPO's policy objective (Hafner et al., 2017, section 3)::
+
+        loss = -E[ratio * advantage] + beta * KL(old || new)
+               + cutoff_coef * max(0, KL - cutoff_factor * target)^2
+
+    with ``beta`` (``penalty``) adapted after every update to keep the KL near ``target``.
+    """
+
+    def __init__(self, target: float, cutoff_factor: float = 2.0, cutoff_coef: float = 1000.0,
+                 init_penalty: float = 1.0):
+        self.penalty = KLPenalty(target, init_penalty)
+        self.cutoff_factor = cutoff_factor
+        self.cutoff_coef = cutoff_coef
+
+    def __call__(self, new: Distribution, old: Distribution, action: torch.Tensor,
+                 advantage: torch.Tensor, mask: torch.Tensor
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of one gradient step and its ``kl_cutoff`` term (see the module docstring)."""
+        surrogate, kl, _ = policy_terms(new, old, action, advantage, mask)
+        target = self.penalty.target
+        cutoff = self.cutoff_coef * torch.relu(kl - self.cutoff_factor * target) ** 2
+        return surrogate + self.penalty.value * kl + cutoff, {"kl_cutoff": cutoff}
+
+    def end_update(self, new: Distribution, old: Distribution, action: torch.Tensor,
+                   advantage: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+        """Adapt beta to the KL of the updated policy over the whole update's data; returns
+        the KL, beta before and after, and the new policy's entropy."""
+        with torch.no_grad():
+            _, kl, _ = policy_terms(new, old, action, advantage, mask)
+            entropy = masked_mean(new.entropy(), mask)
+        kl, beta = float(kl), self.penalty.value
+        return {"kl": kl, "beta": beta, "beta_next": self.penalty.adapt(kl),
+                "entropy": float(entropy)}
+
+    def state_dict(self) -> dict[str, float]:
+        """The adapted coefficient."""
+        return {"beta": self.penalty.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.penalty.value = float(state["beta"])
