@@ -191,9 +191,10 @@ class EnvHost:
     def step(self, actions: np.ndarray, arrays: StepArrays, autoreset: Any = None) -> tuple:
         """Step env ``i`` with ``actions[i]`` into ``arrays``, or reset it (no seed or options:
         zero reward, false flags) if ``autoreset[i]``; answers ``(infos, resets)``: the infos
-        as an ``info_columns`` payload or a pickled list (``None`` when infos are off) and ``(index, pickled info)`` of the envs reset
-        after their episode ended (first observations in ``arrays.reset_observ``). An env that
-        raises does not stop the others; the first error is the answer."""
+        as an ``info_columns`` payload or a pickled list (``None`` when infos are off) and
+        ``(index, pickled info)`` of the envs reset after their episode ended (first
+        observations in ``arrays.reset_observ``). An env that raises does not stop the
+        others; the first error is the answer."""
         # A copy: the parent may write the next actions meanwhile (after a
         # timeout), and Ray hands over read-only views.
         actions = np.array(actions)

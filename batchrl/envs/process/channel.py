@@ -1,6 +1,7 @@
-"""Child-process plumbing of the env workers (``shared_memory._serve``), which answer each
-request with one pickled answer in ``batchrl.envs.host``'s format. Children start with ``forkserver`` where
-it exists: no inherited threads (torch's pools make ``fork`` unsafe), yet a fast start."""
+"""Child-process plumbing of the env workers (``shared_memory._serve``), which answer
+each request with one pickled answer in ``batchrl.envs.host``'s format. Children start
+with ``forkserver`` where it exists: no inherited threads (torch's pools make ``fork``
+unsafe), yet a fast start."""
 
 from __future__ import annotations
 
