@@ -70,24 +70,55 @@ def test_step_and_reset_match_the_env_in_process(external):
         assert got[4].keys() == expected[4].keys()
 
 
-def test_non_blocking_step_and_reset_return_callable_promises(external):
+def test_step_and_reset_split_into_async_and_wait_halves(external):
     env = external("CartPole-v1")
     local = gym.make("CartPole-v1")
-    promise = env.reset(seed=5, blocking=False)
-    assert callable(promise)
-    np.testing.assert_array_equal(promise()[0], local.reset(seed=5)[0])
-    promise = env.step(1, blocking=False)
-    assert callable(promise)
+    assert env.reset_async(seed=5) is None
+    np.testing.assert_array_equal(env.reset_wait()[0], local.reset(seed=5)[0])
+    assert env.step_async(1) is None
     with pytest.raises(RuntimeError, match=r"step\(\) called while the result of step\(\) "
-                                           r"was not received yet; call the promise first"):
+                                           r"was not received yet; call step_wait\(\) first"):
         env.step(0)
-    obs, reward, terminated, truncated, _ = promise()
+    obs, reward, terminated, truncated, _ = env.step_wait()
     expected = local.step(1)
     np.testing.assert_array_equal(obs, expected[0])
     assert (reward, terminated, truncated) == (1.0, False, False) == expected[1:4]
     with pytest.raises(RuntimeError, match=r"no step\(\) result is pending"):
-        promise()
+        env.step_wait()
     np.testing.assert_array_equal(env.step(0)[0], local.step(0)[0])  # still in sync
+
+
+class DictTupleEnv(gym.Env):
+    """Spaces no shared array holds: a Dict observation and a Tuple action."""
+
+    observation_space = gym.spaces.Dict({"position": gym.spaces.Box(-1.0, 1.0, (2,)),
+                                         "label": gym.spaces.Text(8)})
+    action_space = gym.spaces.Tuple((gym.spaces.Discrete(2), gym.spaces.Discrete(3)))
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.count = 0
+        return {"position": np.zeros(2, np.float32), "label": "start"}, {"options": options}
+
+    def step(self, action):
+        assert isinstance(action, tuple), action  # the very object the caller passed
+        self.count += 1
+        observ = {"position": np.full(2, self.count, np.float32), "label": f"step{self.count}"}
+        return observ, float(sum(action)), self.count == 2, False, {"action": action}
+
+
+def test_spaces_beyond_shared_memory_travel_pickled(external):
+    env = external(DictTupleEnv)
+    assert env.observation_space == DictTupleEnv.observation_space
+    observ, info = env.reset(seed=0, options={"a": 1})
+    assert observ["label"] == "start" and info == {"options": {"a": 1}}
+    observ, reward, terminated, truncated, info = env.step((1, 2))
+    assert observ["label"] == "step1" and observ["position"].tolist() == [1.0, 1.0]
+    assert (reward, terminated, truncated, info) == (3.0, False, False, {"action": (1, 2)})
+    env.step_async((0, 1))
+    observ, reward, terminated, *_ = env.step_wait()
+    assert observ["label"] == "step2" and (reward, terminated) == (1.0, True)
+    assert env.count == 2
 
 
 def test_attributes_are_forwarded(external):
@@ -133,7 +164,7 @@ def test_spaces_are_cached_in_the_parent(external):
 
 
 def test_workers_do_not_import_torch(external):
-    # Workers fork from a server that preloads batchrl.envs.process.external; torch
+    # Workers fork from a server that preloads batchrl.envs.process.shared_memory; torch
     # (seconds to import) must not come with it.
     env = external(CountingEnv)
     assert env.call("imported", "gymnasium") is True
@@ -276,12 +307,12 @@ def test_killed_idle_worker_raises_crashed_error(external):
 def test_worker_killed_during_a_step_raises_crashed_error(external):
     env = external(sleeps_at(1, 60), label="sleepy")
     env.reset()
-    promise = env.step(0, blocking=False)
+    env.step_async(0)
     time.sleep(0.3)  # the worker is now inside time.sleep(60)
     start = time.monotonic()
     os.kill(env.pid, signal.SIGKILL)
     with pytest.raises(EnvCrashedError) as info:
-        promise()
+        env.step_wait()
     assert time.monotonic() - start < 5.0
     assert info.value.exitcode == -signal.SIGKILL
     assert "sleepy failed in step()" in str(info.value) and "SIGKILL" in str(info.value)
@@ -368,7 +399,7 @@ def test_batch_close_is_idempotent_and_stops_all_workers(gone):
 def test_close_stops_a_worker_busy_in_a_long_step(gone):
     env = ExternalProcess(sleeps_at(1, 60))
     env.reset()
-    env.step(0, blocking=False)
+    env.step_async(0)
     time.sleep(0.3)
     start = time.monotonic()
     env.close()
@@ -402,7 +433,7 @@ PARENT_SCRIPT = textwrap.dedent("""
     batch = BatchEnv(envs)
     batch.reset(seed=0)
     if mode == "busy":
-        promise = envs[0].step(0, blocking=False)
+        envs[0].step_async(0)
         while not os.path.exists(marker):
             time.sleep(0.01)
     else:

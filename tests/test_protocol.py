@@ -3,10 +3,11 @@
 The same envs, seeds and actions go through envs in this process, one child
 process per env (``ExternalProcess``), shared-memory workers (``EnvWorker``)
 and Ray actors (``RayEnvWorker``, on a real cluster on 127.0.0.1). Each must
-give the trajectories of plain in-process envs, raise the same errors for the
-same faults, forward attribute access, reset the envs it is told to reset
-instead of stepping them, and (except in-process envs) restart a failed
-worker; a ``BatchVectorEnv`` on it steps as Gymnasium's ``SyncVectorEnv``. A
+give the trajectories of plain in-process envs, be driven through the same
+``step_async``/``step_wait`` and ``reset_async``/``reset_wait`` pairs, raise the
+same errors for the same faults, forward attribute access, reset the envs it is
+told to reset instead of stepping them, and (except in-process envs) restart a
+failed worker; a ``BatchVectorEnv`` on it steps as Gymnasium's ``SyncVectorEnv``. A
 new transport joins by adding an entry to ``TRANSPORTS`` (and its
 ``batch_env_from`` options to ``VECTOR_LAYOUTS``).
 """
@@ -22,7 +23,8 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from batchrl.envs import BatchEnv, BatchVectorEnv, EnvRaisedError, EnvWorker, ExternalProcess
+from batchrl.envs import (BatchEnv, BatchVectorEnv, EnvRaisedError, EnvWorker, ExternalProcess,
+                          LocalWorker, RayEnvWorker)
 from helpers import (CountingEnv, assert_same_log, assert_same_vector_steps, fails_at,
                      make_cartpole, make_cheetah, raise_site, rollout)
 
@@ -52,6 +54,10 @@ def _ray(constructors):
 
 TRANSPORTS = {"local": _local, "process": _process, "shared-memory": _shared_memory,
               "ray": _ray}
+# The Worker that BatchEnv drives for each transport's members, and how many of them there are
+# for four envs (an ExternalProcess is a front over an EnvWorker of its env).
+MEMBERS = {"local": (LocalWorker, 1), "process": (EnvWorker, 4),
+           "shared-memory": (EnvWorker, 2), "ray": (RayEnvWorker, 2)}
 
 
 @pytest.fixture(params=list(TRANSPORTS))
@@ -84,6 +90,38 @@ def test_trajectories_are_those_of_in_process_envs(transport, make, dtype):
     finally:
         reference.close()
     assert_same_log(rollout(transport([make] * 4), dtype), expected)
+
+
+@pytest.mark.parametrize("blocking", [False, True], ids=["parallel", "blocking"])
+def test_every_member_is_driven_through_the_async_and_wait_pairs(transport, blocking,
+                                                                 monkeypatch):
+    calls = []
+    for cls in (LocalWorker, EnvWorker, RayEnvWorker):
+        for name in ("step_async", "step_wait", "reset_async", "reset_wait", "step", "reset"):
+            def record(self, *args, _original=getattr(cls, name), _name=name, **kwargs):
+                calls.append((type(self), id(self), _name))
+                return _original(self, *args, **kwargs)
+            monkeypatch.setattr(cls, name, record)
+    batch = transport([CountingEnv] * 4, blocking=blocking)
+    kind, count = MEMBERS[transport.name]
+    for operation, run in [("reset", lambda: batch.reset(seed=0)),
+                           ("step", lambda: batch.step(np.zeros(4, np.int64)))]:
+        calls.clear()
+        run()
+        assert {cls for cls, _, _ in calls} == {kind}
+        halves = [(member, name) for _, member, name in calls]
+        members = list(dict.fromkeys(member for member, _ in halves))
+        assert len(members) == count
+        if blocking or kind is LocalWorker:  # each member's request, then its answer
+            expected = [(m, f"{operation}_{half}") for m in members for half in ("async", "wait")]
+            assert halves == expected
+        else:  # every request sent before any answer is waited for
+            assert [name for _, name in halves] == ([f"{operation}_async"] * count
+                                                    + [f"{operation}_wait"] * count)
+            assert sorted(halves) == sorted(
+                (m, f"{operation}_{half}") for m in members for half in ("async", "wait"))
+    observ, *_ = batch.step(np.zeros(4, np.int64))
+    assert observ[:, 0].tolist() == [2.0] * 4
 
 
 def test_an_env_raising_in_step_is_named_with_its_batch_index(transport):

@@ -10,11 +10,16 @@ import gymnasium as gym
 import numpy as np
 
 from batchrl.envs.errors import EnvError, EnvNonFiniteError, SpaceMismatchError
-from batchrl.envs.process.external import ExternalProcess, ProcessWorker
 from batchrl.envs.infos import InfoList
 from batchrl.envs.local import LocalWorker
 from batchrl.envs.spaces import check_space
-from batchrl.envs.worker import Closeable, Worker
+from batchrl.envs.worker import Closeable, Worker, WorkerFront
+
+# Requests sent to the members that step in parallel, whose answers are due: the positions
+# asked, ``send(position, member)`` (the request's async half), the positions it was sent to
+# and those that failed to send, with the error.
+Pending = tuple[Sequence[int], Callable[[int, Worker], None], list[int],
+                list[tuple[int, int, EnvError]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,25 +37,16 @@ class RestartEvent:
         return f"restarted {envs} (restart {self.number}) after: {reason}"
 
 
-@dataclasses.dataclass
-class _InFlight:
-    """Requests sent to the parallel members, whose answers are due."""
-
-    positions: Sequence[int]
-    call: Callable[[int, Any, bool], Any]
-    promises: list[tuple[int, int, Callable[[], Any]]] = dataclasses.field(default_factory=list)
-    failures: list[tuple[int, int, EnvError]] = dataclasses.field(default_factory=list)
-
-
 class BatchEnv(Closeable):
     """N environments with equal observation and action spaces as one batched env.
 
     Args:
-      envs: the members, in batch order: Gymnasium envs stepped in this process, ``ExternalProcess``
-        (one env in a child process), or any ``Worker`` (``EnvWorker``, ``RayEnvWorker``), counting
-        as its ``num_envs`` envs.
-      blocking: step the child processes one after the other instead of in parallel (every request
-        sent before any result is received).
+      envs: the members, in batch order: Gymnasium envs stepped in this process, a ``WorkerFront``
+        (``ExternalProcess``: one env in a child process), or any ``Worker`` (``EnvWorker``,
+        ``RayEnvWorker``), counting as its ``num_envs`` envs.
+      blocking: step the members one after the other (each one's ``step_async`` followed at once
+        by its ``step_wait``) instead of in parallel (every request sent before any is waited for;
+        in-process envs step while the others do).
       max_restarts: how many times in this env's life a failed worker process (an env that raised, a
         crash, a timeout, or a NaN/inf observation or reward) is replaced by a fresh one instead of
         raising. In-process envs are never restarted.
@@ -67,14 +63,17 @@ class BatchEnv(Closeable):
     flags, ``restarted`` lists them and ``restart_events`` records every restart.
     """
 
-    def __init__(self, envs: Sequence[gym.Env | ExternalProcess | Worker],
+    def __init__(self, envs: Sequence[gym.Env | WorkerFront | Worker],
                  blocking: bool = False, max_restarts: int = 0):
         members: list[Worker] = []
+        given: list[Worker | WorkerFront] = []  # per member, what the user passed
         # Each run of consecutive in-process envs forms one LocalWorker.
         for remote, group in itertools.groupby(
-                envs, lambda env: isinstance(env, (Worker, ExternalProcess))):
+                envs, lambda env: isinstance(env, (Worker, WorkerFront))):
             if remote:
-                members += [env if isinstance(env, Worker) else ProcessWorker(env) for env in group]
+                for env in group:
+                    given.append(env)
+                    members.append(_worker_of(env))
                 continue
             local = list(group)
             for env in local:
@@ -84,9 +83,11 @@ class BatchEnv(Closeable):
                         f"step the env in this process, or ExternalProcess(make) / "
                         f"EnvWorker([make, ...]) to build it in a worker process")
             members.append(LocalWorker(local))
+            given.append(members[-1])
         if not members:
             raise ValueError("BatchEnv needs at least one env")
         self._members = members
+        self._given = given
         self._parallel = [not (member.in_process or blocking) for member in members]
         starts = np.cumsum([0] + [m.num_envs for m in members])
         self._starts = [int(s) for s in starts[:-1]]
@@ -121,7 +122,7 @@ class BatchEnv(Closeable):
         self._no_restarts = (np.zeros(0, np.int64), np.zeros(
             (0, *self.observation_space.shape), self.observation_space.dtype))
         self._restarted = self._no_restarts
-        self._in_flight: _InFlight | None = None  # a step_async() awaiting its step_wait()
+        self._pending: Pending | None = None  # a step_async() awaiting its step_wait()
 
     def __len__(self) -> int:
         return self._num_envs
@@ -131,14 +132,21 @@ class BatchEnv(Closeable):
 
     @property
     def envs(self) -> list[Any]:
-        """The envs in batch order (a ``WorkerEnv`` handle for a remote one)."""
-        return [member.env(i) for member in self._members for i in range(member.num_envs)]
+        """The envs in batch order (a ``WorkerEnv`` handle for a remote one; a
+        ``WorkerFront`` such as ``ExternalProcess`` as given)."""
+        envs: list[Any] = []
+        for given, member in zip(self._given, self._members):
+            if isinstance(given, WorkerFront):
+                envs.append(given)
+            else:
+                envs.extend(member.env(i) for i in range(member.num_envs))
+        return envs
 
     @property
-    def workers(self) -> list[Any]:
+    def workers(self) -> list[Worker | WorkerFront]:
         """The members whose envs live in other processes, as they were given."""
-        return [member.process if isinstance(member, ProcessWorker) else member
-                for member in self._members if not member.in_process]
+        return [given for given, member in zip(self._given, self._members)
+                if not member.in_process]
 
     @property
     def restarts(self) -> int:
@@ -161,36 +169,41 @@ class BatchEnv(Closeable):
         else:
             exc.env_indices = range(start, start + count)
 
-    def _send(self, positions: Sequence[int], call: Callable[[int, Any, bool], Any]
-              ) -> "_InFlight":
-        """Send ``call(position, member, False)`` to the parallel members at ``positions``."""
-        flight = _InFlight(positions, call)
+    def _send(self, positions: Sequence[int], send: Callable[[int, Worker], None]) -> Pending:
+        """Call ``send(position, member)``, a request's async half, for the members at
+        ``positions`` that step in parallel; what ``_receive`` needs to finish."""
+        sent: list[int] = []
+        failures: list[tuple[int, int, EnvError]] = []
         for slot, position in enumerate(positions):
             if self._parallel[position]:
                 try:
-                    promise = call(position, self._members[position], False)
-                    flight.promises.append((slot, position, promise))
-                except EnvError as exc:
-                    flight.failures.append((slot, position, exc))
-        return flight
-
-    def _receive(self, flight: "_InFlight", recover: Callable[[int, np.ndarray], Any]
-                 ) -> list[Any]:
-        """Run the in-process members' calls, then receive every answer (even
-        after a failure: no stale reply may stay in a pipe). A failed member is
-        restarted if allowed, its result then ``recover(position, first observ)``;
-        otherwise the first failure is raised with its env index."""
-        results: list[Any] = [None] * len(flight.positions)
-        failures = flight.failures
-        for slot, position in enumerate(flight.positions):
-            if not self._parallel[position]:
-                try:
-                    results[slot] = flight.call(position, self._members[position], True)
+                    send(position, self._members[position])
+                    sent.append(slot)
                 except EnvError as exc:
                     failures.append((slot, position, exc))
-        for slot, position, promise in reversed(flight.promises):
+        return positions, send, sent, failures
+
+    def _receive(self, pending: Pending, wait: Callable[[Worker], Any],
+                 recover: Callable[[int, np.ndarray], Any]) -> list[Any]:
+        """Finish the request ``_send`` began: send it to and ``wait(member)`` for the others
+        (in-process, or all when ``blocking``) one after the other, then wait for every member
+        it was sent to (even after a failure: no stale reply may stay in a pipe). A failed
+        member is restarted if allowed, its result then ``recover(position, first observ)``;
+        otherwise the first failure is raised with its env index."""
+        positions, send, sent, failures = pending
+        results: list[Any] = [None] * len(positions)
+        for slot, position in enumerate(positions):
+            if not self._parallel[position]:
+                member = self._members[position]
+                try:
+                    send(position, member)
+                    results[slot] = wait(member)
+                except EnvError as exc:
+                    failures.append((slot, position, exc))
+        for slot in reversed(sent):
+            position = positions[slot]
             try:
-                results[slot] = promise()
+                results[slot] = wait(self._members[position])
             except EnvError as exc:
                 failures.append((slot, position, exc))
         for slot, position, exc in failures:
@@ -208,10 +221,11 @@ class BatchEnv(Closeable):
         start, count = self._starts[position], member.num_envs
         indices, rows = range(start, start + count), np.arange(start, start + count)
         while True:
-            member = self._members[position] = member.restart()
+            given = self._given[position] = self._given[position].restart()
+            member = self._members[position] = _worker_of(given)
             self.restart_events.append(RestartEvent(indices, str(exc), self.restarts + 1))
             try:
-                observ, _ = member.reset(list(range(count)), [None] * count, None, True)
+                observ, _ = member.reset(list(range(count)), [None] * count)
                 self._episode_steps[start:start + count] = 0
                 self._check_observ(observ, rows, "reset")
                 old_rows, old = self._restarted
@@ -293,7 +307,7 @@ class BatchEnv(Closeable):
     def step_async(self, actions: Any, autoreset: np.ndarray | None = None) -> None:
         """Send the worker processes their ``actions`` (as for ``step``) and return;
         ``step_wait`` finishes the step. Meanwhile leave this env and ``actions`` alone."""
-        if self._in_flight is not None:
+        if self._pending is not None:
             raise RuntimeError("step_async() was called twice: call step_wait() first")
         actions = self._check_actions(actions)
         if autoreset is not None:
@@ -308,20 +322,19 @@ class BatchEnv(Closeable):
         self._episode_steps += 1
         if autoreset is not None:
             self._episode_steps[autoreset] = 0
-        self._in_flight = self._send(
+        self._pending = self._send(
             range(len(self._members)),
-            # Views of the workers' buffers: step_wait's concatenation copies them.
-            lambda position, member, blocking: member.step(
-                actions[starts[position]:starts[position] + member.num_envs], blocking,
-                copy=False, autoreset=None if autoreset is None else
+            lambda position, member: member.step_async(
+                actions[starts[position]:starts[position] + member.num_envs],
+                None if autoreset is None else
                 autoreset[starts[position]:starts[position] + member.num_envs]))
 
     def step_wait(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[dict]]:
         """Finish the step begun by ``step_async``; returns what ``step`` returns."""
-        flight, self._in_flight = self._in_flight, None
-        if flight is None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             raise RuntimeError("step_wait() needs a step_async() first")
-        results = self._receive(flight, self._fresh_step)
+        results = self._receive(pending, _wait_step, self._fresh_step)
         batch = self._join(results)
         try:
             self._check_observ(batch[0], self._all, "step", batch[1])
@@ -360,7 +373,7 @@ class BatchEnv(Closeable):
         ``return_infos``, ``(observations, infos)``, the reset info dicts in the same order (empty
         for envs whose worker was restarted).
         """
-        if self._in_flight is not None:
+        if self._pending is not None:
             raise RuntimeError("reset() during a step: call step_wait() after step_async() first")
         indices = self._check_indices(indices)
         if seed is None or isinstance(seed, (int, np.integer)):
@@ -383,9 +396,9 @@ class BatchEnv(Closeable):
         self._restarted = self._no_restarts
         # A restarted member's envs were all reset: keep the rows asked for.
         results = self._receive(self._send(
-            positions, lambda position, member, blocking: member.reset(
-                groups[position][1], groups[position][2], options, blocking)),
-            lambda position, observ: (observ[groups[position][1]], None))
+            positions, lambda position, member: member.reset_async(
+                groups[position][1], groups[position][2], options)),
+            _wait_reset, lambda position, observ: (observ[groups[position][1]], None))
         first = results[0][0]
         observ = np.empty((len(indices), *first.shape[1:]), first.dtype)
         infos: list[dict] = [{} for _ in indices]
@@ -422,6 +435,20 @@ class BatchEnv(Closeable):
 
     def close(self) -> None:
         """Close every env (stops the worker processes). Idempotent."""
-        self._in_flight = None
+        self._pending = None
         for member in self._members:
             member.close()
+
+
+def _worker_of(member: Worker | WorkerFront) -> Worker:
+    """The ``Worker`` that steps a member as given."""
+    return member if isinstance(member, Worker) else member.worker
+
+
+def _wait_step(member: Worker) -> tuple:
+    # Views of the workers' buffers: step_wait's concatenation copies them.
+    return member.step_wait(copy=False)
+
+
+def _wait_reset(member: Worker) -> tuple[np.ndarray, list[dict]]:
+    return member.reset_wait()

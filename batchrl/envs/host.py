@@ -31,9 +31,27 @@ class StepArrays:
     ``reward`` ``(num_envs,)`` float64, ``terminated``/``truncated``/``autoreset`` ``(num_envs,)``
     bool (``autoreset``: the envs to reset instead of step); ``action_bytes`` is raw storage that
     ``actions(dtype)`` views as ``(num_envs, *act_shape)``.
+
+    Spaces without a fixed shape and numeric dtype (Dict, Tuple, Text...) cannot live in a
+    buffer: then ``shared`` is false, ``observ`` and ``reset_observ`` are ``(num_envs,)`` object
+    arrays, there is no action storage (actions travel in the request), and this is the one
+    place where arrays travel pickled: ``carry`` adds them to the env host's answer and ``take``
+    puts them in place on the other side.
     """
 
+    #: The arrays ``carry`` sends when they are not shared, in this order.
+    CARRIED = ("observ", "reset_observ", "reward", "terminated", "truncated")
+
     def __init__(self, num_envs: int, obs_space: Any, act_space: Any, buffer: Any = None):
+        self.shared = self.fits(obs_space) and self.fits(act_space)
+        if not self.shared:
+            self.size = 0
+            self.observ = np.empty(num_envs, object)
+            self.reset_observ = np.empty(num_envs, object)
+            self.reward = np.zeros(num_envs)
+            self.terminated, self.truncated, self.autoreset = np.zeros((3, num_envs), bool)
+            self.action_bytes = None
+            return
         obs_shape = (num_envs, *obs_space.shape)
         self._act_shape = (num_envs, *act_space.shape)
         fields = [("observ", obs_shape, obs_space.dtype),
@@ -52,6 +70,13 @@ class StepArrays:
         self.size = max(offset, 1)
         self.attach(bytearray(self.size) if buffer is None else buffer)
 
+    @staticmethod
+    def fits(space: Any) -> bool:
+        """Whether ``space``'s values fit in a buffer: a fixed shape and a numeric dtype."""
+        dtype = getattr(space, "dtype", None)
+        return (isinstance(getattr(space, "shape", None), tuple) and dtype is not None
+                and np.dtype(dtype).kind in "biuf")
+
     def attach(self, buffer: Any) -> None:
         """View ``buffer`` (at least ``size`` bytes) as the arrays."""
         for name, shape, dtype, offset in self._layout:
@@ -64,8 +89,24 @@ class StepArrays:
 
     def detach(self) -> None:
         """Drop the views (so that shared memory can be closed)."""
-        for name, *_ in self._layout:
+        for name, *_ in getattr(self, "_layout", ()):
             setattr(self, name, None)
+
+    def carry(self, answer: tuple) -> tuple:
+        """The env host's ``answer`` to a step or reset, with the arrays' contents added
+        (``("ok", (value, arrays))``) when they are not shared; else ``answer`` itself."""
+        if self.shared or answer[0] != "ok":
+            return answer
+        return ("ok", (answer[1], tuple(getattr(self, name) for name in self.CARRIED)))
+
+    def take(self, value: Any) -> Any:
+        """The value of an answer ``carry`` made, its arrays put in place of these."""
+        if self.shared:
+            return value
+        value, arrays = value
+        for name, array in zip(self.CARRIED, arrays):
+            setattr(self, name, array)
+        return value
 
 
 def _reduce_scalar(kind: type, value: np.generic) -> tuple:
@@ -150,9 +191,10 @@ class EnvHost:
     def step(self, actions: np.ndarray, arrays: StepArrays, autoreset: Any = None) -> tuple:
         """Step env ``i`` with ``actions[i]`` into ``arrays``, or reset it (no seed or options:
         zero reward, false flags) if ``autoreset[i]``; answers ``(infos, resets)``: the infos
-        as an ``info_columns`` payload or a pickled list (``None`` when infos are off) and ``(index, pickled info)`` of the envs reset
-        after their episode ended (first observations in ``arrays.reset_observ``). An env that
-        raises does not stop the others; the first error is the answer."""
+        as an ``info_columns`` payload or a pickled list (``None`` when infos are off) and
+        ``(index, pickled info)`` of the envs reset after their episode ended (first
+        observations in ``arrays.reset_observ``). An env that raises does not stop the
+        others; the first error is the answer."""
         # A copy: the parent may write the next actions meanwhile (after a
         # timeout), and Ray hands over read-only views.
         actions = np.array(actions)

@@ -3,24 +3,27 @@
 from __future__ import annotations
 
 import traceback
-from typing import Any, Sequence
+from typing import Sequence
 
 import gymnasium as gym
 import numpy as np
 
 from batchrl.envs.errors import EnvRaisedError
-from batchrl.envs.worker import Worker, reset_arguments
+from batchrl.envs.worker import StepResult, Worker, reset_arguments
 
 
 class LocalWorker(Worker):
-    """Gymnasium envs stepped one after the other in this process (cannot be restarted). An env's
-    exception is raised as the ``EnvRaisedError`` a worker process would send."""
+    """Gymnasium envs stepped one after the other in this process (cannot be restarted). The
+    ``*_async`` halves keep the request, the ``*_wait`` halves do the work. An env's exception is
+    raised as the ``EnvRaisedError`` a worker process would send."""
 
     in_process = True
 
     def __init__(self, envs: Sequence[gym.Env]):
         self.envs = list(envs)
         self.num_envs = len(self.envs)
+        # The request step_async() or reset_async() keeps for its wait: (kind, *arguments).
+        self._pending: tuple | None = None
 
     @property
     def label(self) -> str:  # noqa: D102 - the first env's
@@ -38,12 +41,15 @@ class LocalWorker(Worker):
         """Each env's ``(observation, action)`` spaces (``BatchEnv`` names any that differ)."""
         return [(env.observation_space, env.action_space) for env in self.envs]
 
-    def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True,
-             autoreset: np.ndarray | None = None) -> Any:
-        """Step env ``i`` with ``actions[i]`` (reset it if ``autoreset[i]``); a promise runs
-        the steps when called."""
-        if not blocking:
-            return lambda: self.step(actions, autoreset=autoreset)
+    def step_async(self, actions: np.ndarray, autoreset: np.ndarray | None = None) -> None:
+        """Keep ``actions`` (and ``autoreset``) for ``step_wait``, which steps the envs."""
+        self._expect(None, "step_async")
+        self._pending = ("step", actions, autoreset)
+
+    def step_wait(self, copy: bool = True) -> StepResult:
+        """Step env ``i`` with ``actions[i]`` (reset it if ``autoreset[i]``) here; arrays
+        of first dimension ``num_envs``, new on every call."""
+        _, actions, autoreset = self._expect("step", "step_wait")
         results = []
         try:
             for index, (env, action) in enumerate(zip(self.envs, actions)):
@@ -58,13 +64,16 @@ class LocalWorker(Worker):
         return (np.stack(obs), np.array(rewards, np.float64), np.array(terminated, bool),
                 np.array(truncated, bool), list(infos))
 
-    def reset(self, indices: Sequence[int] | None = None,
-              seeds: Sequence[int | None] | None = None, options: dict | None = None,
-              blocking: bool = True) -> Any:
-        """Reset the envs at ``indices``; a promise runs the resets when called."""
-        if not blocking:
-            return lambda: self.reset(indices, seeds, options)
-        indices, seeds = reset_arguments(self.num_envs, indices, seeds)
+    def reset_async(self, indices: Sequence[int] | None = None,
+                    seeds: Sequence[int | None] | None = None,
+                    options: dict | None = None) -> None:
+        """Keep the reset's arguments for ``reset_wait``, which resets the envs."""
+        self._expect(None, "reset_async")
+        self._pending = ("reset", *reset_arguments(self.num_envs, indices, seeds), options)
+
+    def reset_wait(self) -> tuple[np.ndarray, list[dict]]:
+        """Reset the envs at the indices ``reset_async`` was given, here."""
+        _, indices, seeds, options = self._expect("reset", "reset_wait")
         results = []
         try:
             for index, seed in zip(indices, seeds):
@@ -72,6 +81,18 @@ class LocalWorker(Worker):
         except Exception as exc:
             raise self._error(exc, "reset", index) from exc
         return np.stack([obs for obs, _ in results]), [info for _, info in results]
+
+    def _expect(self, kind: str | None, method: str) -> tuple | None:
+        """The request in flight (cleared) if it is a ``kind`` one (``None``: none is);
+        else the ``RuntimeError`` of calling ``method`` now."""
+        pending = self._pending
+        if (pending and pending[0]) != kind:
+            raise RuntimeError(
+                f"{self.label}: {method}() called while a {pending[0]} is in flight: call "
+                f"{pending[0]}_wait() first" if pending else
+                f"{self.label}: {method}() needs a {kind}_async() first")
+        self._pending = None
+        return pending
 
     def env_label(self, index: int) -> str:
         env = self.envs[index]

@@ -1,5 +1,6 @@
 """``Worker``, the protocol of every ``BatchEnv`` member, and ``RemoteWorker``, its
-shared part for envs served elsewhere by an ``EnvHost``; subclasses add the transport."""
+shared part for envs served elsewhere by an ``EnvHost``; subclasses add the transport.
+``WorkerFront`` is a one-env object in front of a ``Worker`` (``ExternalProcess``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import numpy as np
 from batchrl.envs.errors import EnvError, EnvTimeoutError
 from batchrl.envs.infos import InfoList
 
-Promise = Callable[[], Any]
+#: What ``step_wait`` returns: observations ``(num_envs, *obs_shape)`` in the space's dtype,
+#: rewards ``(num_envs,)`` float64, terminated and truncated ``(num_envs,)`` bool, the infos.
+StepResult = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, Sequence[dict]]
 
 
 class Closeable:
@@ -31,37 +34,61 @@ class Worker(Closeable, abc.ABC):
     """``num_envs`` envs with equal spaces, stepped together here, in a child process or in a Ray
     actor.
 
-    ``step(actions)`` takes ``(num_envs, *act_shape)`` actions and returns
-    ``(observ, reward, terminated, truncated, infos)``: arrays of first dimension ``num_envs``
-    (observations in the space's dtype, rewards float64, flags bool) and the info dicts. ``reset``
-    returns ``(observ, infos)`` of the envs at local ``indices``. With ``blocking=False`` both
-    return a promise to call for the result (one request in flight at most). Errors are
-    ``EnvError``s; a single env's carries its local index in ``worker_env_index``.
+    Every transport is driven through one pair per request, as Stable-Baselines3's vector envs:
+    ``step_async(actions)`` sends ``(num_envs, *act_shape)`` actions and ``step_wait()`` returns
+    ``(observ, reward, terminated, truncated, infos)`` (a ``StepResult``); ``reset_async(indices,
+    seeds, options)`` and ``reset_wait()`` give ``(observ, infos)`` of the envs at local
+    ``indices``. One request is in flight at most (a second is a ``RuntimeError``); ``step`` and
+    ``reset`` are the two halves back to back. Errors are ``EnvError``s, raised by either half; a
+    single env's carries its local index in ``worker_env_index``.
 
-    ``step(..., autoreset=mask)`` resets the envs where the bool ``(num_envs,)`` mask is true
-    (without seed or options) instead of stepping them, as Gymnasium's next-step autoreset does:
-    their rows are the first observations, zero rewards, false flags and the reset infos.
+    ``step_async(..., autoreset=mask)`` resets the envs where the bool ``(num_envs,)`` mask is
+    true (without seed or options) instead of stepping them, as Gymnasium's next-step autoreset
+    does: their rows are the first observations, zero rewards, false flags and the reset infos.
     """
 
     label: str
     num_envs: int
     observation_space: gym.Space  # shared by all envs
     action_space: gym.Space
-    #: The envs step in the calling process (``BatchEnv`` runs it after the others).
+    #: The envs step in the calling process, in ``step_wait`` (``BatchEnv`` waits for them
+    #: before the others, which step meanwhile).
     in_process: bool = False
 
     @abc.abstractmethod
-    def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True,
-             autoreset: np.ndarray | None = None) -> Any:
-        """Step env ``i`` with ``actions[i]``, or reset it if ``autoreset[i]``. With
-        ``copy=False`` the arrays may be views of the worker's buffers, valid until its
-        next request."""
+    def step_async(self, actions: np.ndarray, autoreset: np.ndarray | None = None) -> None:
+        """Send env ``i`` the action ``actions[i]``, or a reset if ``autoreset[i]``. Until
+        ``step_wait`` the worker may still read ``actions`` and ``autoreset``."""
 
     @abc.abstractmethod
+    def step_wait(self, copy: bool = True) -> StepResult:
+        """The result of the step ``step_async`` sent. With ``copy=False`` the arrays may be
+        views of the worker's buffers, valid until its next request."""
+
+    @abc.abstractmethod
+    def reset_async(self, indices: Sequence[int] | None = None,
+                    seeds: Sequence[int | None] | None = None,
+                    options: dict | None = None) -> None:
+        """Send a reset to the envs at local ``indices`` (all when ``None``), one seed (or
+        ``None``) each, and ``options`` to all of them."""
+
+    @abc.abstractmethod
+    def reset_wait(self) -> tuple[np.ndarray, list[dict]]:
+        """``(observ, infos)`` of the reset ``reset_async`` sent: ``(len(indices),
+        *obs_shape)`` observations and the info dicts, in the order of ``indices``."""
+
+    def step(self, actions: np.ndarray, autoreset: np.ndarray | None = None,
+             copy: bool = True) -> StepResult:
+        """``step_async`` then ``step_wait``."""
+        self.step_async(actions, autoreset)
+        return self.step_wait(copy)
+
     def reset(self, indices: Sequence[int] | None = None,
-              seeds: Sequence[int | None] | None = None, options: dict | None = None,
-              blocking: bool = True) -> Any:
-        """Reset the envs at local ``indices`` (all when ``None``), one seed (or ``None``) each."""
+              seeds: Sequence[int | None] | None = None,
+              options: dict | None = None) -> tuple[np.ndarray, list[dict]]:
+        """``reset_async`` then ``reset_wait``."""
+        self.reset_async(indices, seeds, options)
+        return self.reset_wait()
 
     @abc.abstractmethod
     def restart(self) -> "Worker":
@@ -85,6 +112,18 @@ class Worker(Closeable, abc.ABC):
 
     def __len__(self) -> int:
         return self.num_envs
+
+
+class WorkerFront(Closeable, abc.ABC):
+    """One env with Gymnasium's single-env API in front of a ``Worker`` of that env alone
+    (``ExternalProcess``). A ``BatchEnv`` given one steps its ``worker``, lists the front
+    itself among its ``envs`` and ``workers``, and restarts it with ``restart``."""
+
+    worker: Worker
+
+    @abc.abstractmethod
+    def restart(self) -> "WorkerFront":
+        """Close this front's worker (killing it if it hangs); a fresh front for the same env."""
 
 
 def reset_arguments(num_envs: int, indices: Sequence[int] | None,
@@ -122,6 +161,18 @@ def check_constructors(kind: str, constructors: Sequence[Any]) -> list:
     return constructors
 
 
+def stack_rows(rows: list) -> np.ndarray:
+    """Observations as one ``(len(rows), *shape)`` array; values that no array of a fixed
+    shape holds (the dicts or tuples of ``EnvWorker(any_space=True)``) as a ``(len(rows),)``
+    object array."""
+    if all(isinstance(row, (np.ndarray, np.generic)) for row in rows):
+        return np.stack(rows)
+    stacked = np.empty(len(rows), object)
+    for index, row in enumerate(rows):
+        stacked[index] = row
+    return stacked
+
+
 def load_info(info: Any) -> dict:
     """An info dict that may have travelled pickled (or not at all: ``None``)."""
     return {} if info is None else pickle.loads(info) if isinstance(info, bytes) else info
@@ -130,8 +181,9 @@ def load_info(info: Any) -> dict:
 class RemoteWorker(Worker):
     """A ``Worker`` whose envs are built and served elsewhere by an ``EnvHost``.
     Subclasses set ``label``, ``num_envs`` and ``prefetch_reset``, implement the
-    transport methods below and keep ``closed`` true once closed. A finished env
-    the host already reset answers a later ``reset`` without seed or options at once."""
+    transport methods below (each send followed by its receive) and keep ``closed``
+    true once closed. A finished env the host already reset answers a later ``reset``
+    without seed or options at once."""
 
     prefetch_reset: bool
     closed: bool  # close() was called (or construction failed)
@@ -151,22 +203,32 @@ class RemoteWorker(Worker):
         self.infos = infos
         # local index -> (first observation, info) of envs the host reset
         self._prefetched: dict[int, tuple[np.ndarray, Any]] = {}
+        # A reset_async() awaiting its reset_wait(): (indices, rows served from _prefetched,
+        # indices sent to the host).
+        self._resetting: tuple[list[int], dict, list[int]] | None = None
 
     @abc.abstractmethod
     def _construct(self) -> tuple[gym.Space, gym.Space]:
         """Wait for the envs to be built; their shared ``(observation, action)`` spaces."""
 
     @abc.abstractmethod
-    def _send_step(self, actions: np.ndarray, copy: bool,
-                   autoreset: np.ndarray | None) -> Promise:
-        """Send the actions (and the envs to reset instead); the promise gives ``(observ,
-        reward, terminated, truncated, infos, resets)``: ``infos`` the info dicts (a list,
-        pickled list or ``info_columns`` payload; ``None`` when infos are off), ``resets`` ``(index, observ, info)`` of the envs
-        reset after their episode ended."""
+    def _send_step(self, actions: np.ndarray, autoreset: np.ndarray | None) -> None:
+        """Send the actions (and the envs to reset instead)."""
 
     @abc.abstractmethod
-    def _send_reset(self, indices: list[int], seeds: list, options: dict | None) -> Promise:
-        """Send a reset; the promise gives ``(observ, infos)``."""
+    def _receive_step(self, copy: bool) -> tuple:
+        """The answer to the step sent: ``(observ, reward, terminated, truncated, infos,
+        resets)``: ``infos`` the info dicts (a list, pickled list or ``info_columns``
+        payload; ``None`` when infos are off), ``resets`` ``(index, observ, info)`` of the
+        envs reset after their episode ended."""
+
+    @abc.abstractmethod
+    def _send_reset(self, indices: list[int], seeds: list, options: dict | None) -> None:
+        """Send a reset of the envs at ``indices``."""
+
+    @abc.abstractmethod
+    def _receive_reset(self, indices: list[int]) -> tuple[np.ndarray, list[dict]]:
+        """The answer to the reset of ``indices`` sent: ``(observ, infos)``."""
 
     @abc.abstractmethod
     def _ask(self, command: str, args: tuple) -> tuple[str, Any]:
@@ -205,26 +267,27 @@ class RemoteWorker(Worker):
         if self.closed:
             raise EnvError(self.label, operation, "the env was closed")
 
-    def step(self, actions: np.ndarray, blocking: bool = True, copy: bool = True,
-             autoreset: np.ndarray | None = None) -> Any:
-        """Step every env with its row of ``actions``; see ``Worker``."""
+    def step_async(self, actions: np.ndarray, autoreset: np.ndarray | None = None) -> None:
+        """Send every env its row of ``actions``; see ``Worker``."""
         self._check_open("step")
-        answer = self._send_step(np.asarray(actions), copy, autoreset)
+        self._send_step(np.asarray(actions), autoreset)
         self._prefetched.clear()  # a stepped (or reset) env is no longer fresh from its reset
 
-        def result() -> tuple:
-            observ, reward, terminated, truncated, infos, resets = answer()
-            for index, reset_observ, reset_info in resets:
-                self._prefetched[index] = (reset_observ, reset_info)
-            return observ, reward, terminated, truncated, InfoList([(self.num_envs, infos)])
+    def step_wait(self, copy: bool = True) -> StepResult:
+        """The result of the step sent; see ``Worker``."""
+        observ, reward, terminated, truncated, infos, resets = self._receive_step(copy)
+        for index, reset_observ, reset_info in resets:
+            self._prefetched[index] = (reset_observ, reset_info)
+        return observ, reward, terminated, truncated, InfoList([(self.num_envs, infos)])
 
-        return result() if blocking else result
-
-    def reset(self, indices: Sequence[int] | None = None,
-              seeds: Sequence[int | None] | None = None, options: dict | None = None,
-              blocking: bool = True) -> Any:
-        """Reset the envs at local ``indices``; see ``Worker``."""
+    def reset_async(self, indices: Sequence[int] | None = None,
+                    seeds: Sequence[int | None] | None = None,
+                    options: dict | None = None) -> None:
+        """Send a reset to the envs at local ``indices`` that need one; see ``Worker``."""
         self._check_open("reset")
+        if self._resetting is not None:
+            raise RuntimeError(f"{self.label}: reset_async() called twice: call reset_wait() "
+                               f"first")
         indices, seeds = reset_arguments(self.num_envs, indices, seeds)
         fresh = {} if options is not None else {
             i: self._prefetched.pop(i) for i, seed in zip(indices, seeds)
@@ -232,19 +295,23 @@ class RemoteWorker(Worker):
         remote = [(i, s) for i, s in zip(indices, seeds) if i not in fresh]
         for i, _ in remote:
             self._prefetched.pop(i, None)  # really reset again: the prefetched one is stale
-        answer = (self._send_reset([i for i, _ in remote], [s for _, s in remote], options)
-                  if remote else None)
+        sent = [i for i, _ in remote]
+        if sent:
+            self._send_reset(sent, [s for _, s in remote], options)
+        self._resetting = (indices, fresh, sent)
 
-        def result() -> tuple[np.ndarray, list[dict]]:
-            if answer is not None and not fresh:
-                return answer()
-            rows = {i: (observ, load_info(info)) for i, (observ, info) in fresh.items()}
-            if answer is not None:
-                observ, infos = answer()
-                rows.update(zip([i for i, _ in remote], zip(observ, infos)))
-            return np.stack([rows[i][0] for i in indices]), [rows[i][1] for i in indices]
-
-        return result() if blocking else result
+    def reset_wait(self) -> tuple[np.ndarray, list[dict]]:
+        """``(observ, infos)`` of the reset sent; see ``Worker``."""
+        if self._resetting is None:
+            raise RuntimeError(f"{self.label}: reset_wait() needs a reset_async() first")
+        (indices, fresh, sent), self._resetting = self._resetting, None
+        if not fresh:
+            return self._receive_reset(sent)
+        rows = {i: (observ, load_info(info)) for i, (observ, info) in fresh.items()}
+        if sent:
+            observ, infos = self._receive_reset(sent)
+            rows.update(zip(sent, zip(observ, infos)))
+        return stack_rows([rows[i][0] for i in indices]), [rows[i][1] for i in indices]
 
     def get_attr(self, name: str, index: int = 0) -> Any:
         """Env ``index``'s attribute ``name`` (dotted paths allowed): a copy,
@@ -255,6 +322,10 @@ class RemoteWorker(Worker):
 
     def call(self, name: str, *args: Any, index: int = 0, **kwargs: Any) -> Any:
         """Call env ``index``'s method ``name`` and return its result."""
+        return self.call_env(index, name, args, kwargs)
+
+    def call_env(self, index: int, name: str, args: tuple, kwargs: dict) -> Any:
+        """``call`` for a method that takes an ``index`` keyword too."""
         self._check_open("call")
         return self._ask("call", (index, name, args, kwargs))[1]
 
@@ -287,7 +358,7 @@ class WorkerEnv:
         return self.worker.get_attr(name, index=self.index)
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self.worker.call(name, *args, index=self.index, **kwargs)
+        return self.worker.call_env(self.index, name, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -299,8 +370,8 @@ class WorkerEnv:
 
 
 class RemoteAttribute:
-    """A method or unpicklable attribute of a remote env (``env``: an ``ExternalProcess``
-    or a ``WorkerEnv``): attribute access is forwarded further (``env.unwrapped.model.nq``),
+    """A method or unpicklable attribute of a remote env (``env``: its ``WorkerEnv``):
+    attribute access is forwarded further (``env.unwrapped.model.nq``),
     a call calls the remote method (``env.unwrapped.render()``). ``remote_callable``: whether
     the remote value is callable."""
 

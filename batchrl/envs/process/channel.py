@@ -1,6 +1,7 @@
-"""Child-process plumbing shared by the env workers, which answer each request with one
-pickled answer in ``batchrl.envs.host``'s format. Children start with ``forkserver`` where
-it exists: no inherited threads (torch's pools make ``fork`` unsafe), yet a fast start."""
+"""Child-process plumbing of the env workers (``shared_memory._serve``), which answer
+each request with one pickled answer in ``batchrl.envs.host``'s format. Children start
+with ``forkserver`` where it exists: no inherited threads (torch's pools make ``fork``
+unsafe), yet a fast start."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from batchrl.envs.worker import Closeable
 
 _POLL_SECONDS = 0.2
 # The fork server imports these before it forks any worker.
-_WORKER_MODULES = ["batchrl.envs.process.forkserver_signals", "batchrl.envs.process.external",
+_WORKER_MODULES = ["batchrl.envs.process.forkserver_signals",
                    "batchrl.envs.process.shared_memory"]
 
 
@@ -189,14 +190,18 @@ class Channel:
         if self.closed:
             raise EnvError(self.label, command, "the env was closed")
         if self.pending is not None:
-            raise RuntimeError(
-                f"{self.label}: {command}() called while the result of {self.pending}() "
-                f"was not received yet; call the promise first")
+            raise self.busy(command)
         try:
             self._frames.send(message)
         except OSError:
             raise self.crashed(command) from None
         self.pending = command
+
+    def busy(self, command: str) -> RuntimeError:
+        """The error for sending ``command`` while an answer is still due."""
+        return RuntimeError(f"{self.label}: {command}() called while the result of "
+                            f"{self.pending}() was not received yet; call {self.pending}_wait() "
+                            f"first")
 
     def crashed(self, operation: str) -> EnvCrashedError:
         """The error for a worker that died while doing ``operation``."""
@@ -264,7 +269,8 @@ class WorkerHandle(Closeable):
         """``close()`` was called."""
         return self._channel.closed
 
-    def close(self) -> None:
-        """Stop the worker process. Safe to call more than once."""
-        self._channel.close()
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker process (``wait=False``: kill it at once). Safe to call more
+        than once."""
+        self._channel.close(wait)
 

@@ -1,6 +1,7 @@
 """Several Gymnasium envs in one child process. The parent writes all actions into a
 shared memory block and sends a short wake-up; the worker writes the results there and
-answers with the info dicts. Nothing on the hot path pickles an array."""
+answers with the info dicts. Nothing on the hot path pickles an array. ``_serve`` is the
+child of every process transport (``ExternalProcess`` runs an ``EnvWorker`` of one env)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from batchrl.envs.errors import EnvError, UnsupportedSpaceError
 from batchrl.envs.host import ACTION_ITEMSIZE, EnvHost, StepArrays, error_answer
 from batchrl.envs.process.channel import Channel, Frames, WorkerHandle, start_worker
 from batchrl.envs.spaces import check_space, worker_spaces
-from batchrl.envs.worker import Promise, RemoteWorker
+from batchrl.envs.worker import RemoteWorker
 
 _STEP = b"S"
 _PICKLE = pickle.HIGHEST_PROTOCOL
@@ -56,9 +57,11 @@ def _serve(conn, payload: bytes, parent_pid: int) -> None:
         command, name = conn.recv()
         if command != "attach":
             return  # the parent gave up (spaces it rejects, or close)
-        shm = _attach_untracked(name)
+        # No block (name None) for spaces it cannot hold: the answers carry the arrays.
+        shm = None if name is None else _attach_untracked(name)
         env = host.envs[0]
-        arrays = StepArrays(len(host.envs), env.observation_space, env.action_space, shm.buf)
+        arrays = StepArrays(len(host.envs), env.observation_space, env.action_space,
+                            None if shm is None else shm.buf)
         conn.send(("ok", None))
         actions: dict[bytes, np.ndarray] = {}  # views of the action block, by dtype
         frames = Frames(conn)
@@ -79,7 +82,10 @@ def _serve(conn, payload: bytes, parent_pid: int) -> None:
                 break
             try:
                 if command == "reset":
-                    answer = host.reset(*args, arrays)
+                    answer = arrays.carry(host.reset(*args, arrays))
+                elif command == "step":  # arrays not shared: the actions came pickled
+                    actions, autoreset = args
+                    answer = arrays.carry(host.step(actions, arrays, autoreset))
                 elif command in ("getattr", "call"):
                     answer = getattr(host, command)(*args)
                 else:
@@ -112,6 +118,9 @@ class EnvWorker(WorkerHandle, RemoteWorker):
         ``reset()`` is free (off: one with ``options`` sees the env's RNG as in-process).
       infos: send the info dicts to the parent (``False``: empty dicts, no pickling).
       cpu: pin the worker to this core (Linux), against two busy workers on one.
+      any_space: accept spaces a batch cannot hold (Dict, Tuple, Text...; else
+        ``UnsupportedSpaceError``): their arrays travel pickled in the requests and answers
+        (``StepArrays.carry``), as ``ExternalProcess`` needs.
 
     Follows the ``Worker`` protocol with the errors of ``ExternalProcess``.
     """
@@ -119,21 +128,24 @@ class EnvWorker(WorkerHandle, RemoteWorker):
     def __init__(self, constructors: Sequence[Callable[[], gym.Env] | str],
                  label: str | None = None, timeout: float | None = None,
                  prefetch_reset: bool = True, infos: bool = True, cpu: int | None = None,
-                 construct_timeout: float | None = None):
+                 construct_timeout: float | None = None, any_space: bool = False):
         super().__init__("EnvWorker", constructors, label, prefetch_reset, infos)
+        self.any_space = any_space
         self._options = dict(constructors=self._constructors, label=self.label, infos=infos,
                              cpu=cpu, prefetch_reset=prefetch_reset,
-                             construct_timeout=construct_timeout)
+                             construct_timeout=construct_timeout, any_space=any_space)
         self._channel = Channel(_serve, cloudpickle.dumps((self._calls, prefetch_reset, infos,
                                                            cpu)),
                                 self.label, timeout, construct_timeout)
         self._shm: shared_memory.SharedMemory | None = None
         self._arrays: StepArrays | None = None
+        self._shared = True  # set by _construct
         self._action_views: dict[np.dtype, np.ndarray] = {}
 
-    def close(self) -> None:
-        """Stop the worker process and free the shared block. Idempotent."""
-        super().close()
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker process (``wait=False``: kill it at once, as one that failed
+        may hang) and free the shared block. Idempotent."""
+        super().close(wait)
         if self._arrays is not None:
             self._arrays.detach()
             self._arrays = None
@@ -144,22 +156,35 @@ class EnvWorker(WorkerHandle, RemoteWorker):
 
     def restart(self) -> "EnvWorker":
         """Kill this worker; a fresh ``EnvWorker`` with the same constructors and options."""
-        self._channel.close(wait=False)
-        self.close()  # frees the shared block
+        self.close(wait=False)
         return EnvWorker(timeout=self.timeout, **self._options)
 
     def __repr__(self) -> str:
         return f"EnvWorker({self.label!r}, num_envs={self.num_envs}, pid={self.pid})"
 
+    @property
+    def shares_arrays(self) -> bool:
+        """Whether the step arrays live in shared memory (else, with ``any_space``,
+        they travel pickled)."""
+        self._ready()
+        return self._shared
+
     def _construct(self) -> tuple[gym.Space, gym.Space]:
         obs_space, act_space = worker_spaces(self.label, self._channel.receive("construct")[1])
-        try:
-            check_space("observation", obs_space)
-            check_space("action", act_space)
-        except UnsupportedSpaceError:
-            self.close()
-            raise
+        if not self.any_space:
+            try:
+                check_space("observation", obs_space)
+                check_space("action", act_space)
+            except UnsupportedSpaceError:
+                self.close()
+                raise
         arrays = StepArrays(self.num_envs, obs_space, act_space)
+        self._shared = arrays.shared
+        if not arrays.shared:
+            self._channel.send("attach", pickle.dumps(("attach", None), _PICKLE))
+            self._channel.receive("attach")
+            self._arrays = arrays
+            return obs_space, act_space
         shm = shared_memory.SharedMemory(create=True, size=arrays.size)
         try:
             self._channel.send("attach", pickle.dumps(("attach", shm.name), _PICKLE))
@@ -173,37 +198,43 @@ class EnvWorker(WorkerHandle, RemoteWorker):
         self._shm, self._arrays = shm, arrays
         return obs_space, act_space
 
-    def _send_step(self, actions: np.ndarray, copy: bool,
-                   autoreset: np.ndarray | None) -> Promise:
-        self._arrays.autoreset[...] = False if autoreset is None else autoreset
+    def _send_step(self, actions: np.ndarray, autoreset: np.ndarray | None) -> None:
+        if self._channel.pending is not None:  # before the writes: they would change its actions
+            raise self._channel.busy("step")
+        arrays = self._arrays
+        if not arrays.shared:
+            self._channel.send("step", pickle.dumps(("step", (actions, autoreset)), _PICKLE))
+            return
+        arrays.autoreset[...] = False if autoreset is None else autoreset
         if actions.dtype.itemsize > ACTION_ITEMSIZE:
             actions = actions.astype(np.float64)
         view = self._action_views.get(actions.dtype)
         if view is None:
-            view = self._action_views[actions.dtype] = self._arrays.actions(actions.dtype)
+            view = self._action_views[actions.dtype] = arrays.actions(actions.dtype)
         view[...] = actions
         self._channel.send("step", _STEP + actions.dtype.str.encode())
 
-        def result() -> tuple:
-            _, (infos, resets) = self._channel.receive("step")
-            arrays = self._arrays
-            observ = (arrays.observ, arrays.reward, arrays.terminated, arrays.truncated)
-            if copy:
-                observ = tuple(array.copy() for array in observ)
-            resets = [(index, arrays.reset_observ[index].copy(), info)
-                      for index, info in resets]
-            return (*observ, infos, resets)
+    def _receive_step(self, copy: bool) -> tuple:
+        arrays = self._arrays
+        answer = self._channel.receive("step")[1]
+        if not arrays.shared:
+            answer = arrays.take(answer)  # fresh arrays: no copy needed
+            copy = False
+        infos, resets = answer
+        observ = (arrays.observ, arrays.reward, arrays.terminated, arrays.truncated)
+        if copy:
+            observ = tuple(array.copy() for array in observ)
+        first = arrays.reset_observ
+        resets = [(index, first[index].copy() if arrays.shared else first[index], info)
+                  for index, info in resets]
+        return (*observ, infos, resets)
 
-        return result
-
-    def _send_reset(self, indices: list[int], seeds: list, options: dict | None) -> Promise:
+    def _send_reset(self, indices: list[int], seeds: list, options: dict | None) -> None:
         self._channel.send("reset", pickle.dumps(("reset", (indices, seeds, options)), _PICKLE))
 
-        def result() -> tuple[np.ndarray, list[dict]]:
-            _, infos = self._channel.receive("reset")
-            return self._arrays.reset_observ[indices], infos
-
-        return result
+    def _receive_reset(self, indices: list[int]) -> tuple[np.ndarray, list[dict]]:
+        infos = self._arrays.take(self._channel.receive("reset")[1])
+        return self._arrays.reset_observ[indices], infos
 
     def _ask(self, command: str, args: tuple) -> tuple[str, Any]:
         self._channel.send(command, cloudpickle.dumps((command, args)))

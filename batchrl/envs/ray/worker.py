@@ -16,7 +16,7 @@ from batchrl.envs.errors import (EnvRaisedError, EnvTimeoutError,
                                  RayWorkerCrashedError, error_from_answer)
 from batchrl.envs.host import EnvHost, StepArrays
 from batchrl.envs.spaces import worker_spaces
-from batchrl.envs.worker import Promise, RemoteWorker
+from batchrl.envs.worker import RemoteWorker
 
 
 class RayEnvHost:
@@ -45,7 +45,7 @@ class RayEnvHost:
     def step(self, actions: np.ndarray, autoreset: np.ndarray | None = None) -> tuple:
         """Step env ``i`` with ``actions[i]`` (reset it if ``autoreset[i]``); answers
         ``(observ, reward, terminated, truncated, infos, resets)`` as
-        ``RemoteWorker._send_step``'s promise."""
+        ``RemoteWorker._receive_step`` returns them."""
         arrays = self.arrays
         answer = self.host.step(actions, arrays, autoreset)
         if answer[0] != "ok":
@@ -132,6 +132,9 @@ class RayEnvWorker(RemoteWorker):
         self.node_ip: str | None = None
         self.node_id: str | None = None
         self.pid: int | None = None
+        # The request in flight: (operation, its answer's object ref), kept from the
+        # *_async half for ray.get in the *_wait half.
+        self._pending: tuple[str, Any] | None = None
 
     def close(self) -> None:
         """Close the envs and kill the actor; disconnect from Ray if this was
@@ -188,14 +191,33 @@ class RayEnvWorker(RemoteWorker):
         self.node_ip, self.node_id, self.pid = where
         return worker_spaces(self.label, spaces)
 
-    def _send_step(self, actions: np.ndarray, copy: bool,
-                   autoreset: np.ndarray | None) -> Promise:
-        answer = self._actor.step.remote(actions, autoreset)
-        return lambda: self._receive(answer, "step", self.timeout)[1]
+    def _check_idle(self, operation: str) -> None:
+        """Raise if a request's answer is still due (one in flight at most)."""
+        if self._pending is not None:
+            raise RuntimeError(f"{self.label}: {operation}() called while the result of "
+                               f"{self._pending[0]}() was not received yet; call "
+                               f"{self._pending[0]}_wait() first")
 
-    def _send_reset(self, indices: list[int], seeds: list, options: dict | None) -> Promise:
-        answer = self._actor.reset.remote(indices, seeds, options)
-        return lambda: self._receive(answer, "reset", self.timeout)[1]
+    def _take(self, operation: str) -> Any:
+        """The answer to the ``operation`` in flight."""
+        if self._pending is None or self._pending[0] != operation:
+            raise RuntimeError(f"{self.label}: no {operation}() result is pending")
+        ref, self._pending = self._pending[1], None
+        return self._receive(ref, operation, self.timeout)[1]
+
+    def _send_step(self, actions: np.ndarray, autoreset: np.ndarray | None) -> None:
+        self._check_idle("step")
+        self._pending = ("step", self._actor.step.remote(actions, autoreset))
+
+    def _receive_step(self, copy: bool) -> tuple:
+        return self._take("step")  # new arrays already (read-only ones, from Ray)
+
+    def _send_reset(self, indices: list[int], seeds: list, options: dict | None) -> None:
+        self._check_idle("reset")
+        self._pending = ("reset", self._actor.reset.remote(indices, seeds, options))
+
+    def _receive_reset(self, indices: list[int]) -> tuple[np.ndarray, list[dict]]:
+        return self._take("reset")
 
     def _ask(self, command: str, args: tuple) -> tuple[str, Any]:
         return self._receive(self._actor.ask.remote(command, args), command, self.timeout)
