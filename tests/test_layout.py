@@ -1,6 +1,7 @@
-"""The package's import graph: no circles, and no module imports another's
-private names. Imports inside functions count too: a lazy import is still a
-dependency, and a circle through one is still a circle."""
+"""The package's import graph: no circles, no module imports another's private
+names, and no module imports a layer above it (``LAYERS``). Imports inside
+functions count too: a lazy import is still a dependency, and a circle through
+one is still a circle."""
 
 from __future__ import annotations
 
@@ -100,6 +101,56 @@ def test_no_module_imports_private_names():
                  for path in ROOT.rglob("*.py") for target, names in imports(path)
                  for name in names if name.startswith("_")]
     assert offenders == []
+
+
+# The layers of the package and the layers each may import (besides its own). The env layer
+# knows nothing of torch, algorithms or the loop; its core (BatchEnv, the Worker protocol, the
+# env host) knows no concrete transport; the algorithms and their parts know no env; only the
+# application layer (trainer, config, commands) assembles everything, through the env layer's
+# front (factory, vector env, package), never a transport directly.
+LAYERS = {
+    "base": set(),
+    "testing": {"base"},
+    "env core": {"base"},
+    "transports": {"base", "env core"},
+    "env front": {"base", "env core", "transports"},
+    "parts": {"base"},
+    "algorithms": {"base", "parts"},
+    "loop": {"base", "env core", "parts", "algorithms"},
+    "application": {"base", "env core", "env front", "parts", "algorithms", "loop"},
+}
+
+
+def layer(module: str) -> str:
+    """The layer of a batchrl module (see ``LAYERS``)."""
+    if module in ("batchrl.lazy", "batchrl.hardware", "batchrl.interrupt", "batchrl.errors"):
+        return "base"
+    if module.startswith(("batchrl.envs.process", "batchrl.envs.ray")):
+        return "transports"
+    if module in ("batchrl.envs", "batchrl.envs.factory", "batchrl.envs.vector"):
+        return "env front"
+    for prefix, name in (("batchrl.envs.", "env core"), ("batchrl.parts", "parts"),
+                         ("batchrl.algos", "algorithms"), ("batchrl.testing", "testing")):
+        if module.startswith(prefix):
+            return name
+    if module in ("batchrl.tensor_env", "batchrl.simulation"):
+        return "loop"
+    return "application"
+
+
+def test_no_module_imports_a_layer_above_it():
+    offenders = [f"{module} ({layer(module)}) imports {target} ({layer(target)})"
+                 for module, targets in sorted(graph().items()) for target in sorted(targets)
+                 if layer(target) != layer(module)
+                 and layer(target) not in LAYERS[layer(module)]]
+    assert offenders == []
+
+
+def test_the_layer_check_finds_an_upward_import():
+    assert layer("batchrl.envs.batch") == "env core"
+    assert layer("batchrl.envs.process.external") == "transports"
+    assert "transports" not in LAYERS["env core"] and "env core" not in LAYERS["algorithms"]
+    assert "transports" not in LAYERS["application"]
 
 
 def test_main_names_import_from_the_top_level():
