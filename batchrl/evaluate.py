@@ -7,8 +7,8 @@ The run's ``config.json`` rebuilds the env (stepped in this process) and the alg
 which loads the checkpoint and acts with its mean (mode) action. ``K`` agents run exactly
 ``episodes`` whole episodes between them, so short episodes bias nothing. With ``--video``
 the episodes are rendered one after another into an MP4 instead (``batchrl.video``; MuJoCo
-cameras follow the agent; classic control needs pygame); episode ``i`` is reset with seed
-``seed + i`` either way.
+cameras follow the agent; classic control renders with pygame, which the ``video`` extra
+brings); episode ``i`` is reset with seed ``seed + i`` either way.
 """
 
 from __future__ import annotations

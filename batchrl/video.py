@@ -297,8 +297,10 @@ class FrameRecorder(gym.Wrapper):
 
 
 def _render_failure(env_id: str, exc: BaseException, failures: dict[str, str]) -> str:
-    if isinstance(exc, gym.error.DependencyNotInstalled):
-        return f"cannot render {env_id}: {exc}"  # names the package to install
+    if isinstance(exc, gym.error.DependencyNotInstalled):  # names the package it needs
+        return (f"cannot render {env_id}: {exc}; batchrl's video extra brings what its "
+                f"configs' envs need to be filmed: pip install \"batchrl[video]\" (in a "
+                f"checkout: pip install -e \".[video]\")")
     error = f"{type(exc).__name__}: {exc}"
     return f"cannot render {env_id} offscreen: {gl_hint(failures, error)}"
 
