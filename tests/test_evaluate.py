@@ -279,3 +279,23 @@ def test_a_short_animated_preview(pushed_cheetah_run, tmp_path, suffix):
         assert image.is_animated and image.n_frames == 20 and image.size == (160, 120)
     with pytest.raises(ConfigError, match="max-frames must be >= 1"):
         evaluate(pushed_cheetah_run, video=path, max_frames=0)
+
+
+def test_agents_for_an_algorithm_without_per_agent_state_is_a_notice(tmp_path, capsys):
+    # Reinforce's state is sized by the training run's agents: --agents cannot change
+    # them, and the user is told so instead of left to believe 4 envs ran.
+    logdir = tmp_path / "reinforce"
+    Trainer(load_config("cartpole_reinforce", ["train.steps=64", "env.num_agents=2",
+                                               "train.eval_every=8", "train.eval_episodes=2",
+                                               "algorithm.update_every=4"]),
+            logdir, progress=False).run()
+    assert main([str(logdir), "--agents", "4", "--episodes", "3", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [
+        "note: --agents 4 ignored: Reinforce declares no per_agent_state, so its checkpoint "
+        "only fits the training run's 2 agents; evaluating with those (the 3 episodes count "
+        "the same)"]
+    assert ", 2 agents\n" in out and "over 3 episodes" in out
+    # Asking for the training run's agents needs no notice.
+    assert main([str(logdir), "--agents", "2", "--episodes", "3", "--device", "cpu"]) == 0
+    assert capsys.readouterr().err == ""
