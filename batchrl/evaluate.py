@@ -7,8 +7,8 @@ The run's ``config.json`` rebuilds the env (stepped in this process) and the alg
 which loads the checkpoint and acts with its mean (mode) action. ``K`` agents run exactly
 ``episodes`` whole episodes between them, so short episodes bias nothing. With ``--video``
 the episodes are rendered one after another into an MP4 instead (``batchrl.video``; MuJoCo
-cameras follow the agent; classic control needs pygame); episode ``i`` is reset with seed
-``seed + i`` either way.
+cameras follow the agent; classic control renders with pygame, which the ``video`` extra
+brings); episode ``i`` is reset with seed ``seed + i`` either way.
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
       A dict with ``score``, ``score_std`` (population std), ``length`` (mean
       episode length), ``episodes``, ``scores`` and ``lengths`` (per episode),
       ``checkpoint`` (path), ``step`` (its training step), ``env_id``, ``agents``,
-      ``video`` (path or ``None``), ``video_frames``, ``camera`` (in words, or ``None``).
+      ``video`` (path or ``None``), ``video_frames``, ``camera`` (in words, or ``None``),
+      ``notes`` (a line for each argument that could not be followed, and why).
 
     Raises:
       EvaluationError: no run or checkpoint in ``logdir``, one that does not fit, or a failed video.
@@ -157,8 +158,14 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
     config, checkpoint_path = _load_run(logdir, None if checkpoint is None else Path(checkpoint))
     torch_device = resolve_device(device, "--device")
     num_agents = 1 if video_path is not None else min(agents or config.env.num_agents, episodes)
+    notes = []
     if not config.algorithm.cls.per_agent_state:
         # Its state_dict() may be sized by the training run's agents throughout.
+        if agents is not None and agents != config.env.num_agents:
+            notes.append(f"--agents {agents} ignored: {config.algorithm.cls.__name__} declares no "
+                         f"per_agent_state, so its checkpoint only fits the training run's "
+                         f"{config.env.num_agents} agents; evaluating with those (the "
+                         f"{episodes} episodes count the same)")
         num_agents = config.env.num_agents
     try:
         state = load_checkpoint(checkpoint_path, torch_device)
@@ -198,7 +205,7 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
             "env_id": config.env.id, "agents": num_agents,
             "video": None if video_path is None else str(video_path),
             "video_frames": 0 if recording is None else recording.frames,
-            "camera": None if recording is None else recording.camera}
+            "camera": None if recording is None else recording.camera, "notes": notes}
 
 
 def main(argv: list[str] | None = None, command: str = "python -m batchrl.evaluate") -> int:
@@ -232,7 +239,8 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.evalua
                         help="record at most N frames (a short preview; the episodes still "
                              "run to their end)")
     parser.add_argument("--agents", type=int, default=None, metavar="K",
-                        help="envs stepped in lockstep (default: min(episodes, env.num_agents))")
+                        help="envs stepped in lockstep (default: min(episodes, env.num_agents); "
+                             "an algorithm without per-agent state uses the training run's)")
     args = parser.parse_args(argv)
     try:
         result = evaluate(args.logdir, args.episodes, args.checkpoint, args.seed, args.device,
@@ -241,6 +249,8 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.evalua
     except (EvaluationError, ConfigError, EnvSpecError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    for note in result["notes"]:
+        print(f"note: {note}", file=sys.stderr)
     print(f"{result['env_id']}, {result['checkpoint']} (step {result['step']:,}), mean actions, "
           f"{result['agents']} agent{'s' if result['agents'] != 1 else ''}")
     if result["video"] is not None:

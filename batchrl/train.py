@@ -15,7 +15,8 @@ and the command to resume is printed; the exit code is 130 (143 for
 SIGTERM). A second Ctrl-C quits at once, losing only the phases since the
 last checkpoint. Exit codes: 0 done, 1 the env failed (its own error and
 traceback are shown), 2 a user error (bad flag, config, env id, space, log
-directory or checkpoint: a message says what is wrong and what is valid).
+directory or checkpoint, or a MUJOCO_GL backend that cannot load here: a message
+says what is wrong and what is valid).
 """
 
 from __future__ import annotations
@@ -165,6 +166,12 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
         return 2
     except EnvError as exc:
         _remove_if_empty(created)
+        from batchrl.video import from_opengl, opengl_failure
+        if from_opengl(exc):
+            # MUJOCO_GL names a backend that cannot load here: a setting to change or a
+            # library to install, which the worker's traceback would only bury.
+            print(f"error: {opengl_failure(config.env.id, exc, {})}", file=sys.stderr)
+            return 2
         # An env's own code rejected its arguments or returned no env: the
         # user's input, not an env failure.
         if isinstance(exc, EnvRaisedError) and exc.remote_type in (

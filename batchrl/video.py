@@ -7,13 +7,17 @@ fails without a display)."""
 from __future__ import annotations
 
 import atexit
+import ctypes.util
 import dataclasses
+import gc
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -31,6 +35,7 @@ from batchrl.simulation import simulate
 from batchrl.tensor_env import TensorBatchEnv
 
 __all__ = ["VideoError", "find_gl_backend", "select_gl_backend", "video_writer_problem",
+           "from_opengl", "opengl_failure", "mujoco_gl_value_problem",
            "follow_agent", "record_video", "Recording", "FrameRecorder", "FREE_CAMERA",
            "VIDEO_SUFFIXES"]
 
@@ -74,22 +79,68 @@ def find_gl_backend(timeout: float = 60.0) -> tuple[str | None, dict[str, str]]:
     return None, failures
 
 
+# Values MuJoCo's ``import mujoco`` accepts for MUJOCO_GL on Linux (it lower-cases them).
+_MUJOCO_GL_VALUES = ("egl", "osmesa", "glfw", "glx", "enable", "enabled", "on", "true", "1",
+                     "disable", "disabled", "off", "false", "0")
+
+# What each backend needs: what to install, or which MUJOCO_GL to set instead.
+_GL_NEEDS = {
+    "egl": "install EGL (Debian/Ubuntu: apt-get install libegl1 libegl-mesa0 "
+           "libgl1-mesa-dri, or the GPU driver's EGL) or set MUJOCO_GL=osmesa",
+    "osmesa": "install OSMesa (Debian/Ubuntu: apt-get install libosmesa6; Fedora: dnf "
+              "install mesa-libOSMesa) or set MUJOCO_GL=egl",
+    "glfw": "glfw opens a window, which needs a display; without one set MUJOCO_GL=egl "
+            "or osmesa",
+}
+_GL_INSTALL = ("MuJoCo renders offscreen with MUJOCO_GL=egl (Debian/Ubuntu: apt-get install "
+               "libegl1 libegl-mesa0 libgl1-mesa-dri) or MUJOCO_GL=osmesa (apt-get install "
+               "libosmesa6)")
+
+# Where a failure of MuJoCo's OpenGL set-up is raised: its backend modules and PyOpenGL
+# (a worker's traceback names files; a local one, modules).
+_GL_FILES = re.compile(r'File "[^"]*[/\\](?:mujoco[/\\](?:rendering|egl|osmesa|glfw|cgl)'
+                       r'|OpenGL)[/\\]')
+_GL_MODULES = ("mujoco.rendering", "mujoco.egl", "mujoco.osmesa", "mujoco.glfw", "mujoco.cgl",
+               "OpenGL")
+
+
+def mujoco_gl_value_problem() -> str | None:
+    """Why ``MUJOCO_GL``'s value is one that ``import mujoco`` rejects, or ``None``."""
+    value = os.environ.get("MUJOCO_GL", "")
+    if value.strip().lower() in _MUJOCO_GL_VALUES + ("",):
+        return None
+    return (f"MUJOCO_GL={value} is not an OpenGL backend MuJoCo knows: set MUJOCO_GL to egl, "
+            f"osmesa or glfw, or unset it")
+
+
+def _backend_reason(backend: str, error: str) -> str:
+    """``error`` in words a user can act on: a missing library or display named as such."""
+    library = {"osmesa": "OSMesa", "egl": "EGL"}.get(backend)
+    if library and ctypes.util.find_library(library) is None:
+        return f"lib{library} is not installed"
+    if backend == "glfw" and not (os.environ.get("DISPLAY")
+                                  or os.environ.get("WAYLAND_DISPLAY")):
+        return "no display: DISPLAY is not set"
+    return error
+
+
 def gl_hint(failures: dict[str, str], error: str = "") -> str:
-    """What to do about MuJoCo's OpenGL backend, for a message already showing ``error``."""
-    backend = os.environ.get("MUJOCO_GL")
-    install = ("MuJoCo renders offscreen with EGL (Debian/Ubuntu: apt-get install libegl1 "
-               "libegl-mesa0 libgl1-mesa-dri) or OSMesa (apt-get install libosmesa6)")
-    if backend and backend in failures:  # set by the user, and it does not work
-        reason = "" if error and error in failures[backend] else f" ({failures[backend]})"
-        return (f"MUJOCO_GL={backend} does not work here{reason}; unset it to let "
-                f"batchrl.evaluate choose a backend that works. {install}")
+    """What failed in MuJoCo's OpenGL set-up and what to do about it, in one line:
+    ``failures`` from ``find_gl_backend``, ``error`` the failure seen here."""
+    value_problem = mujoco_gl_value_problem()
+    if value_problem:
+        return value_problem
+    backend = (os.environ.get("MUJOCO_GL") or "").strip().lower()
+    if backend:  # set by the user, and it does not work
+        reason = _backend_reason(backend, failures.get(backend) or error or "it failed")
+        return (f"MUJOCO_GL={backend} does not work here ({reason}): "
+                f"{_GL_NEEDS.get(backend, _GL_INSTALL)}, or unset MUJOCO_GL to let batchrl "
+                f"choose a backend that works")
     if failures:
-        tried = "; ".join(f"MUJOCO_GL={name}: {reason}" for name, reason in failures.items())
-        return f"no MuJoCo OpenGL backend works here ({tried}). {install}"
-    if backend:
-        return (f"MuJoCo failed with MUJOCO_GL={backend}: unset it (only --video needs "
-                f"OpenGL, and then a working backend is chosen) or set another")
-    return install
+        tried = "; ".join(f"MUJOCO_GL={name}: {_backend_reason(name, reason)}"
+                          for name, reason in failures.items())
+        return f"no MuJoCo OpenGL backend works here ({tried}). {_GL_INSTALL}"
+    return f"{error}; {_GL_INSTALL}" if error else _GL_INSTALL
 
 
 def select_gl_backend() -> dict[str, str]:
@@ -102,16 +153,42 @@ def select_gl_backend() -> dict[str, str]:
     return failures
 
 
+def _chain(exc: BaseException | None) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or during."""
+    seen: list[BaseException] = []
+    while exc is not None and not any(exc is other for other in seen):
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
 def from_opengl(exc: BaseException) -> bool:
-    """Whether ``exc`` was raised in MuJoCo's or PyOpenGL's code (e.g. a bad ``MUJOCO_GL``)."""
-    return any(str(frame.f_globals.get("__name__", "")).split(".")[0] in ("mujoco", "OpenGL")
-               for frame, _ in traceback.walk_tb(exc.__traceback__))
+    """Whether ``exc`` (or what it was raised from, or an env worker's exception it reports)
+    came from MuJoCo's OpenGL set-up or PyOpenGL, e.g. a ``MUJOCO_GL`` that does not work."""
+    for error in _chain(exc):
+        if "MUJOCO_GL" in str(getattr(error, "remote_message", error)):
+            return True
+        remote = getattr(error, "remote_traceback", None)
+        if isinstance(remote, str) and _GL_FILES.search(remote):
+            return True
+        if any(str(frame.f_globals.get("__name__", "")).startswith(_GL_MODULES)
+               for frame, _ in traceback.walk_tb(error.__traceback__)):
+            return True
+    return False
+
+
+def _root_error(exc: BaseException) -> str:
+    """``Type: message`` of the error at the bottom of ``exc``'s chain (a worker's own)."""
+    error = _chain(exc)[-1]
+    if isinstance(getattr(error, "remote_type", None), str):
+        return f"{error.remote_type}: {error.remote_message}"  # type: ignore[attr-defined]
+    return f"{type(error).__name__}: {error}"
 
 
 def opengl_failure(env_id: str, exc: BaseException, failures: dict[str, str]) -> str:
-    """The message for an env that cannot be built because of OpenGL."""
-    return (f"cannot build {env_id}: {type(exc).__name__}: {exc}; "
-            f"{gl_hint(failures, str(exc))}")
+    """The one-line message for an env that cannot be built because of OpenGL
+    (``from_opengl(exc)``); ``failures``: ``find_gl_backend``'s, if it ran."""
+    return f"cannot build {env_id}: {gl_hint(failures, _root_error(exc))}"
 
 
 def video_writer_problem() -> str | None:
@@ -220,10 +297,35 @@ class FrameRecorder(gym.Wrapper):
 
 
 def _render_failure(env_id: str, exc: BaseException, failures: dict[str, str]) -> str:
-    if isinstance(exc, gym.error.DependencyNotInstalled):
-        return f"cannot render {env_id}: {exc}"  # names the package to install
-    return (f"cannot render {env_id} offscreen: {type(exc).__name__}: {exc}; "
-            f"{gl_hint(failures, str(exc))}")
+    if isinstance(exc, gym.error.DependencyNotInstalled):  # names the package it needs
+        return (f"cannot render {env_id}: {exc}; batchrl's video extra brings what its "
+                f"configs' envs need to be filmed: pip install \"batchrl[video]\" (in a "
+                f"checkout: pip install -e \".[video]\")")
+    error = f"{type(exc).__name__}: {exc}"
+    return f"cannot render {env_id} offscreen: {gl_hint(failures, error)}"
+
+
+def _release_failed_viewer(exc: BaseException) -> None:
+    """Free the Gymnasium MuJoCo viewer that ``exc``'s traceback still holds, now and
+    quietly: its OpenGL context was never made, so its ``__del__`` raises an
+    ``AttributeError`` that Python would print, traceback and all, under our one-line error."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        source = unraisable.object
+        if not (issubclass(unraisable.exc_type, AttributeError)
+                and getattr(source, "__module__", "") == "gymnasium.envs.mujoco.mujoco_rendering"
+                and getattr(source, "__name__", "") == "__del__"):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        for error in _chain(exc):
+            if error.__traceback__ is not None:
+                traceback.clear_frames(error.__traceback__)
+        gc.collect()
+    finally:
+        sys.unraisablehook = previous
 
 
 def _runtime_dir() -> None:
@@ -265,6 +367,8 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
     import imageio.v3 as iio
 
     _runtime_dir()
+    # Without a display the glfw package warns twice before MuJoCo's error, which says more.
+    warnings.filterwarnings("ignore", module="glfw")
     env_config = config.env
     kwargs = {**env_config.kwargs, "render_mode": "rgb_array"}
     try:
@@ -329,8 +433,9 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
     except EnvRaisedError as exc:  # the env layer names the env; the cause is ours
         if not isinstance(exc.__cause__, _RenderError):
             raise
-        raise VideoError(_render_failure(env_config.id, exc.__cause__.__cause__,
-                                         failures)) from None
+        message = _render_failure(env_config.id, exc.__cause__.__cause__, failures)
+        _release_failed_viewer(exc)
+        raise VideoError(message) from None
     finally:
         recorder.recording = False
         try:

@@ -297,11 +297,11 @@ def test_workers_built_at_the_top_level_of_a_script_are_one_clear_error(tmp_path
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=60, cwd=tmp_path)
     assert done.returncode == 1 and "built" not in done.stdout
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("batchrl.envs.errors.UnguardedMainError: ")
-    assert f"{script}, line 6, starts env worker processes" in last
-    assert 'under  if __name__ == "__main__":' in last
-    assert "bootstrapping" not in done.stderr and len(done.stderr.splitlines()) < 25
+    # One line, the script's: the frames inside batchrl would say nothing more.
+    assert done.stderr.strip().splitlines() == [
+        f'UnguardedMainError: {script}, line 6: start env workers under '
+        f'if __name__ == "__main__": (each worker process imports the script again and '
+        f'would run this line too)'], done.stderr
     # The same code under the guard runs.
     body = UNGUARDED.format(member=member).strip().splitlines()
     guarded = "\n".join(body[:3] + ['if __name__ == "__main__":']
@@ -311,3 +311,42 @@ def test_workers_built_at_the_top_level_of_a_script_are_one_clear_error(tmp_path
                           timeout=60, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "built (2," in done.stdout or "built (1," in done.stdout
+
+
+def test_an_unguarded_error_that_is_caught_leaves_other_errors_printed_in_full(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(
+        "from batchrl.envs import ExternalProcess, UnguardedMainError\n"
+        "try:\n"
+        "    ExternalProcess('CartPole-v1')\n"
+        "except UnguardedMainError as error:\n"
+        "    print('caught', error)\n"
+        "raise ValueError('later')\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert done.returncode == 1 and done.stdout.startswith("caught ")
+    assert done.stderr.startswith("Traceback (most recent call last):")
+    assert done.stderr.strip().endswith("ValueError: later")
+
+
+STDIN_SCRIPT = '''
+import gymnasium as gym
+import batchrl
+
+batch = batchrl.BatchEnv([batchrl.ExternalProcess("CartPole-v1"),
+                          batchrl.ExternalProcess(lambda: gym.make("CartPole-v1"))])
+print("external", batch.reset(seed=0).shape)
+batch.close()
+batch = batchrl.make_batch_env("CartPole-v1", 2, backend="workers", workers=2)
+print("workers", batch.reset(seed=0).shape)
+batch.close()
+'''
+
+
+def test_a_script_read_from_stdin_starts_workers(tmp_path):
+    # `python - <<EOF`: the main module's file is "<stdin>", which no worker can import.
+    done = subprocess.run([sys.executable, "-"], input=STDIN_SCRIPT, capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["external (2, 4)", "workers (2, 4)"]
+    assert "Traceback" not in done.stderr

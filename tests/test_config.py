@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import math
 import sys
 import textwrap
 
@@ -634,3 +635,41 @@ def test_swapping_the_class_names_the_keys_the_new_class_does_not_take(tmp_path)
     shared.write_text("[algorithm]\ndiscount = 0.9\nupdate_every = 4\n")
     config = load_config(str(shared), [f"algorithm.class={REINFORCE}"])
     assert config.algorithm == AlgorithmConfig(REINFORCE, {"discount": 0.9, "update_every": 4})
+
+
+# BatchPPO as released (github.com/google-research/batch-ppo, agents/scripts/configs.py:
+# default() and the per-task functions; the value network shares the policy's Adam
+# optimizer in agents/algorithms/ppo/ppo.py, and init_logstd = -1 is a std of exp(-1)).
+# Keys per task: discount, update_every (episodes per update), train.steps, max_length.
+RELEASED_DEFAULTS = {"num_agents": 30, "eval_episodes": 30, "policy_layers": (200, 100),
+                     "value_layers": (200, 100), "activation": "relu",
+                     "init_output_factor": 0.1, "init_std": math.exp(-1), "update_epochs": 25,
+                     "policy_lr": 1e-4, "value_lr": 1e-4, "gae_lambda": None,
+                     "kl_target": 1e-2, "kl_cutoff_factor": 2.0, "kl_cutoff_coef": 1000.0,
+                     "kl_init_penalty": 1.0, "normalize_observ": True, "normalize_reward": True,
+                     "normalize_ranges": True, "network": "feed_forward",
+                     "rollout_length": None, "max_grad_norm": None, "reward_scale": "reward"}
+RELEASED_TASKS = {
+    "reacher": (0.985, 60, 5_000_000, 50),  # Gymnasium's Reacher-v5 ends at 50 steps
+    "halfcheetah": (0.99, 30, 10_000_000, 1000),
+    "walker": (0.995, 30, 10_000_000, 1000),
+    "hopper": (0.995, 60, 10_000_000, 1000),
+    "ant": (0.995, 30, 20_000_000, 1000),
+    "humanoid": (0.995, 60, 50_000_000, 1000),
+}
+
+
+@pytest.mark.parametrize("task", sorted(RELEASED_TASKS))
+def test_paper_configs_match_the_released_batchppo_code(task):
+    config = load_config(f"paper/{task}")
+    values = {**config.algorithm.keys, **dataclasses.asdict(config.env),
+              "eval_episodes": config.train.eval_episodes}
+    for key, expected in RELEASED_DEFAULTS.items():
+        actual = tuple(values[key]) if isinstance(values[key], list) else values[key]
+        if isinstance(expected, float):
+            assert actual == pytest.approx(expected, rel=1e-3), (task, key)
+        else:
+            assert actual == expected, (task, key)
+    discount, update_every, steps, max_length = RELEASED_TASKS[task]
+    assert (values["discount"], values["update_every"], config.train.steps,
+            config.env.max_length) == (discount, update_every, steps, max_length)

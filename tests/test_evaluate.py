@@ -111,12 +111,52 @@ def test_classic_control_video_needs_pygame_or_works(cartpole_run, tmp_path, mon
     try:
         import pygame  # noqa: F401
     except ImportError:
-        with pytest.raises(EvaluationError, match="pygame"):
+        with pytest.raises(EvaluationError, match=r"pygame.*batchrl\[video\]"):
             evaluate(cartpole_run, video=path)
     else:
         result = evaluate(cartpole_run, video=path)
         assert result["video_frames"] >= 2 and path.stat().st_size > 1000
         assert "XDG_RUNTIME_DIR" not in capfd.readouterr().err  # SDL's complaint
+
+
+def test_a_video_without_pygame_names_the_video_extra(cartpole_run, tmp_path):
+    # pygame blocked in the child (None in sys.modules: import pygame fails), as where the
+    # video extra is not installed.
+    video = tmp_path / "cartpole.gif"
+    process = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.modules['pygame'] = None; "
+         "from batchrl.evaluate import main; sys.exit(main(sys.argv[1:]))",
+         str(cartpole_run), "--video", str(video), "--device", "cpu"],
+        capture_output=True, text=True, timeout=120)
+    assert process.returncode == 2
+    lines = process.stderr.strip().splitlines()
+    assert len(lines) == 1, process.stderr
+    assert lines[0].startswith("error: cannot render CartPole-v1: pygame is not installed")
+    assert 'pip install "batchrl[video]"' in lines[0] and not video.exists()
+
+
+def test_the_video_extra_brings_what_each_config_needs_to_be_filmed():
+    """Classic control renders with pygame (gymnasium[classic-control]); MuJoCo with
+    PyOpenGL, which mujoco itself requires, and the system's EGL or OSMesa."""
+    import configparser
+
+    import gymnasium as gym
+
+    from batchrl.config import available_configs
+
+    setup = configparser.ConfigParser()
+    setup.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    video = setup["options.extras_require"]["video"].split()
+    installed = setup["options"]["install_requires"].split()
+    needs = {"gymnasium.envs.classic_control": ("gymnasium[classic-control]", video),
+             "gymnasium.envs.mujoco": ("gymnasium[mujoco]", installed)}
+    for name in available_configs():
+        env_id = load_config(name).env.id
+        module = str(gym.spec(env_id).entry_point).split(":")[0]
+        family = next((key for key in needs if module.startswith(key)), None)
+        assert family is not None, f"{name}: {env_id} ({module}): which extra films it?"
+        requirement, listed = needs[family]
+        assert any(line.startswith(requirement) for line in listed), (name, requirement)
 
 
 def _video_skip_reason() -> str | None:
@@ -239,3 +279,23 @@ def test_a_short_animated_preview(pushed_cheetah_run, tmp_path, suffix):
         assert image.is_animated and image.n_frames == 20 and image.size == (160, 120)
     with pytest.raises(ConfigError, match="max-frames must be >= 1"):
         evaluate(pushed_cheetah_run, video=path, max_frames=0)
+
+
+def test_agents_for_an_algorithm_without_per_agent_state_is_a_notice(tmp_path, capsys):
+    # Reinforce's state is sized by the training run's agents: --agents cannot change
+    # them, and the user is told so instead of left to believe 4 envs ran.
+    logdir = tmp_path / "reinforce"
+    Trainer(load_config("cartpole_reinforce", ["train.steps=64", "env.num_agents=2",
+                                               "train.eval_every=8", "train.eval_episodes=2",
+                                               "algorithm.update_every=4"]),
+            logdir, progress=False).run()
+    assert main([str(logdir), "--agents", "4", "--episodes", "3", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [
+        "note: --agents 4 ignored: Reinforce declares no per_agent_state, so its checkpoint "
+        "only fits the training run's 2 agents; evaluating with those (the 3 episodes count "
+        "the same)"]
+    assert ", 2 agents\n" in out and "over 3 episodes" in out
+    # Asking for the training run's agents needs no notice.
+    assert main([str(logdir), "--agents", "2", "--episodes", "3", "--device", "cpu"]) == 0
+    assert capsys.readouterr().err == ""

@@ -56,6 +56,8 @@ def test_the_wheel_holds_the_package_its_configs_and_metadata(wheel):
     assert metadata["Requires-Python"] == ">=3.10"
     requires = metadata.get_all("Requires-Dist")
     assert "torch>=2.4" in requires and "mujoco<3.16,>=3.1" in requires
+    # The video extra films every config's env: classic control needs pygame.
+    assert 'gymnasium[classic-control]>=1.0; extra == "video"' in requires
     assert metadata.get_payload().startswith("# batchrl")  # the README
     (entry_points,) = [name for name in names if name.endswith("entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(entry_points).decode()

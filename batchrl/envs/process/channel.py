@@ -19,7 +19,7 @@ import weakref
 from typing import Any, Callable
 
 from batchrl.envs.errors import EnvCrashedError, EnvError, EnvTimeoutError, error_from_answer
-from batchrl.envs.process.main_guard import check_main_guard
+from batchrl.envs.process.main_guard import check_main_guard, main_not_reimported
 from batchrl.envs.worker import Closeable
 
 _POLL_SECONDS = 0.2
@@ -163,7 +163,8 @@ class Channel:
         self.conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(target=target, args=(child_conn, payload, os.getpid()),
                                    name=f"batchrl-env:{label}", daemon=True)
-        self.process.start()
+        with main_not_reimported():
+            self.process.start()
         self.pid: int | None = self.process.pid  # kept: the process object gets closed
         child_conn.close()
         # Connection.poll() builds a selector per call: dearer than the rest of a step.
