@@ -60,8 +60,8 @@ def cheetah_run(tmp_path_factory) -> Path:
     logdir = tmp_path_factory.mktemp("cheetah")
     Trainer(load_config("halfcheetah", [
         "env.backend=inline", "env.num_agents=1", "env.max_length=10", "train.steps=10",
-        "train.eval_episodes=1", "ppo.update_every=1", "ppo.update_epochs=1",
-        "ppo.policy_layers=[8]", "ppo.value_layers=[8]", "ppo.inference=\"eager\""]),
+        "train.eval_episodes=1", "algorithm.update_every=1", "algorithm.update_epochs=1",
+        "algorithm.policy_layers=[8]", "algorithm.value_layers=[8]", "algorithm.inference=\"eager\""]),
         logdir, progress=False).run()
     return logdir
 
