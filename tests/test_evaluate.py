@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -245,13 +246,17 @@ def test_video_camera_errors_exit_2(pushed_cheetah_run, tmp_path, capsys):
     assert not video.exists()
 
 
-def test_a_model_without_a_tracking_camera_gets_a_following_one():
+def test_a_model_without_a_tracking_camera_gets_a_following_one(monkeypatch):
     from batchrl.video import follow_agent
     from helpers import make_pushed_cheetah
 
     reason = _video_skip_reason()
     if reason:
         pytest.skip(reason)
+    # Rendering here, not through batchrl.evaluate: choose the backend as it does (unset,
+    # Gymnasium would try glfw, which needs a display), whatever tests ran before.
+    backend, _ = find_gl_backend()
+    monkeypatch.setenv("MUJOCO_GL", os.environ.get("MUJOCO_GL") or backend)
 
     env = make_pushed_cheetah(render_mode="rgb_array", width=160, height=120)
     try:
