@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+if TYPE_CHECKING:  # (parts sit below algorithms; only the annotations name them)
+    from batchrl.parts.rollout import Fields, Rollout
 
 Summary = dict[str, float]
 """Scalars to log, by name. Empty when there is nothing to report."""
@@ -74,6 +77,28 @@ class Algorithm(abc.ABC):
       (without them it runs the training run's number).
     - ``interrupt_check``: set by the trainer; a long computation (an update) calls
       ``self.check_interrupt()`` between its steps, so that Ctrl-C stops the run within a step.
+
+    Decoupled collection (``train.collectors = N``): collector processes step their own envs with
+    a copy of the algorithm that only acts, and the learner learns from the fixed-length rollouts
+    they send (``batchrl.parts.rollout.Rollout``). An algorithm takes part by implementing five
+    more methods (BatchPPO and IMPALA do; ``RolloutAlgorithm`` builds the four paper methods on
+    them, so a new algorithm may implement only these):
+
+    - ``behaviour_fields()``: name -> ``(shape, dtype)`` of what ``act`` records per agent and
+      step (log-probabilities, distribution parameters), stored in the rollout.
+    - ``act(observ, deterministic=False)``: sampled training actions for ``observ`` ``(K, *obs_shape)`` float32 and
+      that record, ``(K, ...)`` each; changes no learning state.
+    - ``acting_state()`` / ``load_acting_state(state)``: the tensors a copy needs to act as this
+      algorithm does now (policy weights, observation statistics). The learner publishes them,
+      versioned; collectors load the newest between rollouts.
+    - ``learn(rollout)``: one learning step (an update) from a batch of rollouts whose rows
+      together are the ``num_agents`` agents (``rollout.agents``), on the algorithm's device.
+      The rows were acted by older weights (``rollout.version``): correct for it (importance
+      ratios, V-trace) from the recorded behaviour.
+
+    ``rollout_length`` is the steps per rollout (``steps_per_update`` unless an algorithm says
+    otherwise); ``collector_support()`` says why an instance cannot run with collectors, if it
+    cannot (the trainer reports it before it starts any).
     """
 
     experience_may_lag: bool = False
@@ -135,3 +160,52 @@ class Algorithm(abc.ABC):
     @abc.abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` returned."""
+
+    # -- decoupled collection (optional; see the class docstring) -----------------------
+
+    @property
+    def rollout_length(self) -> int | None:
+        """Steps per agent of a collector's rollout (``None``: it cannot say)."""
+        return self.steps_per_update
+
+    def behaviour_fields(self) -> "Fields":
+        """name -> ``(shape, dtype)`` of what ``act`` records per agent and step."""
+        raise NotImplementedError(self._cannot_collect())
+
+    def act(self, observ: torch.Tensor, deterministic: bool = False
+            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Sampled actions ``(K, *act_shape)`` for ``observ`` ``(K, *obs_shape)`` float32 (with
+        ``deterministic``, the mean or most likely ones), and the behaviour record
+        (``behaviour_fields``), ``(K, ...)`` each. Learns nothing."""
+        raise NotImplementedError(self._cannot_collect())
+
+    def acting_state(self) -> dict[str, torch.Tensor]:
+        """The tensors a copy of this algorithm needs to act as it does now."""
+        raise NotImplementedError(self._cannot_collect())
+
+    def load_acting_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Act from now on as the algorithm whose ``acting_state()`` gave ``state``."""
+        raise NotImplementedError(self._cannot_collect())
+
+    def learn(self, rollout: "Rollout") -> Summary:
+        """One learning step from ``rollout`` (all ``num_agents`` agents, rows in any order,
+        acted by the weights ``rollout.version``); returns the summary to log."""
+        raise NotImplementedError(self._cannot_collect())
+
+    def collector_support(self) -> str | None:
+        """``None`` when this algorithm can run with collectors, else why it cannot."""
+        methods = ("behaviour_fields", "act", "acting_state", "load_acting_state", "learn")
+        missing = [name for name in methods
+                   if getattr(type(self), name) is getattr(Algorithm, name)]
+        if missing:
+            return (f"{type(self).__name__} does not implement {', '.join(missing)}, which an "
+                    f"algorithm needs to act in collector processes (see Algorithm's docstring)")
+        if self.rollout_length is None:
+            return (f"{type(self).__name__} names no rollout_length: collectors send "
+                    f"fixed-length rollouts")
+        return None
+
+    def _cannot_collect(self) -> str:
+        return (f"{type(self).__name__} cannot run with collectors: it does not implement the "
+                f"decoupled interface (behaviour_fields, act, acting_state, load_acting_state, "
+                f"learn)")

@@ -1,0 +1,112 @@
+"""``RolloutAlgorithm``: an algorithm written as an acting part and a learning step on
+fixed-length rollouts, which runs in the synchronous loop and with collectors alike.
+
+A subclass implements the decoupled interface of ``Algorithm`` (``behaviour_fields``, ``act``,
+``acting_state``, ``load_acting_state``, ``learn``) and ``state_dict``/``load_state_dict``; this
+class turns ``act`` and ``learn`` into the four paper methods: it records each step in a
+``RolloutBuffer`` and calls ``learn`` every ``rollout_length`` steps. With collectors the trainer
+calls ``act`` in their processes and ``learn`` on what they send, so both modes learn from the
+same ``Rollout``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import torch
+
+from batchrl.algos.base import Algorithm, Summary
+from batchrl.parts.rollout import RolloutBuffer, rollout_tensors
+
+__all__ = ["RolloutAlgorithm"]
+
+
+class RolloutAlgorithm(Algorithm):
+    """Base of algorithms that learn from fixed-length rollouts (see the module docstring).
+
+    Args:
+      observation_space, action_space: the env's spaces (actions: Box or Discrete).
+      num_agents: the batch size N of the env.
+      rollout_length: steps per agent between learning steps (T).
+      device: where the rollout buffer (and the subclass's networks) live.
+
+    ``updates`` counts the learning steps of the synchronous loop (rollouts carry it as their
+    version). Recurrent state is not supported: ``act`` sees only the observation.
+    """
+
+    def __init__(self, observation_space: gym.Space, action_space: gym.Space, num_agents: int,
+                 rollout_length: int, device: str | torch.device = "cpu"):
+        super().__init__(device)
+        if rollout_length < 1:
+            raise ValueError(f"rollout_length must be >= 1, got {rollout_length}")
+        self.num_agents = num_agents
+        self.steps_per_update = rollout_length
+        self.observation_space, self.action_space = observation_space, action_space
+        self.updates = 0
+        self._buffer: RolloutBuffer | None = None  # made on first use: behaviour_fields()
+        self._agents = torch.arange(num_agents, device=self.device)
+
+    @property
+    def buffer(self) -> RolloutBuffer:
+        """The rollout the synchronous loop is recording (on ``device``, observations float32
+        as the loop gives them)."""
+        if self._buffer is None:
+            discrete = isinstance(self.action_space, gym.spaces.Discrete)
+            self._buffer = RolloutBuffer(rollout_tensors(
+                self.num_agents, self.steps_per_update, self.observation_space.shape,
+                torch.float32, () if discrete else self.action_space.shape,
+                torch.int64 if discrete else torch.float32, self.behaviour_fields(),
+                self.device))
+            self._buffer.start(self._agents, self.updates)
+        return self._buffer
+
+    # -- the four paper methods ---------------------------------------------------------
+
+    def begin_episodes(self, agent_indices: torch.Tensor) -> Summary:
+        if self.training:
+            buffer = self.buffer
+            if buffer.step:  # episodes cut by a reset (not those that ended at the last step)
+                running = buffer.tensors["done"][agent_indices, buffer.step - 1] == 0
+                buffer.cut(agent_indices[running])
+        return {}
+
+    @torch.no_grad()
+    def perform(self, agent_indices: torch.Tensor,
+                observ: torch.Tensor) -> tuple[torch.Tensor, Summary]:
+        action, behaviour = self.act(observ, deterministic=not self.training)
+        if self.training:
+            self.buffer.act(observ, action, behaviour)
+        return action, {}
+
+    def experience(self, agent_indices: torch.Tensor, observ: torch.Tensor,
+                   action: torch.Tensor, reward: torch.Tensor, done: torch.Tensor,
+                   next_observ: torch.Tensor, terminated: torch.Tensor) -> Summary:
+        if not self.training:
+            return {}
+        buffer = self.buffer
+        buffer.outcome(reward, done, terminated, next_observ)
+        if not buffer.full:
+            return {}
+        summary = self.learn(buffer.rollout())
+        self.updates += 1
+        buffer.start(self._agents, self.updates)
+        return summary
+
+    def end_episodes(self, agent_indices: torch.Tensor) -> Summary:
+        return {}
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def rollout_state(self) -> dict[str, Any]:
+        """The running rollout and the update count, for a subclass's ``state_dict``."""
+        buffer = self.buffer
+        return {"tensors": dict(buffer.tensors), "step": buffer.step, "updates": self.updates}
+
+    def load_rollout_state(self, state: dict[str, Any]) -> None:
+        """Restore what ``rollout_state()`` returned."""
+        buffer = self.buffer
+        for name, tensor in buffer.tensors.items():
+            tensor.copy_(state["tensors"][name])
+        buffer.step = int(state["step"])
+        self.updates = int(state["updates"])
