@@ -38,7 +38,8 @@ from batchrl.parts import numpy_views
 from batchrl.parts.losses import KLPenalizedObjective, KLPenalty, action_distribution, value_loss
 from batchrl.parts.memory import EpisodeMemory, RolloutMemory
 from batchrl.parts.normalize import StreamingNormalizer
-from batchrl.parts.returns import gae, generalized_advantage
+from batchrl.parts.returns import discounted_cumsum, gae, generalized_advantage
+from batchrl.parts.rollout import Fields, Rollout
 
 __all__ = ["BatchPPO", "KLPenalty", "compile_actor"]
 
@@ -144,6 +145,8 @@ class BatchPPO(Algorithm):
         self.objective = KLPenalizedObjective(config.kl_target, config.kl_cutoff_factor,
                                               config.kl_cutoff_coef, config.kl_init_penalty)
         self.state_size = self.policy.state_size
+        self._behaviour = {"mean_or_logits": (param_shape, torch.float32),
+                           "log_std": (log_std_shape, torch.float32)}
         self.recurrent_state = torch.zeros(num_agents, self.state_size, device=self.device)
         self._no_state = torch.zeros(num_agents, 0, device=self.device)
         step_fields = {"observ": ((obs_size,), torch.float32),
@@ -315,15 +318,17 @@ class BatchPPO(Algorithm):
 
     # -- learning ------------------------------------------------------------------
 
-    def _advantages(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The memory's step fields ``(B, T, ...)`` with ``advantage`` (normalised
-        over the valid steps) and ``returns`` added, and the ``(B, T)`` bool mask
-        of valid steps. ``B`` counts episodes, or agents for rollouts."""
+    def _advantages(self, rollout_data: dict[str, torch.Tensor] | None = None
+                    ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The memory's step fields ``(B, T, ...)`` (or those of ``rollout_data``, in
+        ``RolloutMemory.data()``'s layout) with ``advantage`` (normalised over the valid steps)
+        and ``returns`` added, and the ``(B, T)`` bool mask of valid steps. ``B`` counts
+        episodes, or agents for rollouts."""
         config = self.config
         lambda_ = 1.0 if config.gae_lambda is None else config.gae_lambda  # 1: R - V
-        rollout = isinstance(self.memory, RolloutMemory)
+        rollout = rollout_data is not None or isinstance(self.memory, RolloutMemory)
         if rollout:
-            data = self.memory.data()
+            data = self.memory.data() if rollout_data is None else rollout_data
             mask = data["valid"]
         else:
             data, length = self.memory.data()
@@ -436,9 +441,10 @@ class BatchPPO(Algorithm):
                                         norm=True)
         return loss, terms, grad_norm, values
 
-    def update(self) -> Summary:
-        """Learn from the episodes (or the rollout) in memory; returns the summary. Runs
-        with gradients on, even when called under ``no_grad``.
+    def update(self, rollout_data: dict[str, torch.Tensor] | None = None) -> Summary:
+        """Learn from the episodes (or the rollout) in memory, or from ``rollout_data`` (see
+        ``learn``); returns the summary. Runs with gradients on, even when called under
+        ``no_grad``.
 
         Threads: with ``update_threads=None`` (the default), on the CPU with two or more
         usable cores, each minibatch's policy step and value step run side by side in two
@@ -458,7 +464,7 @@ class BatchPPO(Algorithm):
                 # Leaving the pool waits for its step, also when the policy step raised.
                 pool = stack.enter_context(ThreadPoolExecutor(
                     1, "batchrl-value", torch.set_num_threads, (1,))) if side_by_side else None
-                return self._update(pool)
+                return self._update(pool, rollout_data)
         finally:
             torch.set_num_threads(threads)
 
@@ -476,11 +482,12 @@ class BatchPPO(Algorithm):
                 group["lr"] = rate * fraction
         return fraction
 
-    def _update(self, pool: ThreadPoolExecutor | None) -> Summary:
+    def _update(self, pool: ThreadPoolExecutor | None,
+                rollout_data: dict[str, torch.Tensor] | None) -> Summary:
         config = self.config
         lr_fraction = self._anneal()
         with torch.no_grad():
-            data, valid = self._advantages()
+            data, valid = self._advantages(rollout_data)
         batches, mask = self._layout(data, valid)
         mask = mask.float()
         rows = mask.shape[0]
@@ -527,6 +534,100 @@ class BatchPPO(Algorithm):
         if config.lr_schedule != "constant":
             summary["ppo/lr_fraction"] = lr_fraction
         return summary
+
+    # -- decoupled collection ----------------------------------------------------------
+
+    @property
+    def rollout_length(self) -> int:
+        """Steps per collector rollout: ``rollout_length``, or with whole-episode updates
+        ``max_length`` (episodes cut at a rollout's end bootstrap from the value)."""
+        return self.config.rollout_length or self.max_length
+
+    def collector_support(self) -> str | None:
+        if self.state_size:
+            return ("BatchPPO with network='recurrent' cannot run with collectors: rollouts "
+                    "carry no recurrent state; use network='feed_forward'")
+        return super().collector_support()
+
+    def behaviour_fields(self) -> Fields:
+        """The acting policy's distribution parameters, per step."""
+        return dict(self._behaviour)
+
+    @torch.no_grad()
+    def act(self, observ: torch.Tensor, deterministic: bool = False
+            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Actions for ``observ`` ``(K, *obs_shape)`` with the current observation statistics,
+        and the policy's ``mean_or_logits`` and ``log_std`` that chose them."""
+        count = observ.shape[0]
+        state = self._no_state if count == self.num_agents else self._no_state[:count]
+        if count > self.num_agents:
+            state = observ.new_zeros(count, 0)
+        action, mean_or_logits, log_std, _ = self._act(self._normalize(observ), state,
+                                                       deterministic)
+        return action, {"mean_or_logits": mean_or_logits, "log_std": log_std}
+
+    def acting_state(self) -> dict[str, torch.Tensor]:
+        """The policy's weights and the observation statistics."""
+        state = {f"policy.{name}": value for name, value in self.policy.state_dict().items()}
+        state.update({f"observ_normalizer.{name}": value
+                      for name, value in self.observ_normalizer.state_dict().items()})
+        return state
+
+    def load_acting_state(self, state: dict[str, torch.Tensor]) -> None:
+        for prefix, module in (("policy.", self.policy),
+                               ("observ_normalizer.", self.observ_normalizer)):
+            module.load_state_dict({name[len(prefix):]: value for name, value in state.items()
+                                    if name.startswith(prefix)})
+
+    def learn(self, rollout: Rollout) -> Summary:
+        """One update (``update_epochs`` epochs of minibatches) on ``rollout``, whose rows are
+        the ``num_agents`` agents. The observation and reward statistics take in the
+        rollout first; the importance ratios of the objective are taken against the acting
+        policy's recorded distribution, which corrects for the policy lag."""
+        with torch.no_grad():
+            rollout = rollout.to(self.device)
+            batch, steps = rollout.size, rollout.length
+            observ = rollout.observ.to(torch.float32).reshape(batch, steps + 1, -1)
+            valid = rollout.valid
+            if self.config.normalize_observ:
+                self.observ_normalizer.update(observ[:, :steps][valid])
+            self._learn_rewards(rollout)
+            self.env_steps += batch * steps
+            next_observ = rollout.next_observ().to(torch.float32).reshape(batch, steps, -1)
+            last = torch.zeros_like(valid)
+            last[:, -1] = True
+            data = {"observ": self._normalize(observ[:, :steps].reshape(batch * steps, -1)
+                                              ).reshape(batch, steps, -1),
+                    "action": rollout.action, "reward": rollout.reward,
+                    "mean_or_logits": rollout.behaviour["mean_or_logits"],
+                    "log_std": rollout.behaviour["log_std"],
+                    "state": observ.new_zeros(batch, steps, 0), "valid": valid,
+                    "ends": rollout.done.bool() | last,
+                    "bootstrap_observ": self._normalize(next_observ.reshape(batch * steps, -1)
+                                                        ).reshape(batch, steps, -1),
+                    "terminated": rollout.terminated}
+        return self.update(data)
+
+    def _learn_rewards(self, rollout: Rollout) -> None:
+        """Update the reward statistics with the rollout's rewards, or with each agent's
+        running discounted return (``reward_scale="return"``), carried across rollouts."""
+        reward = rollout.reward
+        if self.config.reward_scale != "return":
+            self.reward_normalizer.update(reward[rollout.valid])
+            return
+        # running_t = reward_t + discount * running_{t-1}, restarted after an episode's end:
+        # the reversed sequence is a discounted sum (the agent's carried return in front).
+        discount = self.config.discount
+        agents = rollout.agents
+        carried = torch.cat([self.running_return[agents][:, None], reward], 1)
+        first = torch.zeros_like(reward[:, :1])
+        # links[i]: the factor of entry i - 1 in entry i (none for the carried return)
+        links = torch.cat([first, first + discount,
+                           discount * (1.0 - rollout.done[:, :-1])], 1)
+        running = discounted_cumsum(carried.flip(1), links.flip(1)).flip(1)[:, 1:]
+        self.reward_normalizer.update(running[rollout.valid])
+        # (an agent twice in one batch keeps its later row's return)
+        self.running_return[agents] = running[:, -1] * (1.0 - rollout.done[:, -1])
 
     # -- checkpoints -----------------------------------------------------------------
 

@@ -65,10 +65,7 @@ class RolloutAlgorithm(Algorithm):
 
     def begin_episodes(self, agent_indices: torch.Tensor) -> Summary:
         if self.training:
-            buffer = self.buffer
-            if buffer.step:  # episodes cut by a reset (not those that ended at the last step)
-                running = buffer.tensors["done"][agent_indices, buffer.step - 1] == 0
-                buffer.cut(agent_indices[running])
+            self.buffer.begin_episodes(agent_indices)
         return {}
 
     @torch.no_grad()

@@ -177,6 +177,13 @@ class RolloutBuffer:
                 tensors["final_observ"].dtype)
         self.step = t + 1
 
+    def begin_episodes(self, agents: torch.Tensor) -> None:
+        """New episodes start for ``agents`` ``(K,)``: those whose last recorded step did not
+        end an episode were cut (a reset or a restarted env), see ``cut``."""
+        if self.step:
+            running = self.tensors["done"][agents, self.step - 1] == 0
+            self.cut(agents[running])
+
     def cut(self, agents: torch.Tensor) -> None:
         """The running episodes of ``agents`` ``(K,)`` were cut without a last observation (a
         reset or a restarted env): their last recorded step ends them, bootstrapping from its

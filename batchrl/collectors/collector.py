@@ -1,0 +1,153 @@
+"""What a collector does, wherever it runs: step its own batch env with a copy of the
+algorithm that only acts, and send fixed-length rollouts to the learner.
+
+The loop is written once against a ``Link`` (how rollouts, weights and the stop request travel):
+``batchrl.collectors.local`` links a collector process through shared memory,
+``batchrl.collectors.ray`` a Ray actor through the object store.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import time
+from typing import Any, Callable
+
+import gymnasium as gym
+import torch
+
+from batchrl.algos.base import Algorithm, Summary
+from batchrl.envs.batch import BatchEnv
+from batchrl.parts.rollout import RolloutBuffer
+from batchrl.simulation import Simulation
+from batchrl.tensor_env import TensorBatchEnv
+
+
+@dataclasses.dataclass
+class CollectorSpec:
+    """How to build a collector, picklable (it travels to another process or node).
+
+    Attributes:
+      make_env: ``make_env(index, num_envs, seed)`` -> the collector's ``BatchEnv``.
+      make_algorithm: ``make_algorithm(observation_space, action_space, num_agents)`` -> the
+        acting copy (on the CPU); it loads the learner's ``acting_state`` before each rollout.
+      num_agents: envs of the whole run (``env.num_agents``), split evenly over the collectors.
+      collectors: how many.
+      rollout_length: ``T``, steps per agent of a rollout.
+      seed: the run's seed; collector ``i`` seeds its env and torch from it and ``i``.
+    """
+
+    make_env: Callable[[int, int, int], BatchEnv]
+    make_algorithm: Callable[[gym.Space, gym.Space, int], Algorithm]
+    num_agents: int
+    collectors: int
+    rollout_length: int
+    seed: int = 0
+
+    @property
+    def agents_per_collector(self) -> int:
+        return self.num_agents // self.collectors
+
+    def agents(self, index: int) -> torch.Tensor:
+        """``(n,)`` int64: the learner's agent indices of collector ``index``'s envs."""
+        n = self.agents_per_collector
+        return torch.arange(index * n, (index + 1) * n)
+
+
+class Link(abc.ABC):
+    """A collector's end of the way to the learner."""
+
+    @abc.abstractmethod
+    def begin(self) -> tuple[dict[str, torch.Tensor], Any] | None:
+        """Storage for the next rollout (``rollout_tensors``' layout) and a token for ``send``;
+        waits while the queue is full or the lag limit says so; ``None`` when asked to stop."""
+
+    @abc.abstractmethod
+    def weights(self, known: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The newest published ``(version, acting_state)`` if newer than ``known``, else
+        ``None``; never waits for the learner."""
+
+    @abc.abstractmethod
+    def send(self, token: Any, meta: dict[str, Any]) -> None:
+        """The rollout ``begin`` gave storage for is complete; ``meta`` describes it."""
+
+
+class Recorder(Algorithm):
+    """Runs ``Simulation`` with an acting algorithm's ``act`` and records every step in
+    ``buffer`` (which ``collect`` replaces before each rollout)."""
+
+    def __init__(self, actor: Algorithm):
+        super().__init__(actor.device)
+        self.actor = actor
+        self.buffer: RolloutBuffer | None = None
+
+    def begin_episodes(self, agent_indices: torch.Tensor) -> Summary:
+        self.buffer.begin_episodes(agent_indices)
+        return {}
+
+    @torch.no_grad()
+    def perform(self, agent_indices: torch.Tensor,
+                observ: torch.Tensor) -> tuple[torch.Tensor, Summary]:
+        action, behaviour = self.actor.act(observ)
+        self.buffer.act(observ, action, behaviour)
+        return action, {}
+
+    def experience(self, agent_indices: torch.Tensor, observ: torch.Tensor,
+                   action: torch.Tensor, reward: torch.Tensor, done: torch.Tensor,
+                   next_observ: torch.Tensor, terminated: torch.Tensor) -> Summary:
+        self.buffer.outcome(reward, done, terminated, next_observ)
+        return {}
+
+    def end_episodes(self, agent_indices: torch.Tensor) -> Summary:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def collect(spec: CollectorSpec, index: int, link: Link, incarnation: int = 0) -> None:
+    """Collector ``index``'s life: build its env and acting algorithm, then send rollouts
+    until ``link.begin()`` says stop. ``incarnation`` counts its restarts (new seeds)."""
+    seed = spec.seed * 1_000_003 + index * 7919 + incarnation * 104_729
+    torch.manual_seed(seed)
+    torch.set_num_threads(1)
+    batch_env = spec.make_env(index, spec.agents_per_collector, seed)
+    try:
+        env = TensorBatchEnv(batch_env, "cpu")
+        actor = spec.make_algorithm(env.observation_space, env.action_space, len(env))
+        actor.train()
+        recorder = Recorder(actor)
+        simulation = Simulation(env)
+        agents = spec.agents(index)
+        version, first, restarts_seen = -1, True, 0
+        while (job := link.begin()) is not None:
+            tensors, token = job
+            newest = link.weights(version)
+            if newest is not None:
+                version, state = newest
+                actor.load_acting_state(state)
+            recorder.buffer = buffer = RolloutBuffer(tensors)
+            buffer.start(agents, version)
+            started = time.perf_counter()
+            episodes = score = length = 0.0
+            for _ in range(spec.rollout_length):
+                _, _, summary = simulation.step(recorder, log=True, reset=first,
+                                                seed=seed if first else None)
+                first = False
+                if "episodes" in summary:
+                    count = summary["episodes"]
+                    episodes += count
+                    score += summary["score"] * count
+                    length += summary["length"] * count
+            restarts = batch_env.restarts
+            link.send(token, {"collector": index, "version": version,
+                              "steps": len(env) * spec.rollout_length,
+                              "seconds": time.perf_counter() - started,
+                              "episodes": episodes, "score_sum": score, "length_sum": length,
+                              "env_restarts": restarts - restarts_seen})
+            restarts_seen = restarts
+    finally:
+        batch_env.close()
