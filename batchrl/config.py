@@ -94,10 +94,19 @@ class TrainConfig:
     overlap: bool = True          # store a step's experience while the workers step the next
     checkpoint_every: int = 1     # evaluation phases between checkpoints
     keep_checkpoints: int = 3     # newest checkpoint files kept
+    # Collector processes (Ray actors with env.ray_address) that step the envs while the
+    # learner learns; env.num_agents is split evenly over them. 0: the synchronous loop.
+    collectors: int = 0
+    max_policy_lag: int | None = None  # collectors wait rather than exceed it ("none": no limit)
+    queue_size: int = 2           # finished rollouts per collector that may wait for the learner
 
     def __post_init__(self) -> None:
         _check_range(self, 1, "steps")
-        _check_range(self, 0, "eval_episodes", "phase_steps")
+        _check_range(self, 0, "eval_episodes", "phase_steps", "collectors", "queue_size")
+        if self.max_policy_lag is not None and self.max_policy_lag < 0:
+            raise ValueError(f"max_policy_lag must be >= 0 (0: every rollout is learned by the "
+                             f"weights that collected it) or 'none' (no limit), got "
+                             f"{self.max_policy_lag}")
         _check_range(self, 1, "eval_every", "threads", "checkpoint_every", "keep_checkpoints")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"train.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', "

@@ -12,7 +12,8 @@ CURVE_FILE = "learning_curve.png"
 
 
 def read_metrics(logdir: Path) -> list[dict[str, Any]]:
-    """The records of ``metrics.jsonl`` (one per phase), oldest first."""
+    """The records of ``metrics.jsonl`` (one per phase, and with collectors one per update,
+    ``"phase": "update"``), oldest first."""
     path = Path(logdir) / METRICS_FILE
     records = []
     for line in path.read_text().splitlines() if path.exists() else ():
@@ -44,6 +45,12 @@ class RunLog:
         with open(temporary, "w") as file:
             file.writelines(json.dumps(record) + "\n" for record in kept)
         os.replace(temporary, path)
+
+    def update(self, record: dict[str, Any]) -> None:
+        """Append one update's record (``"phase": "update"``, with collectors: the policy lag,
+        the queue's fill, steps/s); TensorBoard gets its numbers from the summary."""
+        with open(self.logdir / METRICS_FILE, "a") as file:
+            file.write(json.dumps({**record, "phase": "update"}) + "\n")
 
     def phase(self, record: dict[str, Any]) -> None:
         """Append one phase's record and write its numbers to TensorBoard."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import random
 import sys
 import time
@@ -31,10 +32,12 @@ import numpy as np
 import torch
 
 from batchrl.algos.base import Algorithm
+from batchrl.collectors import CollectorError, CollectorSpec, LocalCollectors
 from batchrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, serialize
 from batchrl.config import Config, ConfigError, save_config
 from batchrl.envs.errors import EnvError
 from batchrl.envs.factory import make_batch_env
+from batchrl.hardware import usable_cores
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.interrupt import Interrupted, StopSignals
 from batchrl.metrics import RunLog
@@ -86,6 +89,48 @@ def phase_plan(config: Config, algo: Algorithm, num_agents: int
     return None, -(-env_steps // num_agents), eval_every
 
 
+def collector_plan(config: Config, algo: Algorithm, num_agents: int) -> tuple[int, int]:
+    """How a run with collectors is split: ``(updates, eval_every)``, the updates of a training
+    phase (each learns one rollout of every agent) and the training phases between evaluations;
+    as ``phase_plan``, with phases of whole episodes taken as one update."""
+    episodes, batch_steps, eval_every = phase_plan(config, algo, num_agents)
+    if batch_steps is None:
+        return 1, eval_every
+    return max(1, round(batch_steps / algo.rollout_length)), eval_every
+
+
+def _collector_env(config: Config, index: int, num_envs: int, seed: int) -> Any:
+    """Collector ``index``'s batch env of ``num_envs`` envs, as ``[env]`` configures; with
+    ``env.workers = 0`` the usable cores are shared among the collectors."""
+    env = config.env
+    workers = env.workers or max(1, usable_cores() // config.train.collectors)
+    return make_batch_env(
+        env.id, num_envs, env.max_length, env.kwargs, env.backend, workers,
+        env.normalize_ranges, share_main=env.share_main, infos=False,
+        timeout=env.timeout or None,
+        max_restarts=env.max_restarts if env.restart_crashed_envs else 0,
+        ray_address=env.ray_address, ray_resources=env.ray_resources)
+
+
+def _collector_algorithm(config: Config, observation_space: Any, action_space: Any,
+                         num_agents: int) -> Algorithm:
+    """A collector's acting copy of the configured algorithm, on the CPU."""
+    return config.make_algorithm(observation_space, action_space, num_agents,
+                                 torch.device("cpu"))
+
+
+def check_collectors(config: Config, algo: Algorithm) -> None:
+    """``ConfigError`` when ``train.collectors`` cannot work with this config and algorithm."""
+    collectors, agents = config.train.collectors, config.env.num_agents
+    reason = algo.collector_support()
+    if reason is not None:
+        raise ConfigError(f"train.collectors = {collectors}: {reason}; or set "
+                          f"train.collectors = 0")
+    if agents % collectors:
+        raise ConfigError(f"env.num_agents ({agents}) must be a multiple of train.collectors "
+                          f"({collectors}): each collector steps an equal share of the envs")
+
+
 class TrainingInterrupted(Interrupted):
     """``Trainer.run()`` stopped on a signal, after writing its final checkpoint:
     ``checkpoint`` is the run's newest (``None``: it has none yet), ``step`` its step."""
@@ -131,6 +176,7 @@ class Trainer:
         self.counters = Counters()
         self.last_scores: dict[str, float | None] = {"train": None, "eval": None}
         self._restarts_seen = 0
+        self._collector_restarts = 0
         self._batch_env: Any = None  # the run's BatchEnv, for its restart events
         self._lines = False  # progress as plain lines (not a terminal)
 
@@ -193,6 +239,94 @@ class Trainer:
                 "wall_time": round(counters.wall_time, 3),
                 "steps_per_s": round(steps / elapsed, 1)}
 
+    def _collect_phase(self, pool: LocalCollectors, algo: Algorithm, updates: int,
+                       bar: Any) -> dict[str, Any]:
+        """A training phase with collectors: ``updates`` updates, each on one rollout of every
+        agent from the queue (ends early at ``train.steps``). Logs, per update, the policy lag
+        (learner version minus the version that collected each rollout), the queue's fill and
+        the collectors' and the learner's steps/s. Returns the phase's record."""
+        config, counters = self.config, self.counters
+        algo.train()
+        counters.phases += 1
+        scores: list[float] = []
+        lengths: list[float] = []
+        start = last = time.perf_counter()
+        steps = 0
+        for _ in range(updates):
+            if counters.steps >= config.train.steps:
+                break
+            waited = time.perf_counter()
+            rollout, metas = pool.receive(self._stop.check)
+            learning = time.perf_counter()
+            version = pool.version  # the learner's, which this update starts from
+            summary = algo.learn(rollout.to(self.device))
+            pool.publish(algo.acting_state())
+            now = time.perf_counter()
+            lag = (version - rollout.version).float()
+            stepped = rollout.size * rollout.length
+            counters.steps += stepped
+            steps += stepped
+            episodes = [(score, length) for meta in metas
+                        for score, length in zip(meta["scores"], meta["lengths"])]
+            scores += [score for score, _ in episodes]
+            lengths += [length for _, length in episodes]
+            summary.update({
+                "collectors/lag_mean": float(lag.mean()), "collectors/lag_max": float(lag.max()),
+                "collectors/queue": float(pool.queued),
+                "collectors/steps_per_s": sum(m["steps"] / max(m["seconds"], 1e-9)
+                                              for m in metas),
+                "learner/steps_per_s": stepped / max(now - last, 1e-9),
+                "learner/wait_s": learning - waited, "learner/learn_s": now - learning})
+            if episodes:
+                summary["score"] = float(np.mean([score for score, _ in episodes]))
+                summary["length"] = float(np.mean([length for _, length in episodes]))
+                summary["episodes"] = float(len(episodes))
+            restarts = sum(meta["env_restarts"] for meta in metas)
+            if restarts or pool.restarts != self._collector_restarts:
+                counters.env_restarts += restarts
+                self._collector_restarts = pool.restarts
+                summary["env/restarts"] = float(counters.env_restarts)
+                summary["collectors/restarts"] = float(pool.restarts)
+            self.log.scalars(summary, counters.steps)
+            self.log.update({"step": counters.steps, **{
+                name.replace("/", "_"): round(value, 6) for name, value in summary.items()
+                if name.startswith(("collectors/", "learner/"))}})
+            last = now
+            if bar is not None:
+                bar.update(max(0, min(stepped, bar.total - bar.n)))
+            self._stop.check()
+        elapsed = time.perf_counter() - start
+        counters.wall_time += elapsed
+        counters.train_phases += 1
+        return {"step": counters.steps, "phase": "train",
+                "score": float(np.mean(scores)) if scores else None,
+                "score_std": float(np.std(scores)) if scores else None,
+                "length": float(np.mean(lengths)) if lengths else None,
+                "episodes": len(scores), "wall_time": round(counters.wall_time, 3),
+                "steps_per_s": round(steps / elapsed, 1)}
+
+    def _collectors(self, algo: Algorithm, env: TensorBatchEnv, bar: Any) -> LocalCollectors:
+        """Start the run's collectors, acting with ``algo``'s current weights."""
+        config = self.config
+        spec = CollectorSpec(make_env=functools.partial(_collector_env, config),
+                             make_algorithm=functools.partial(_collector_algorithm, config),
+                             num_agents=config.env.num_agents,
+                             collectors=config.train.collectors,
+                             rollout_length=algo.rollout_length, seed=config.train.seed)
+
+        def report(line: str) -> None:
+            line = f"step {self.counters.steps:,}: {line}"
+            if bar is not None:
+                bar.write(line)
+            else:
+                print(line, flush=True)
+
+        return LocalCollectors(spec, env.observation_space, env.action_space,
+                               algo.behaviour_fields(), algo.acting_state(),
+                               max_policy_lag=config.train.max_policy_lag,
+                               queue_size=config.train.queue_size,
+                               max_restarts=config.env.max_restarts, report=report)
+
     def _report_restarts(self, bar: Any) -> None:
         """Print the new restarts and log their count (``env/restarts``)."""
         batch_env = self._batch_env
@@ -244,11 +378,14 @@ class Trainer:
             ray_address=env_config.ray_address, ray_resources=env_config.ray_resources)
         self.log = None
         bar = None
+        pool = None
         last_eval: dict[str, Any] = {}
         try:
             env = TensorBatchEnv(batch_env, self.device)
             algo = config.make_algorithm(env.observation_space, env.action_space, len(env),
                                          self.device)
+            if config.train.collectors:
+                check_collectors(config, algo)
             # Only now that env and algorithm fit together (spaces) is this a run.
             self.logdir.mkdir(parents=True, exist_ok=True)
             save_config(config, self.logdir)
@@ -279,9 +416,15 @@ class Trainer:
                            unit="step", unit_scale=True, dynamic_ncols=True)
             evals = self.counters.phases - self.counters.train_phases  # over all sessions
             episodes, phase_steps, eval_every = phase_plan(config, algo, len(env))
+            if config.train.collectors:
+                updates, eval_every = collector_plan(config, algo, len(env))
+                pool = self._collectors(algo, env, bar)
             simulation = Simulation(env)
             while self.counters.steps < config.train.steps:
-                record = self._phase(simulation, algo, "train", episodes, bar, phase_steps)
+                if pool is not None:
+                    record = self._collect_phase(pool, algo, updates, bar)
+                else:
+                    record = self._phase(simulation, algo, "train", episodes, bar, phase_steps)
                 self._report(record, bar)
                 due = self.counters.train_phases % eval_every == 0
                 final = self.counters.steps >= config.train.steps
@@ -306,7 +449,13 @@ class Trainer:
         except EnvError:
             self._save_snapshot()  # what the run learned until the env failed is kept
             raise
+        except Exception:
+            if pool is not None:  # collectors or the learner failed: keep what was learned
+                self._save_snapshot()
+            raise
         finally:
+            if pool is not None:
+                pool.close()
             if bar is not None:
                 bar.close()
             if self.log is not None:

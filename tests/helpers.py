@@ -11,6 +11,7 @@ import functools
 import inspect
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -265,3 +266,22 @@ def agent_pixels(frame: np.ndarray) -> int:
     grey floor and sky (their red channel well above the blue one)."""
     rgb = frame[..., :3].astype(np.int32)
     return int(((rgb[..., 0] - rgb[..., 2] > 40) & (rgb[..., 0] > 90)).sum())
+
+
+def start_train_py(*args: str, cwd: Path = REPO) -> subprocess.Popen:
+    """train.py in its own process group (so that a signal to the group
+    reaches it and its children as Ctrl-C in a terminal would)."""
+    environ = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, str(TRAIN_PY), *args, "--no-progress"],
+                            cwd=cwd, env=environ, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(process: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"train.py did not exit within {timeout} s:\n{stdout}\n{stderr}")
+    return process.returncode, stdout, stderr

@@ -117,7 +117,8 @@ LAYERS = {
     "parts": {"base"},
     "algorithms": {"base", "parts"},
     "loop": {"base", "env core", "parts", "algorithms"},
-    "application": {"base", "env core", "env front", "parts", "algorithms", "loop"},
+    "collectors": {"base", "env core", "env front", "transports", "parts", "algorithms", "loop"},
+    "application": {"base", "env core", "env front", "parts", "algorithms", "loop", "collectors"},
 }
 
 
@@ -135,6 +136,8 @@ def layer(module: str) -> str:
             return name
     if module in ("batchrl.tensor_env", "batchrl.simulation"):
         return "loop"
+    if module.startswith("batchrl.collectors"):
+        return "collectors"
     return "application"
 
 

@@ -26,31 +26,13 @@ from batchrl.algos.ppo import BatchPPO, PPOConfig
 from batchrl.checkpoint import list_checkpoints, load_checkpoint
 from batchrl.interrupt import Interrupted
 from batchrl.metrics import read_metrics
-from helpers import REPO, TRAIN_PY, descendants, sets, wait_for, wait_gone
+from helpers import (REPO, TRAIN_PY, descendants, finish, sets, start_train_py, wait_for,
+                     wait_gone)
 
 # CartPole with 4 agents and an update every 4 episodes: a phase takes ~0.1 s.
 CARTPOLE = ["env.num_agents=4", "algorithm.update_every=4", "train.eval_episodes=4",
             "train.device=cpu", "train.checkpoint_every=3", "train.keep_checkpoints=100",
             "algorithm.update_threads=1"]  # several threads crawl on a busy 2-core machine
-
-
-def start_train_py(*args: str, cwd: Path = REPO) -> subprocess.Popen:
-    """train.py in its own process group (so that a signal to the group
-    reaches it and its children as Ctrl-C in a terminal would)."""
-    environ = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, str(TRAIN_PY), *args, "--no-progress"],
-                            cwd=cwd, env=environ, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish(process: subprocess.Popen, timeout: float = 60) -> tuple[int, str, str]:
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        raise AssertionError(f"train.py did not exit within {timeout} s:\n{stdout}\n{stderr}")
-    return process.returncode, stdout, stderr
 
 
 def assert_same(a: object, b: object, path: str = "state") -> None:

@@ -132,21 +132,20 @@ def collect(spec: CollectorSpec, index: int, link: Link, incarnation: int = 0) -
             recorder.buffer = buffer = RolloutBuffer(tensors)
             buffer.start(agents, version)
             started = time.perf_counter()
-            episodes = score = length = 0.0
+            scores: list[float] = []
+            lengths: list[int] = []
             for _ in range(spec.rollout_length):
-                _, _, summary = simulation.step(recorder, log=True, reset=first,
-                                                seed=seed if first else None)
+                done, score, _ = simulation.step(recorder, reset=first,
+                                                 seed=seed if first else None)
                 first = False
-                if "episodes" in summary:
-                    count = summary["episodes"]
-                    episodes += count
-                    score += summary["score"] * count
-                    length += summary["length"] * count
+                if bool(done.any()):
+                    scores += score[done].tolist()
+                    lengths += simulation.episode_length[done].tolist()
             restarts = batch_env.restarts
             link.send(token, {"collector": index, "version": version,
                               "steps": len(env) * spec.rollout_length,
                               "seconds": time.perf_counter() - started,
-                              "episodes": episodes, "score_sum": score, "length_sum": length,
+                              "scores": scores, "lengths": lengths,
                               "env_restarts": restarts - restarts_seen})
             restarts_seen = restarts
     finally:

@@ -53,6 +53,7 @@ class _Shared:
             for slot in range(len(own)):
                 free.put(slot)
         self.full = ctx.Queue()
+        self.errors = ctx.Queue()  # (collector, one line) of a collector that failed
         self.lock = ctx.Lock()
         self.version = ctx.Value("q", -1, lock=False)  # read and written under self.lock
         self.rounds = ctx.Array("q", [0] * collectors, lock=False)  # each one's next round
@@ -109,10 +110,17 @@ class _SharedLink(Link):
 
 def _collector_main(spec: CollectorSpec, index: int, shared: _Shared, incarnation: int,
                     parent_pid: int) -> None:
-    """A collector process: tied to the learner's life, deaf to Ctrl-C (the learner stops it)."""
+    """A collector process: tied to the learner's life, deaf to Ctrl-C (the learner stops it).
+    An error is sent to the learner as one line before the process exits with code 1."""
     if not start_worker(parent_pid):
         return
-    collect(spec, index, _SharedLink(shared, index), incarnation)
+    try:
+        collect(spec, index, _SharedLink(shared, index), incarnation)
+    except BaseException as exc:  # noqa: BLE001 - reported to the learner, then exit
+        shared.errors.put((index, f"{type(exc).__name__}: {exc}".splitlines()[0]))
+        shared.errors.close()
+        shared.errors.join_thread()
+        os._exit(1)
 
 
 class LocalCollectors:
@@ -158,6 +166,7 @@ class LocalCollectors:
         self._round = 0  # the next batch's
         self._waiting: dict[tuple[int, int], tuple[int, dict]] = {}  # (round, c) -> (slot, meta)
         self._processes: list[Any] = [None] * count
+        self._delivered = [False] * count  # whether each one's current process sent a rollout
         self._incarnations = [0] * count
         self.publish(acting_state)
         for index in range(count):
@@ -165,7 +174,7 @@ class LocalCollectors:
 
     def _start(self, index: int) -> None:
         process = self._ctx.Process(
-            target=_collector_main, name=f"batchrl-collector-{index}", daemon=True,
+            target=_collector_main, name=f"batchrl-collector-{index}",
             args=(self.spec, index, self.shared, self._incarnations[index], os.getpid()))
         process.start()
         self._processes[index] = process
@@ -200,6 +209,7 @@ class LocalCollectors:
                 self._supervise()
                 continue
             self._waiting[finished, index] = (slot, meta)
+            self._delivered[index] = True
         taken = [self._waiting.pop((round_, index)) for index in range(count)]
         rollouts = [RolloutBuffer(shared.slots[index][slot]).rollout()
                     for index, (slot, _) in enumerate(taken)]
@@ -210,20 +220,30 @@ class LocalCollectors:
         return batch, [meta for _, meta in taken]
 
     def _supervise(self) -> None:
-        """Replace collectors that exited (their unfinished rollout is left to the new one)."""
-        for index, process in enumerate(self._processes):
-            if process.exitcode is None:
-                continue
+        """Replace collectors that exited (their unfinished rollout is left to the new one);
+        one that failed before its first rollout fails the run (it would fail again)."""
+        exited = [index for index, process in enumerate(self._processes)
+                  if process.exitcode is not None]
+        errors = {}  # (read after the exits: a failed collector sends its error first)
+        with contextlib.suppress(queue.Empty):
+            while exited:
+                index, line = self.shared.errors.get(timeout=_POLL_SECONDS)
+                errors[index] = line
+        for index in exited:
+            process = self._processes[index]
+            why = errors.get(index, f"exited with code {process.exitcode}")
+            if not self._delivered[index]:
+                raise CollectorError(f"collector {index} failed before its first rollout: "
+                                     f"{why}")
             if self.restarts >= self.max_restarts:
-                raise CollectorError(
-                    f"collector {index} exited with code {process.exitcode}"
-                    + (f" after {self.restarts} restarts (env.max_restarts)" if self.restarts
-                       else "; set env.restart_crashed_envs = true to replace failed "
-                            "collectors"))
+                raise CollectorError(f"collector {index} failed ({why}) after "
+                                     f"{self.restarts} replacements (at most "
+                                     f"{self.max_restarts}: env.max_restarts)")
             self.restarts += 1
             self._incarnations[index] += 1
-            self.report(f"collector {index} exited with code {process.exitcode}; replaced "
-                        f"[{self.restarts} of at most {self.max_restarts}]")
+            self._delivered[index] = False
+            self.report(f"collector {index} failed ({why}); replaced [{self.restarts} of at "
+                        f"most {self.max_restarts}]")
             process.close()
             self._start(index)
 
@@ -238,7 +258,7 @@ class LocalCollectors:
             if process.exitcode is None:
                 process.kill()
                 process.join(1.0)
-        for channel in (*self.shared.free, self.shared.full):
+        for channel in (*self.shared.free, self.shared.full, self.shared.errors):
             channel.cancel_join_thread()
             channel.close()
 

@@ -1,0 +1,282 @@
+"""Decoupled collection: the rollout queue (rounds, back-pressure, dtypes), weight versions and
+the lag limit, collectors in the trainer with the in-process and worker layouts, faults, Ctrl-C
+and bad input. Every collector here is a real child process stepping real Gymnasium envs."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from batchrl.algos.ppo import BatchPPO
+from batchrl.collectors import CollectorError, CollectorSpec, LocalCollectors
+from batchrl.checkpoint import list_checkpoints, load_checkpoint
+from batchrl.config import ConfigError, build_config
+from batchrl.envs import BatchEnv
+from batchrl.envs.factory import make_batch_env
+from batchrl.metrics import read_metrics
+from batchrl.testing.envs import uint8_cartpole
+from batchrl.trainer import Trainer
+from helpers import descendants, finish, sets, start_train_py, wait_for, wait_gone
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def make_env(env_id: str, backend: str, index: int, num_envs: int, seed: int):
+    if env_id == "uint8":  # the env layer's wrappers would make the observations float32
+        return BatchEnv([uint8_cartpole() for _ in range(num_envs)], blocking=True)
+    return make_batch_env(env_id, num_envs, 200, backend=backend, workers=1,
+                          normalize_ranges=False)
+
+
+def make_algorithm(observation_space, action_space, num_agents):
+    return BatchPPO(observation_space, action_space, num_agents, rollout_length=8,
+                    max_length=200, update_epochs=1, inference="eager", update_threads=1)
+
+
+def pool(env_id="CartPole-v1", agents=4, collectors=2, backend="inline", **options):
+    env = make_env(env_id, "inline", 0, agents, 0)
+    learner = make_algorithm(env.observation_space, env.action_space, agents)
+    spec = CollectorSpec(functools.partial(make_env, env_id, backend), make_algorithm,
+                         num_agents=agents, collectors=collectors, rollout_length=8, seed=3)
+    collectors = LocalCollectors(spec, env.observation_space, env.action_space,
+                                 learner.behaviour_fields(), learner.acting_state(), **options)
+    env.close()
+    return collectors, learner
+
+
+def test_every_batch_is_one_rollout_of_every_agent_in_order():
+    collectors, learner = pool()
+    with collectors:
+        for update in range(4):
+            rollout, metas = collectors.receive()
+            assert rollout.agents.tolist() == [0, 1, 2, 3]
+            assert [meta["collector"] for meta in metas] == [0, 1]
+            assert rollout.observ.shape == (4, 9, 4) and rollout.action.dtype == torch.int64
+            assert rollout.behaviour["mean_or_logits"].shape == (4, 8, 2)
+            assert rollout.valid.all()
+            learner.learn(rollout)
+            collectors.publish(learner.acting_state())
+
+
+def test_a_rollout_continues_the_episodes_of_the_last():
+    collectors, learner = pool(collectors=1)
+    with collectors:
+        first, _ = collectors.receive()
+        second, _ = collectors.receive()
+    # The observation after the first rollout is the one the second starts from.
+    running = first.done[:, -1] == 0
+    assert torch.equal(first.observ[running, -1], second.observ[running, 0])
+    # Where an episode ended, final_observ holds its last observation and the next step
+    # starts a new one.
+    assert torch.all((first.final_observ.abs().sum(-1) > 0) == first.done.bool())
+
+
+@pytest.mark.parametrize("limit", [0, 1])
+def test_the_lag_limit_holds_and_collectors_wait_for_it(limit):
+    collectors, learner = pool(max_policy_lag=limit, queue_size=3)
+    with collectors:
+        lags = []
+        for _ in range(6):
+            rollout, metas = collectors.receive()
+            time.sleep(0.05)  # a slow learner: the collectors would run ahead
+            lags += (collectors.version - rollout.version).tolist()
+            assert {meta["version"] for meta in metas} == set(rollout.version.tolist())
+            learner.learn(rollout)
+            collectors.publish(learner.acting_state())
+    assert max(lags) == limit
+
+
+def test_without_a_limit_the_lag_is_bounded_by_the_queue():
+    collectors, learner = pool(queue_size=2)
+    with collectors:
+        lags = []
+        for _ in range(8):
+            rollout, _ = collectors.receive()
+            time.sleep(0.1)
+            lags += (collectors.version - rollout.version).tolist()
+            collectors.publish(learner.acting_state())
+    assert max(lags) == 3  # the rollout being filled and two waiting
+
+
+def test_a_full_queue_stops_the_collectors():
+    collectors, _ = pool(queue_size=2)
+    with collectors:
+        # Three slots each: all filled, and each collector waits for a free one.
+        wait_for(lambda: collectors.queued == 6, 60, "the queue to fill")
+        time.sleep(1.0)
+        assert list(collectors.shared.rounds) == [3, 3] and collectors.queued == 6
+        collectors.receive()
+        wait_for(lambda: list(collectors.shared.rounds) == [4, 4], 10, "one more round")
+
+
+def test_weights_reach_the_collectors_with_their_version():
+    collectors, learner = pool(collectors=1, max_policy_lag=0)
+    with collectors:
+        rollout, _ = collectors.receive()
+        assert rollout.version.tolist() == [0] * 4
+        with torch.no_grad():
+            for parameter in learner.policy.parameters():
+                parameter.add_(1.0)
+        collectors.publish(learner.acting_state())
+        rollout, _ = collectors.receive()
+    assert rollout.version.tolist() == [1] * 4
+    # The collector acted with the new weights: the recorded logits are the learner's own.
+    observ = rollout.observ[:, :-1].reshape(-1, 4).float()
+    _, behaviour = learner.act(observ)
+    assert torch.allclose(behaviour["mean_or_logits"],
+                          rollout.behaviour["mean_or_logits"].reshape(-1, 2), atol=1e-5)
+
+
+def test_uint8_observations_travel_as_uint8():
+    collectors, learner = pool("uint8", collectors=1)
+    with collectors:
+        rollout, _ = collectors.receive()
+        learner.learn(rollout)
+    assert rollout.observ.dtype == torch.uint8 and rollout.final_observ.dtype == torch.uint8
+    assert rollout.observ.float().std() > 10  # quantised CartPole states, not a cast of [-1, 1]
+
+
+def test_collectors_with_their_envs_in_worker_processes():
+    collectors, learner = pool(backend="workers")
+    with collectors:
+        rollout, _ = collectors.receive()
+        learner.learn(rollout)
+        assert len(descendants(os.getpid())) >= 2 + 2  # the collectors and their workers
+    assert rollout.agents.tolist() == [0, 1, 2, 3]
+
+
+# --- the trainer ---------------------------------------------------------------------------
+
+def config(**train):
+    values = {"env": {"id": "Pendulum-v1", "num_agents": 4, "max_length": 200,
+                      "backend": "inline"},
+              "train": {"steps": 3200, "eval_episodes": 2, "eval_every": 10, "device": "cpu",
+                        "collectors": 2, **train},
+              "algorithm": {"rollout_length": 40, "update_epochs": 2, "inference": "eager",
+                            "update_threads": 1}}
+    return values
+
+
+def test_training_with_collectors_logs_the_lag_and_resumes(tmp_path):
+    values = config()
+    record = Trainer(build_config(values), tmp_path, progress=False).run()
+    assert record["phase"] == "eval" and record["episodes"] == 2
+    records = read_metrics(tmp_path)
+    updates = [r for r in records if r["phase"] == "update"]
+    assert len(updates) == 3200 // 160
+    assert all(r["collectors_lag_mean"] <= r["collectors_lag_max"] <= 3 for r in updates)
+    assert all(r["collectors_steps_per_s"] > 0 and r["learner_steps_per_s"] > 0
+               for r in updates)
+    trains = [r for r in records if r["phase"] == "train"]
+    assert trains[-1]["step"] == 3200 and trains[-1]["episodes"] == 1600 // 200
+    # Resume: a longer budget goes on from the checkpoint.
+    values["train"]["steps"] = 4800
+    Trainer(build_config(values), tmp_path, progress=False).run()
+    steps = [r["step"] for r in read_metrics(tmp_path) if r["phase"] == "train"]
+    assert steps == [1600, 3200, 4800]
+
+
+def test_a_collector_that_dies_is_replaced(tmp_path):
+    once = tmp_path / "fired"
+    values = config(steps=4800)
+    values["env"].update(id="batchrl.testing.faults:make", kwargs={
+        "env_id": "Pendulum-v1", "fault": "exit", "at_step": 300, "once_file": str(once)})
+    lines = []
+    trainer = Trainer(build_config(values), tmp_path / "run", progress=False)
+    import builtins
+    original = builtins.print
+    builtins.print = lambda *args, **kwargs: lines.append(" ".join(map(str, args)))
+    try:
+        trainer.run()
+    finally:
+        builtins.print = original
+    assert once.exists()
+    replaced = [line for line in lines if "replaced" in line]
+    assert len(replaced) == 1 and "exited with code 3" in replaced[0], lines
+    assert trainer.counters.steps == 4800
+
+
+def test_a_collector_that_cannot_start_stops_the_run_with_its_error(tmp_path):
+    values = config()
+    values["env"].update(id="batchrl.testing.faults:make", kwargs={
+        "env_id": "Pendulum-v1", "fault": "raise", "in_reset": True, "at_step": 1})
+    with pytest.raises(CollectorError, match="collector [01] failed before its first rollout: "
+                                             ".*injected fault in reset 1"):
+        Trainer(build_config(values), tmp_path, progress=False).run()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"train": {"max_policy_lag": -1}}, "max_policy_lag must be >= 0"),
+    ({"env": {"num_agents": 5}}, r"env.num_agents \(5\) must be a multiple of "
+                                 r"train.collectors \(2\)"),
+    ({"algorithm": {"network": "recurrent", "rollout_length": "none"}},
+     "BatchPPO with network='recurrent' cannot run with collectors"),
+    ({"algorithm": {"class": "batchrl.algos.reinforce:Reinforce"}},
+     "Reinforce does not implement behaviour_fields, act, acting_state, load_acting_state, "
+     "learn"),
+])
+def test_bad_collector_settings_are_one_line_errors(tmp_path, change, message):
+    values = config()
+    for section, keys in change.items():
+        if section == "algorithm" and "class" in keys:
+            values["algorithm"] = dict(keys)
+        else:
+            values[section].update(keys)
+    with pytest.raises(ConfigError, match=message) as error:
+        Trainer(build_config(values), tmp_path, progress=False).run()
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "config.json").exists()  # nothing started
+
+
+def test_a_learner_error_stops_the_collectors_and_keeps_the_checkpoint(tmp_path, monkeypatch):
+    learn = BatchPPO.learn
+    calls = []
+
+    def failing(self, rollout):
+        calls.append(1)
+        if len(calls) == 15:  # in the second phase
+            raise RuntimeError("a learner bug")
+        return learn(self, rollout)
+
+    monkeypatch.setattr(BatchPPO, "learn", failing)
+    with pytest.raises(RuntimeError, match="a learner bug"):
+        Trainer(build_config(config()), tmp_path, progress=False).run()
+    assert list_checkpoints(tmp_path)  # the first phase's boundary
+    assert load_checkpoint(list_checkpoints(tmp_path)[-1])["counters"]["steps"] == 1600
+    # (the fixture no_leaked_workers checks that no collector is left running)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_checkpoints_and_stops_every_collector(tmp_path, signum):
+    logdir = tmp_path / "run"
+    process = start_train_py(
+        "--config", "pendulum", "--logdir", str(logdir),
+        *sets("env.num_agents=4", "env.backend=workers", "env.workers=1", "train.collectors=2",
+              "train.device=cpu", "train.steps=1000000", "train.eval_episodes=2",
+              "train.eval_every=5", "algorithm.rollout_length=50", "algorithm.update_epochs=2",
+              "algorithm.update_threads=1"))
+    try:
+        wait_for(lambda: len(read_metrics(logdir)) >= 12 or process.poll() is not None, 120,
+                 "two phases")
+        assert process.poll() is None, process.communicate()
+        children = descendants(process.pid)
+        assert len(children) >= 5  # fork server, two collectors and their env workers
+        os.killpg(process.pid, signum)
+        signalled = time.monotonic()
+        code, stdout, stderr = finish(process)
+        stopped_in = time.monotonic() - signalled
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert code == 128 + signum, (stdout, stderr)
+    assert stopped_in < 20, stopped_in
+    assert "Traceback" not in stderr, stderr
+    assert wait_gone(children, timeout=10) == []
+    assert "checkpoint at step" in stdout and list_checkpoints(logdir)
