@@ -101,11 +101,15 @@ def collector_plan(config: Config, algo: Algorithm, num_agents: int) -> tuple[in
 
 def _collector_env(config: Config, index: int, num_envs: int, seed: int) -> Any:
     """Collector ``index``'s batch env of ``num_envs`` envs, as ``[env]`` configures; with
-    ``env.workers = 0`` the usable cores are shared among the collectors."""
+    ``env.workers = 0`` the usable cores are shared among the collectors of a machine. On a
+    Ray cluster the collector is the unit Ray places: backend ``"ray"`` steps its envs in
+    worker processes of the collector's node."""
     env = config.env
-    workers = env.workers or max(1, usable_cores() // config.train.collectors)
+    on_ray = on_a_cluster(config)
+    workers = env.workers or max(1, usable_cores() // (1 if on_ray else config.train.collectors))
+    backend = "workers" if env.backend == "ray" else env.backend
     return make_batch_env(
-        env.id, num_envs, env.max_length, env.kwargs, env.backend, workers,
+        env.id, num_envs, env.max_length, env.kwargs, backend, workers,
         env.normalize_ranges, share_main=env.share_main, infos=False,
         timeout=env.timeout or None,
         max_restarts=env.max_restarts if env.restart_crashed_envs else 0,
@@ -117,6 +121,11 @@ def _collector_algorithm(config: Config, observation_space: Any, action_space: A
     """A collector's acting copy of the configured algorithm, on the CPU."""
     return config.make_algorithm(observation_space, action_space, num_agents,
                                  torch.device("cpu"))
+
+
+def on_a_cluster(config: Config) -> bool:
+    """Whether the run's collectors are Ray actors (``env.ray_address`` or backend ``"ray"``)."""
+    return bool(config.env.ray_address) or config.env.backend == "ray"
 
 
 def check_collectors(config: Config, algo: Algorithm) -> None:
@@ -239,7 +248,7 @@ class Trainer:
                 "wall_time": round(counters.wall_time, 3),
                 "steps_per_s": round(steps / elapsed, 1)}
 
-    def _collect_phase(self, pool: LocalCollectors, algo: Algorithm, updates: int,
+    def _collect_phase(self, pool: Any, algo: Algorithm, updates: int,
                        bar: Any) -> dict[str, Any]:
         """A training phase with collectors: ``updates`` updates, each on one rollout of every
         agent from the queue (ends early at ``train.steps``). Logs, per update, the policy lag
@@ -305,7 +314,7 @@ class Trainer:
                 "episodes": len(scores), "wall_time": round(counters.wall_time, 3),
                 "steps_per_s": round(steps / elapsed, 1)}
 
-    def _collectors(self, algo: Algorithm, env: TensorBatchEnv, bar: Any) -> LocalCollectors:
+    def _collectors(self, algo: Algorithm, env: TensorBatchEnv, bar: Any) -> Any:
         """Start the run's collectors, acting with ``algo``'s current weights."""
         config = self.config
         spec = CollectorSpec(make_env=functools.partial(_collector_env, config),
@@ -321,11 +330,20 @@ class Trainer:
             else:
                 print(line, flush=True)
 
+        options = dict(max_policy_lag=config.train.max_policy_lag,
+                       queue_size=config.train.queue_size,
+                       max_restarts=config.env.max_restarts, report=report)
+        if on_a_cluster(config):
+            from batchrl.collectors.ray import RayCollectors  # (imports Ray)
+            collectors = RayCollectors(spec, env.observation_space, env.action_space,
+                                       algo.behaviour_fields(), algo.acting_state(),
+                                       address=config.env.ray_address,
+                                       resources=config.env.ray_resources, **options)
+            report(f"{spec.collectors} collectors on Ray nodes "
+                   f"{', '.join(node[:8] for node in collectors.nodes)}")
+            return collectors
         return LocalCollectors(spec, env.observation_space, env.action_space,
-                               algo.behaviour_fields(), algo.acting_state(),
-                               max_policy_lag=config.train.max_policy_lag,
-                               queue_size=config.train.queue_size,
-                               max_restarts=config.env.max_restarts, report=report)
+                               algo.behaviour_fields(), algo.acting_state(), **options)
 
     def _report_restarts(self, bar: Any) -> None:
         """Print the new restarts and log their count (``env/restarts``)."""
@@ -370,9 +388,13 @@ class Trainer:
         # The env first: a bad env id fails here, before anything is written to
         # the log directory (a config.json there would make it a run to resume).
         env_config = config.env
+        # With collectors this env only evaluates: on a Ray cluster, in processes here.
+        backend = env_config.backend
+        if config.train.collectors and backend == "ray":
+            backend = "workers"
         batch_env = self._batch_env = make_batch_env(
             env_config.id, env_config.num_agents, env_config.max_length, env_config.kwargs,
-            env_config.backend, env_config.workers, env_config.normalize_ranges,
+            backend, env_config.workers, env_config.normalize_ranges,
             share_main=env_config.share_main, infos=False, timeout=env_config.timeout or None,
             max_restarts=env_config.max_restarts if env_config.restart_crashed_envs else 0,
             ray_address=env_config.ray_address, ray_resources=env_config.ray_resources)

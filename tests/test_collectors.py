@@ -183,20 +183,14 @@ def test_training_with_collectors_logs_the_lag_and_resumes(tmp_path):
     assert steps == [1600, 3200, 4800]
 
 
-def test_a_collector_that_dies_is_replaced(tmp_path):
+def test_a_collector_that_dies_is_replaced(tmp_path, capsys):
     once = tmp_path / "fired"
     values = config(steps=4800)
     values["env"].update(id="batchrl.testing.faults:make", kwargs={
         "env_id": "Pendulum-v1", "fault": "exit", "at_step": 300, "once_file": str(once)})
-    lines = []
     trainer = Trainer(build_config(values), tmp_path / "run", progress=False)
-    import builtins
-    original = builtins.print
-    builtins.print = lambda *args, **kwargs: lines.append(" ".join(map(str, args)))
-    try:
-        trainer.run()
-    finally:
-        builtins.print = original
+    trainer.run()
+    lines = capsys.readouterr().out.splitlines()
     assert once.exists()
     replaced = [line for line in lines if "replaced" in line]
     assert len(replaced) == 1 and "exited with code 3" in replaced[0], lines
@@ -280,3 +274,56 @@ def test_a_signal_checkpoints_and_stops_every_collector(tmp_path, signum):
     assert "Traceback" not in stderr, stderr
     assert wait_gone(children, timeout=10) == []
     assert "checkpoint at step" in stdout and list_checkpoints(logdir)
+
+
+# --- a Ray cluster of two nodes on 127.0.0.1 -------------------------------------------------
+
+def _collector_processes(nodes) -> list:
+    return [process for process in nodes.processes()
+            if "RayCollector" in " ".join(process.cmdline())]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_collectors_spread_over_a_ray_cluster_and_one_killed_is_replaced(cluster, tmp_path,
+                                                                          capsys):
+    import ray
+    import threading
+    values = config(steps=12800, eval_episodes=0)
+    values["env"].update(backend="ray", ray_address=cluster.address, ray_resources={"CPU": 1})
+    trainer = Trainer(build_config(values), tmp_path, progress=False)
+    killed: list[int] = []
+
+    def kill_one() -> None:  # once rollouts flow, SIGKILL one collector's actor process
+        wait_for(lambda: len([r for r in read_metrics(tmp_path) if r["phase"] == "update"])
+                 >= 3, 120, "three updates")
+        process = _collector_processes(cluster)[0]
+        killed.append(process.pid)
+        process.kill()
+
+    killer = threading.Thread(target=kill_one, daemon=True)
+    killer.start()
+    trainer.run()
+    killer.join(5)
+    lines = capsys.readouterr().out.splitlines()
+    assert killed and trainer.counters.steps == 12800
+    placed = [line for line in lines if "collectors on Ray nodes" in line]
+    assert placed and len(set(placed[0].rsplit("nodes ", 1)[1].split(", "))) == 2, lines
+    replaced = [line for line in lines if "replaced" in line]
+    assert len(replaced) == 1 and "collector" in replaced[0], lines
+    # Every actor is gone and its CPU free again; no collector process is left.
+    cluster.wait_idle()
+    assert _collector_processes(cluster) == []
+    assert ray.is_initialized()  # the test's own connection is left alone
+
+
+def test_more_collectors_than_the_cluster_holds_is_an_error_before_work_starts(cluster,
+                                                                                tmp_path):
+    values = config(collectors=4)
+    values["env"].update(backend="ray", ray_address=cluster.address, num_agents=4,
+                         ray_resources={"CPU": 1})
+    with pytest.raises(CollectorError, match=r"4 collectors with env.ray_resources=\{'CPU': 1\} "
+                                             r"need CPU=4 in all, but the Ray cluster has "
+                                             r"CPU=3"):
+        Trainer(build_config(values), tmp_path, progress=False).run()
+    cluster.wait_idle()

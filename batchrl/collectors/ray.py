@@ -1,0 +1,282 @@
+"""Collectors as Ray actors spread over a cluster: rollouts through Ray's object store.
+
+A small hub actor coordinates: the learner publishes versioned weights to it (an object ref, put
+once, fetched by every collector from the store), collectors hand it the ref of each finished
+rollout, and the learner takes a round (the ``k``-th rollout of every collector) from it when all
+are there. The rules are those of ``batchrl.collectors.local``: a collector keeps at most
+``1 + queue_size`` rollouts unconsumed and starts round ``k`` only once version
+``k - max_policy_lag`` is published; a failed collector (an error, a killed actor, a lost node)
+is replaced and resumes at its first round not yet delivered.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from batchrl.collectors.collector import CollectorSpec, Link, collect
+from batchrl.collectors.local import CollectorError
+from batchrl.envs.ray import cluster as ray_cluster
+from batchrl.parts.rollout import Rollout, RolloutBuffer, rollout_tensors
+
+__all__ = ["RayCollectors", "check_placement"]
+
+_POLL_SECONDS = 0.1
+
+
+class _Hub:
+    """The collectors' and the learner's meeting point (one Ray actor)."""
+
+    def __init__(self, collectors: int, queue_size: int, max_lag: int | None):
+        self.collectors, self.queue_size, self.max_lag = collectors, queue_size, max_lag
+        self.version, self.weights = -1, None
+        self.consumed = 0  # rounds the learner took
+        self.delivered = [0] * collectors  # each collector's next round to deliver
+        self.rollouts: dict[tuple[int, int], tuple[list, dict]] = {}
+        self.stopped = False
+
+    def publish(self, version: int, weights: list) -> None:
+        self.version, self.weights = version, weights
+
+    def may_start(self, round_: int) -> str:
+        """"stop", "go", or "wait" (the queue is full or the lag limit says so)."""
+        if self.stopped:
+            return "stop"
+        if round_ - self.consumed > self.queue_size:
+            return "wait"
+        if self.max_lag is not None and self.version < round_ - self.max_lag:
+            return "wait"
+        return "go"
+
+    def newest(self, known: int) -> tuple[int, list] | None:
+        return None if self.version == known else (self.version, self.weights)
+
+    def next_round(self, index: int) -> int:
+        return self.delivered[index]
+
+    def deliver(self, round_: int, index: int, rollout: list, meta: dict) -> None:
+        self.rollouts[round_, index] = (rollout, meta)
+        self.delivered[index] = round_ + 1
+
+    def take(self) -> list | None:
+        """The next round, all collectors' rollouts, once complete."""
+        keys = [(self.consumed, index) for index in range(self.collectors)]
+        if not all(key in self.rollouts for key in keys):
+            return None
+        self.consumed += 1
+        return [self.rollouts.pop(key) for key in keys]
+
+    def queued(self) -> int:
+        return len(self.rollouts)
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+class _RayLink(Link):
+    """A collector actor's end of the hub."""
+
+    def __init__(self, ray: Any, hub: Any, index: int, tensors: dict[str, torch.Tensor]):
+        self.ray, self.hub, self.index, self.tensors = ray, hub, index, tensors
+        self.round = ray.get(hub.next_round.remote(index))
+
+    def begin(self) -> tuple[dict[str, torch.Tensor], Any] | None:
+        while (answer := self.ray.get(self.hub.may_start.remote(self.round))) == "wait":
+            time.sleep(0.01)
+        return None if answer == "stop" else (self.tensors, self.round)
+
+    def weights(self, known: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+        newest = self.ray.get(self.hub.newest.remote(known))
+        if newest is None:
+            return None
+        version, (ref,) = newest
+        return version, {name: torch.from_numpy(np.array(value))
+                         for name, value in self.ray.get(ref).items()}
+
+    def send(self, token: Any, meta: dict[str, Any]) -> None:
+        # numpy arrays go into the object store without a copy through pickle
+        ref = self.ray.put({name: value.numpy() for name, value in self.tensors.items()})
+        self.ray.get(self.hub.deliver.remote(token, self.index, [ref], meta))
+        self.round = token + 1
+
+
+class _RayCollector:
+    """A Ray actor that runs ``collect`` until the hub says stop."""
+
+    def run(self, spec: CollectorSpec, index: int, hub: Any, incarnation: int,
+            slot: dict[str, tuple[tuple[int, ...], str]]) -> str:
+        import ray
+        tensors = {name: torch.zeros(shape, dtype=getattr(torch, dtype))
+                   for name, (shape, dtype) in slot.items()}
+        collect(spec, index, _RayLink(ray, hub, index, tensors), incarnation)
+        return ray.get_runtime_context().get_node_id()
+
+    def node(self) -> str:
+        import ray
+        return ray.get_runtime_context().get_node_id()
+
+
+@functools.cache
+def _classes(ray: Any) -> tuple[Any, Any]:
+    return ray.remote(_Hub), ray.remote(_RayCollector)
+
+
+def check_placement(ray: Any, collectors: int, resources: dict[str, float]) -> None:
+    """``CollectorError`` when the cluster cannot hold ``collectors`` actors of ``resources``
+    each (they would wait for them forever)."""
+    total = ray.cluster_resources()
+    need = {name: amount * collectors for name, amount in {"CPU": 1, **resources}.items()
+            if amount > 0}
+    short = {name: amount for name, amount in need.items() if total.get(name, 0) < amount}
+    if short:
+        have = ", ".join(f"{name}={total.get(name, 0):g}" for name in short)
+        wanted = ", ".join(f"{name}={amount:g}" for name, amount in short.items())
+        raise CollectorError(f"{collectors} collectors with env.ray_resources={resources} need "
+                             f"{wanted} in all, but the Ray cluster has {have}; lower "
+                             f"train.collectors or env.ray_resources, or add nodes")
+
+
+class RayCollectors:
+    """``spec.collectors`` collector actors on a Ray cluster, spread over its nodes, and the
+    learner's end of their rollouts: the interface of ``LocalCollectors`` (which see), with
+    ``address`` the cluster to join (``env.ray_address``) and ``resources`` what each collector
+    reserves (``env.ray_resources``). ``nodes`` lists the node each collector runs on."""
+
+    def __init__(self, spec: CollectorSpec, observation_space: gym.Space,
+                 action_space: gym.Space, behaviour: dict, acting_state: dict[str, torch.Tensor],
+                 max_policy_lag: int | None = None, queue_size: int | None = None,
+                 max_restarts: int = 0, report: Callable[[str], None] = print,
+                 address: str = "", resources: dict[str, float] | None = None):
+        self.spec, self.report = spec, report
+        self.max_restarts, self.restarts = max_restarts, 0
+        self.resources = {"CPU": 1} if resources is None else dict(resources)
+        options = ray_cluster.actor_options(self.resources)
+        self._ray = ray = ray_cluster.acquire(address)
+        self._closed = False
+        try:
+            check_placement(ray, spec.collectors, self.resources)
+            discrete = isinstance(action_space, gym.spaces.Discrete)
+            observ_dtype = torch.from_numpy(np.zeros(0, observation_space.dtype)).dtype
+            template = rollout_tensors(spec.agents_per_collector, spec.rollout_length,
+                                       observation_space.shape, observ_dtype,
+                                       () if discrete else action_space.shape,
+                                       torch.int64 if discrete else torch.float32, behaviour)
+            self._slot = {name: (tuple(value.shape), str(value.dtype).removeprefix("torch."))
+                          for name, value in template.items()}
+            hub_class, self._actor_class = _classes(ray)
+            self._options = {**options, "scheduling_strategy": "SPREAD", "max_restarts": 0,
+                             "max_task_retries": 0}
+            self.hub = hub_class.options(num_cpus=0).remote(
+                spec.collectors, 2 if queue_size is None else queue_size, max_policy_lag)
+            self.version = -1
+            self.publish(acting_state)
+            self._actors: list[Any] = [None] * spec.collectors
+            self._runs: list[Any] = [None] * spec.collectors
+            self._incarnations = [0] * spec.collectors
+            self._delivered = [False] * spec.collectors
+            for index in range(spec.collectors):
+                self._actors[index] = self._actor_class.options(**self._options).remote()
+            # (asked before run(), which keeps each actor busy for good)
+            self.nodes = ray.get([actor.node.remote() for actor in self._actors])
+            for index in range(spec.collectors):
+                self._start(index, self._actors[index])
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, index: int, actor: Any = None) -> None:
+        if actor is None:
+            actor = self._actor_class.options(**self._options).remote()
+        self._actors[index] = actor
+        self._runs[index] = actor.run.remote(self.spec, index, self.hub,
+                                             self._incarnations[index], self._slot)
+
+    @property
+    def queued(self) -> int:
+        """Finished rollouts waiting for the learner."""
+        return self._ray.get(self.hub.queued.remote())
+
+    def publish(self, acting_state: dict[str, torch.Tensor]) -> int:
+        """Make ``acting_state`` the newest weights; returns its version."""
+        ref = self._ray.put({name: value.detach().cpu().numpy()
+                             for name, value in acting_state.items()})
+        self.version += 1
+        self._ray.get(self.hub.publish.remote(self.version, [ref]))
+        return self.version
+
+    def receive(self, check: Callable[[], None] = lambda: None
+                ) -> tuple[Rollout, list[dict[str, Any]]]:
+        """The next round, one rollout of every agent, and their ``meta`` (see
+        ``LocalCollectors.receive``)."""
+        ray = self._ray
+        while (taken := ray.get(self.hub.take.remote())) is None:
+            check()
+            self._supervise()
+            time.sleep(0.002)
+        rollouts = []
+        for index, (ref, meta) in enumerate(taken):
+            self._delivered[index] = True
+            arrays = ray.get(ref[0])
+            rollouts.append(RolloutBuffer({name: torch.from_numpy(np.array(value))
+                                           for name, value in arrays.items()}).rollout())
+        return Rollout.cat(rollouts), [meta for _, meta in taken]
+
+    def _supervise(self) -> None:
+        """Replace collectors whose actor ended (an error, a killed actor, a lost node)."""
+        ray = self._ray
+        done, _ = ray.wait(list(self._runs), num_returns=len(self._runs), timeout=0)
+        for index, run in enumerate(self._runs):
+            if run not in done:
+                continue
+            try:
+                ray.get(run)
+                why = "stopped"
+            except ray.exceptions.RayTaskError as exc:
+                cause = getattr(exc, "cause", None) or exc
+                why = f"{type(cause).__name__}: {cause}".splitlines()[0]
+            except ray.exceptions.RayError as exc:
+                why = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            if not self._delivered[index]:
+                raise CollectorError(f"collector {index} failed before its first rollout: "
+                                     f"{why}")
+            if self.restarts >= self.max_restarts:
+                raise CollectorError(f"collector {index} failed ({why}) after {self.restarts} "
+                                     f"replacements (at most {self.max_restarts}: "
+                                     f"env.max_restarts)")
+            self.restarts += 1
+            self._incarnations[index] += 1
+            self._delivered[index] = False
+            self.report(f"collector {index} failed ({why}); replaced [{self.restarts} of at "
+                        f"most {self.max_restarts}]")
+            ray.kill(self._actors[index], no_restart=True)
+            self._start(index)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop every collector, kill the actors and leave Ray if batchrl joined it."""
+        if self._closed:
+            return
+        self._closed = True
+        ray = self._ray
+        try:
+            if getattr(self, "hub", None) is not None:
+                ray.get(self.hub.stop.remote())
+                ray.wait([run for run in getattr(self, "_runs", ()) if run is not None],
+                         num_returns=len(self._runs), timeout=timeout)
+            for actor in [*getattr(self, "_actors", ()), getattr(self, "hub", None)]:
+                if actor is not None:
+                    ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: S110 - Ray already gone: nothing left to stop
+            pass
+        finally:
+            ray_cluster.release()
+
+    def __enter__(self) -> "RayCollectors":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
