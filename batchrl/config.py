@@ -95,7 +95,7 @@ class TrainConfig:
     checkpoint_every: int = 1     # evaluation phases between checkpoints
     keep_checkpoints: int = 3     # newest checkpoint files kept
     # Collector processes (Ray actors with env.ray_address) that step the envs while the
-    # learner learns; env.num_agents is split evenly over them. 0: the synchronous loop.
+    # learner learns; env.num_agents is split over them. 0: the synchronous loop.
     collectors: int = 0
     max_policy_lag: int | None = None  # collectors wait rather than exceed it ("none": no limit)
     queue_size: int = 2           # finished rollouts per collector that may wait for the learner

@@ -135,9 +135,9 @@ def check_collectors(config: Config, algo: Algorithm) -> None:
     if reason is not None:
         raise ConfigError(f"train.collectors = {collectors}: {reason}; or set "
                           f"train.collectors = 0")
-    if agents % collectors:
-        raise ConfigError(f"env.num_agents ({agents}) must be a multiple of train.collectors "
-                          f"({collectors}): each collector steps an equal share of the envs")
+    if collectors > agents:
+        raise ConfigError(f"train.collectors ({collectors}) must be at most env.num_agents "
+                          f"({agents}): each collector steps a share of the envs")
 
 
 class TrainingInterrupted(Interrupted):

@@ -17,12 +17,12 @@ import torch
 from batchrl.algos.ppo import BatchPPO
 from batchrl.collectors import CollectorError, CollectorSpec, LocalCollectors
 from batchrl.checkpoint import list_checkpoints, load_checkpoint
-from batchrl.config import ConfigError, build_config
+from batchrl.config import ConfigError, available_configs, build_config, load_config
 from batchrl.envs import BatchEnv
 from batchrl.envs.factory import make_batch_env
 from batchrl.metrics import read_metrics
 from batchrl.testing.envs import uint8_cartpole
-from batchrl.trainer import Trainer
+from batchrl.trainer import Trainer, check_collectors, collector_plan
 from helpers import descendants, finish, sets, start_train_py, wait_for, wait_gone
 
 pytestmark = pytest.mark.timeout(180)
@@ -208,8 +208,8 @@ def test_a_collector_that_cannot_start_stops_the_run_with_its_error(tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     ({"train": {"max_policy_lag": -1}}, "max_policy_lag must be >= 0"),
-    ({"env": {"num_agents": 5}}, r"env.num_agents \(5\) must be a multiple of "
-                                 r"train.collectors \(2\)"),
+    ({"env": {"num_agents": 1}}, r"train.collectors \(2\) must be at most env.num_agents "
+                                 r"\(1\)"),
     ({"algorithm": {"network": "recurrent", "rollout_length": "none"}},
      "BatchPPO with network='recurrent' cannot run with collectors"),
     ({"algorithm": {"class": "batchrl.algos.reinforce:Reinforce"}},
@@ -327,3 +327,29 @@ def test_more_collectors_than_the_cluster_holds_is_an_error_before_work_starts(c
                                              r"CPU=3"):
         Trainer(build_config(values), tmp_path, progress=False).run()
     cluster.wait_idle()
+
+
+def test_agents_split_unevenly_still_make_one_batch_of_all():
+    collectors, learner = pool(agents=5, collectors=2)
+    with collectors:
+        rollout, metas = collectors.receive()
+        learner.learn(rollout)
+    assert rollout.agents.tolist() == [0, 1, 2, 3, 4]
+    assert [meta["steps"] for meta in metas] == [3 * 8, 2 * 8]
+
+
+@pytest.mark.parametrize("name", available_configs())
+def test_every_shipped_config_can_run_with_collectors(name):
+    """All but REINFORCE's: a Monte-Carlo method needs whole episodes, not rollouts (its
+    one-line error is tested above)."""
+    config = load_config(name, ["train.collectors=3", "train.device=cpu"])
+    if config.algorithm.path.endswith(":Reinforce"):
+        return
+    env = make_batch_env(config.env.id, 1, config.env.max_length, config.env.kwargs,
+                         backend="inline")
+    algo = config.make_algorithm(env.observation_space, env.action_space,
+                                 config.env.num_agents, torch.device("cpu"))
+    env.close()
+    check_collectors(config, algo)
+    updates, eval_every = collector_plan(config, algo, config.env.num_agents)
+    assert updates >= 1 and eval_every >= 1 and algo.rollout_length >= 1

@@ -18,6 +18,7 @@ import torch
 
 from batchrl.algos.base import Algorithm, Summary
 from batchrl.envs.batch import BatchEnv
+from batchrl.envs.factory import split_evenly
 from batchrl.parts.rollout import RolloutBuffer
 from batchrl.simulation import Simulation
 from batchrl.tensor_env import TensorBatchEnv
@@ -31,7 +32,8 @@ class CollectorSpec:
       make_env: ``make_env(index, num_envs, seed)`` -> the collector's ``BatchEnv``.
       make_algorithm: ``make_algorithm(observation_space, action_space, num_agents)`` -> the
         acting copy (on the CPU); it loads the learner's ``acting_state`` before each rollout.
-      num_agents: envs of the whole run (``env.num_agents``), split evenly over the collectors.
+      num_agents: envs of the whole run (``env.num_agents``), split over the collectors
+        (``agents``).
       collectors: how many.
       rollout_length: ``T``, steps per agent of a rollout.
       seed: the run's seed; collector ``i`` seeds its env and torch from it and ``i``.
@@ -44,14 +46,17 @@ class CollectorSpec:
     rollout_length: int
     seed: int = 0
 
-    @property
-    def agents_per_collector(self) -> int:
-        return self.num_agents // self.collectors
+    def __post_init__(self) -> None:
+        if not 1 <= self.collectors <= self.num_agents:
+            raise ValueError(f"collectors must be between 1 and num_agents "
+                             f"({self.num_agents}), got {self.collectors}")
 
     def agents(self, index: int) -> torch.Tensor:
-        """``(n,)`` int64: the learner's agent indices of collector ``index``'s envs."""
-        n = self.agents_per_collector
-        return torch.arange(index * n, (index + 1) * n)
+        """``(n,)`` int64: the learner's agent indices of collector ``index``'s envs (a
+        contiguous share; shares differ by one at most)."""
+        sizes = split_evenly(self.num_agents, self.collectors)
+        start = sum(sizes[:index])
+        return torch.arange(start, start + sizes[index])
 
 
 class Link(abc.ABC):
@@ -114,14 +119,14 @@ def collect(spec: CollectorSpec, index: int, link: Link, incarnation: int = 0) -
     seed = spec.seed * 1_000_003 + index * 7919 + incarnation * 104_729
     torch.manual_seed(seed)
     torch.set_num_threads(1)
-    batch_env = spec.make_env(index, spec.agents_per_collector, seed)
+    agents = spec.agents(index)
+    batch_env = spec.make_env(index, len(agents), seed)
     try:
         env = TensorBatchEnv(batch_env, "cpu")
         actor = spec.make_algorithm(env.observation_space, env.action_space, len(env))
         actor.train()
         recorder = Recorder(actor)
         simulation = Simulation(env)
-        agents = spec.agents(index)
         version, first, restarts_seen = -1, True, 0
         while (job := link.begin()) is not None:
             tensors, token = job

@@ -149,11 +149,11 @@ class LocalCollectors:
         queue_size = 2 if queue_size is None else queue_size
         discrete = isinstance(action_space, gym.spaces.Discrete)
         observ_dtype = torch.from_numpy(np.zeros(0, observation_space.dtype)).dtype
-        slots = [[rollout_tensors(spec.agents_per_collector, spec.rollout_length,
+        slots = [[rollout_tensors(len(spec.agents(index)), spec.rollout_length,
                                   observation_space.shape, observ_dtype,
                                   () if discrete else action_space.shape,
                                   torch.int64 if discrete else torch.float32, behaviour)
-                  for _ in range(1 + queue_size)] for _ in range(count)]
+                  for _ in range(1 + queue_size)] for index in range(count)]
         for own in slots:
             for slot in own:
                 for tensor in slot.values():

@@ -162,12 +162,16 @@ class RayCollectors:
             check_placement(ray, spec.collectors, self.resources)
             discrete = isinstance(action_space, gym.spaces.Discrete)
             observ_dtype = torch.from_numpy(np.zeros(0, observation_space.dtype)).dtype
-            template = rollout_tensors(spec.agents_per_collector, spec.rollout_length,
-                                       observation_space.shape, observ_dtype,
-                                       () if discrete else action_space.shape,
-                                       torch.int64 if discrete else torch.float32, behaviour)
-            self._slot = {name: (tuple(value.shape), str(value.dtype).removeprefix("torch."))
-                          for name, value in template.items()}
+            self._slots = []  # each collector's rollout layout: name -> (shape, dtype name)
+            for index in range(spec.collectors):
+                template = rollout_tensors(len(spec.agents(index)), spec.rollout_length,
+                                           observation_space.shape, observ_dtype,
+                                           () if discrete else action_space.shape,
+                                           torch.int64 if discrete else torch.float32,
+                                           behaviour, device="meta")
+                self._slots.append({name: (tuple(value.shape),
+                                           str(value.dtype).removeprefix("torch."))
+                                    for name, value in template.items()})
             hub_class, self._actor_class = _classes(ray)
             self._options = {**options, "scheduling_strategy": "SPREAD", "max_restarts": 0,
                              "max_task_retries": 0}
@@ -194,7 +198,7 @@ class RayCollectors:
             actor = self._actor_class.options(**self._options).remote()
         self._actors[index] = actor
         self._runs[index] = actor.run.remote(self.spec, index, self.hub,
-                                             self._incarnations[index], self._slot)
+                                             self._incarnations[index], self._slots[index])
 
     @property
     def queued(self) -> int:
