@@ -346,10 +346,13 @@ class BatchPPO(Algorithm):
         else:
             advantage = generalized_advantage(reward, value, length, config.discount, lambda_,
                                               after)
+        weight = data.get("behaviour_weight")
         data = {name: data[name] for name in self.memory.step_fields}
         data["returns"] = advantage + value
         valid = advantage[mask]
         data["advantage"] = (advantage - valid.mean()) / (valid.std() + 1e-8) * mask
+        if weight is not None:  # (rollouts of older weights: see learn)
+            data["advantage"] = data["advantage"] * weight
         return data, mask
 
     def _layout(self, data: dict[str, torch.Tensor], mask: torch.Tensor
@@ -581,9 +584,16 @@ class BatchPPO(Algorithm):
 
     def learn(self, rollout: Rollout) -> Summary:
         """One update (``update_epochs`` epochs of minibatches) on ``rollout``, whose rows are
-        the ``num_agents`` agents. The observation and reward statistics take in the
-        rollout first; the importance ratios of the objective are taken against the acting
-        policy's recorded distribution, which corrects for the policy lag."""
+        the ``num_agents`` agents. The observation and reward statistics take in the rollout
+        first.
+
+        The rollout may come from older weights (the behaviour policy ``mu``, recorded per
+        step). The objective's ratio and KL penalty are taken against the policy as it is at
+        the start of this update (the proximal policy ``pi_0``), so that the penalty bounds the
+        update's own step whatever the lag; each step's advantage is weighted by
+        ``min(1, pi_0(a|s) / mu(a|s))``, IMPALA's truncated importance weight, to correct for
+        the data coming from ``mu``. Without lag the weight is 1 and this is the synchronous
+        update."""
         with torch.no_grad():
             rollout = rollout.to(self.device)
             batch, steps = rollout.size, rollout.length
@@ -596,17 +606,29 @@ class BatchPPO(Algorithm):
             next_observ = rollout.next_observ().to(torch.float32).reshape(batch, steps, -1)
             last = torch.zeros_like(valid)
             last[:, -1] = True
-            data = {"observ": self._normalize(observ[:, :steps].reshape(batch * steps, -1)
-                                              ).reshape(batch, steps, -1),
-                    "action": rollout.action, "reward": rollout.reward,
-                    "mean_or_logits": rollout.behaviour["mean_or_logits"],
-                    "log_std": rollout.behaviour["log_std"],
-                    "state": observ.new_zeros(batch, steps, 0), "valid": valid,
+            normalized = self._normalize(observ[:, :steps].reshape(batch * steps, -1)
+                                         ).reshape(batch, steps, -1)
+            state = observ.new_zeros(batch, steps, 0)
+            mean_or_logits, log_std, _ = self.policy(normalized, state[:, 0])
+            # Copies in the memory's layout ((B, T, ...), an empty log_std for a categorical):
+            # a state-independent log_std is a view of the parameter the update changes.
+            log_std = log_std.expand(batch, steps, *rollout.behaviour["log_std"].shape[2:])
+            mean_or_logits, log_std = mean_or_logits.detach().clone(), log_std.detach().clone()
+            proximal = self.distribution(mean_or_logits, log_std)
+            behaviour = self.distribution(rollout.behaviour["mean_or_logits"],
+                                          rollout.behaviour["log_std"])
+            log_ratio = proximal.log_prob(rollout.action) - behaviour.log_prob(rollout.action)
+            data = {"observ": normalized, "action": rollout.action, "reward": rollout.reward,
+                    "mean_or_logits": mean_or_logits, "log_std": log_std,
+                    "behaviour_weight": log_ratio.exp().clamp(max=1.0),
+                    "state": state, "valid": valid,
                     "ends": rollout.done.bool() | last,
                     "bootstrap_observ": self._normalize(next_observ.reshape(batch * steps, -1)
                                                         ).reshape(batch, steps, -1),
                     "terminated": rollout.terminated}
-        return self.update(data)
+        summary = self.update(data)
+        summary["ppo/importance_weight"] = float(data["behaviour_weight"][valid].mean())
+        return summary
 
     def _learn_rewards(self, rollout: Rollout) -> None:
         """Update the reward statistics with the rollout's rewards, or with each agent's
