@@ -584,8 +584,8 @@ class BatchPPO(Algorithm):
 
     def learn(self, rollout: Rollout) -> Summary:
         """One update (``update_epochs`` epochs of minibatches) on ``rollout``, whose rows are
-        the ``num_agents`` agents. The observation and reward statistics take in the rollout
-        first.
+        the ``num_agents`` agents. The reward statistics take in the rollout first, the
+        observation statistics after its data is normalised (as ``perform`` does).
 
         The rollout may come from older weights (the behaviour policy ``mu``, recorded per
         step). The objective's ratio and KL penalty are taken against the policy as it is at
@@ -599,8 +599,6 @@ class BatchPPO(Algorithm):
             batch, steps = rollout.size, rollout.length
             observ = rollout.observ.to(torch.float32).reshape(batch, steps + 1, -1)
             valid = rollout.valid
-            if self.config.normalize_observ:
-                self.observ_normalizer.update(observ[:, :steps][valid])
             self._learn_rewards(rollout)
             self.env_steps += batch * steps
             next_observ = rollout.next_observ().to(torch.float32).reshape(batch, steps, -1)
@@ -626,6 +624,10 @@ class BatchPPO(Algorithm):
                     "bootstrap_observ": self._normalize(next_observ.reshape(batch * steps, -1)
                                                         ).reshape(batch, steps, -1),
                     "terminated": rollout.terminated}
+            # Only now, as perform() does: the data was normalised as the weights that acted
+            # on it (without lag) normalised it.
+            if self.config.normalize_observ:
+                self.observ_normalizer.update(observ[:, :steps][valid])
         summary = self.update(data)
         summary["ppo/importance_weight"] = float(data["behaviour_weight"][valid].mean())
         return summary

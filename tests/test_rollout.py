@@ -1,0 +1,137 @@
+"""The rollout layout shared by the synchronous loop, collectors and learners
+(``batchrl.parts.rollout``), and BatchPPO's learning step on it."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from batchrl.algos.ppo import BatchPPO
+from batchrl.parts.rollout import Rollout, RolloutBuffer, rollout_tensors
+
+
+def buffer(agents=3, length=4, dtype=torch.float32):
+    return RolloutBuffer(rollout_tensors(agents, length, (2,), dtype, (), torch.int64,
+                                         {"log_prob": ((), torch.float32)}))
+
+
+def record(buf, steps, done_at=()):
+    """Record ``steps`` steps; observation of agent i at step t is [t, i]; agents in
+    ``done_at`` (pairs (t, i)) end their episode at step t."""
+    n = buf.num_agents
+    for t in range(steps):
+        observ = torch.tensor([[t, i] for i in range(n)], dtype=torch.float32)
+        buf.act(observ, torch.arange(n), {"log_prob": torch.full((n,), -float(t))})
+        done = torch.tensor([float((t, i) in done_at) for i in range(n)])
+        after = observ + torch.tensor([0.5, 0.0])  # the observation after the step
+        buf.outcome(torch.full((n,), float(t)), done, done * 0, after)
+
+
+def test_a_buffer_records_steps_in_the_rollout_layout():
+    buf = buffer()
+    buf.start(torch.tensor([5, 6, 7]), version=9)
+    record(buf, 4, done_at={(1, 2)})
+    assert buf.full
+    rollout = buf.rollout()
+    assert rollout.size == 3 and rollout.length == 4
+    assert rollout.observ.shape == (3, 5, 2) and rollout.action.dtype == torch.int64
+    assert rollout.agents.tolist() == [5, 6, 7] and rollout.version.tolist() == [9] * 3
+    assert rollout.behaviour["log_prob"][0].tolist() == [0.0, -1.0, -2.0, -3.0]
+    # observ[:, T] is the observation after the last step
+    assert rollout.observ[1, 4].tolist() == [3.5, 1.0]
+    # where a step ended the episode, final_observ holds its last observation; next_observ
+    # takes it there and the next acted-on observation elsewhere
+    assert rollout.final_observ[2, 1].tolist() == [1.5, 2.0]
+    assert rollout.final_observ[2, 0].tolist() == [0.0, 0.0]
+    after = rollout.next_observ()
+    assert after[2, 1].tolist() == [1.5, 2.0] and after[0, 1].tolist() == [2.0, 0.0]
+    with pytest.raises(RuntimeError, match="already holds its 4 steps"):
+        buf.act(torch.zeros(3, 2), torch.zeros(3, dtype=torch.int64),
+                {"log_prob": torch.zeros(3)})
+
+
+def test_an_episode_cut_by_a_reset_ends_at_its_last_step_without_a_terminal_state():
+    buf = buffer()
+    buf.start(torch.arange(3), 0)
+    record(buf, 2, done_at={(1, 0)})
+    # agent 0 ended its episode at step 1 (a natural start); agents 1, 2 were cut
+    buf.begin_episodes(torch.tensor([0, 1]))
+    rollout = buf.rollout()
+    assert rollout.valid[:, 1].tolist() == [True, False, True]
+    assert rollout.done[:, 1].tolist() == [1.0, 1.0, 0.0]
+    assert rollout.terminated[:, 1].tolist() == [0.0, 0.0, 0.0]
+    assert rollout.final_observ[1, 1].tolist() == rollout.observ[1, 1].tolist()
+    # a new rollout starts clean
+    buf.start(torch.arange(3), 1)
+    assert buf.rollout().valid.all() and not buf.rollout().done.any()
+
+
+def test_rollouts_side_by_side_copy_and_move():
+    first, second = buffer(agents=2), buffer(agents=1, dtype=torch.uint8)
+    for buf, agents in ((first, [0, 1]), (second, [2])):
+        buf.start(torch.tensor(agents), 3)
+        record(buf, 4)
+    both = Rollout.cat([first.rollout(), second.rollout().to(torch.device("cpu"))])
+    assert both.agents.tolist() == [0, 1, 2] and both.behaviour["log_prob"].shape == (3, 4)
+    copy = first.rollout().clone()
+    first.start(torch.tensor([0, 1]), 4)
+    first.tensors["observ"].zero_()
+    assert copy.observ.abs().sum() > 0 and copy.version.tolist() == [3, 3]
+
+
+def ppo(**options):
+    return BatchPPO(gym.spaces.Box(-np.inf, np.inf, (3,), np.float32),
+                    gym.spaces.Box(-1, 1, (2,), np.float32), 4, rollout_length=6,
+                    update_epochs=2, minibatch_size=8, inference="eager", update_threads=1,
+                    **options)
+
+
+def collect(actor, steps=6):
+    buf = RolloutBuffer(rollout_tensors(4, steps, (3,), torch.float32, (2,), torch.float32,
+                                        actor.behaviour_fields()))
+    buf.start(torch.arange(4), 0)
+    generator = torch.Generator().manual_seed(0)
+    for t in range(steps):
+        observ = torch.randn(4, 3, generator=generator)
+        action, behaviour = actor.act(observ)
+        buf.act(observ, action, behaviour)
+        done = torch.tensor([0.0, 0.0, float(t == 2), 0.0])
+        buf.outcome(torch.randn(4, generator=generator), done, done,
+                    torch.randn(4, 3, generator=generator))
+    return buf.rollout()
+
+
+def test_ppo_learns_from_its_own_rollout_with_unit_importance_weights():
+    torch.manual_seed(0)
+    learner = ppo()
+    summary = learner.learn(collect(learner))
+    assert summary["ppo/importance_weight"] == pytest.approx(1.0)
+    assert summary["ppo/updates"] == 1.0 and learner.env_steps == 24
+
+
+def test_ppo_weights_a_lagged_rollout_by_its_truncated_importance_ratio():
+    torch.manual_seed(0)
+    learner, actor = ppo(), ppo()
+    actor.load_acting_state(learner.acting_state())
+    with torch.no_grad():  # the behaviour policy differs from the learner's
+        for parameter in actor.policy.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    before = [p.clone() for p in learner.policy.parameters()]
+    summary = learner.learn(collect(actor))
+    assert 0.0 < summary["ppo/importance_weight"] < 1.0
+    assert any(not torch.equal(a, b) for a, b in zip(before, learner.policy.parameters()))
+
+
+def test_acting_state_round_trip_acts_alike():
+    learner, copy = ppo(), ppo()
+    learner.observ_normalizer.update(torch.randn(64, 3) * 5 + 2)
+    copy.load_acting_state(learner.acting_state())
+    observ = torch.randn(5, 3)
+    torch.manual_seed(1)
+    first = learner.act(observ)
+    torch.manual_seed(1)
+    second = copy.act(observ)
+    assert torch.equal(first[0], second[0])
+    assert torch.equal(first[1]["mean_or_logits"], second[1]["mean_or_logits"])
