@@ -7,13 +7,15 @@ that from the log-probabilities the actors recorded. As a ``RolloutAlgorithm`` t
 synchronous loop (then the lag is zero unless ``update_steps > 1``) and with collector processes
 alike. A learning step on a rollout:
 
-1. merge the rollout's observations into the normaliser (and the discounted returns into the
-   reward scale), so that the policy learns with the statistics it will act with next;
+1. merge the rollout's discounted returns into the reward scale;
 2. the values ``V(x_0 .. x_T)``, and of the final observation where a time limit ended an
    episode (zero after a terminal state);
 3. V-trace targets ``vs`` and advantages from the learner's log-probabilities of the actions;
 4. one gradient step on ``actor_critic_loss`` (``update_steps`` of them), the gradient of the
-   policy and of the value network clipped each to ``max_grad_norm``.
+   policy and of the value network clipped each to ``max_grad_norm``;
+5. merge the rollout's observations into the normaliser. The steps before used the statistics
+   the rollout was acted with (in the synchronous loop; a collector's may be older), so that
+   on the learner's own rollout the first step is exactly on-policy.
 """
 
 from __future__ import annotations
@@ -219,8 +221,6 @@ class IMPALA(RolloutAlgorithm):
         steps = rollout.length
         valid, ends = rollout.valid, rollout.done.bool()
         raw = rollout.observ.to(torch.float32).reshape(rollout.size, steps + 1, self.obs_size)
-        if config.normalize_observ:
-            self.observ_normalizer.update(raw[:, :steps][valid])
         reward = self._scale_reward(rollout) if config.normalize_reward else rollout.reward
         observ = self._features(raw, 2)
         # Episodes that a time limit (or a cut) ended bootstrap from their final observation.
@@ -236,6 +236,8 @@ class IMPALA(RolloutAlgorithm):
                 for name, value in self._step(rollout, observ, final_observ, bootstrap,
                                               reward).items():
                     totals[name] = totals.get(name, 0.0) + value
+        if config.normalize_observ:  # (the policy that acted saw the statistics before)
+            self.observ_normalizer.update(raw[:, :steps][valid])
         summary = {f"impala/{name}": total / config.update_steps
                    for name, total in totals.items()}
         summary["impala/lr"] = rate
