@@ -26,6 +26,7 @@ _TORCH_NAMES = {
     "Algorithm": "batchrl.algos.base",
     "BatchPPO": "batchrl.algos.ppo",
     "Reinforce": "batchrl.algos.reinforce",
+    "IMPALA": "batchrl.algos.impala",
 }
 
 __all__ = ["BatchEnv", "BatchVectorEnv", "EnvWorker", "ExternalProcess", "RayEnvWorker",

@@ -24,6 +24,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from batchrl.algos.impala_config import IMPALAConfig
 from batchrl.algos.ppo_config import PPOConfig
 from batchrl.envs.factory import BACKENDS, check_resources, import_from
 from batchrl.errors import UnsupportedSpaceError
@@ -114,7 +115,8 @@ class TrainConfig:
 
 
 BATCHPPO = "batchrl.algos.ppo:BatchPPO"
-SHIPPED_ALGORITHMS = (BATCHPPO, "batchrl.algos.reinforce:Reinforce")
+IMPALA = "batchrl.algos.impala:IMPALA"
+SHIPPED_ALGORITHMS = (BATCHPPO, "batchrl.algos.reinforce:Reinforce", IMPALA)
 # What the trainer tells every algorithm about the run, as keyword arguments its constructor
 # takes by these names: the episode time limit, the training budget and the device.
 RUN_FACTS = ("max_length", "total_steps", "device")
@@ -125,7 +127,7 @@ _FACT_SOURCES = {"max_length": "env.max_length", "total_steps": "train.steps",
 # Hyperparameter classes of shipped algorithms, known without importing the algorithm (and so
 # torch): train.py checks a config before it loads torch. Other classes may name theirs in a
 # ``config_class`` attribute; without one, their constructor's signature is the schema.
-_CONFIG_CLASSES = {BATCHPPO: PPOConfig}
+_CONFIG_CLASSES = {BATCHPPO: PPOConfig, IMPALA: IMPALAConfig}
 
 
 @dataclass

@@ -10,6 +10,9 @@ them (and a new one, such as the clipped objective or an entropy bonus, goes bes
 ``action_distribution``), ``action`` the actions taken, ``advantage`` ``(B, T)`` float32 and
 ``mask`` ``(B, T)`` float32, 1.0 on real steps and 0.0 on padding; means are over the real steps.
 ``terms`` are detached-able tensors to log. All tensors on one device.
+
+``actor_critic_loss`` is a whole loss instead (policy gradient, baseline and entropy terms), for
+algorithms that learn from V-trace targets (``batchrl.parts.vtrace``).
 """
 
 from __future__ import annotations
@@ -51,6 +54,38 @@ def value_loss(value: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -
     """Half the mean squared error of ``value`` against ``returns`` (both ``(B, T)``)."""
     error = returns - value
     return 0.5 * (error ** 2 * mask).sum() / mask.sum().clamp(min=1)
+
+
+def actor_critic_loss(log_prob: torch.Tensor, entropy: torch.Tensor, value: torch.Tensor,
+                      targets: torch.Tensor, advantage: torch.Tensor, valid: torch.Tensor,
+                      baseline_cost: float = 0.5, entropy_cost: float = 0.01
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The actor-critic loss of IMPALA (Espeholt et al., 2018, section 4.2), means over the
+    valid steps::
+
+        loss = -E[log pi(a|x) * advantage] + baseline_cost * 1/2 E[(targets - V)^2]
+               - entropy_cost * E[entropy]
+
+    Args:
+      log_prob: ``(B, T)`` ``log pi(a_t | x_t)`` of the actions taken, with gradient.
+      entropy: ``(B, T)`` entropy of ``pi(. | x_t)``, with gradient.
+      value: ``(B, T)`` ``V(x_t)``, with gradient.
+      targets, advantage: ``(B, T)`` value targets and policy-gradient advantages (V-trace's
+        ``vs`` and ``pg_advantage``); no gradient flows into them.
+      valid: ``(B, T)`` bool or 0/1: the steps the loss uses.
+
+    Returns:
+      ``(loss, terms)``: the scalar loss and its unweighted ``policy_loss``, ``value_loss``
+      (``1/2 E[(targets - V)^2]``) and ``entropy``, scalars.
+    """
+    mask = valid.to(value.dtype)
+    # A step left out may hold a log-probability of -inf, and -inf * 0 is nan.
+    weighted = torch.where(mask > 0, log_prob * advantage.detach(), 0.0)
+    policy = -masked_mean(weighted, mask)
+    baseline = value_loss(value, targets.detach(), mask)
+    mean_entropy = masked_mean(torch.where(mask > 0, entropy, 0.0), mask)
+    loss = policy + baseline_cost * baseline - entropy_cost * mean_entropy
+    return loss, {"policy_loss": policy, "value_loss": baseline, "entropy": mean_entropy}
 
 
 class KLPenalty:

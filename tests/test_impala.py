@@ -1,0 +1,397 @@
+"""IMPALA (batchrl.algos.impala) and its loss: it learns CartPole, resumes exactly, acts from
+its acting state as the learner does, learns from uint8 observations, checks its config."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from batchrl.algos import IMPALA, IMPALAConfig
+from batchrl.checkpoint import list_checkpoints
+from batchrl.config import IMPALA as IMPALA_PATH
+from batchrl.config import ConfigError, load_config
+from batchrl.envs import BatchEnv, wrap_env
+from batchrl.errors import UnsupportedSpaceError
+from batchrl.evaluate import evaluate
+from batchrl.metrics import read_metrics
+from batchrl.parts.losses import actor_critic_loss
+from batchrl.parts.rollout import Rollout, RolloutBuffer, rollout_tensors
+from batchrl.simulation import simulate
+from batchrl.tensor_env import TensorBatchEnv
+from batchrl.trainer import Trainer
+from helpers import scalar_events
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny networks: a second intra-op thread only adds synchronisation.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_env(name: str, num_envs: int, seed: int) -> TensorBatchEnv:
+    env = TensorBatchEnv(BatchEnv([wrap_env(gym.make(name)) for _ in range(num_envs)]))
+    env.reset(seed=seed)
+    return env
+
+
+def train(env: TensorBatchEnv, algo: IMPALA, steps: int, reset: bool = True
+          ) -> list[dict[str, float]]:
+    """``steps`` batch steps of training; the summaries of the learning steps."""
+    algo.train()
+    summaries = []
+    for step in range(steps):
+        _, _, summary = simulate(env, algo, reset=reset and step == 0)
+        if summary:
+            summaries.append(summary)
+    return summaries
+
+
+def weights(algo: IMPALA) -> dict[str, torch.Tensor]:
+    return {**{f"policy.{k}": v for k, v in algo.policy.state_dict().items()},
+            **{f"value.{k}": v for k, v in algo.value.state_dict().items()}}
+
+
+def assert_same_weights(first: IMPALA, second: IMPALA) -> None:
+    ours, theirs = weights(first), weights(second)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+
+
+def assert_equal_state(ours, theirs, where: str = "state") -> None:
+    """Nested dicts, lists and tensors equal, every element."""
+    assert type(ours) is type(theirs), where
+    if isinstance(ours, dict):
+        assert ours.keys() == theirs.keys(), where
+        for key in ours:
+            assert_equal_state(ours[key], theirs[key], f"{where}[{key!r}]")
+    elif isinstance(ours, (list, tuple)):
+        assert len(ours) == len(theirs), where
+        for index, (a, b) in enumerate(zip(ours, theirs)):
+            assert_equal_state(a, b, f"{where}[{index}]")
+    elif isinstance(ours, torch.Tensor):
+        assert torch.equal(ours, theirs), where
+    else:
+        assert ours == theirs, where
+
+
+def round_trip(state: dict) -> dict:
+    """Through torch.save / torch.load, as a checkpoint on disk would be."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+# -- the loss ---------------------------------------------------------------------------
+
+def test_actor_critic_loss_terms_and_gradients():
+    log_prob = torch.tensor([[-0.5, -1.0, -float("inf")]], requires_grad=True)
+    entropy = torch.tensor([[0.6, 0.4, 0.2]], requires_grad=True)
+    value = torch.tensor([[1.0, 2.0, 3.0]], requires_grad=True)
+    targets = torch.tensor([[2.0, 1.0, 9.0]], requires_grad=True)
+    advantage = torch.tensor([[1.0, -2.0, 5.0]], requires_grad=True)
+    valid = torch.tensor([[True, True, False]])  # the last step is left out, -inf and all
+    loss, terms = actor_critic_loss(log_prob, entropy, value, targets, advantage, valid,
+                                    baseline_cost=0.5, entropy_cost=0.1)
+    policy = -(-0.5 * 1.0 + -1.0 * -2.0) / 2
+    baseline = 0.5 * ((2.0 - 1.0) ** 2 + (1.0 - 2.0) ** 2) / 2
+    assert terms["policy_loss"].item() == pytest.approx(policy)
+    assert terms["value_loss"].item() == pytest.approx(baseline)
+    assert terms["entropy"].item() == pytest.approx(0.5)
+    assert loss.item() == pytest.approx(policy + 0.5 * baseline - 0.1 * 0.5)
+    loss.backward()
+    assert log_prob.grad.tolist() == [[-0.5, 1.0, 0.0]]
+    assert entropy.grad[0].tolist() == pytest.approx([-0.05, -0.05, 0.0])
+    assert value.grad[0].tolist() == pytest.approx([0.5 * (1.0 - 2.0) / 2,
+                                                    0.5 * (2.0 - 1.0) / 2, 0.0])
+    # Targets and advantages are constants of the loss.
+    assert targets.grad is None and advantage.grad is None
+
+
+# -- learning ---------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_cartpole_config_learns(tmp_path):
+    """configs/impala/cartpole.toml as train.py runs it: the final evaluation (16 mean-action
+    episodes) scores at least 475 of 500."""
+    config = load_config("impala/cartpole", ["train.device=cpu"])
+    assert config.algorithm.path == IMPALA_PATH
+    Trainer(config, tmp_path / "run", progress=False).run()
+    records = read_metrics(tmp_path / "run")
+    final = records[-1]
+    assert final["phase"] == "eval" and final["step"] == config.train.steps
+    assert final["score"] >= 475, [r["score"] for r in records if r["phase"] == "eval"]
+    events = scalar_events(tmp_path / "run")
+    for tag in ("impala/policy_loss", "impala/value_loss", "impala/entropy", "impala/grad_norm",
+                "impala/rho_mean", "impala/rho_clipped", "impala/lr"):
+        assert tag in events, sorted(events)
+    # Two gradient steps per rollout: the second is off-policy and V-trace clips some ratios.
+    assert any(value > 0 for _, value in events["impala/rho_clipped"])
+    assert events["impala/lr"][-1][1] < events["impala/lr"][0][1]  # the linear decay
+
+
+@pytest.mark.parametrize("name", ["CartPole-v1", "Pendulum-v1"])
+def test_box_and_discrete_actions_act_and_learn_on_policy(name):
+    env = make_env(name, 4, seed=1)
+    torch.manual_seed(1)
+    algo = IMPALA(env.observation_space, env.action_space, len(env), rollout_length=8)
+    assert algo.collector_support() is None and algo.rollout_length == 8
+    summaries = train(env, algo, 8 * 30)  # Pendulum: its 200-step episodes are truncated
+    assert len(summaries) == 30
+    assert all(math.isfinite(value) for s in summaries for value in s.values())
+    assert set(summaries[0]) == {f"impala/{name}" for name in (
+        "policy_loss", "value_loss", "entropy", "loss", "grad_norm", "value_grad_norm",
+        "rho_mean", "rho_clipped", "lr")}
+    # One gradient step per rollout of the learner's own policy: the log-probabilities act()
+    # recorded are the learner's, up to rounding, so nothing is truncated.
+    for summary in summaries:
+        assert summary["impala/rho_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert summary["impala/rho_clipped"] == 0.0
+    observ = env.observ
+    action, behaviour = algo.act(observ)
+    if name == "CartPole-v1":
+        assert action.shape == (4,) and action.dtype == torch.int64
+    else:
+        assert action.shape == (4, 1) and action.dtype == torch.float32
+    assert behaviour["log_prob"].shape == (4,) and behaviour["log_prob"].dtype == torch.float32
+    # Evaluation: the mean (most likely) action, the same every time, and nothing learned.
+    algo.eval()
+    before = {k: v.clone() for k, v in weights(algo).items()}
+    first, _ = algo.perform(torch.arange(4), observ)
+    second, _ = algo.perform(torch.arange(4), observ)
+    assert torch.equal(first, second)
+    for step in range(20):
+        _, _, summary = simulate(env, algo, reset=step == 0)
+        assert summary == {}
+    assert all(torch.equal(before[k], v) for k, v in weights(algo).items())
+    env.close()
+
+
+# -- acting state -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["CartPole-v1", "Pendulum-v1"])
+def test_a_copy_with_the_acting_state_acts_as_the_learner(name):
+    env = make_env(name, 4, seed=2)
+    torch.manual_seed(2)
+    learner = IMPALA(env.observation_space, env.action_space, len(env), rollout_length=5)
+    train(env, learner, 50)  # weights and observation statistics away from their start
+    assert learner.observ_normalizer.count > 0
+    torch.manual_seed(3)
+    copy = IMPALA(env.observation_space, env.action_space, len(env), rollout_length=5)
+    observ = torch.randn(64, *env.observation_space.shape) * 3
+    torch.manual_seed(0)
+    expected = learner.act(observ)
+    torch.manual_seed(0)
+    assert not torch.equal(copy.act(observ)[1]["log_prob"], expected[1]["log_prob"])
+    state = learner.acting_state()
+    assert all(isinstance(tensor, torch.Tensor) for tensor in state.values())
+    copy.load_acting_state(round_trip(state))
+    for deterministic in (False, True):
+        torch.manual_seed(0)
+        ours = learner.act(observ, deterministic)
+        torch.manual_seed(0)
+        theirs = copy.act(observ, deterministic)
+        assert torch.equal(ours[0], theirs[0])
+        assert torch.equal(ours[1]["log_prob"], theirs[1]["log_prob"])
+    # The acting state is a snapshot: the learner learning on does not change the copy.
+    train(env, learner, 20, reset=False)
+    torch.manual_seed(0)
+    assert torch.equal(copy.act(observ)[1]["log_prob"], expected[1]["log_prob"])
+    env.close()
+
+
+# -- learn() on rollouts built by hand ----------------------------------------------------
+
+def hand_rollout(algo: IMPALA, observ_dtype: torch.dtype, seed: int, rows: int = 3,
+                 steps: int = 6) -> Rollout:
+    """A rollout of random uint8-valued observations acted by ``algo``, with episodes that
+    terminate and episodes that a time limit ends inside it, and one cut step."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = algo.observation_space.shape
+    tensors = rollout_tensors(rows, steps, shape, observ_dtype, (), torch.int64,
+                              algo.behaviour_fields())
+    buffer = RolloutBuffer(tensors)
+    buffer.start(torch.arange(rows), version=0)
+    for t in range(steps):
+        observ = torch.randint(0, 256, (rows, *shape), generator=generator)
+        action, behaviour = algo.act(observ.float())
+        buffer.act(observ.to(observ_dtype), action, behaviour)
+        done = torch.tensor([t == 2, t == 3, False]).float()
+        terminated = torch.tensor([t == 2, False, False]).float()
+        next_observ = torch.randint(0, 256, (rows, *shape), generator=generator)
+        buffer.outcome(torch.rand(rows, generator=generator), done, terminated,
+                       next_observ.to(observ_dtype))
+    buffer.cut(torch.tensor([2]))  # the third agent's episode was cut (a reset)
+    return buffer.rollout().clone()
+
+
+def image_algorithm(seed: int, **options) -> IMPALA:
+    torch.manual_seed(seed)
+    observation_space = gym.spaces.Box(0, 255, (2, 3), np.uint8)
+    return IMPALA(observation_space, gym.spaces.Discrete(3), 3, rollout_length=6,
+                  update_steps=2, **options)
+
+
+def test_learn_accepts_uint8_observations_as_their_float32_values():
+    first, second = image_algorithm(4), image_algorithm(4)
+    assert_same_weights(first, second)
+    rollout = hand_rollout(first, torch.uint8, seed=5)
+    assert rollout.observ.dtype == torch.uint8 and not rollout.valid.all()
+    floats = Rollout(**{**vars(rollout), "observ": rollout.observ.float(),
+                        "final_observ": rollout.final_observ.float()})
+    for _ in range(3):
+        summary = first.learn(rollout)
+        assert second.learn(floats) == summary
+    assert all(math.isfinite(value) for value in summary.values())
+    assert_same_weights(first, second)
+    assert torch.equal(first.observ_normalizer.mean, second.observ_normalizer.mean)
+    assert not torch.equal(weights(first)["value.out.weight"],
+                           weights(image_algorithm(4))["value.out.weight"])
+
+
+def test_learn_bootstraps_after_a_time_limit_but_not_after_a_terminal_state():
+    rollout = hand_rollout(image_algorithm(6), torch.uint8, seed=7)
+    # Row 0 terminates at step 2, row 1 is truncated at step 3.
+
+    def learned(changed: Rollout) -> dict[str, torch.Tensor]:
+        algo = image_algorithm(6)
+        algo.learn(rollout)  # observation statistics: before, 0-255 would be clipped to 5
+        algo.learn(changed)
+        return weights(algo)
+
+    def with_final(row: int, step: int) -> Rollout:
+        changed = rollout.clone()
+        changed.final_observ[row, step] = 255 - changed.final_observ[row, step]
+        return changed
+
+    reference = learned(rollout)
+    terminal, truncated = learned(with_final(0, 2)), learned(with_final(1, 3))
+    assert all(torch.equal(reference[k], terminal[k]) for k in reference)
+    assert not all(torch.equal(reference[k], truncated[k]) for k in reference)
+
+
+def test_vtrace_false_ignores_the_behaviour_policy():
+    rollout = hand_rollout(image_algorithm(8), torch.float32, seed=9)
+    other_behaviour = Rollout(**{**vars(rollout),
+                                 "behaviour": {"log_prob": rollout.behaviour["log_prob"] - 1.0}})
+    results = {}
+    for vtrace in (True, False):
+        for name, data in (("same", rollout), ("other", other_behaviour)):
+            algo = image_algorithm(8, vtrace=vtrace)
+            algo.learn(data)
+            results[vtrace, name] = weights(algo)
+    same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
+    assert same(results[False, "same"], results[False, "other"])
+    # With V-trace the other behaviour's ratios (e times larger) are truncated otherwise.
+    assert not same(results[True, "same"], results[True, "other"])
+
+
+# -- checkpoints ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["CartPole-v1", "Pendulum-v1"])
+def test_state_dict_resumes_exactly_in_the_middle_of_a_rollout(name):
+    env = make_env(name, 4, seed=10)
+    torch.manual_seed(10)
+    options = dict(rollout_length=7, update_steps=2, lr_schedule="linear", total_steps=2000)
+    algo = IMPALA(env.observation_space, env.action_space, len(env), **options)
+    train(env, algo, 7 * 5 + 3)  # 5 rollouts and 3 steps of the next one
+    assert algo.buffer.step == 3 and algo.learned_steps == 4 * 7 * 5
+    state = round_trip(algo.state_dict())
+    torch.manual_seed(11)
+    fresh = IMPALA(env.observation_space, env.action_space, len(env), **options)
+    fresh.load_state_dict(state)
+    assert fresh.buffer.step == 3 and fresh.updates == algo.updates == 5
+    env.close()
+    # Both go on from the same envs and the same random numbers: the same updates.
+    for resumed in (algo, fresh):
+        torch.manual_seed(12)
+        resumed_env = make_env(name, 4, seed=13)
+        train(resumed_env, resumed, 7 * 4)
+        resumed_env.close()
+    assert_same_weights(algo, fresh)
+    assert_equal_state(algo.state_dict(), fresh.state_dict())
+
+
+RESUME = ["env.num_agents=4", "train.eval_every=2", "train.eval_episodes=2", "train.device=cpu",
+          "algorithm.rollout_length=10", "train.keep_checkpoints=50",
+          # (a smaller budget would decay a linear schedule sooner: not the same run)
+          "algorithm.lr_schedule=constant"]
+PHASE = 4 * 10 * 2  # env steps of a training phase
+
+
+def test_a_resumed_trainer_run_equals_a_straight_one(tmp_path):
+    def comparable(logdir):
+        return [(r["step"], r["phase"], r["score"], r["length"], r["episodes"])
+                for r in read_metrics(logdir)]
+
+    full = load_config("impala/cartpole", RESUME + [f"train.steps={6 * PHASE}"])
+    Trainer(full, tmp_path / "straight", progress=False).run()
+    half = load_config("impala/cartpole", RESUME + [f"train.steps={3 * PHASE}"])
+    Trainer(half, tmp_path / "resumed", progress=False).run()
+    assert read_metrics(tmp_path / "resumed")[-1]["step"] == 3 * PHASE
+    Trainer(full, tmp_path / "resumed", progress=False).run()
+    assert comparable(tmp_path / "resumed") == comparable(tmp_path / "straight")
+    assert len(comparable(tmp_path / "straight")) == 12
+    straight, resumed = (torch.load(list_checkpoints(tmp_path / run)[-1], weights_only=False)
+                         for run in ("straight", "resumed"))
+    assert_equal_state(straight["algorithm"], resumed["algorithm"])
+    # Another number of agents evaluates the checkpoint (fresh per-agent state).
+    result = evaluate(tmp_path / "resumed", episodes=3, agents=3, device="cpu")
+    assert result["episodes"] == 3 and result["agents"] == 3
+
+
+# -- configuration ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("key, value, message", [
+    ("activation", "sigmoid", "activation must be one of ('relu', 'tanh'), got 'sigmoid'"),
+    ("optimizer", "sgd", "optimizer must be one of ('adam', 'rmsprop'), got 'sgd'"),
+    ("lr_schedule", "cosine", "lr_schedule must be one of"),
+    ("policy_layers", (64, 0), "policy_layers must be layer sizes >= 1, got (64, 0)"),
+    ("rollout_length", 0, "rollout_length must be >= 1, got 0"),
+    ("update_steps", 0, "update_steps must be >= 1, got 0"),
+    ("learning_rate", 0.0, "learning_rate must be > 0, got 0.0"),
+    ("rho_bar", -1.0, "rho_bar must be > 0, got -1.0"),
+    ("c_bar", float("nan"), "c_bar must be > 0, got nan"),
+    ("discount", 1.5, "discount must be in [0, 1], got 1.5"),
+    ("entropy_cost", -0.1, "entropy_cost must be >= 0, got -0.1"),
+    ("max_grad_norm", 0.0, "max_grad_norm must be > 0 or None, got 0.0"),
+])
+def test_bad_config_values_are_one_line_errors(key, value, message):
+    with pytest.raises(ValueError) as info:
+        IMPALAConfig(**{key: value})
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_bad_values_in_a_config_file_name_the_key():
+    with pytest.raises(ConfigError) as info:
+        load_config("impala/cartpole", ["algorithm.c_bar=0"])
+    assert str(info.value) == "algorithm.c_bar must be > 0, got 0.0"
+    with pytest.raises(ConfigError, match=r"IMPALA \(batchrl.algos.impala:IMPALA\) does not "
+                                          r"take algorithm.update_epochs; its keys: "):
+        load_config("impala/cartpole", ["algorithm.update_epochs=3"])
+    with pytest.raises(ConfigError, match="algorithm.rollout_length: expected an integer"):
+        load_config("impala/cartpole", ["algorithm.rollout_length=ten"])
+
+
+def test_constructor_errors():
+    box, discrete = gym.spaces.Box(-1, 1, (3,)), gym.spaces.Discrete(2)
+    with pytest.raises(TypeError, match="IMPALAConfig or keyword arguments, not both"):
+        IMPALA(box, discrete, 2, IMPALAConfig(), learning_rate=1e-3)
+    with pytest.raises(ValueError, match="lr_schedule='linear' needs total_steps"):
+        IMPALA(box, discrete, 2, lr_schedule="linear")
+    with pytest.raises(UnsupportedSpaceError, match="Box observation space"):
+        IMPALA(discrete, discrete, 2)
+    with pytest.raises(UnsupportedSpaceError, match="Discrete and 1-D Box action spaces"):
+        IMPALA(box, gym.spaces.MultiDiscrete([2, 2]), 2)
+    with pytest.raises(UnsupportedSpaceError, match="Discrete and 1-D Box action spaces"):
+        IMPALA(box, gym.spaces.Box(-1, 1, (2, 2)), 2)
