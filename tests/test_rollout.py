@@ -135,3 +135,48 @@ def test_acting_state_round_trip_acts_alike():
     second = copy.act(observ)
     assert torch.equal(first[0], second[0])
     assert torch.equal(first[1]["mean_or_logits"], second[1]["mean_or_logits"])
+
+
+def test_ppo_with_vtrace_targets_learns_from_a_lagged_rollout():
+    torch.manual_seed(0)
+    actor = ppo()
+    with torch.no_grad():
+        for parameter in actor.policy.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    rollout = collect(actor)
+    learned = {}
+    for targets in ("vtrace", "gae"):
+        torch.manual_seed(1)
+        learner = ppo(value_targets=targets, gae_lambda=1.0)
+        summary = learner.learn(rollout)
+        assert np.isfinite(summary["ppo/total_loss"])
+        learned[targets] = torch.cat([p.detach().flatten() for p in learner.value.parameters()])
+    # V-trace's targets differ from the uncorrected returns where the policies differ
+    assert not torch.allclose(learned["vtrace"], learned["gae"])
+
+
+def test_vtrace_targets_without_lag_are_the_returns_of_gae_with_lambda_one():
+    from batchrl.simulation import Simulation
+    from batchrl.tensor_env import TensorBatchEnv
+    from batchrl.envs import BatchEnv
+
+    def one_update(**options):
+        torch.manual_seed(0)
+        env = TensorBatchEnv(BatchEnv([gym.make("CartPole-v1") for _ in range(4)],
+                                      blocking=True))
+        algo = BatchPPO(env.observation_space, env.action_space, 4, rollout_length=16,
+                        update_epochs=1, inference="eager", update_threads=1, **options)
+        simulation = Simulation(env)
+        for step in range(16):
+            simulation.step(algo, reset=step == 0, seed=0 if step == 0 else None)
+        env.close()
+        return [p.detach().clone() for p in (*algo.policy.parameters(),
+                                             *algo.value.parameters())]
+
+    for a, b in zip(one_update(value_targets="vtrace"), one_update(gae_lambda=1.0)):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_vtrace_targets_need_rollouts():
+    with pytest.raises(ValueError, match="value_targets='vtrace' needs fixed-length rollouts"):
+        BatchPPO(gym.spaces.Box(-1, 1, (3,)), gym.spaces.Discrete(2), 2, value_targets="vtrace")

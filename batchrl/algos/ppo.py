@@ -40,6 +40,7 @@ from batchrl.parts.memory import EpisodeMemory, RolloutMemory
 from batchrl.parts.normalize import StreamingNormalizer
 from batchrl.parts.returns import discounted_cumsum, gae, generalized_advantage
 from batchrl.parts.rollout import Fields, Rollout
+from batchrl.parts.vtrace import vtrace
 
 __all__ = ["BatchPPO", "KLPenalty", "compile_actor"]
 
@@ -338,20 +339,28 @@ class BatchPPO(Algorithm):
         reward = data["reward"]
         if config.normalize_reward:
             reward = self.reward_normalizer.transform(reward)
+        targets = None
         if rollout:
             # Next state: the next stored one, or at a segment's end the one stored with it.
             next_value = torch.where(data["ends"], after,
                                      torch.cat([value[:, 1:], after[:, -1:]], 1))
-            advantage = gae(reward, value, next_value, data["ends"], config.discount, lambda_)
+            if config.value_targets == "vtrace":  # (log_rho 0 without lag: n-step returns)
+                log_rho = data.get("log_rho", torch.zeros_like(reward))
+                targets, advantage = vtrace(log_rho, reward, value, next_value, data["ends"],
+                                            config.discount)
+            else:
+                advantage = gae(reward, value, next_value, data["ends"], config.discount,
+                                lambda_)
         else:
             advantage = generalized_advantage(reward, value, length, config.discount, lambda_,
                                               after)
         weight = data.get("behaviour_weight")
         data = {name: data[name] for name in self.memory.step_fields}
-        data["returns"] = advantage + value
+        data["returns"] = advantage + value if targets is None else targets
         valid = advantage[mask]
         data["advantage"] = (advantage - valid.mean()) / (valid.std() + 1e-8) * mask
-        if weight is not None:  # (rollouts of older weights: see learn)
+        if weight is not None and targets is None:  # (older weights: see learn; V-trace's
+            # advantages carry the truncated weight already)
             data["advantage"] = data["advantage"] * weight
         return data, mask
 
@@ -593,7 +602,8 @@ class BatchPPO(Algorithm):
         update's own step whatever the lag; each step's advantage is weighted by
         ``min(1, pi_0(a|s) / mu(a|s))``, IMPALA's truncated importance weight, to correct for
         the data coming from ``mu``. Without lag the weight is 1 and this is the synchronous
-        update."""
+        update. With ``value_targets="vtrace"`` the value targets and advantages are V-trace's
+        (``rho = pi_0 / mu``), which carry that weight themselves (NAPPO's IMPALA-PPO)."""
         with torch.no_grad():
             rollout = rollout.to(self.device)
             batch, steps = rollout.size, rollout.length
@@ -618,7 +628,7 @@ class BatchPPO(Algorithm):
             log_ratio = proximal.log_prob(rollout.action) - behaviour.log_prob(rollout.action)
             data = {"observ": normalized, "action": rollout.action, "reward": rollout.reward,
                     "mean_or_logits": mean_or_logits, "log_std": log_std,
-                    "behaviour_weight": log_ratio.exp().clamp(max=1.0),
+                    "behaviour_weight": log_ratio.exp().clamp(max=1.0), "log_rho": log_ratio,
                     "state": state, "valid": valid,
                     "ends": rollout.done.bool() | last,
                     "bootstrap_observ": self._normalize(next_observ.reshape(batch * steps, -1)

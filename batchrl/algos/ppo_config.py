@@ -11,6 +11,7 @@ NETWORKS = ("feed_forward", "recurrent")
 INITS = ("default", "orthogonal")
 REWARD_SCALES = ("reward", "return")
 LR_SCHEDULES = ("constant", "linear")
+VALUE_TARGETS = ("gae", "vtrace")
 
 
 @dataclass
@@ -38,6 +39,7 @@ class PPOConfig:
     lr_schedule: str = "constant"             # or "linear": decay to 0 over the run's steps
     discount: float = 0.99
     gae_lambda: float | None = None           # None: plain discounted returns
+    value_targets: str = "gae"                # or "vtrace": V-trace targets and advantages
     kl_target: float = 1e-2
     kl_cutoff_factor: float = 2.0
     kl_cutoff_coef: float = 1000.0
@@ -52,7 +54,8 @@ class PPOConfig:
     def __post_init__(self) -> None:
         for name, choices in (("network", NETWORKS), ("activation", ACTIVATIONS),
                               ("init", INITS), ("reward_scale", REWARD_SCALES),
-                              ("lr_schedule", LR_SCHEDULES), ("inference", INFERENCE_MODES)):
+                              ("lr_schedule", LR_SCHEDULES), ("inference", INFERENCE_MODES),
+                              ("value_targets", VALUE_TARGETS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         for name in ("update_every", "update_epochs", "gru_size"):
@@ -74,6 +77,9 @@ class PPOConfig:
             raise ValueError(f"batch_size ({self.batch_size} sequences) and minibatch_size "
                              f"({self.minibatch_size} time steps) both set the size of a "
                              f"gradient step's batch: set one of them")
+        if self.value_targets == "vtrace" and self.rollout_length is None:
+            raise ValueError("value_targets='vtrace' needs fixed-length rollouts: set "
+                             "rollout_length")
         if self.network == "recurrent":
             for name in ("rollout_length", "minibatch_size"):
                 if getattr(self, name) is not None:
