@@ -9,8 +9,6 @@ import os
 import signal
 import time
 
-import gymnasium as gym
-import numpy as np
 import pytest
 import torch
 

@@ -24,6 +24,11 @@ from batchrl.simulation import Simulation
 from batchrl.tensor_env import TensorBatchEnv
 
 
+class CollectorError(RuntimeError):
+    """A collector failed before its first rollout, or more often than ``max_restarts``
+    allows, or the cluster cannot place the collectors."""
+
+
 @dataclasses.dataclass
 class CollectorSpec:
     """How to build a collector, picklable (it travels to another process or node).

@@ -15,7 +15,6 @@ every update sees every agent once, as in the synchronous loop. So a collector t
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -26,18 +25,14 @@ import numpy as np
 import torch
 import torch.multiprocessing  # noqa: F401  (shares tensors between processes when pickled)
 
-from batchrl.collectors.collector import CollectorSpec, Link, collect
+from batchrl.collectors.collector import CollectorError, CollectorSpec, Link, collect
 from batchrl.envs.process.channel import context, start_worker
 from batchrl.parts.rollout import Rollout, RolloutBuffer, rollout_tensors
 
-__all__ = ["CollectorError", "LocalCollectors"]
+__all__ = ["LocalCollectors"]
 
 _POLL_SECONDS = 0.1
 _IDLE = -1
-
-
-class CollectorError(RuntimeError):
-    """A collector failed more often than ``max_restarts`` allows."""
 
 
 class _Shared:

@@ -19,8 +19,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from batchrl.collectors.collector import CollectorSpec, Link, collect
-from batchrl.collectors.local import CollectorError
+from batchrl.collectors.collector import CollectorError, CollectorSpec, Link, collect
 from batchrl.envs.ray import cluster as ray_cluster
 from batchrl.parts.rollout import Rollout, RolloutBuffer, rollout_tensors
 
