@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import random
 import sys
 import time
@@ -257,8 +258,7 @@ class Trainer:
         config, counters = self.config, self.counters
         algo.train()
         counters.phases += 1
-        scores: list[float] = []
-        lengths: list[float] = []
+        episodes = scores = squares = lengths = 0.0  # of the episodes finished in the phase
         start = last = time.perf_counter()
         steps = 0
         for _ in range(updates):
@@ -275,10 +275,11 @@ class Trainer:
             stepped = rollout.size * rollout.length
             counters.steps += stepped
             steps += stepped
-            episodes = [(score, length) for meta in metas
-                        for score, length in zip(meta["scores"], meta["lengths"])]
-            scores += [score for score, _ in episodes]
-            lengths += [length for _, length in episodes]
+            ended = sum(meta["episodes"] for meta in metas)
+            episodes += ended
+            scores += sum(meta["score_sum"] for meta in metas)
+            squares += sum(meta["score_squares"] for meta in metas)
+            lengths += sum(meta["length_sum"] for meta in metas)
             summary.update({
                 "collectors/lag_mean": float(lag.mean()), "collectors/lag_max": float(lag.max()),
                 "collectors/queue": float(pool.queued),
@@ -286,10 +287,10 @@ class Trainer:
                                               for m in metas),
                 "learner/steps_per_s": stepped / max(now - last, 1e-9),
                 "learner/wait_s": learning - waited, "learner/learn_s": now - learning})
-            if episodes:
-                summary["score"] = float(np.mean([score for score, _ in episodes]))
-                summary["length"] = float(np.mean([length for _, length in episodes]))
-                summary["episodes"] = float(len(episodes))
+            if ended:
+                summary["score"] = sum(meta["score_sum"] for meta in metas) / ended
+                summary["length"] = sum(meta["length_sum"] for meta in metas) / ended
+                summary["episodes"] = float(ended)
             restarts = sum(meta["env_restarts"] for meta in metas)
             if restarts or pool.restarts != self._collector_restarts:
                 counters.env_restarts += restarts
@@ -307,11 +308,12 @@ class Trainer:
         elapsed = time.perf_counter() - start
         counters.wall_time += elapsed
         counters.train_phases += 1
-        return {"step": counters.steps, "phase": "train",
-                "score": float(np.mean(scores)) if scores else None,
-                "score_std": float(np.std(scores)) if scores else None,
-                "length": float(np.mean(lengths)) if lengths else None,
-                "episodes": len(scores), "wall_time": round(counters.wall_time, 3),
+        mean = scores / episodes if episodes else None
+        return {"step": counters.steps, "phase": "train", "score": mean,
+                "score_std": math.sqrt(max(0.0, squares / episodes - mean * mean))
+                if episodes else None,
+                "length": lengths / episodes if episodes else None,
+                "episodes": int(episodes), "wall_time": round(counters.wall_time, 3),
                 "steps_per_s": round(steps / elapsed, 1)}
 
     def _collectors(self, algo: Algorithm, env: TensorBatchEnv, bar: Any) -> Any:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchrl.parts import discounted_return, vtrace
+from batchrl.parts import discounted_return, gae, vtrace
 
 
 def reference_vtrace(log_rho, reward, value, next_value, ends, gamma, rho_bar, c_bar):
@@ -194,3 +194,18 @@ def test_shapes_dtypes_and_no_gradient():
         vtrace(**tensors, discount=1.5)
     with pytest.raises(ValueError, match="rho_bar and c_bar must be > 0"):
         vtrace(**tensors, discount=0.9, c_bar=0.0)
+
+
+def test_an_invalid_step_adds_nothing_to_the_steps_before_it():
+    """An episode cut by an env restart: its last recorded step (invalid) ends it; the step
+    before bootstraps from the invalid step's value instead of taking in its reward."""
+    reward = torch.tensor([[1.0, 5.0, 1.0]])
+    value = torch.tensor([[0.5, 2.0, 0.3]])
+    next_value = torch.tensor([[2.0, 9.0, 0.0]])  # the cut step's "next value" is junk
+    ends = torch.tensor([[False, True, True]])
+    valid = torch.tensor([[True, False, True]])
+    targets = vtrace(torch.zeros(1, 3), reward, value, next_value, ends, 0.9, valid=valid)
+    assert targets.vs[0, 0] == pytest.approx(1.0 + 0.9 * 2.0)
+    assert targets.pg_advantage[0, 0] == pytest.approx(1.0 + 0.9 * 2.0 - 0.5)
+    advantage = gae(reward, value, next_value, ends, 0.9, 0.95, valid=valid)
+    assert advantage[0, 0] == pytest.approx(1.0 + 0.9 * 2.0 - 0.5)

@@ -260,10 +260,10 @@ class IMPALA(RolloutAlgorithm):
             log_rho = log_prob - rollout.behaviour["log_prob"]
             if config.vtrace:
                 targets = vtrace(log_rho, reward, values[:, :steps], next_value, ends,
-                                 config.discount, config.rho_bar, config.c_bar)
+                                 config.discount, config.rho_bar, config.c_bar, valid=valid)
             else:  # on-policy n-step targets: every ratio taken as 1
                 targets = vtrace(torch.zeros_like(log_rho), reward, values[:, :steps],
-                                 next_value, ends, config.discount)
+                                 next_value, ends, config.discount, valid=valid)
         loss, terms = actor_critic_loss(log_prob, distribution.entropy(), values[:, :steps],
                                         targets.vs, targets.pg_advantage, valid,
                                         config.baseline_cost, config.entropy_cost)

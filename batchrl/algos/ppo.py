@@ -347,10 +347,10 @@ class BatchPPO(Algorithm):
             if config.value_targets == "vtrace":  # (log_rho 0 without lag: n-step returns)
                 log_rho = data.get("log_rho", torch.zeros_like(reward))
                 targets, advantage = vtrace(log_rho, reward, value, next_value, data["ends"],
-                                            config.discount)
-            else:
+                                            config.discount, valid=mask)
+            else:  # (the memory's invalid steps end their segments: nothing to mask there)
                 advantage = gae(reward, value, next_value, data["ends"], config.discount,
-                                lambda_)
+                                lambda_, valid=None if rollout_data is None else mask)
         else:
             advantage = generalized_advantage(reward, value, length, config.discount, lambda_,
                                               after)

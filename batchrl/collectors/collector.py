@@ -142,20 +142,24 @@ def collect(spec: CollectorSpec, index: int, link: Link, incarnation: int = 0) -
             recorder.buffer = buffer = RolloutBuffer(tensors)
             buffer.start(agents, version)
             started = time.perf_counter()
-            scores: list[float] = []
-            lengths: list[int] = []
+            episodes = scores = squares = lengths = 0.0
             for _ in range(spec.rollout_length):
                 done, score, _ = simulation.step(recorder, reset=first,
                                                  seed=seed if first else None)
                 first = False
                 if bool(done.any()):
-                    scores += score[done].tolist()
-                    lengths += simulation.episode_length[done].tolist()
+                    ended = score[done].double()
+                    episodes += len(ended)
+                    scores += float(ended.sum())
+                    squares += float((ended * ended).sum())
+                    lengths += float(simulation.episode_length[done].sum())
             restarts = batch_env.restarts
+            # A few numbers, whatever the rollout: the message stays small.
             link.send(token, {"collector": index, "version": version,
                               "steps": len(env) * spec.rollout_length,
                               "seconds": time.perf_counter() - started,
-                              "scores": scores, "lengths": lengths,
+                              "episodes": episodes, "score_sum": scores,
+                              "score_squares": squares, "length_sum": lengths,
                               "env_restarts": restarts - restarts_seen})
             restarts_seen = restarts
     finally:

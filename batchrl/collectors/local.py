@@ -2,10 +2,12 @@
 
 The learner allocates each collector a fixed set of rollout slots (``rollout_tensors`` in shared
 memory) before any collector starts. A collector takes one of its free slots (it waits while none
-is free: its queue is bounded), fills it in place with one rollout and puts the slot's number in
-the ``full`` queue; the learner copies a batch out and hands the slots back. Weights are one
-shared copy of the algorithm's ``acting_state``, rewritten under a lock at each publish with a
-version number.
+is free: its queue is bounded), fills it in place with one rollout and reports the slot in its
+``full`` queue; the learner copies a batch out and hands the slots back. Weights are one shared
+copy of the algorithm's ``acting_state`` with a version, rewritten by the learner under a
+sequence lock (collectors retry a copy that a publish overlapped), so a collector that dies
+anywhere holds no lock the learner needs. Each collector has queues of its own, which the learner
+replaces with new ones, rebuilt from what it received, when it replaces the collector.
 
 Update ``k`` learns from the ``k``-th rollout of every collector (its round ``k``), side by side:
 every update sees every agent once, as in the synchronous loop. So a collector that starts round
@@ -27,12 +29,11 @@ import torch.multiprocessing  # noqa: F401  (shares tensors between processes wh
 
 from batchrl.collectors.collector import CollectorError, CollectorSpec, Link, collect
 from batchrl.envs.process.channel import context, start_worker
-from batchrl.parts.rollout import Rollout, RolloutBuffer, rollout_tensors
+from batchrl.parts.rollout import Fields, Rollout, RolloutBuffer, rollout_tensors
 
 __all__ = ["LocalCollectors"]
 
 _POLL_SECONDS = 0.1
-_IDLE = -1
 
 
 class _Shared:
@@ -43,18 +44,17 @@ class _Shared:
         collectors = len(slots)
         self.slots = slots  # [collector][slot]
         self.weights = weights
-        self.free = [ctx.Queue() for _ in range(collectors)]
+        self.free = [ctx.Queue() for _ in range(collectors)]  # learner -> collector: slots
+        self.full = [ctx.Queue() for _ in range(collectors)]  # collector -> learner
         for free, own in zip(self.free, slots):
             for slot in range(len(own)):
                 free.put(slot)
-        self.full = ctx.Queue()
         self.errors = ctx.Queue()  # (collector, one line) of a collector that failed
-        self.lock = ctx.Lock()
-        self.version = ctx.Value("q", -1, lock=False)  # read and written under self.lock
+        # The weights' sequence number: odd while the learner rewrites them.
+        self.sequence = ctx.Value("q", 0, lock=False)
+        self.version = ctx.Value("q", -1, lock=False)
         self.rounds = ctx.Array("q", [0] * collectors, lock=False)  # each one's next round
-        self.stop = ctx.Event()
-        # (round, slot) each collector holds while it fills a slot; slot _IDLE when none.
-        self.holding = ctx.Array("q", [_IDLE] * (2 * collectors), lock=False)
+        self.stop = ctx.Value("b", 0, lock=False)
         self.max_lag = max_lag
 
 
@@ -66,41 +66,40 @@ class _SharedLink(Link):
 
     def begin(self) -> tuple[dict[str, torch.Tensor], Any] | None:
         shared, index = self.shared, self.index
-        round_, slot = shared.holding[2 * index], shared.holding[2 * index + 1]
-        if slot == _IDLE:  # (else a predecessor that failed left this rollout to finish)
-            while True:
-                if shared.stop.is_set():
-                    return None
-                try:
-                    slot = shared.free[index].get(timeout=_POLL_SECONDS)
-                    break
-                except queue.Empty:
-                    pass
-            with shared.lock:
-                round_ = shared.rounds[index]
-                shared.rounds[index] = round_ + 1
-                shared.holding[2 * index], shared.holding[2 * index + 1] = round_, slot
+        while True:
+            if shared.stop.value:
+                return None
+            try:
+                slot = shared.free[index].get(timeout=_POLL_SECONDS)
+                break
+            except queue.Empty:
+                pass
+        round_ = shared.rounds[index]
+        shared.rounds[index] = round_ + 1
         if shared.max_lag is not None:
             while shared.version.value < round_ - shared.max_lag:
-                if shared.stop.is_set():
+                if shared.stop.value:
                     return None
                 time.sleep(0.001)
         return shared.slots[index][slot], (round_, slot)
 
     def weights(self, known: int) -> tuple[int, dict[str, torch.Tensor]] | None:
         shared = self.shared
-        if shared.version.value == known:
-            return None
-        with shared.lock:
-            return shared.version.value, {name: value.clone()
-                                          for name, value in shared.weights.items()}
+        while True:
+            before = shared.sequence.value
+            if before % 2:  # a publish is under way
+                time.sleep(0.0005)
+                continue
+            version = shared.version.value
+            if version == known:
+                return None
+            state = {name: value.clone() for name, value in shared.weights.items()}
+            if shared.sequence.value == before:
+                return version, state
 
     def send(self, token: Any, meta: dict[str, Any]) -> None:
         round_, slot = token
-        shared = self.shared
-        with shared.lock:
-            shared.full.put((round_, self.index, slot, meta))
-            shared.holding[2 * self.index] = shared.holding[2 * self.index + 1] = _IDLE
+        self.shared.full[self.index].put((round_, slot, meta))
 
 
 def _collector_main(spec: CollectorSpec, index: int, shared: _Shared, incarnation: int,
@@ -113,14 +112,15 @@ def _collector_main(spec: CollectorSpec, index: int, shared: _Shared, incarnatio
         collect(spec, index, _SharedLink(shared, index), incarnation)
     except BaseException as exc:  # noqa: BLE001 - reported to the learner, then exit
         shared.errors.put((index, f"{type(exc).__name__}: {exc}".splitlines()[0]))
-        shared.errors.close()
-        shared.errors.join_thread()
+        for channel in (shared.errors, shared.full[index]):  # (what it sent last arrives)
+            channel.close()
+            channel.join_thread()
         os._exit(1)
 
 
 class LocalCollectors:
     """``spec.collectors`` collector processes of this machine and the learner's end of their
-    queue (see the module docstring).
+    queues (see the module docstring).
 
     Args:
       spec: how each collector builds its env and acting algorithm.
@@ -134,10 +134,11 @@ class LocalCollectors:
       report: called with a line for each collector replaced.
     """
 
-    def __init__(self, spec: CollectorSpec, observation_space: Any, action_space: Any,
-                 behaviour: dict, acting_state: dict[str, torch.Tensor],
-                 max_policy_lag: int | None = None, queue_size: int | None = None,
-                 max_restarts: int = 0, report: Callable[[str], None] = print):
+    def __init__(self, spec: CollectorSpec, observation_space: gym.Space,
+                 action_space: gym.Space, behaviour: Fields,
+                 acting_state: dict[str, torch.Tensor], max_policy_lag: int | None = None,
+                 queue_size: int | None = None, max_restarts: int = 0,
+                 report: Callable[[str], None] = print):
         self.spec, self.report = spec, report
         self.max_restarts, self.restarts = max_restarts, 0
         count = spec.collectors
@@ -161,11 +162,16 @@ class LocalCollectors:
         self._round = 0  # the next batch's
         self._waiting: dict[tuple[int, int], tuple[int, dict]] = {}  # (round, c) -> (slot, meta)
         self._processes: list[Any] = [None] * count
-        self._delivered = [False] * count  # whether each one's current process sent a rollout
         self._incarnations = [0] * count
+        self._delivered = [False] * count  # whether each one's first process sent a rollout
+        self._errors: dict[int, str] = {}
         self.publish(acting_state)
-        for index in range(count):
-            self._start(index)
+        try:
+            for index in range(count):
+                self._start(index)
+        except BaseException:
+            self.close()
+            raise
 
     def _start(self, index: int) -> None:
         process = self._ctx.Process(
@@ -175,20 +181,36 @@ class LocalCollectors:
         self._processes[index] = process
 
     @property
+    def pids(self) -> list[int | None]:
+        """The process id of each collector (``None`` before it started)."""
+        return [None if process is None else process.pid for process in self._processes]
+
+    @property
     def queued(self) -> int:
         """Finished rollouts waiting for the learner."""
-        with contextlib.suppress(NotImplementedError):
-            return self.shared.full.qsize() + len(self._waiting)
+        self._drain()
         return len(self._waiting)
 
     def publish(self, acting_state: dict[str, torch.Tensor]) -> int:
         """Make ``acting_state`` the newest weights; returns its version."""
         shared = self.shared
-        with shared.lock:
-            for name, value in acting_state.items():
-                shared.weights[name].copy_(value.detach())
-            self.version = shared.version.value = shared.version.value + 1
+        shared.sequence.value += 1  # odd: collectors retry a copy that overlaps this
+        for name, value in acting_state.items():
+            shared.weights[name].copy_(value.detach())
+        self.version = shared.version.value = shared.version.value + 1
+        shared.sequence.value += 1
         return self.version
+
+    def _drain(self, index: int | None = None) -> bool:
+        """Take what the collectors (or collector ``index``) reported; whether anything came."""
+        came = False
+        for which in range(self.spec.collectors) if index is None else (index,):
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    finished, slot, meta = self.shared.full[which].get_nowait()
+                    self._waiting[finished, which] = (slot, meta)
+                    self._delivered[which] = came = True
+        return came
 
     def receive(self, check: Callable[[], None] = lambda: None
                 ) -> tuple[Rollout, list[dict[str, Any]]]:
@@ -196,15 +218,14 @@ class LocalCollectors:
         copied out of shared memory) and their ``meta``. Waits for it, replacing failed
         collectors; ``check`` runs while waiting (it may raise to stop)."""
         shared, count, round_ = self.shared, self.spec.collectors, self._round
+        polled = time.monotonic()
         while not all((round_, index) in self._waiting for index in range(count)):
-            try:
-                finished, index, slot, meta = shared.full.get(timeout=_POLL_SECONDS)
-            except queue.Empty:
+            if not self._drain():
+                time.sleep(0.001)
+            if time.monotonic() - polled > _POLL_SECONDS:
                 check()
                 self._supervise()
-                continue
-            self._waiting[finished, index] = (slot, meta)
-            self._delivered[index] = True
+                polled = time.monotonic()
         taken = [self._waiting.pop((round_, index)) for index in range(count)]
         rollouts = [RolloutBuffer(shared.slots[index][slot]).rollout()
                     for index, (slot, _) in enumerate(taken)]
@@ -215,19 +236,18 @@ class LocalCollectors:
         return batch, [meta for _, meta in taken]
 
     def _supervise(self) -> None:
-        """Replace collectors that exited (their unfinished rollout is left to the new one);
-        one that failed before its first rollout fails the run (it would fail again)."""
+        """Replace collectors that exited; a first one that failed before its first rollout
+        fails the run (it would fail again)."""
         exited = [index for index, process in enumerate(self._processes)
                   if process.exitcode is not None]
-        errors = {}  # (read after the exits: a failed collector sends its error first)
-        with contextlib.suppress(queue.Empty):
+        with contextlib.suppress(queue.Empty):  # (read after the exits: errors come first)
             while exited:
                 index, line = self.shared.errors.get(timeout=_POLL_SECONDS)
-                errors[index] = line
+                self._errors[index] = line
         for index in exited:
             process = self._processes[index]
-            why = errors.get(index, f"exited with code {process.exitcode}")
-            if not self._delivered[index]:
+            why = self._errors.pop(index, f"exited with code {process.exitcode}")
+            if not self._incarnations[index] and not self._delivered[index]:
                 raise CollectorError(f"collector {index} failed before its first rollout: "
                                      f"{why}")
             if self.restarts >= self.max_restarts:
@@ -236,15 +256,32 @@ class LocalCollectors:
                                      f"{self.max_restarts}: env.max_restarts)")
             self.restarts += 1
             self._incarnations[index] += 1
-            self._delivered[index] = False
             self.report(f"collector {index} failed ({why}); replaced [{self.restarts} of at "
                         f"most {self.max_restarts}]")
             process.close()
+            self._renew(index)
             self._start(index)
+
+    def _renew(self, index: int) -> None:
+        """New queues for collector ``index``'s successor (the failed one may have died holding
+        a queue's lock), rebuilt from what the learner received: it continues at the first
+        round not received, with the slots that hold no received rollout."""
+        shared = self.shared
+        self._drain(index)
+        received = {finished: slot for (finished, which), (slot, _) in self._waiting.items()
+                    if which == index}
+        shared.rounds[index] = max(received, default=self._round - 1) + 1
+        for channel in (shared.free[index], shared.full[index]):
+            channel.cancel_join_thread()
+            channel.close()
+        shared.free[index], shared.full[index] = self._ctx.Queue(), self._ctx.Queue()
+        for slot in range(len(shared.slots[index])):
+            if slot not in received.values():
+                shared.free[index].put(slot)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop every collector (and with them their env workers) and wait for them."""
-        self.shared.stop.set()
+        self.shared.stop.value = 1
         deadline = time.monotonic() + timeout
         for process in self._processes:
             if process is None:
@@ -253,7 +290,7 @@ class LocalCollectors:
             if process.exitcode is None:
                 process.kill()
                 process.join(1.0)
-        for channel in (*self.shared.free, self.shared.full, self.shared.errors):
+        for channel in (*self.shared.free, *self.shared.full, self.shared.errors):
             channel.cancel_join_thread()
             channel.close()
 

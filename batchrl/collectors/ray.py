@@ -59,6 +59,10 @@ class _Hub:
         return self.delivered[index]
 
     def deliver(self, round_: int, index: int, rollout: list, meta: dict) -> None:
+        """Keep a finished rollout; a late call of a replaced actor for a round its successor
+        (or the learner) is past is ignored."""
+        if round_ < max(self.delivered[index], self.consumed):
+            return
         self.rollouts[round_, index] = (rollout, meta)
         self.delivered[index] = round_ + 1
 
@@ -98,8 +102,10 @@ class _RayLink(Link):
                          for name, value in self.ray.get(ref).items()}
 
     def send(self, token: Any, meta: dict[str, Any]) -> None:
-        # numpy arrays go into the object store without a copy through pickle
-        ref = self.ray.put({name: value.numpy() for name, value in self.tensors.items()})
+        # numpy arrays go into the object store without a copy through pickle; the hub owns
+        # the object, so that it outlives this actor if it fails before the learner takes it
+        ref = self.ray.put({name: value.numpy() for name, value in self.tensors.items()},
+                           _owner=self.hub)
         self.ray.get(self.hub.deliver.remote(token, self.index, [ref], meta))
         self.round = token + 1
 
@@ -174,7 +180,11 @@ class RayCollectors:
             hub_class, self._actor_class = _classes(ray)
             self._options = {**options, "scheduling_strategy": "SPREAD", "max_restarts": 0,
                              "max_task_retries": 0}
-            self.hub = hub_class.options(num_cpus=0).remote(
+            # On the driver's node: it holds the queue, which must outlive any other node.
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                                  soft=False)
+            self.hub = hub_class.options(num_cpus=0, scheduling_strategy=here).remote(
                 spec.collectors, 2 if queue_size is None else queue_size, max_policy_lag)
             self.version = -1
             self.publish(acting_state)
@@ -244,7 +254,7 @@ class RayCollectors:
                 why = f"{type(cause).__name__}: {cause}".splitlines()[0]
             except ray.exceptions.RayError as exc:
                 why = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-            if not self._delivered[index]:
+            if not self._incarnations[index] and not self._delivered[index]:
                 raise CollectorError(f"collector {index} failed before its first rollout: "
                                      f"{why}")
             if self.restarts >= self.max_restarts:
@@ -266,15 +276,19 @@ class RayCollectors:
         self._closed = True
         ray = self._ray
         try:
+            runs = [run for run in getattr(self, "_runs", ()) if run is not None]
             if getattr(self, "hub", None) is not None:
-                ray.get(self.hub.stop.remote())
-                ray.wait([run for run in getattr(self, "_runs", ()) if run is not None],
-                         num_returns=len(self._runs), timeout=timeout)
+                try:  # ask them to finish their rollout and close their envs
+                    ray.get(self.hub.stop.remote(), timeout=timeout)
+                    ray.wait(runs, num_returns=len(runs), timeout=timeout)
+                except Exception:  # noqa: S110 - the hub is gone: kill them below
+                    pass
             for actor in [*getattr(self, "_actors", ()), getattr(self, "hub", None)]:
                 if actor is not None:
-                    ray.kill(actor, no_restart=True)
-        except Exception:  # noqa: S110 - Ray already gone: nothing left to stop
-            pass
+                    try:
+                        ray.kill(actor, no_restart=True)
+                    except Exception:  # noqa: S110 - already dead
+                        pass
         finally:
             ray_cluster.release()
 

@@ -27,7 +27,8 @@ def discounted_cumsum(values: torch.Tensor, factors: torch.Tensor) -> torch.Tens
 
 
 def gae(reward: torch.Tensor, value: torch.Tensor, next_value: torch.Tensor,
-        ends: torch.Tensor, discount: float, lambda_: float) -> torch.Tensor:
+        ends: torch.Tensor, discount: float, lambda_: float,
+        valid: torch.Tensor | None = None) -> torch.Tensor:
     """Generalised advantage estimates (Schulman et al., 2016); episodes may end at any step.
 
     Args:
@@ -38,10 +39,15 @@ def gae(reward: torch.Tensor, value: torch.Tensor, next_value: torch.Tensor,
       ends: ``(B, T)`` bool or 0/1: step ``t`` ends its sequence (episode end or rollout cut);
         advantages never reach across it.
       discount: gamma. lambda_: the GAE lambda (1 gives ``return - value``).
+      valid: ``(B, T)`` bool, optional: steps to learn from. An invalid step (an episode cut
+        without its next state, which ends there) adds nothing to the steps before it: they
+        bootstrap from its value.
     Returns:
       ``(B, T)`` advantages in the dtype of ``reward``.
     """
     delta = reward.to(torch.float64) + discount * next_value.to(torch.float64) - value
+    if valid is not None:
+        delta = delta * valid
     factors = (discount * lambda_) * (1.0 - ends.to(torch.float64))
     return discounted_cumsum(delta, factors).to(reward.dtype)
 

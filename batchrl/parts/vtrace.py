@@ -31,7 +31,8 @@ class VTrace(NamedTuple):
 @torch.no_grad()
 def vtrace(log_rho: torch.Tensor, reward: torch.Tensor, value: torch.Tensor,
            next_value: torch.Tensor, ends: torch.Tensor, discount: float,
-           rho_bar: float = 1.0, c_bar: float = 1.0) -> VTrace:
+           rho_bar: float = 1.0, c_bar: float = 1.0,
+           valid: torch.Tensor | None = None) -> VTrace:
     """V-trace value targets and policy-gradient advantages of ``B`` rollouts of ``T`` steps.
 
     Args:
@@ -49,6 +50,9 @@ def vtrace(log_rho: torch.Tensor, reward: torch.Tensor, value: torch.Tensor,
         (the paper's rho-bar; larger values aim at the value of ``pi``, smaller at ``mu``'s).
       c_bar: the truncation of the trace coefficients ``c_t`` (how far back corrections
         reach).
+      valid: ``(B, T)`` bool, optional: steps to learn from. An invalid step (an episode cut
+        without its next state, which ends there) adds nothing to the targets before it: they
+        bootstrap from its value.
 
     Returns:
       ``VTrace(vs, pg_advantage)``, ``(B, T)`` each in ``value``'s dtype, without gradient:
@@ -74,6 +78,8 @@ def vtrace(log_rho: torch.Tensor, reward: torch.Tensor, value: torch.Tensor,
     reward64 = reward.to(torch.float64)
     going_on = 1.0 - ends.to(torch.float64)
     delta = rho * (reward64 + discount * next_value64 - value64)
+    if valid is not None:
+        delta = delta * valid
     vs = value64 + discounted_cumsum(delta, discount * c * going_on)
     # The value after each step for the advantage: vs_{t+1} inside an episode.
     later = torch.cat([vs[:, 1:], next_value64[:, -1:]], dim=1)
