@@ -772,8 +772,8 @@ def test_rollout_advantages_bootstrap_at_time_limits_and_the_cut():
     captured = {}
     original = algo._advantages
 
-    def capture():
-        data, mask = original()
+    def capture(*args):
+        data, mask = original(*args)
         # (copies: the memory's buffers are cleared after the update)
         captured["data"] = {name: value.clone() for name, value in data.items()}
         captured["mask"] = mask.clone()
@@ -817,8 +817,8 @@ def test_rollout_drops_episodes_cut_by_a_reset():
     masks = []
     original = algo._advantages
 
-    def capture():
-        data, mask = original()
+    def capture(*args):
+        data, mask = original(*args)
         masks.append(mask.clone())  # (the memory's buffers are cleared after the update)
         return data, mask
 

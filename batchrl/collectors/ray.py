@@ -1,9 +1,9 @@
 """Collectors as Ray actors spread over a cluster: rollouts through Ray's object store.
 
 A small hub actor coordinates: the learner publishes versioned weights to it (an object ref, put
-once, fetched by every collector from the store), collectors hand it the ref of each finished
-rollout, and the learner takes a round (the ``k``-th rollout of every collector) from it when all
-are there. The rules are those of ``batchrl.collectors.local``: a collector keeps at most
+once, fetched by every collector from the store), collectors hand it each finished rollout (the
+hub keeps it, so that it outlives a collector that fails before the learner takes it), and the
+learner takes a round (the ``k``-th rollout of every collector) from it when all are there. The rules are those of ``batchrl.collectors.local``: a collector keeps at most
 ``1 + queue_size`` rollouts unconsumed and starts round ``k`` only once version
 ``k - max_policy_lag`` is published; a failed collector (an error, a killed actor, a lost node)
 is replaced and resumes at its first round not yet delivered.
@@ -36,7 +36,7 @@ class _Hub:
         self.version, self.weights = -1, None
         self.consumed = 0  # rounds the learner took
         self.delivered = [0] * collectors  # each collector's next round to deliver
-        self.rollouts: dict[tuple[int, int], tuple[list, dict]] = {}
+        self.rollouts: dict[tuple[int, int], tuple[dict, dict]] = {}
         self.stopped = False
 
     def publish(self, version: int, weights: list) -> None:
@@ -58,7 +58,7 @@ class _Hub:
     def next_round(self, index: int) -> int:
         return self.delivered[index]
 
-    def deliver(self, round_: int, index: int, rollout: list, meta: dict) -> None:
+    def deliver(self, round_: int, index: int, rollout: dict, meta: dict) -> None:
         """Keep a finished rollout; a late call of a replaced actor for a round its successor
         (or the learner) is past is ignored."""
         if round_ < max(self.delivered[index], self.consumed):
@@ -102,11 +102,8 @@ class _RayLink(Link):
                          for name, value in self.ray.get(ref).items()}
 
     def send(self, token: Any, meta: dict[str, Any]) -> None:
-        # numpy arrays go into the object store without a copy through pickle; the hub owns
-        # the object, so that it outlives this actor if it fails before the learner takes it
-        ref = self.ray.put({name: value.numpy() for name, value in self.tensors.items()},
-                           _owner=self.hub)
-        self.ray.get(self.hub.deliver.remote(token, self.index, [ref], meta))
+        arrays = {name: value.numpy() for name, value in self.tensors.items()}
+        self.ray.get(self.hub.deliver.remote(token, self.index, arrays, meta))
         self.round = token + 1
 
 
@@ -232,9 +229,8 @@ class RayCollectors:
             self._supervise()
             time.sleep(0.002)
         rollouts = []
-        for index, (ref, meta) in enumerate(taken):
+        for index, (arrays, meta) in enumerate(taken):
             self._delivered[index] = True
-            arrays = ray.get(ref[0])
             rollouts.append(RolloutBuffer({name: torch.from_numpy(np.array(value))
                                            for name, value in arrays.items()}).rollout())
         return Rollout.cat(rollouts), [meta for _, meta in taken]
