@@ -475,17 +475,26 @@ class Trainer:
             raise
         except Exception:
             if pool is not None:  # collectors or the learner failed: keep what was learned
-                self._save_snapshot()
+                with contextlib.suppress(Exception):  # (the error that stopped it matters more)
+                    self._save_snapshot()
             raise
         finally:
-            if pool is not None:
-                pool.close()
+            try:
+                if pool is not None:
+                    pool.close()
+            finally:
+                self._close(bar, batch_env)
+        return last_eval
+
+    def _close(self, bar: Any, batch_env: Any) -> None:
+        """Close what ``_run`` opened, whatever failed."""
+        try:
             if bar is not None:
                 bar.close()
             if self.log is not None:
                 self.log.close()
+        finally:
             batch_env.close()
-        return last_eval
 
     def _report(self, record: dict[str, Any], bar: Any) -> None:
         self.log.phase(record)

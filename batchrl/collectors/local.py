@@ -57,12 +57,17 @@ class _Shared:
         self.stop = ctx.Value("b", 0, lock=False)
         self.max_lag = max_lag
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A collector gets its own slots as an argument: every shared tensor is a file
+        # descriptor in each process that holds it.
+        return {name: value for name, value in self.__dict__.items() if name != "slots"}
+
 
 class _SharedLink(Link):
     """A collector process's end of ``_Shared``."""
 
-    def __init__(self, shared: _Shared, index: int):
-        self.shared, self.index = shared, index
+    def __init__(self, shared: _Shared, index: int, slots: list[dict[str, torch.Tensor]]):
+        self.shared, self.index, self.slots = shared, index, slots
 
     def begin(self) -> tuple[dict[str, torch.Tensor], Any] | None:
         shared, index = self.shared, self.index
@@ -81,7 +86,7 @@ class _SharedLink(Link):
                 if shared.stop.value:
                     return None
                 time.sleep(0.001)
-        return shared.slots[index][slot], (round_, slot)
+        return self.slots[slot], (round_, slot)
 
     def weights(self, known: int) -> tuple[int, dict[str, torch.Tensor]] | None:
         shared = self.shared
@@ -102,14 +107,15 @@ class _SharedLink(Link):
         self.shared.full[self.index].put((round_, slot, meta))
 
 
-def _collector_main(spec: CollectorSpec, index: int, shared: _Shared, incarnation: int,
+def _collector_main(spec: CollectorSpec, index: int, shared: _Shared,
+                    slots: list[dict[str, torch.Tensor]], incarnation: int,
                     parent_pid: int) -> None:
     """A collector process: tied to the learner's life, deaf to Ctrl-C (the learner stops it).
     An error is sent to the learner as one line before the process exits with code 1."""
     if not start_worker(parent_pid):
         return
     try:
-        collect(spec, index, _SharedLink(shared, index), incarnation)
+        collect(spec, index, _SharedLink(shared, index, slots), incarnation)
     except BaseException as exc:  # noqa: BLE001 - reported to the learner, then exit
         shared.errors.put((index, f"{type(exc).__name__}: {exc}".splitlines()[0]))
         for channel in (shared.errors, shared.full[index]):  # (what it sent last arrives)
@@ -176,7 +182,8 @@ class LocalCollectors:
     def _start(self, index: int) -> None:
         process = self._ctx.Process(
             target=_collector_main, name=f"batchrl-collector-{index}",
-            args=(self.spec, index, self.shared, self._incarnations[index], os.getpid()))
+            args=(self.spec, index, self.shared, self.shared.slots[index],
+                  self._incarnations[index], os.getpid()))
         process.start()
         self._processes[index] = process
 
