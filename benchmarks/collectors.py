@@ -11,13 +11,16 @@ Where the time goes:
   * synchronous: ``sampling`` is the phases' time outside the algorithm's updates (env steps,
     inference, bookkeeping; the learner idles), ``updates`` the time inside ``update()`` (the
     envs idle);
-  * collectors: ``waiting`` is the learner's time waiting for a round of rollouts, ``updates``
-    its time in ``learn()`` (the collectors go on meanwhile); ``collect`` is the collectors'
-    own rate while they step (steps/s summed over collectors, waits for a free slot excluded).
+  * collectors: ``waiting`` is the learner's time waiting for a round of rollouts (mostly the
+    first, while the collectors start), ``updates`` its time in ``learn()`` (the collectors go
+    on meanwhile); ``after start-up`` the steps/s without that first wait; ``collect`` the
+    collectors' own rate while they step (steps/s summed over collectors, waits for a free
+    slot excluded).
 
 Run from the repository root on an otherwise idle machine:
 
     python benchmarks/collectors.py                    # halfcheetah, 100k steps, 3 repeats
+    python benchmarks/collectors.py --config impala/halfcheetah
     python benchmarks/collectors.py --collectors 0 1 2 4 --steps 200000
 
 It prints a markdown table and a one-line JSON summary; ratios are to the synchronous loop.
@@ -35,6 +38,7 @@ from typing import Any
 
 import torch
 
+from batchrl.algos.impala import IMPALA
 from batchrl.algos.ppo import BatchPPO
 from batchrl.config import load_config
 from batchrl.hardware import usable_cores
@@ -48,29 +52,37 @@ def run(name: str, collectors: int, steps: int, extra: list[str]) -> dict[str, A
                                 "train.eval_episodes=0", "train.device=cpu",
                                 "train.eval_every=10", *extra])
     spent = [0.0]
-    update = BatchPPO.update
+    # The learning steps of the synchronous loop: BatchPPO's update, IMPALA's learn.
+    methods = [(BatchPPO, "update"), (IMPALA, "learn")]
+    originals = [getattr(cls, name) for cls, name in methods]
 
-    def timed(self: BatchPPO, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return update(self, *args, **kwargs)
-        finally:
-            spent[0] += time.perf_counter() - start
+    def timer(method: Any) -> Any:
+        def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - start
+        return timed
 
-    BatchPPO.update = timed
+    for (cls, name), method in zip(methods, originals):
+        setattr(cls, name, timer(method))
     try:
         with tempfile.TemporaryDirectory() as logdir:
             Trainer(config, Path(logdir), progress=False).run()
             records = read_metrics(Path(logdir))
     finally:
-        BatchPPO.update = update
+        for (cls, name), method in zip(methods, originals):
+            setattr(cls, name, method)
     trains = [r for r in records if r["phase"] == "train"]
     seconds = trains[-1]["wall_time"]
     result = {"collectors": collectors, "steps": trains[-1]["step"], "seconds": seconds,
               "steps_per_s": trains[-1]["step"] / seconds}
     updates = [r for r in records if r["phase"] == "update"]
     if updates:
+        # The first round waits for the collectors to start (processes, imports, envs).
         result.update(
+            steady=trains[-1]["step"] / (seconds - updates[0]["learner_wait_s"]),
             waiting=sum(r["learner_wait_s"] for r in updates),
             updates=sum(r["learner_learn_s"] for r in updates),
             collect=statistics.median(r["collectors_steps_per_s"] for r in updates),
@@ -102,9 +114,9 @@ def main() -> None:
     base = median(0, "steps_per_s") if 0 in results else None
     print(f"{args.config}, {args.steps:,} training steps per run, median of {args.repeats}; "
           f"{usable_cores()} usable cores, torch {torch.__version__}\n")
-    print("| collectors | steps/s | ratio | sampling s | waiting s | updates s | "
-          "collect steps/s | lag mean | lag max |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| collectors | steps/s | ratio | after start-up | sampling s | waiting s | "
+          "updates s | collect steps/s | lag mean | lag max |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     summary = {}
     for count in args.collectors:
         rate = median(count, "steps_per_s")
@@ -115,7 +127,8 @@ def main() -> None:
 
         ratio = f"{rate / base:.2f}" if base else "-"
         label = "0 (synchronous)" if count == 0 else str(count)
-        print(f"| {label} | {rate:,.0f} | {ratio} | {cell('sampling')} | {cell('waiting')} | "
+        print(f"| {label} | {rate:,.0f} | {ratio} | {cell('steady', '{:,.0f}')} | "
+              f"{cell('sampling')} | {cell('waiting')} | "
               f"{cell('updates')} | {cell('collect', '{:,.0f}')} | {cell('lag_mean', '{:.2f}')} "
               f"| {cell('lag_max', '{:.0f}')} |")
         summary[count] = {key: median(count, key) for key in results[count][0]}
