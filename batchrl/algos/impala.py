@@ -31,8 +31,7 @@ from torch import nn
 
 from batchrl.algos.base import Summary
 from batchrl.algos.impala_config import IMPALAConfig
-from batchrl.algos.networks import (CategoricalHead, FeedForwardBody, GaussianHead, Policy,
-                                    ValueNet, orthogonal_init)
+from batchrl.algos.networks import FeedForwardBody, Policy, actor_critic
 from batchrl.algos.rollout import RolloutAlgorithm
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.parts.losses import action_distribution, actor_critic_loss, masked_mean
@@ -117,23 +116,8 @@ class IMPALA(RolloutAlgorithm):
         ``(...)``), from the config. Override to build others (feed-forward ones)."""
         config = self.config
         body = FeedForwardBody(obs_size, config.policy_layers, config.activation)
-        if self.discrete:
-            head: nn.Module = CategoricalHead(body.out_size, int(action_space.n),
-                                              config.init_output_factor)
-            output = head.logits
-        else:
-            head = GaussianHead(body.out_size, action_space.shape[0], config.init_std,
-                                config.init_output_factor)
-            output = head.mean
-        policy = Policy(body, head, self.discrete)
-        value = ValueNet(obs_size, config.value_layers, config.activation)
-        if config.init == "orthogonal":
-            # Hidden layers keep their input's scale; the policy's output starts near zero.
-            for module in (body.net, value.net):
-                orthogonal_init(module, math.sqrt(2.0))
-            orthogonal_init(output, config.init_output_factor)
-            orthogonal_init(value.out, 1.0)
-        return policy, value
+        return actor_critic(body, obs_size, action_space, config.value_layers, config.activation,
+                            config.init, config.init_std, config.init_output_factor)
 
     # -- acting ---------------------------------------------------------------------------
 

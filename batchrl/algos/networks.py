@@ -7,8 +7,10 @@ std ``(B, T, A)`` (Gaussian) or the logits ``(B, T, n)`` and an empty ``log_std`
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
+import gymnasium as gym
 import torch
 from torch import nn
 
@@ -150,3 +152,29 @@ class ValueNet(nn.Module):
 
     def forward(self, observ: torch.Tensor) -> torch.Tensor:
         return self.out(self.net(observ)).squeeze(-1)
+
+
+def actor_critic(body: nn.Module, obs_size: int, action_space: gym.Space,
+                 value_layers: Sequence[int],
+                 activation: str, init: str, init_std: float,
+                 init_output_factor: float) -> tuple[Policy, ValueNet]:
+    """A policy on ``body`` (a ``FeedForwardBody`` or ``RecurrentBody``) with a categorical
+    head for a ``Discrete`` ``action_space`` or else a Gaussian one for a 1-D Box
+    (``init_std``), and a separate value network of ``value_layers``. ``init="orthogonal"``:
+    hidden layers keep their input's scale, the policy's output starts near zero
+    (``init_output_factor``), the value's output at gain 1; else PyTorch's initialisation."""
+    discrete = isinstance(action_space, gym.spaces.Discrete)
+    if discrete:
+        head: nn.Module = CategoricalHead(body.out_size, int(action_space.n), init_output_factor)
+        output = head.logits
+    else:
+        head = GaussianHead(body.out_size, action_space.shape[0], init_std, init_output_factor)
+        output = head.mean
+    policy = Policy(body, head, discrete)
+    value = ValueNet(obs_size, value_layers, activation)
+    if init == "orthogonal":
+        for module in (body.net, value.net):
+            orthogonal_init(module, math.sqrt(2.0))
+        orthogonal_init(output, init_output_factor)
+        orthogonal_init(value.out, 1.0)
+    return policy, value

@@ -29,8 +29,8 @@ from torch import nn
 from torch.distributions import Distribution
 
 from batchrl.algos.base import Algorithm, Summary
-from batchrl.algos.networks import (Actor, CategoricalHead, FeedForwardBody, GaussianHead,
-                                    Policy, RecurrentBody, ValueNet, orthogonal_init)
+from batchrl.algos.networks import (Actor, FeedForwardBody, Policy, RecurrentBody,
+                                    actor_critic)
 from batchrl.algos.ppo_config import PPOConfig
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.hardware import usable_cores
@@ -182,22 +182,8 @@ class BatchPPO(Algorithm):
                                  config.activation)
         else:
             body = FeedForwardBody(obs_size, config.policy_layers, config.activation)
-        if self.discrete:
-            head = CategoricalHead(body.out_size, int(action_space.n), config.init_output_factor)
-            output = head.logits
-        else:
-            head = GaussianHead(body.out_size, action_space.shape[0], config.init_std,
-                                config.init_output_factor)
-            output = head.mean
-        policy = Policy(body, head, self.discrete)
-        value = ValueNet(obs_size, config.value_layers, config.activation)
-        if config.init == "orthogonal":
-            # Hidden layers keep their input's scale; the policy's output starts near zero.
-            for module in (body.net, value.net):
-                orthogonal_init(module, math.sqrt(2.0))
-            orthogonal_init(output, config.init_output_factor)
-            orthogonal_init(value.out, 1.0)
-        return policy, value
+        return actor_critic(body, obs_size, action_space, config.value_layers, config.activation,
+                            config.init, config.init_std, config.init_output_factor)
 
     @property
     def penalty(self) -> KLPenalty:

@@ -96,7 +96,8 @@ class RolloutAlgorithm(Algorithm):
     # -- checkpoints ----------------------------------------------------------------------
 
     def rollout_state(self) -> dict[str, Any]:
-        """The running rollout and the update count, for a subclass's ``state_dict``."""
+        """The running rollout (the buffer's own tensors: serialise or copy them before the
+        next step) and the update count, for a subclass's ``state_dict``."""
         buffer = self.buffer
         return {"tensors": dict(buffer.tensors), "step": buffer.step, "updates": self.updates}
 

@@ -29,6 +29,34 @@ class CollectorError(RuntimeError):
     allows, or the cluster cannot place the collectors."""
 
 
+class Replacements:
+    """What every transport does with a collector that failed: replace it, up to
+    ``max_restarts`` times in the run, unless it is a first one that never delivered a rollout
+    (it would fail again: a bad env id, a bug). Transports set ``delivered[i]`` when collector
+    ``i``'s current process delivers."""
+
+    def __init__(self, collectors: int, max_restarts: int, report: Callable[[str], None]):
+        self.max_restarts, self.report = max_restarts, report
+        self.count = 0
+        self.incarnations = [0] * collectors
+        self.delivered = [False] * collectors
+
+    def failed(self, index: int, why: str) -> int:
+        """Collector ``index`` failed for ``why`` (one line): reports it and returns its
+        successor's incarnation, or raises ``CollectorError``."""
+        if not self.incarnations[index] and not self.delivered[index]:
+            raise CollectorError(f"collector {index} failed before its first rollout: {why}")
+        if self.count >= self.max_restarts:
+            raise CollectorError(f"collector {index} failed ({why}) after {self.count} "
+                                 f"replacements (at most {self.max_restarts}: env.max_restarts)")
+        self.count += 1
+        self.incarnations[index] += 1
+        self.delivered[index] = False
+        self.report(f"collector {index} failed ({why}); replaced [{self.count} of at most "
+                    f"{self.max_restarts}]")
+        return self.incarnations[index]
+
+
 @dataclasses.dataclass
 class CollectorSpec:
     """How to build a collector, picklable (it travels to another process or node).

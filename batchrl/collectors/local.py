@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.multiprocessing  # noqa: F401  (shares tensors between processes when pickled)
 
-from batchrl.collectors.collector import CollectorError, CollectorSpec, Link, collect
+from batchrl.collectors.collector import CollectorSpec, Link, Replacements, collect
 from batchrl.envs.process.channel import context, start_worker
 from batchrl.parts.rollout import Fields, Rollout, RolloutBuffer, rollout_tensors
 
@@ -145,9 +145,9 @@ class LocalCollectors:
                  acting_state: dict[str, torch.Tensor], max_policy_lag: int | None = None,
                  queue_size: int | None = None, max_restarts: int = 0,
                  report: Callable[[str], None] = print):
-        self.spec, self.report = spec, report
-        self.max_restarts, self.restarts = max_restarts, 0
+        self.spec = spec
         count = spec.collectors
+        self.replacements = Replacements(count, max_restarts, report)
         queue_size = 2 if queue_size is None else queue_size
         discrete = isinstance(action_space, gym.spaces.Discrete)
         observ_dtype = torch.from_numpy(np.zeros(0, observation_space.dtype)).dtype
@@ -168,8 +168,6 @@ class LocalCollectors:
         self._round = 0  # the next batch's
         self._waiting: dict[tuple[int, int], tuple[int, dict]] = {}  # (round, c) -> (slot, meta)
         self._processes: list[Any] = [None] * count
-        self._incarnations = [0] * count
-        self._delivered = [False] * count  # whether each one's first process sent a rollout
         self._errors: dict[int, str] = {}
         self.publish(acting_state)
         try:
@@ -183,9 +181,14 @@ class LocalCollectors:
         process = self._ctx.Process(
             target=_collector_main, name=f"batchrl-collector-{index}",
             args=(self.spec, index, self.shared, self.shared.slots[index],
-                  self._incarnations[index], os.getpid()))
+                  self.replacements.incarnations[index], os.getpid()))
         process.start()
         self._processes[index] = process
+
+    @property
+    def restarts(self) -> int:
+        """Collectors replaced so far."""
+        return self.replacements.count
 
     @property
     def pids(self) -> list[int | None]:
@@ -216,7 +219,7 @@ class LocalCollectors:
                 while True:
                     finished, slot, meta = self.shared.full[which].get_nowait()
                     self._waiting[finished, which] = (slot, meta)
-                    self._delivered[which] = came = True
+                    self.replacements.delivered[which] = came = True
         return came
 
     def receive(self, check: Callable[[], None] = lambda: None
@@ -253,18 +256,8 @@ class LocalCollectors:
                 self._errors[index] = line
         for index in exited:
             process = self._processes[index]
-            why = self._errors.pop(index, f"exited with code {process.exitcode}")
-            if not self._incarnations[index] and not self._delivered[index]:
-                raise CollectorError(f"collector {index} failed before its first rollout: "
-                                     f"{why}")
-            if self.restarts >= self.max_restarts:
-                raise CollectorError(f"collector {index} failed ({why}) after "
-                                     f"{self.restarts} replacements (at most "
-                                     f"{self.max_restarts}: env.max_restarts)")
-            self.restarts += 1
-            self._incarnations[index] += 1
-            self.report(f"collector {index} failed ({why}); replaced [{self.restarts} of at "
-                        f"most {self.max_restarts}]")
+            self.replacements.failed(index, self._errors.pop(
+                index, f"exited with code {process.exitcode}"))
             process.close()
             self._renew(index)
             self._start(index)

@@ -3,10 +3,11 @@
 A small hub actor coordinates: the learner publishes versioned weights to it (an object ref, put
 once, fetched by every collector from the store), collectors hand it each finished rollout (the
 hub keeps it, so that it outlives a collector that fails before the learner takes it), and the
-learner takes a round (the ``k``-th rollout of every collector) from it when all are there. The rules are those of ``batchrl.collectors.local``: a collector keeps at most
-``1 + queue_size`` rollouts unconsumed and starts round ``k`` only once version
-``k - max_policy_lag`` is published; a failed collector (an error, a killed actor, a lost node)
-is replaced and resumes at its first round not yet delivered.
+learner takes a round (the ``k``-th rollout of every collector) from it when all are there. The
+rules are those of ``batchrl.collectors.local``: a collector keeps at most ``1 + queue_size``
+rollouts unconsumed and starts round ``k`` only once version ``k - max_policy_lag`` is
+published; a failed collector (an error, a killed actor, a lost node) is replaced and resumes at
+its first round not yet delivered.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from batchrl.collectors.collector import CollectorError, CollectorSpec, Link, collect
+from batchrl.collectors.collector import (CollectorError, CollectorSpec, Link, Replacements,
+                                         collect)
 from batchrl.envs.ray import cluster as ray_cluster
 from batchrl.parts.rollout import Rollout, RolloutBuffer, rollout_tensors
 
@@ -40,6 +42,7 @@ class _Hub:
         self.stopped = False
 
     def publish(self, version: int, weights: list) -> None:
+        """The newest weights: ``[ref]`` of an ``acting_state`` of numpy arrays."""
         self.version, self.weights = version, weights
 
     def may_start(self, round_: int) -> str:
@@ -53,9 +56,11 @@ class _Hub:
         return "go"
 
     def newest(self, known: int) -> tuple[int, list] | None:
+        """``(version, [ref])`` of the newest weights if not ``known``, else ``None``."""
         return None if self.version == known else (self.version, self.weights)
 
     def next_round(self, index: int) -> int:
+        """Collector ``index``'s first round not delivered (where a successor starts)."""
         return self.delivered[index]
 
     def deliver(self, round_: int, index: int, rollout: dict, meta: dict) -> None:
@@ -75,9 +80,11 @@ class _Hub:
         return [self.rollouts.pop(key) for key in keys]
 
     def queued(self) -> int:
+        """Finished rollouts the learner has not taken."""
         return len(self.rollouts)
 
     def stop(self) -> None:
+        """Collectors stop before their next rollout."""
         self.stopped = True
 
 
@@ -154,8 +161,8 @@ class RayCollectors:
                  max_policy_lag: int | None = None, queue_size: int | None = None,
                  max_restarts: int = 0, report: Callable[[str], None] = print,
                  address: str = "", resources: dict[str, float] | None = None):
-        self.spec, self.report = spec, report
-        self.max_restarts, self.restarts = max_restarts, 0
+        self.spec = spec
+        self.replacements = Replacements(spec.collectors, max_restarts, report)
         self.resources = {"CPU": 1} if resources is None else dict(resources)
         options = ray_cluster.actor_options(self.resources)
         self._ray = ray = ray_cluster.acquire(address)
@@ -187,8 +194,6 @@ class RayCollectors:
             self.publish(acting_state)
             self._actors: list[Any] = [None] * spec.collectors
             self._runs: list[Any] = [None] * spec.collectors
-            self._incarnations = [0] * spec.collectors
-            self._delivered = [False] * spec.collectors
             for index in range(spec.collectors):
                 self._actors[index] = self._actor_class.options(**self._options).remote()
             # (asked before run(), which keeps each actor busy for good)
@@ -204,7 +209,13 @@ class RayCollectors:
             actor = self._actor_class.options(**self._options).remote()
         self._actors[index] = actor
         self._runs[index] = actor.run.remote(self.spec, index, self.hub,
-                                             self._incarnations[index], self._slots[index])
+                                             self.replacements.incarnations[index],
+                                             self._slots[index])
+
+    @property
+    def restarts(self) -> int:
+        """Collectors replaced so far."""
+        return self.replacements.count
 
     @property
     def queued(self) -> int:
@@ -230,7 +241,7 @@ class RayCollectors:
             time.sleep(0.002)
         rollouts = []
         for index, (arrays, meta) in enumerate(taken):
-            self._delivered[index] = True
+            self.replacements.delivered[index] = True
             rollouts.append(RolloutBuffer({name: torch.from_numpy(np.array(value))
                                            for name, value in arrays.items()}).rollout())
         return Rollout.cat(rollouts), [meta for _, meta in taken]
@@ -250,18 +261,7 @@ class RayCollectors:
                 why = f"{type(cause).__name__}: {cause}".splitlines()[0]
             except ray.exceptions.RayError as exc:
                 why = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-            if not self._incarnations[index] and not self._delivered[index]:
-                raise CollectorError(f"collector {index} failed before its first rollout: "
-                                     f"{why}")
-            if self.restarts >= self.max_restarts:
-                raise CollectorError(f"collector {index} failed ({why}) after {self.restarts} "
-                                     f"replacements (at most {self.max_restarts}: "
-                                     f"env.max_restarts)")
-            self.restarts += 1
-            self._incarnations[index] += 1
-            self._delivered[index] = False
-            self.report(f"collector {index} failed ({why}); replaced [{self.restarts} of at "
-                        f"most {self.max_restarts}]")
+            self.replacements.failed(index, why)
             ray.kill(self._actors[index], no_restart=True)
             self._start(index)
 

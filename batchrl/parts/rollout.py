@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -76,7 +76,7 @@ class Rollout:
         """A copy that owns its tensors (of a buffer that will be overwritten)."""
         return self._map(torch.clone)
 
-    def _map(self, function) -> "Rollout":
+    def _map(self, function: Callable[[torch.Tensor], torch.Tensor]) -> "Rollout":
         values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
         values["behaviour"] = {name: function(value) for name, value in self.behaviour.items()}
         return Rollout(**{name: value if name == "behaviour" else function(value)
