@@ -86,8 +86,8 @@ class Algorithm(abc.ABC):
 
     - ``behaviour_fields()``: name -> ``(shape, dtype)`` of what ``act`` records per agent and
       step (log-probabilities, distribution parameters), stored in the rollout.
-    - ``act(observ, deterministic=False)``: sampled training actions for ``observ`` ``(K, *obs_shape)`` float32 and
-      that record, ``(K, ...)`` each; changes no learning state.
+    - ``act(observ, deterministic=False)``: sampled training actions for ``observ``
+      ``(K, *obs_shape)`` float32 and that record, ``(K, ...)`` each; changes no learning state.
     - ``acting_state()`` / ``load_acting_state(state)``: the tensors a copy needs to act as this
       algorithm does now (policy weights, observation statistics). The learner publishes them,
       versioned; collectors load the newest between rollouts.
