@@ -138,16 +138,11 @@ def _classes(ray: Any) -> tuple[Any, Any]:
 def check_placement(ray: Any, collectors: int, resources: dict[str, float]) -> None:
     """``CollectorError`` when the cluster cannot hold ``collectors`` actors of ``resources``
     each (they would wait for them forever)."""
-    total = ray.cluster_resources()
-    need = {name: amount * collectors for name, amount in {"CPU": 1, **resources}.items()
-            if amount > 0}
-    short = {name: amount for name, amount in need.items() if total.get(name, 0) < amount}
-    if short:
-        have = ", ".join(f"{name}={total.get(name, 0):g}" for name in short)
-        wanted = ", ".join(f"{name}={amount:g}" for name, amount in short.items())
-        raise CollectorError(f"{collectors} collectors with env.ray_resources={resources} need "
-                             f"{wanted} in all, but the Ray cluster has {have}; lower "
-                             f"train.collectors or env.ray_resources, or add nodes")
+    shortage = ray_cluster.missing_resources(ray, collectors, resources)
+    if shortage:
+        raise CollectorError(f"{collectors} collectors with env.ray_resources={resources} "
+                             f"{shortage}; lower train.collectors or env.ray_resources, or "
+                             f"add nodes")
 
 
 class RayCollectors:

@@ -111,12 +111,22 @@ def plan_workers(ray: ModuleType, workers: int, num_envs: int,
         fits = [int(total.get(name, 0) // amount) for name, amount in per_worker.items()]
         workers = max(1, min([num_envs, *fits]))
     workers = min(workers, num_envs)
-    missing = {name: amount * workers for name, amount in per_worker.items()
-               if total.get(name, 0) < amount * workers}
-    if missing:
-        have = ", ".join(f"{name}={total.get(name, 0):g}" for name in missing)
-        need = ", ".join(f"{name}={amount:g}" for name, amount in missing.items())
+    shortage = missing_resources(ray, workers, resources)
+    if shortage:
         raise EnvSpecError(f"{workers} Ray env workers with env.ray_resources={resources} "
-                           f"need {need} in all, but the Ray cluster has {have}; lower "
-                           f"env.workers or env.ray_resources, or add nodes")
+                           f"{shortage}; lower env.workers or env.ray_resources, or add nodes")
     return workers
+
+
+def missing_resources(ray: ModuleType, actors: int, resources: dict[str, float]) -> str | None:
+    """What the cluster lacks for ``actors`` actors of ``resources`` each (CPU 1 unless
+    given), as ``"need CPU=4 in all, but the Ray cluster has CPU=3"``; ``None`` if nothing."""
+    total = ray.cluster_resources()
+    need = {name: amount * actors for name, amount in {"CPU": 1, **resources}.items()
+            if amount > 0}
+    short = {name: amount for name, amount in need.items() if total.get(name, 0) < amount}
+    if not short:
+        return None
+    wanted = ", ".join(f"{name}={amount:g}" for name, amount in short.items())
+    have = ", ".join(f"{name}={total.get(name, 0):g}" for name in short)
+    return f"need {wanted} in all, but the Ray cluster has {have}"
