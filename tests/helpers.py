@@ -285,3 +285,23 @@ def finish(process: subprocess.Popen, timeout: float = 60) -> tuple[int, str, st
         stdout, stderr = process.communicate()
         raise AssertionError(f"train.py did not exit within {timeout} s:\n{stdout}\n{stderr}")
     return process.returncode, stdout, stderr
+
+
+def assert_same(a: object, b: object, path: str = "state") -> None:
+    """``a`` and ``b`` are equal nested dicts/lists of tensors, arrays and scalars."""
+    import torch  # (only for the tests that compare states)
+    assert type(a) is type(b), path
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for key in a:
+            assert_same(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b), path
+    else:
+        assert a == b, path

@@ -24,7 +24,7 @@ from batchrl.parts.rollout import Rollout, RolloutBuffer, rollout_tensors
 from batchrl.simulation import simulate
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.trainer import Trainer
-from helpers import scalar_events
+from helpers import assert_same, scalar_events
 
 
 @pytest.fixture(autouse=True)
@@ -64,23 +64,6 @@ def assert_same_weights(first: IMPALA, second: IMPALA) -> None:
     assert ours.keys() == theirs.keys()
     for name in ours:
         assert torch.equal(ours[name], theirs[name]), name
-
-
-def assert_equal_state(ours, theirs, where: str = "state") -> None:
-    """Nested dicts, lists and tensors equal, every element."""
-    assert type(ours) is type(theirs), where
-    if isinstance(ours, dict):
-        assert ours.keys() == theirs.keys(), where
-        for key in ours:
-            assert_equal_state(ours[key], theirs[key], f"{where}[{key!r}]")
-    elif isinstance(ours, (list, tuple)):
-        assert len(ours) == len(theirs), where
-        for index, (a, b) in enumerate(zip(ours, theirs)):
-            assert_equal_state(a, b, f"{where}[{index}]")
-    elif isinstance(ours, torch.Tensor):
-        assert torch.equal(ours, theirs), where
-    else:
-        assert ours == theirs, where
 
 
 def round_trip(state: dict) -> dict:
@@ -319,7 +302,7 @@ def test_state_dict_resumes_exactly_in_the_middle_of_a_rollout(name):
         train(resumed_env, resumed, 7 * 4)
         resumed_env.close()
     assert_same_weights(algo, fresh)
-    assert_equal_state(algo.state_dict(), fresh.state_dict())
+    assert_same(algo.state_dict(), fresh.state_dict())
 
 
 RESUME = ["env.num_agents=4", "train.eval_every=2", "train.eval_episodes=2", "train.device=cpu",
@@ -344,7 +327,7 @@ def test_a_resumed_trainer_run_equals_a_straight_one(tmp_path):
     assert len(comparable(tmp_path / "straight")) == 12
     straight, resumed = (torch.load(list_checkpoints(tmp_path / run)[-1], weights_only=False)
                          for run in ("straight", "resumed"))
-    assert_equal_state(straight["algorithm"], resumed["algorithm"])
+    assert_same(straight["algorithm"], resumed["algorithm"])
     # Another number of agents evaluates the checkpoint (fresh per-agent state).
     result = evaluate(tmp_path / "resumed", episodes=3, agents=3, device="cpu")
     assert result["episodes"] == 3 and result["agents"] == 3

@@ -26,32 +26,13 @@ from batchrl.algos.ppo import BatchPPO, PPOConfig
 from batchrl.checkpoint import list_checkpoints, load_checkpoint
 from batchrl.interrupt import Interrupted
 from batchrl.metrics import read_metrics
-from helpers import (REPO, TRAIN_PY, descendants, finish, sets, start_train_py, wait_for,
-                     wait_gone)
+from helpers import (REPO, TRAIN_PY, assert_same, descendants, finish, sets, start_train_py,
+                     wait_for, wait_gone)
 
 # CartPole with 4 agents and an update every 4 episodes: a phase takes ~0.1 s.
 CARTPOLE = ["env.num_agents=4", "algorithm.update_every=4", "train.eval_episodes=4",
             "train.device=cpu", "train.checkpoint_every=3", "train.keep_checkpoints=100",
             "algorithm.update_threads=1"]  # several threads crawl on a busy 2-core machine
-
-
-def assert_same(a: object, b: object, path: str = "state") -> None:
-    """``a`` and ``b`` are equal nested dicts/lists of tensors, arrays and scalars."""
-    assert type(a) is type(b), path
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), path
-        for key in a:
-            assert_same(a[key], b[key], f"{path}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), path
-    elif isinstance(a, np.ndarray):
-        assert np.array_equal(a, b), path
-    else:
-        assert a == b, path
 
 
 def comparable(records: list[dict]) -> list[tuple]:
