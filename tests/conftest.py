@@ -108,6 +108,17 @@ def host_path(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Torch with one intra-op thread: the tests' networks are tiny, and more threads only add
+    synchronisation, which costs up to 10x in wall time on a busy 2-core machine."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """A real Ray cluster on 127.0.0.1 (``ray_nodes.running_cluster``): a

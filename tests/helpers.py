@@ -305,3 +305,14 @@ def assert_same(a: object, b: object, path: str = "state") -> None:
         assert np.array_equal(a, b), path
     else:
         assert a == b, path
+
+
+def seeded_tensor_env(name: str, num_envs: int, seed: int):
+    """A ``TensorBatchEnv`` of ``num_envs`` wrapped ``gym.make(name)`` envs stepped in this
+    process, env ``i``'s RNG seeded ``seed + i`` (``simulate``'s later unseeded resets go on
+    from those generators)."""
+    from batchrl.tensor_env import TensorBatchEnv
+    from batchrl.envs import wrap_env
+    env = TensorBatchEnv(BatchEnv([wrap_env(gym.make(name)) for _ in range(num_envs)]))
+    env.reset(seed=seed)
+    return env

@@ -15,7 +15,6 @@ from batchrl.algos import IMPALA, IMPALAConfig
 from batchrl.checkpoint import list_checkpoints
 from batchrl.config import IMPALA as IMPALA_PATH
 from batchrl.config import ConfigError, load_config
-from batchrl.envs import BatchEnv, wrap_env
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.evaluate import evaluate
 from batchrl.metrics import read_metrics
@@ -24,22 +23,10 @@ from batchrl.parts.rollout import Rollout, RolloutBuffer, rollout_tensors
 from batchrl.simulation import simulate
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.trainer import Trainer
-from helpers import assert_same, scalar_events
+from helpers import assert_same, scalar_events, seeded_tensor_env
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny networks: a second intra-op thread only adds synchronisation.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def make_env(name: str, num_envs: int, seed: int) -> TensorBatchEnv:
-    env = TensorBatchEnv(BatchEnv([wrap_env(gym.make(name)) for _ in range(num_envs)]))
-    env.reset(seed=seed)
-    return env
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def train(env: TensorBatchEnv, algo: IMPALA, steps: int, reset: bool = True
@@ -125,7 +112,7 @@ def test_cartpole_config_learns(tmp_path):
 
 @pytest.mark.parametrize("name", ["CartPole-v1", "Pendulum-v1"])
 def test_box_and_discrete_actions_act_and_learn_on_policy(name):
-    env = make_env(name, 4, seed=1)
+    env = seeded_tensor_env(name, 4, seed=1)
     torch.manual_seed(1)
     algo = IMPALA(env.observation_space, env.action_space, len(env), rollout_length=8)
     assert algo.collector_support() is None and algo.rollout_length == 8
@@ -164,7 +151,7 @@ def test_box_and_discrete_actions_act_and_learn_on_policy(name):
 
 @pytest.mark.parametrize("name", ["CartPole-v1", "Pendulum-v1"])
 def test_a_copy_with_the_acting_state_acts_as_the_learner(name):
-    env = make_env(name, 4, seed=2)
+    env = seeded_tensor_env(name, 4, seed=2)
     torch.manual_seed(2)
     learner = IMPALA(env.observation_space, env.action_space, len(env), rollout_length=5)
     train(env, learner, 50)  # weights and observation statistics away from their start
@@ -283,7 +270,7 @@ def test_vtrace_false_ignores_the_behaviour_policy():
 
 @pytest.mark.parametrize("name", ["CartPole-v1", "Pendulum-v1"])
 def test_state_dict_resumes_exactly_in_the_middle_of_a_rollout(name):
-    env = make_env(name, 4, seed=10)
+    env = seeded_tensor_env(name, 4, seed=10)
     torch.manual_seed(10)
     options = dict(rollout_length=7, update_steps=2, lr_schedule="linear", total_steps=2000)
     algo = IMPALA(env.observation_space, env.action_space, len(env), **options)
@@ -298,7 +285,7 @@ def test_state_dict_resumes_exactly_in_the_middle_of_a_rollout(name):
     # Both go on from the same envs and the same random numbers: the same updates.
     for resumed in (algo, fresh):
         torch.manual_seed(12)
-        resumed_env = make_env(name, 4, seed=13)
+        resumed_env = seeded_tensor_env(name, 4, seed=13)
         train(resumed_env, resumed, 7 * 4)
         resumed_env.close()
     assert_same_weights(algo, fresh)

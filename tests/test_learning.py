@@ -15,16 +15,7 @@ from batchrl.envs import BatchEnv, wrap_env
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.simulation import simulate
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny networks: a second intra-op thread only adds synchronisation.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 def train_and_evaluate(env_id: str, agents: int, steps: int, config: PPOConfig,

@@ -11,27 +11,12 @@ import torch
 
 from batchrl.algos import Reinforce
 from batchrl.parts import discounted_return
-from batchrl.envs import BatchEnv, wrap_env
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.simulation import simulate
+from helpers import seeded_tensor_env
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These networks are tiny: intra-op threads only add synchronisation,
-    which costs up to 10x in wall time on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def make_env(name: str, num_envs: int, seed: int) -> TensorBatchEnv:
-    env = TensorBatchEnv(BatchEnv([wrap_env(gym.make(name)) for _ in range(num_envs)]))
-    # Seed every env's RNG (env i gets seed + i); the unseeded resets that
-    # simulate() does later continue from these seeded generators.
-    env.reset(seed=seed)
-    return env
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def train(env: TensorBatchEnv, algo: Reinforce, steps: int) -> list[dict[str, float]]:
@@ -72,7 +57,7 @@ def test_learns_cartpole():
     """8 CartPole envs, 4000 steps (32000 env steps, about 15 updates of 16 episodes)."""
     seed = 0
     torch.manual_seed(seed)
-    env = make_env("CartPole-v1", 8, seed)
+    env = seeded_tensor_env("CartPole-v1", 8, seed)
     algo = Reinforce(env.observation_space, env.action_space, len(env), max_length=500,
                      learning_rate=1e-2, update_every=16, seed=seed)
     summaries = train(env, algo, 4000)
@@ -88,7 +73,7 @@ def test_learns_cartpole():
 
 
 def test_eval_learns_nothing_and_is_deterministic():
-    env = make_env("CartPole-v1", 4, seed=1)
+    env = seeded_tensor_env("CartPole-v1", 4, seed=1)
     algo = Reinforce(env.observation_space, env.action_space, len(env), max_length=500,
                      update_every=2, seed=1)
     before = [p.detach().clone() for p in algo.policy.parameters()]
@@ -114,7 +99,7 @@ def round_trip(state: dict) -> dict:
 
 @pytest.mark.parametrize("name", ["CartPole-v1", "Pendulum-v1"])
 def test_state_dict_round_trip(name: str):
-    env = make_env(name, 4, seed=2)
+    env = seeded_tensor_env(name, 4, seed=2)
     kwargs = dict(max_length=500, update_every=4)
     algo = Reinforce(env.observation_space, env.action_space, len(env), seed=2, **kwargs)
     summaries = train(env, algo, 250)  # long enough for updates, so Adam has state
@@ -132,7 +117,7 @@ def test_state_dict_round_trip(name: str):
     # end with equal weights (same sampled actions, updates and Adam moments).
     env.close()
     for resumed in (algo, fresh):
-        resumed_env = make_env(name, 4, seed=5)
+        resumed_env = seeded_tensor_env(name, 4, seed=5)
         train(resumed_env, resumed, 250)
         resumed_env.close()
     for ours, theirs in zip(algo.state_dict()["policy"].values(),
@@ -142,7 +127,7 @@ def test_state_dict_round_trip(name: str):
 
 def test_box_actions_update_with_truncation():
     """Pendulum: Gaussian policy, episodes always truncated at 200 steps."""
-    env = make_env("Pendulum-v1", 2, seed=4)
+    env = seeded_tensor_env("Pendulum-v1", 2, seed=4)
     algo = Reinforce(env.observation_space, env.action_space, len(env), max_length=200,
                      update_every=2, seed=4)
     summaries = train(env, algo, 400)
@@ -156,7 +141,7 @@ def test_box_actions_update_with_truncation():
 
 
 def test_episode_longer_than_max_length_raises():
-    env = make_env("CartPole-v1", 2, seed=6)
+    env = seeded_tensor_env("CartPole-v1", 2, seed=6)
     algo = Reinforce(env.observation_space, env.action_space, len(env), max_length=3, seed=6)
     with pytest.raises(ValueError, match="max_length"):
         train(env, algo, 10)  # CartPole episodes last at least 8 steps
