@@ -19,7 +19,8 @@ class TensorBatchEnv(Closeable):
     """Wraps a ``BatchEnv`` and exposes its state as tensors on ``device``.
 
     Attributes (on ``device``, first dimension ``N = len(batch_env)``):
-      observ: ``(N, *obs_shape)`` float32, the latest observation of each env.
+      observ: ``(N, *obs_shape)``, the latest observation of each env: ``uint8`` for a
+        ``uint8`` observation space (pixels stay bytes until the network), else float32.
       action: ``(N, *act_shape)``, the last action: float32 (Box) or int64 (discrete).
       reward: ``(N,)`` float32, the last reward (0 after a reset).
       done: ``(N,)`` float32, 1.0 where the last step ended the episode (terminated or truncated).
@@ -48,7 +49,8 @@ class TensorBatchEnv(Closeable):
             staging = torch.zeros(shape, dtype=dtype, pin_memory=True) if cuda else device_buffer
             return device_buffer, staging
 
-        self.observ, self._staging_observ = buffers((n, *obs_space.shape), torch.float32)
+        observ_dtype = torch.uint8 if obs_space.dtype == np.uint8 else torch.float32
+        self.observ, self._staging_observ = buffers((n, *obs_space.shape), observ_dtype)
         self.action, self._staging_action = buffers((n, *act_space.shape), action_dtype)
         self.reward, self._staging_reward = buffers((n,), torch.float32)
         self.done, self._staging_done = buffers((n,), torch.float32)
@@ -122,7 +124,7 @@ class TensorBatchEnv(Closeable):
               seed: int | Sequence[int] | None = None) -> torch.Tensor:
         """Reset the envs at ``indices`` (all when ``None``), seeded as ``BatchEnv.reset``
         does: their observation rows are replaced, reward, done and terminated zeroed.
-        Returns their observations ``(len(indices), *obs_shape)`` float32 on ``device``."""
+        Returns their observations ``(len(indices), *obs_shape)`` on ``device``."""
         if indices is None:
             rows = np.arange(len(self))
         elif isinstance(indices, torch.Tensor):
@@ -144,7 +146,8 @@ class TensorBatchEnv(Closeable):
 
     def _set_rows(self, cpu_rows: torch.Tensor, obs: np.ndarray) -> None:
         """Fresh episodes in these rows: observations set, the rest zeroed."""
-        self._staging_observ[cpu_rows] = torch.from_numpy(np.asarray(obs)).to(torch.float32)
+        self._staging_observ[cpu_rows] = torch.from_numpy(np.asarray(obs)).to(
+            self._staging_observ.dtype)
         for staging in (self._staging_reward, self._staging_done, self._staging_terminated):
             staging[cpu_rows] = 0.0
 

@@ -124,7 +124,8 @@ LAYERS = {
 
 def layer(module: str) -> str:
     """The layer of a batchrl module (see ``LAYERS``)."""
-    if module in ("batchrl.lazy", "batchrl.hardware", "batchrl.interrupt", "batchrl.errors"):
+    if module in ("batchrl.lazy", "batchrl.hardware", "batchrl.interrupt", "batchrl.errors",
+                  "batchrl.pixels"):
         return "base"
     if module.startswith(("batchrl.envs.process", "batchrl.envs.ray")):
         return "transports"

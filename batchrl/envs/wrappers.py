@@ -7,28 +7,33 @@ import numpy as np
 from gymnasium.wrappers import (ClipAction, RescaleAction, RescaleObservation, TimeLimit,
                                 TransformObservation, TransformReward)
 
+from batchrl.pixels import is_pixel_space
+
 __all__ = ["ClipAction", "TimeLimit", "range_normalize", "convert_to_32bit", "wrap_env"]
 
 
-def _finite_box(space: gym.Space) -> bool:
-    return (isinstance(space, gym.spaces.Box)
+def _finite_float_box(space: gym.Space) -> bool:
+    return (isinstance(space, gym.spaces.Box) and np.issubdtype(space.dtype, np.floating)
             and bool(np.isfinite(space.low).all() and np.isfinite(space.high).all()))
 
 
 def range_normalize(env: gym.Env) -> gym.Env:
-    """Rescale finite Box observation and action ranges to ``[-1, 1]``; other
-    spaces (like most MuJoCo observations, with infinite bounds) stay as they are."""
-    if _finite_box(env.observation_space):
+    """Rescale finite float Box observation and action ranges to ``[-1, 1]``; other
+    spaces (like most MuJoCo observations, with infinite bounds, and ``uint8`` pixels) stay
+    as they are."""
+    if _finite_float_box(env.observation_space):
         env = RescaleObservation(env, np.float32(-1), np.float32(1))
-    if _finite_box(env.action_space):
+    if _finite_float_box(env.action_space):
         env = RescaleAction(env, np.float32(-1), np.float32(1))
     return env
 
 
 def convert_to_32bit(env: gym.Env) -> gym.Env:
-    """Make float observations ``float32`` and rewards ``np.float32``."""
+    """Make Box observations other than ``uint8`` pixels (``is_pixel_space``) ``float32``,
+    and rewards ``np.float32``."""
     space = env.observation_space
-    if isinstance(space, gym.spaces.Box) and space.dtype != np.float32:
+    if (isinstance(space, gym.spaces.Box) and space.dtype != np.float32
+            and not is_pixel_space(space)):
         # Not DtypeObservation: it builds the new Box from float64 bounds and
         # warns about the lost precision on every env construction.
         space32 = gym.spaces.Box(space.low.astype(np.float32), space.high.astype(np.float32),
