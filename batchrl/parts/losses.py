@@ -50,10 +50,28 @@ def policy_terms(new: Distribution, old: Distribution, action: torch.Tensor,
     return surrogate, kl, log_ratio
 
 
-def value_loss(value: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Half the mean squared error of ``value`` against ``returns`` (both ``(B, T)``)."""
-    error = returns - value
-    return 0.5 * (error ** 2 * mask).sum() / mask.sum().clamp(min=1)
+def value_loss(value: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               old_value: torch.Tensor | None = None, clip: float | None = None) -> torch.Tensor:
+    """Half the mean squared error of ``value`` against ``returns`` (both ``(B, T)``). With
+    ``clip``, PPO's clipped value loss: per step the larger error of ``value`` and of
+    ``old_value + clamp(value - old_value, -clip, clip)`` (the prediction moved at most
+    ``clip`` from ``old_value``, the value network's before the update)."""
+    error = (returns - value) ** 2
+    if clip is not None:
+        if old_value is None:
+            raise ValueError("a clipped value loss needs old_value, the predictions before "
+                             "the update")
+        moved = old_value + (value - old_value).clamp(-clip, clip)
+        error = torch.maximum(error, (returns - moved) ** 2)
+    return 0.5 * (error * mask).sum() / mask.sum().clamp(min=1)
+
+
+def entropy_bonus(new: Distribution, mask: torch.Tensor, coef: float
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``-coef * E[entropy of new]`` over the real steps (added to a policy loss, it rewards
+    spread-out action distributions), and the mean entropy to log."""
+    entropy = masked_mean(new.entropy(), mask)
+    return -coef * entropy, {"entropy": entropy}
 
 
 def actor_critic_loss(log_prob: torch.Tensor, entropy: torch.Tensor, value: torch.Tensor,
@@ -149,3 +167,46 @@ class KLPenalizedObjective:
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.penalty.value = float(state["beta"])
+
+
+class ClippedObjective:
+    """PPO's clipped surrogate (Schulman et al., 2017, equation 7)::
+
+        loss = -E[min(ratio * advantage, clip(ratio, 1 - eps, 1 + eps) * advantage)]
+
+    A step whose ratio has left ``[1 - eps, 1 + eps]`` in the direction its advantage favours
+    gives no gradient, which keeps the update near the policy that acted. Nothing adapts.
+    """
+
+    def __init__(self, clip_range: float = 0.2):
+        if not clip_range > 0:
+            raise ValueError(f"clip_range must be > 0, got {clip_range}")
+        self.clip_range = clip_range
+
+    def __call__(self, new: Distribution, old: Distribution, action: torch.Tensor,
+                 advantage: torch.Tensor, mask: torch.Tensor
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of one gradient step and the fraction of steps it clipped
+        (``clip_fraction``)."""
+        valid = mask > 0
+        log_ratio = torch.where(valid, new.log_prob(action) - old.log_prob(action), 0.0)
+        ratio = log_ratio.exp()
+        low, high = 1.0 - self.clip_range, 1.0 + self.clip_range
+        surrogate = torch.minimum(ratio * advantage, ratio.clamp(low, high) * advantage)
+        clipped = ((ratio < low) | (ratio > high)).to(mask.dtype)
+        return -masked_mean(surrogate, mask), {"clip_fraction": masked_mean(clipped, mask)}
+
+    def end_update(self, new: Distribution, old: Distribution, action: torch.Tensor,
+                   advantage: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+        """The KL of the updated policy from the acting one and its entropy, to log."""
+        with torch.no_grad():
+            _, kl, _ = policy_terms(new, old, action, advantage, mask)
+            entropy = masked_mean(new.entropy(), mask)
+        return {"kl": float(kl), "entropy": float(entropy)}
+
+    def state_dict(self) -> dict[str, float]:
+        """Nothing adapts: empty."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        pass
