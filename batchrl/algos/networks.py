@@ -1,6 +1,12 @@
 """Policy and value networks of BatchPPO, written to compile with TorchScript.
 
-A policy is a body (MLP, or MLP then GRU; state ``(B, H)``, ``H = 0`` for feed-forward) and a head:
+Networks take observations flattened to ``(..., obs_size)``: float32, or ``uint8`` pixels, which
+a torso converts to float32 in ``[0, 1]`` itself (so images travel and are stored as bytes). A
+torso (``TORSOS``) turns them into features: the flat input (``"mlp"``), the Nature DQN
+convolutional network or the IMPALA ResNet for images; policy and value networks may share one.
+
+A policy is a body (torso, MLP, or torso, MLP then GRU; state ``(B, H)``, ``H = 0`` for
+feed-forward) and a head:
 ``policy(observ (B, T, *obs), state) -> (mean_or_logits, log_std, state)`` gives the mean and log
 std ``(B, T, A)`` (Gaussian) or the logits ``(B, T, n)`` and an empty ``log_std`` (categorical).
 """
@@ -8,14 +14,17 @@ std ``(B, T, A)`` (Gaussian) or the logits ``(B, T, n)`` and an empty ``log_std`
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import List, Sequence
 
 import gymnasium as gym
 import torch
 from torch import nn
 
+from batchrl.pixels import is_pixel_space
+from batchrl.errors import UnsupportedSpaceError
 
 ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh}
+PIXEL_SCALE = 1.0 / 255.0
 
 
 def mlp(in_size: int, layers: Sequence[int], activation: str = "relu") -> nn.Sequential:
@@ -28,38 +37,180 @@ def mlp(in_size: int, layers: Sequence[int], activation: str = "relu") -> nn.Seq
 
 
 def orthogonal_init(module: nn.Module, gain: float) -> None:
-    """Orthogonal weights scaled by ``gain`` and zero biases for every ``nn.Linear``
-    in ``module`` (Saxe et al., 2014): each layer keeps the scale of its input."""
+    """Orthogonal weights scaled by ``gain`` and zero biases for every ``nn.Linear`` and
+    ``nn.Conv2d`` in ``module`` (Saxe et al., 2014): each layer keeps the scale of its input."""
     for layer in module.modules():
         if isinstance(layer, nn.Linear):
             nn.init.orthogonal_(layer.weight, gain)
             nn.init.zeros_(layer.bias)
+        elif isinstance(layer, nn.Conv2d):  # (channels-last weights: not a view of a matrix)
+            with torch.no_grad():
+                layer.weight.copy_(nn.init.orthogonal_(torch.empty(layer.weight.shape), gain))
+            nn.init.zeros_(layer.bias)
+
+
+# -- torsos: (..., obs_size) observations -> (..., out_size) float32 features ------------------
+
+class PixelInput(nn.Module):
+    """The flat observation as features: ``uint8`` pixels scaled to ``[0, 1]`` (for an MLP)."""
+
+    def __init__(self, obs_size: int):
+        super().__init__()
+        self.out_size = obs_size
+
+    def forward(self, observ: torch.Tensor) -> torch.Tensor:
+        return observ.to(torch.float32) * PIXEL_SCALE
+
+
+def image_layout(shape: Sequence[int]) -> tuple[list[int], bool]:
+    """``([C, H, W], channels_last)`` of an image observation of ``shape``: ``(H, W)`` (one
+    channel), ``(C, H, W)`` (frame stacks, as Gymnasium's ``FrameStackObservation`` gives) or
+    ``(H, W, C)`` with ``C`` at most 4 (colour or gray images as envs render them)."""
+    if len(shape) == 2:
+        return [1, int(shape[0]), int(shape[1])], False
+    if len(shape) == 3:
+        if shape[-1] <= 4 < shape[0]:
+            return [int(shape[2]), int(shape[0]), int(shape[1])], True
+        return [int(s) for s in shape], False
+    raise ValueError(f"an image is (H, W), (C, H, W) or (H, W, C), got shape {tuple(shape)}")
+
+
+class ConvTorso(nn.Module):
+    """A convolutional network over flattened images: ``(..., C*H*W)`` (``uint8`` pixels or
+    float) is reshaped to ``(-1, C, H, W)`` (from channels-last where the env gives that),
+    ``uint8`` scaled to ``[0, 1]``, passed through ``convs`` and ``head`` (``(-1, out_size)``).
+
+    Images and convolution weights are kept in the channels-last memory format, which
+    oneDNN's CPU convolutions (and cuDNN's under bfloat16) run fastest in. ``input_dtype`` is
+    what images are converted to: float32, or bfloat16 for an algorithm that runs the network
+    under ``torch.autocast`` in bfloat16 (one conversion instead of two)."""
+
+    def __init__(self, shape: Sequence[int], pixels: bool, convs: nn.Module, out_size: int):
+        super().__init__()
+        image, self.channels_last = image_layout(shape)
+        self.image: List[int] = image
+        self.scale = PIXEL_SCALE if pixels else 1.0
+        self.input_dtype = torch.float32
+        self.convs = convs.to(memory_format=torch.channels_last)
+        with torch.no_grad():
+            flat = int(convs(torch.zeros(1, *image)).reshape(-1).shape[0])
+        self.head = nn.Sequential(nn.Linear(flat, out_size), nn.ReLU())
+        self.out_size = out_size
+
+    def forward(self, observ: torch.Tensor) -> torch.Tensor:
+        lead = observ.shape[:-1]
+        if self.channels_last:  # (-1, H, W, C) in memory: a channels-last view
+            x = observ.reshape(-1, self.image[1], self.image[2], self.image[0]).permute(0, 3, 1, 2)
+        else:  # copied to channels-last while it is still bytes
+            x = observ.reshape([-1] + self.image).contiguous(memory_format=torch.channels_last)
+        x = x.to(self.input_dtype)  # (keeps the memory format)
+        if self.scale != 1.0:
+            x = x.mul_(self.scale)  # (pixels: to() made a new float tensor)
+        features = self.head(self.convs(x).flatten(1))
+        return features.reshape(list(lead) + [self.out_size])
+
+
+def nature_cnn(shape: Sequence[int], pixels: bool) -> ConvTorso:
+    """The DQN network of Mnih et al. (2015): 32 8x8 filters (stride 4), 64 4x4 (stride 2),
+    64 3x3, each with ReLU, then 512 ReLU units."""
+    channels = image_layout(shape)[0][0]
+    convs = nn.Sequential(nn.Conv2d(channels, 32, 8, 4), nn.ReLU(), nn.Conv2d(32, 64, 4, 2),
+                          nn.ReLU(), nn.Conv2d(64, 64, 3, 1), nn.ReLU())
+    return ConvTorso(shape, pixels, convs, 512)
+
+
+class ResidualBlock(nn.Module):
+    """``x + conv(relu(conv(relu(x))))`` with 3x3 convolutions keeping ``channels``."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv0 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv1(torch.relu(self.conv0(torch.relu(x))))
+
+
+def impala_cnn(shape: Sequence[int], pixels: bool,
+               depths: Sequence[int] = (16, 32, 32)) -> ConvTorso:
+    """The residual network of IMPALA (Espeholt et al., 2018, figure 3): per depth a 3x3
+    convolution, 3x3 max-pooling with stride 2 and two residual blocks; then ReLU and 256
+    ReLU units."""
+    layers: list[nn.Module] = []
+    channels = image_layout(shape)[0][0]
+    for depth in depths:
+        layers += [nn.Conv2d(channels, depth, 3, padding=1), nn.MaxPool2d(3, 2, padding=1),
+                   ResidualBlock(depth), ResidualBlock(depth)]
+        channels = depth
+    layers.append(nn.ReLU())
+    return ConvTorso(shape, pixels, nn.Sequential(*layers), 256)
+
+
+TORSOS = ("mlp", "nature_cnn", "impala_cnn")
+
+
+def build_torso(kind: str, observation_space: gym.Space) -> nn.Module | None:
+    """The torso ``kind`` (one of ``TORSOS``) for ``observation_space``, or ``None`` where the
+    flat float observation itself is the input (``"mlp"`` on float observations). Raises
+    ``UnsupportedSpaceError`` naming the space when a convolutional torso cannot take it."""
+    shape = tuple(observation_space.shape)
+    pixels = is_pixel_space(observation_space)
+    if kind == "mlp":
+        return PixelInput(math.prod(shape)) if pixels else None
+    if kind not in TORSOS:
+        raise ValueError(f"torso must be one of {TORSOS}, got {kind!r}")
+    try:
+        image, _ = image_layout(shape)
+    except ValueError as exc:
+        raise UnsupportedSpaceError(f"torso {kind!r} needs image observations: {exc} "
+                                    f"({observation_space}); use torso='mlp'") from None
+    build = nature_cnn if kind == "nature_cnn" else impala_cnn
+    try:
+        return build(shape, pixels)
+    except RuntimeError as exc:  # the convolutions shrank the image to nothing
+        raise UnsupportedSpaceError(f"torso {kind!r} cannot take images of {image[1]}x"
+                                    f"{image[2]} pixels ({observation_space}): "
+                                    f"{str(exc).splitlines()[0]}") from None
 
 
 class FeedForwardBody(nn.Module):
-    """MLP over the last dimension; carries an empty ``(B, 0)`` state."""
+    """``torso`` (none: the flat observation) then an MLP over the last dimension; carries an
+    empty ``(B, 0)`` state."""
 
-    def __init__(self, obs_size: int, layers: Sequence[int], activation: str = "relu"):
+    def __init__(self, obs_size: int, layers: Sequence[int], activation: str = "relu",
+                 torso: nn.Module | None = None):
         super().__init__()
-        self.net = mlp(obs_size, layers, activation)
-        self.out_size = layers[-1] if layers else obs_size
+        self.torso = nn.Identity() if torso is None else torso
+        in_size = obs_size if torso is None else int(torso.out_size)
+        self.net = mlp(in_size, layers, activation)
+        self.out_size = layers[-1] if layers else in_size
         self.state_size = 0
 
     def forward(self, observ: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.net(observ), state
+        return self.net(self.torso(observ)), state
+
+    def from_features(self, features: torch.Tensor,
+                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` after the torso: ``features`` are ``self.torso(observ)``."""
+        return self.net(features), state
 
 
 class RecurrentBody(FeedForwardBody):
     """``FeedForwardBody`` followed by a single-layer GRU over the time dimension."""
 
     def __init__(self, obs_size: int, layers: Sequence[int], gru_size: int,
-                 activation: str = "relu"):
-        super().__init__(obs_size, layers, activation)
+                 activation: str = "relu", torso: nn.Module | None = None):
+        super().__init__(obs_size, layers, activation, torso)
         self.gru = nn.GRU(self.out_size, gru_size, batch_first=True)
         self.out_size = self.state_size = gru_size
 
     def forward(self, observ: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        features, final = self.gru(self.net(observ), state.unsqueeze(0).contiguous())
+        return self.from_features(self.torso(observ), state)
+
+    def from_features(self, features: torch.Tensor,
+                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` after the torso: ``features`` are ``self.torso(observ)``."""
+        features, final = self.gru(self.net(features), state.unsqueeze(0).contiguous())
         return features, final.squeeze(0)
 
 
@@ -110,6 +261,14 @@ class Policy(nn.Module):
         mean_or_logits, log_std = self.head(features)
         return mean_or_logits, log_std, state
 
+    def from_features(self, features: torch.Tensor,
+                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``forward`` after the body's torso: ``features`` are ``self.body.torso(observ)``
+        (computed once for a policy and a value network that share the torso)."""
+        features, state = self.body.from_features(features, state)
+        mean_or_logits, log_std = self.head(features)
+        return mean_or_logits, log_std, state
+
 
 class Actor(nn.Module):
     """One inference step of a ``Policy``: ``forward(observ (B, *obs), state (B, H),
@@ -143,26 +302,36 @@ class Actor(nn.Module):
 
 
 class ValueNet(nn.Module):
-    """State value: MLP then a linear output, ``(..., obs) -> (...)``."""
+    """State value: ``torso`` (none: the flat observation), an MLP, then a linear output,
+    ``(..., obs) -> (...)``."""
 
-    def __init__(self, obs_size: int, layers: Sequence[int], activation: str = "relu"):
+    def __init__(self, obs_size: int, layers: Sequence[int], activation: str = "relu",
+                 torso: nn.Module | None = None):
         super().__init__()
-        self.net = mlp(obs_size, layers, activation)
-        self.out = nn.Linear(layers[-1] if layers else obs_size, 1)
+        self.torso = nn.Identity() if torso is None else torso
+        in_size = obs_size if torso is None else int(torso.out_size)
+        self.net = mlp(in_size, layers, activation)
+        self.out = nn.Linear(layers[-1] if layers else in_size, 1)
 
     def forward(self, observ: torch.Tensor) -> torch.Tensor:
-        return self.out(self.net(observ)).squeeze(-1)
+        return self.out(self.net(self.torso(observ))).squeeze(-1)
+
+    def from_features(self, features: torch.Tensor) -> torch.Tensor:
+        """``forward`` after the torso: ``features`` are ``self.torso(observ)``."""
+        return self.out(self.net(features)).squeeze(-1)
 
 
 def actor_critic(body: nn.Module, obs_size: int, action_space: gym.Space,
                  value_layers: Sequence[int],
                  activation: str, init: str, init_std: float,
-                 init_output_factor: float) -> tuple[Policy, ValueNet]:
+                 init_output_factor: float,
+                 value_torso: nn.Module | None = None) -> tuple[Policy, ValueNet]:
     """A policy on ``body`` (a ``FeedForwardBody`` or ``RecurrentBody``) with a categorical
     head for a ``Discrete`` ``action_space`` or else a Gaussian one for a 1-D Box
-    (``init_std``), and a separate value network of ``value_layers``. ``init="orthogonal"``:
-    hidden layers keep their input's scale, the policy's output starts near zero
-    (``init_output_factor``), the value's output at gain 1; else PyTorch's initialisation."""
+    (``init_std``), and a value network of ``value_layers`` on ``value_torso`` (the body's
+    own torso to share it). ``init="orthogonal"``: hidden layers keep their input's scale,
+    the policy's output starts near zero (``init_output_factor``), the value's output at
+    gain 1; else PyTorch's initialisation."""
     discrete = isinstance(action_space, gym.spaces.Discrete)
     if discrete:
         head: nn.Module = CategoricalHead(body.out_size, int(action_space.n), init_output_factor)
@@ -171,9 +340,12 @@ def actor_critic(body: nn.Module, obs_size: int, action_space: gym.Space,
         head = GaussianHead(body.out_size, action_space.shape[0], init_std, init_output_factor)
         output = head.mean
     policy = Policy(body, head, discrete)
-    value = ValueNet(obs_size, value_layers, activation)
+    value = ValueNet(obs_size, value_layers, activation, value_torso)
     if init == "orthogonal":
-        for module in (body.net, value.net):
+        hidden = [body.torso, body.net, value.net]
+        if value.torso is not body.torso:
+            hidden.append(value.torso)
+        for module in hidden:
             orthogonal_init(module, math.sqrt(2.0))
         orthogonal_init(output, init_output_factor)
         orthogonal_init(value.out, 1.0)
