@@ -25,7 +25,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from batchrl.algos.impala_config import IMPALAConfig
-from batchrl.algos.ppo_config import PPOConfig
+from batchrl.algos.ppo_config import PRECISIONS, PPOConfig
 from batchrl.envs.factory import BACKENDS, check_resources, import_from
 from batchrl.errors import UnsupportedSpaceError
 
@@ -53,6 +53,9 @@ class EnvConfig:
 
     id: str = "CartPole-v1"       # Gymnasium id, or "package.module:function" returning an env
     kwargs: dict = field(default_factory=dict)  # keyword arguments for gymnasium.make / function
+    # Evaluation (and batchrl.evaluate, video) envs: kwargs updated with these; when set, the
+    # trainer evaluates on envs of its own (Atari: whole games, raw scores).
+    eval_kwargs: dict = field(default_factory=dict)
     num_agents: int = 30          # envs stepped in lockstep (the paper's batch of agents)
     max_length: int = 1000        # time limit of an episode, in env steps
     backend: str = "workers"      # "workers", "process" (one per env), "inline" or "ray"
@@ -64,6 +67,11 @@ class EnvConfig:
     max_restarts: int = 10        # with restart_crashed_envs: restarts allowed in the run
     ray_address: str = ""         # "ray": "" private Ray here, "auto" (ray start), "HOST:PORT"
     ray_resources: dict = field(default_factory=lambda: {"CPU": 1})  # "ray": per actor
+
+    @property
+    def evaluation_kwargs(self) -> dict:
+        """The keyword arguments of evaluation envs: ``kwargs`` updated with ``eval_kwargs``."""
+        return {**self.kwargs, **self.eval_kwargs}
 
     def __post_init__(self) -> None:
         _check_range(self, 1, "num_agents", "max_length")
@@ -100,6 +108,9 @@ class TrainConfig:
     collectors: int = 0
     max_policy_lag: int | None = None  # collectors wait rather than exceed it ("none": no limit)
     queue_size: int = 2           # finished rollouts per collector that may wait for the learner
+    # "bfloat16": the algorithm's updates under torch.autocast (CPUs with AVX-512 BF16 or AMX,
+    # CUDA GPUs), for algorithms that take a precision argument (BatchPPO).
+    precision: str = "float32"
 
     def __post_init__(self) -> None:
         _check_range(self, 1, "steps")
@@ -109,6 +120,9 @@ class TrainConfig:
                              f"weights that collected it) or 'none' (no limit), got "
                              f"{self.max_policy_lag}")
         _check_range(self, 1, "eval_every", "threads", "checkpoint_every", "keep_checkpoints")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, got "
+                             f"{self.precision!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"train.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', "
                              f"got {self.device!r}")
@@ -118,12 +132,14 @@ BATCHPPO = "batchrl.algos.ppo:BatchPPO"
 IMPALA = "batchrl.algos.impala:IMPALA"
 SHIPPED_ALGORITHMS = (BATCHPPO, "batchrl.algos.reinforce:Reinforce", IMPALA)
 # What the trainer tells every algorithm about the run, as keyword arguments its constructor
-# takes by these names: the episode time limit, the training budget and the device.
-RUN_FACTS = ("max_length", "total_steps", "device")
+# takes by these names: the episode time limit, the training budget, the device and the
+# precision of updates (passed only to a constructor that names it: an algorithm that cannot
+# honour bfloat16 must not take it silently through **kwargs).
+RUN_FACTS = ("max_length", "total_steps", "device", "precision")
 # Set by the trainer, not by an [algorithm] section: the positional arguments and the run facts.
 TRAINER_ARGUMENTS = ("observation_space", "action_space", "num_agents", *RUN_FACTS)
 _FACT_SOURCES = {"max_length": "env.max_length", "total_steps": "train.steps",
-                 "device": "train.device"}
+                 "device": "train.device", "precision": "train.precision"}
 # Hyperparameter classes of shipped algorithms, known without importing the algorithm (and so
 # torch): train.py checks a config before it loads torch. Other classes may name theirs in a
 # ``config_class`` attribute; without one, their constructor's signature is the schema.
@@ -172,9 +188,10 @@ class Config:
 
     def run_facts(self, device: Any) -> dict[str, Any]:
         """What the trainer passes every algorithm besides spaces and agent count:
-        ``max_length`` (``env.max_length``), ``total_steps`` (``train.steps``), ``device``."""
+        ``max_length`` (``env.max_length``), ``total_steps`` (``train.steps``), ``device``,
+        ``precision`` (``train.precision``)."""
         return {"max_length": self.env.max_length, "total_steps": self.train.steps,
-                "device": device}
+                "device": device, "precision": self.train.precision}
 
     def make_algorithm(self, observation_space: Any, action_space: Any, num_agents: int,
                        device: Any) -> Any:
@@ -185,7 +202,11 @@ class Config:
         parameters = inspect.signature(cls).parameters
         open_ended = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
         facts = {name: value for name, value in self.run_facts(device).items()
-                 if open_ended or name in parameters}
+                 if name in parameters or (open_ended and name != "precision")}
+        if "precision" not in facts and self.train.precision != "float32":
+            raise ConfigError(f"train.precision={self.train.precision!r} needs an algorithm "
+                              f"whose constructor takes precision; {self.algorithm.path} does "
+                              f"not: use train.precision='float32'")
         try:
             return cls(observation_space, action_space, num_agents, **facts,
                        **self.algorithm.keys)

@@ -29,13 +29,15 @@ from torch import nn
 from torch.distributions import Distribution
 
 from batchrl.algos.base import Algorithm, Summary
-from batchrl.algos.networks import (Actor, FeedForwardBody, Policy, RecurrentBody,
-                                    actor_critic)
-from batchrl.algos.ppo_config import PPOConfig
+from batchrl.algos.networks import (Actor, ConvTorso, FeedForwardBody, Policy, RecurrentBody,
+                                    actor_critic, build_torso)
+from batchrl.algos.ppo_config import PRECISIONS, PPOConfig
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.hardware import usable_cores
 from batchrl.parts import numpy_views
-from batchrl.parts.losses import KLPenalizedObjective, KLPenalty, action_distribution, value_loss
+from batchrl.pixels import is_pixel_space
+from batchrl.parts.losses import (ClippedObjective, KLPenalizedObjective, KLPenalty,
+                                  action_distribution, entropy_bonus, masked_mean, value_loss)
 from batchrl.parts.memory import EpisodeMemory, RolloutMemory
 from batchrl.parts.normalize import StreamingNormalizer
 from batchrl.parts.returns import discounted_cumsum, gae, generalized_advantage
@@ -64,7 +66,10 @@ class BatchPPO(Algorithm):
     """PPO with the adaptive KL penalty, for a batch of ``num_agents`` envs.
 
     Args:
-      observation_space: a Box space (observations are flattened to float32).
+      observation_space: a Box space. Observations are flattened to ``(obs_size,)``: float32
+        (normalised with running statistics if ``normalize_observ``), or ``uint8`` pixels,
+        kept as bytes in memory and scaled to ``[0, 1]`` by the networks' torso (``torso``:
+        an MLP's input, or a convolutional network for images).
       action_space: Box (Gaussian policy) or Discrete (categorical policy).
       num_agents: the batch size N of the env.
       config: hyperparameters (``PPOConfig``); or give them as keyword
@@ -74,6 +79,10 @@ class BatchPPO(Algorithm):
       max_length: the longest episode (the env's time limit); sizes the episode memory.
       total_steps: the run's training env steps, over which ``lr_schedule="linear"``
         decays the learning rates (``train.py`` passes ``train.steps``).
+      precision: ``"float32"``, or ``"bfloat16"``: the networks' forward passes, in acting
+        and in the update, run under ``torch.autocast`` in bfloat16 (weights, optimiser state,
+        recorded distributions and losses stay float32); ``train.py`` passes
+        ``train.precision``.
 
     ``build_networks`` makes the policy and the value network; a subclass may return
     networks that share layers (a torso), which the update then trains with one joint step.
@@ -85,7 +94,8 @@ class BatchPPO(Algorithm):
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, num_agents: int,
                  config: PPOConfig | None = None, device: str | torch.device = "cpu",
-                 max_length: int = 1000, total_steps: int | None = None, **options: Any):
+                 max_length: int = 1000, total_steps: int | None = None,
+                 precision: str = "float32", **options: Any):
         super().__init__(device)
         if config is not None and options:
             raise TypeError(f"BatchPPO takes a PPOConfig or keyword arguments, not both "
@@ -96,6 +106,9 @@ class BatchPPO(Algorithm):
         if total_steps is not None and total_steps < 1:
             raise ValueError(f"total_steps must be >= 1 or None, got {total_steps}")
         self.max_length, self.total_steps = max_length, total_steps
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        self.precision = precision
         if config.rollout_length is None:  # (else an update every rollout_length batch steps)
             self.episodes_per_phase = config.update_every
         self.steps_per_update = config.rollout_length
@@ -113,6 +126,10 @@ class BatchPPO(Algorithm):
             raise UnsupportedSpaceError(f"BatchPPO needs a 1-D Box action space, got "
                                         f"{action_space}")
         self.num_agents = num_agents
+        self.observation_space = observation_space
+        # uint8 observations stay bytes up to the network, without running statistics.
+        self.pixels = is_pixel_space(observation_space)
+        observ_dtype = torch.uint8 if self.pixels else torch.float32
         obs_size = math.prod(observation_space.shape)
         if self.discrete:
             action_shape, action_dtype = (), torch.int64
@@ -122,12 +139,20 @@ class BatchPPO(Algorithm):
             param_shape = log_std_shape = action_shape
         policy, value = self.build_networks(obs_size, action_space)
         self.policy, self.value = policy.to(self.device), value.to(self.device)
+        if precision == "bfloat16":  # images straight to bfloat16 (see ConvTorso)
+            for module in (*self.policy.modules(), *self.value.modules()):
+                if isinstance(module, ConvTorso):
+                    module.input_dtype = torch.bfloat16
         # Parameters of both networks (a shared torso) take the policy's optimiser, and
         # both losses' gradients in one joint step (see update()).
         policy_params = list(self.policy.parameters())
         shared = {id(p) for p in policy_params}
         value_params = [p for p in self.value.parameters() if id(p) not in shared]
         self.shared_torso = len(value_params) < len(list(self.value.parameters()))
+        # The torso both networks take their features from, run once per gradient step.
+        torso = getattr(getattr(self.policy, "body", None), "torso", None)
+        self._torso = torso if (self.shared_torso and torso is not None
+                                and getattr(self.value, "torso", None) is torso) else None
         if not value_params:
             raise ValueError("the value network has no parameters of its own: give it at "
                              "least an output layer besides the shared torso")
@@ -143,20 +168,24 @@ class BatchPPO(Algorithm):
             (), center=False, scale=True, clip=10.0, defer=64 * num_agents).to(self.device)
         # reward_scale "return": each agent's discounted return so far (unit-scale value targets).
         self.running_return = torch.zeros(num_agents, device=self.device)
-        self.objective = KLPenalizedObjective(config.kl_target, config.kl_cutoff_factor,
-                                              config.kl_cutoff_coef, config.kl_init_penalty)
+        self.objective: KLPenalizedObjective | ClippedObjective
+        if config.objective == "clip":
+            self.objective = ClippedObjective(config.clip_range)
+        else:
+            self.objective = KLPenalizedObjective(config.kl_target, config.kl_cutoff_factor,
+                                                  config.kl_cutoff_coef, config.kl_init_penalty)
         self.state_size = self.policy.state_size
         self._behaviour = {"mean_or_logits": (param_shape, torch.float32),
                            "log_std": (log_std_shape, torch.float32)}
         self.recurrent_state = torch.zeros(num_agents, self.state_size, device=self.device)
         self._no_state = torch.zeros(num_agents, 0, device=self.device)
-        step_fields = {"observ": ((obs_size,), torch.float32),
+        step_fields = {"observ": ((obs_size,), observ_dtype),
                        "action": (action_shape, action_dtype),
                        "mean_or_logits": (param_shape, torch.float32),
                        "log_std": (log_std_shape, torch.float32),
                        "reward": ((), torch.float32), "state": ((self.state_size,), torch.float32)}
         # The state after an episode's (or a rollout's) last step, to bootstrap from.
-        end_fields = {"bootstrap_observ": ((obs_size,), torch.float32),
+        end_fields = {"bootstrap_observ": ((obs_size,), observ_dtype),
                       "terminated": ((), torch.float32)}
         self.memory: EpisodeMemory | RolloutMemory
         if config.rollout_length is None:
@@ -175,34 +204,51 @@ class BatchPPO(Algorithm):
                        ) -> tuple[Policy, nn.Module]:
         """The policy (``Policy``: ``(observ (B, T, obs_size), state (B, H))`` ->
         ``(mean_or_logits, log_std, state)``) and the value network (``(..., obs_size)`` ->
-        ``(...)``), from the config. Override to build others; they may share modules."""
+        ``(...)``), from the config. Override to build others; they may share modules.
+
+        The torso (``config.torso``, for ``self.observation_space``) is the policy's first
+        module; the value network gets it too with ``shared_torso``, else one of its own."""
         config = self.config
+        torso = build_torso(config.torso, self.observation_space)
         if config.network == "recurrent":
-            body = RecurrentBody(obs_size, config.policy_layers, config.gru_size,
-                                 config.activation)
+            body: FeedForwardBody = RecurrentBody(obs_size, config.policy_layers,
+                                                  config.gru_size, config.activation, torso)
         else:
-            body = FeedForwardBody(obs_size, config.policy_layers, config.activation)
+            body = FeedForwardBody(obs_size, config.policy_layers, config.activation, torso)
+        value_torso = body.torso if config.shared_torso else build_torso(
+            config.torso, self.observation_space)
+        if config.shared_torso and torso is None:
+            raise ValueError("shared_torso needs a torso with layers to share: set torso to "
+                             "'nature_cnn' or 'impala_cnn' (an MLP policy and value network "
+                             "share nothing)")
         return actor_critic(body, obs_size, action_space, config.value_layers, config.activation,
-                            config.init, config.init_std, config.init_output_factor)
+                            config.init, config.init_std, config.init_output_factor,
+                            value_torso)
 
     @property
     def penalty(self) -> KLPenalty:
-        """The adaptive KL coefficient (beta) of the objective."""
+        """The adaptive KL coefficient (beta) of the objective (``objective="kl_penalty"``)."""
+        if not isinstance(self.objective, KLPenalizedObjective):
+            raise AttributeError(f"objective={self.config.objective!r} has no KL penalty")
         return self.objective.penalty
 
     # -- helpers ---------------------------------------------------------------
 
     def _flatten(self, observ: torch.Tensor) -> torch.Tensor:
-        """``(K, *obs_shape)`` -> ``(K, obs_size)`` float32 on ``device``."""
+        """``(K, *obs_shape)`` -> ``(K, obs_size)`` on ``device``: float32, or ``uint8``
+        for pixels."""
         if observ.dim() != 2:
             observ = observ.reshape(observ.shape[0], -1)
-        if observ.dtype != torch.float32 or observ.device != self.device:
-            observ = observ.to(self.device, torch.float32)
+        dtype = torch.uint8 if self.pixels else torch.float32
+        if observ.dtype != dtype or observ.device != self.device:
+            observ = observ.to(self.device, dtype)
         return observ
 
     def _normalize(self, observ: torch.Tensor) -> torch.Tensor:
         observ = self._flatten(observ)
-        return self.observ_normalizer.transform(observ) if self.config.normalize_observ else observ
+        if self.pixels or not self.config.normalize_observ:
+            return observ
+        return self.observ_normalizer.transform(observ)
 
     def distribution(self, mean_or_logits: torch.Tensor, log_std: torch.Tensor) -> Distribution:
         """The action distribution for parameters from the policy (any batch shape)."""
@@ -242,8 +288,8 @@ class BatchPPO(Algorithm):
         else:  # feed-forward: skip two indexing operations per step
             count = agent_indices.shape[0]
             state = self._no_state if count == self.num_agents else self._no_state[:count]
-        action, mean_or_logits, log_std, new_state = self._act(norm_observ, state,
-                                                               not self.training)
+        action, mean_or_logits, log_std, new_state = self._infer(norm_observ, state,
+                                                                 not self.training)
         if self.state_size:
             self.recurrent_state[agent_indices] = new_state
         if self.training:
@@ -251,7 +297,8 @@ class BatchPPO(Algorithm):
                                     "mean_or_logits": mean_or_logits, "log_std": log_std,
                                     "state": state})
             # Only now: this step's data and action used the statistics before it.
-            self.observ_normalizer.update(flat)
+            if not self.pixels:
+                self.observ_normalizer.update(flat)
         return action, {}
 
     @torch.no_grad()
@@ -320,8 +367,15 @@ class BatchPPO(Algorithm):
         else:
             data, length = self.memory.data()
             mask = torch.arange(data["reward"].shape[1], device=self.device)[None] < length[:, None]
-        value = self.value(data["observ"])
-        after = self.value(data["bootstrap_observ"]) * (1.0 - data["terminated"])
+        with self._autocast():
+            value = self.value(data["observ"]).float()
+            if rollout:  # bootstrap values only where a segment ends
+                ends = data["ends"]
+                after = torch.zeros_like(value)
+                after[ends] = self.value(data["bootstrap_observ"][ends]).float()
+                after = after * (1.0 - data["terminated"])
+            else:
+                after = self.value(data["bootstrap_observ"]).float() * (1.0 - data["terminated"])
         reward = data["reward"]
         if config.normalize_reward:
             reward = self.reward_normalizer.transform(reward)
@@ -343,8 +397,13 @@ class BatchPPO(Algorithm):
         weight = data.get("behaviour_weight")
         data = {name: data[name] for name in self.memory.step_fields}
         data["returns"] = advantage + value if targets is None else targets
-        valid = advantage[mask]
-        data["advantage"] = (advantage - valid.mean()) / (valid.std() + 1e-8) * mask
+        if config.value_clip is not None:
+            data["old_value"] = value
+        if config.advantage_normalization == "update":
+            valid = advantage[mask]
+            data["advantage"] = (advantage - valid.mean()) / (valid.std() + 1e-8) * mask
+        else:  # ("minibatch": in each gradient step)
+            data["advantage"] = advantage * mask
         if weight is not None and targets is None:  # (older weights: see learn; V-trace's
             # advantages carry the truncated weight already)
             data["advantage"] = data["advantage"] * weight
@@ -375,23 +434,68 @@ class BatchPPO(Algorithm):
         keep = chunk_mask.any(1)
         return {name: value[keep] for name, value in result.items()}, chunk_mask[keep]
 
-    def _distributions(self, batch: dict[str, torch.Tensor]
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """The precision of the networks' forward passes in updates (``precision``)."""
+        if self.precision == "bfloat16":
+            return torch.autocast(self.device.type, torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _infer(self, observ: torch.Tensor, state: torch.Tensor, deterministic: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The actor at ``precision``: ``(action, mean_or_logits, log_std, state)``, the
+        floating ones float32 whatever the precision."""
+        if self.precision == "float32":
+            return self._act(observ, state, deterministic)
+        with self._autocast():
+            action, mean_or_logits, log_std, state = self._act(observ, state, deterministic)
+        if action.is_floating_point():
+            action = action.float()
+        return action, mean_or_logits.float(), log_std.float(), state.float()
+
+    def _distributions(self, batch: dict[str, torch.Tensor],
+                       features: torch.Tensor | None = None
                        ) -> tuple[Distribution, Distribution]:
         """The current policy's and the acting policy's action distributions at ``batch``'s
-        steps ``(R, C)``, the current one's from the state stored at each row's first step."""
-        mean_or_logits, log_std, _ = self.policy(batch["observ"], batch["state"][:, 0])
-        return (self.distribution(mean_or_logits, log_std),
+        steps ``(R, C)``, the current one's from the state stored at each row's first step
+        (from the shared torso's ``features`` of ``batch["observ"]`` when given)."""
+        state = batch["state"][:, 0]
+        with self._autocast():
+            if features is None:
+                mean_or_logits, log_std, _ = self.policy(batch["observ"], state)
+            else:
+                mean_or_logits, log_std, _ = self.policy.from_features(features, state)
+        return (self.distribution(mean_or_logits.float(), log_std.float()),
                 self.distribution(batch["mean_or_logits"], batch["log_std"]))
 
-    def _policy_loss(self, batch: dict[str, torch.Tensor], mask: torch.Tensor
+    def _policy_loss(self, batch: dict[str, torch.Tensor], mask: torch.Tensor,
+                     features: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The objective's loss at ``batch`` and its terms to log."""
-        new, old = self._distributions(batch)
-        return self.objective(new, old, batch["action"], batch["advantage"], mask)
+        """The objective's loss at ``batch`` (with the entropy bonus) and its terms to log."""
+        config = self.config
+        new, old = self._distributions(batch, features)
+        advantage = batch["advantage"]
+        if config.advantage_normalization == "minibatch":
+            mean = masked_mean(advantage, mask)
+            std = masked_mean((advantage - mean) ** 2, mask).sqrt()
+            advantage = (advantage - mean) / (std + 1e-8) * mask
+        loss, terms = self.objective(new, old, batch["action"], advantage, mask)
+        if config.entropy_coef:
+            bonus, entropy = entropy_bonus(new, mask, config.entropy_coef)
+            loss = loss + bonus
+            terms = {**terms, **entropy}
+        return loss, terms
 
-    def _value_loss(self, batch: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
-        """The value network's loss against the returns at ``batch``."""
-        return value_loss(self.value(batch["observ"]), batch["returns"], mask)
+    def _value_loss(self, batch: dict[str, torch.Tensor], mask: torch.Tensor,
+                    features: torch.Tensor | None = None) -> torch.Tensor:
+        """The value network's loss against the returns at ``batch``, times ``value_coef``
+        (clipped around the values before the update with ``value_clip``)."""
+        config = self.config
+        with self._autocast():
+            value = (self.value(batch["observ"]) if features is None
+                     else self.value.from_features(features))
+        loss = value_loss(value.float(), batch["returns"], mask, batch.get("old_value"),
+                          config.value_clip)
+        return loss if config.value_coef == 1.0 else config.value_coef * loss
 
     def _gradient_step(self, loss: torch.Tensor, modules: tuple[nn.Module, ...],
                        optimizers: tuple[torch.optim.Optimizer | None, ...],
@@ -432,8 +536,12 @@ class BatchPPO(Algorithm):
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], float, torch.Tensor]:
         """One gradient step of networks that share a torso, on the sum of both losses:
         the policy's loss, terms and gradient norm (of both networks), and the value loss."""
-        loss, terms = self._policy_loss(batch, mask)
-        values = self._value_loss(batch, mask)
+        features = None
+        if self._torso is not None:  # once for both networks
+            with self._autocast():
+                features = self._torso(batch["observ"])
+        loss, terms = self._policy_loss(batch, mask, features)
+        values = self._value_loss(batch, mask, features)
         grad_norm = self._gradient_step(loss + values, (self.policy, self.value),
                                         (self.policy_optimizer, self.value_optimizer),
                                         norm=True)
@@ -451,12 +559,15 @@ class BatchPPO(Algorithm):
         busy-waits for a core that another run or program holds (as split operations do).
         ``update_threads=N`` runs the steps one after the other with N torch threads each,
         for networks large enough that splitting every operation pays. Networks that share a
-        torso take one joint step on the sum of both losses instead (no threads).
+        torso (such as a convolutional one) take one joint step on the sum of both losses
+        instead, with ``update_threads`` torch threads (``None``: one per usable core, so that
+        their results depend on the number of cores; set it to compare runs across machines).
         """
         threads = torch.get_num_threads()
         side_by_side = (self.config.update_threads is None and self.device.type == "cpu"
                         and usable_cores() > 1 and not self.shared_torso)
-        torch.set_num_threads(self.config.update_threads or 1)
+        default = usable_cores() if self.shared_torso and self.device.type == "cpu" else 1
+        torch.set_num_threads(self.config.update_threads or default)
         try:
             with torch.enable_grad(), contextlib.ExitStack() as stack:
                 # Leaving the pool waits for its step, also when the policy step raised.
@@ -522,9 +633,9 @@ class BatchPPO(Algorithm):
             new, old = self._distributions(batches)
         summary.update({f"ppo/{name}": value for name, value in self.objective.end_update(
             new, old, batches["action"], batches["advantage"], mask).items()})
-        with torch.no_grad():
+        with torch.no_grad(), self._autocast():
             returns = data["returns"][valid]
-            residual = returns - self.value(data["observ"])[valid]
+            residual = returns - self.value(data["observ"])[valid].float()
             summary["ppo/explained_variance"] = 1.0 - float(residual.var() / (returns.var() + 1e-8))
         self.updates += 1
         self.updated_steps = self.env_steps
@@ -560,8 +671,8 @@ class BatchPPO(Algorithm):
         state = self._no_state if count == self.num_agents else self._no_state[:count]
         if count > self.num_agents:
             state = observ.new_zeros(count, 0)
-        action, mean_or_logits, log_std, _ = self._act(self._normalize(observ), state,
-                                                       deterministic)
+        action, mean_or_logits, log_std, _ = self._infer(self._normalize(observ), state,
+                                                         deterministic)
         return action, {"mean_or_logits": mean_or_logits, "log_std": log_std}
 
     def acting_state(self) -> dict[str, torch.Tensor]:
@@ -593,11 +704,15 @@ class BatchPPO(Algorithm):
         with torch.no_grad():
             rollout = rollout.to(self.device)
             batch, steps = rollout.size, rollout.length
-            observ = rollout.observ.to(torch.float32).reshape(batch, steps + 1, -1)
+            observ = rollout.observ.reshape(batch, steps + 1, -1)
+            if not self.pixels:
+                observ = observ.to(torch.float32)
             valid = rollout.valid
             self._learn_rewards(rollout)
             self.env_steps += batch * steps
-            next_observ = rollout.next_observ().to(torch.float32).reshape(batch, steps, -1)
+            next_observ = rollout.next_observ().reshape(batch, steps, -1)
+            if not self.pixels:
+                next_observ = next_observ.to(torch.float32)
             last = torch.zeros_like(valid)
             last[:, -1] = True
             normalized = self._normalize(observ[:, :steps].reshape(batch * steps, -1)
@@ -622,7 +737,7 @@ class BatchPPO(Algorithm):
                     "terminated": rollout.terminated}
             # Only now, as perform() does: the data was normalised as the weights that acted
             # on it (without lag) normalised it.
-            if self.config.normalize_observ:
+            if self.config.normalize_observ and not self.pixels:
                 self.observ_normalizer.update(observ[:, :steps][valid])
         summary = self.update(data)
         summary["ppo/importance_weight"] = float(data["behaviour_weight"][valid].mean())
@@ -658,7 +773,7 @@ class BatchPPO(Algorithm):
                 "value_optimizer": self.value_optimizer.state_dict(),
                 "observ_normalizer": self.observ_normalizer.state_dict(),
                 "reward_normalizer": self.reward_normalizer.state_dict(),
-                "kl_penalty": self.penalty.value, "updates": self.updates,
+                "objective": self.objective.state_dict(), "updates": self.updates,
                 "env_steps": self.env_steps, "updated_steps": self.updated_steps,
                 "recurrent_state": self.recurrent_state, "running_return": self.running_return,
                 "memory": self.memory.state_dict()}
@@ -671,7 +786,10 @@ class BatchPPO(Algorithm):
         self.value_optimizer.load_state_dict(copy.deepcopy(state["value_optimizer"]))
         self.observ_normalizer.load_state_dict(state["observ_normalizer"])
         self.reward_normalizer.load_state_dict(state["reward_normalizer"])
-        self.penalty.value = float(state["kl_penalty"])
+        if "objective" in state:
+            self.objective.load_state_dict(state["objective"])
+        else:  # (checkpoints of earlier versions hold the KL penalty's beta alone)
+            self.objective.load_state_dict({"beta": state["kl_penalty"]})
         self.updates = int(state["updates"])
         # (checkpoints of earlier versions lack the schedule's counters)
         self.env_steps = int(state.get("env_steps", 0))

@@ -12,6 +12,10 @@ INITS = ("default", "orthogonal")
 REWARD_SCALES = ("reward", "return")
 LR_SCHEDULES = ("constant", "linear")
 VALUE_TARGETS = ("gae", "vtrace")
+TORSOS = ("mlp", "nature_cnn", "impala_cnn")  # ``batchrl.algos.networks.TORSOS``
+OBJECTIVES = ("kl_penalty", "clip")
+ADVANTAGE_NORMALIZATIONS = ("update", "minibatch", "none")
+PRECISIONS = ("float32", "bfloat16")  # of updates: train.precision, BatchPPO's precision
 
 
 @dataclass
@@ -23,6 +27,8 @@ class PPOConfig:
     network: str = "feed_forward"            # or "recurrent" (MLP then GRU)
     policy_layers: tuple[int, ...] = (200, 100)
     value_layers: tuple[int, ...] = (200, 100)
+    torso: str = "mlp"                        # or "nature_cnn", "impala_cnn" (images)
+    shared_torso: bool = False                # policy and value on one torso (one joint step)
     activation: str = "relu"                  # or "tanh", after every hidden layer
     init: str = "default"                     # or "orthogonal" weights (zero biases)
     gru_size: int = 100                       # recurrent policies only
@@ -40,6 +46,12 @@ class PPOConfig:
     discount: float = 0.99
     gae_lambda: float | None = None           # None: plain discounted returns
     value_targets: str = "gae"                # or "vtrace": V-trace targets and advantages
+    objective: str = "kl_penalty"             # or "clip": PPO's clipped surrogate
+    clip_range: float = 0.2                   # objective="clip": ratios outside 1 +- this
+    value_clip: float | None = None           # clip value predictions this far from the old
+    entropy_coef: float = 0.0                 # entropy bonus of the policy loss
+    value_coef: float = 1.0                   # weight of the value loss (1/2 MSE)
+    advantage_normalization: str = "update"   # or "minibatch", "none"
     kl_target: float = 1e-2
     kl_cutoff_factor: float = 2.0
     kl_cutoff_coef: float = 1000.0
@@ -55,7 +67,9 @@ class PPOConfig:
         for name, choices in (("network", NETWORKS), ("activation", ACTIVATIONS),
                               ("init", INITS), ("reward_scale", REWARD_SCALES),
                               ("lr_schedule", LR_SCHEDULES), ("inference", INFERENCE_MODES),
-                              ("value_targets", VALUE_TARGETS)):
+                              ("value_targets", VALUE_TARGETS), ("torso", TORSOS),
+                              ("objective", OBJECTIVES),
+                              ("advantage_normalization", ADVANTAGE_NORMALIZATIONS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         for name in ("update_every", "update_epochs", "gru_size"):
@@ -65,9 +79,15 @@ class PPOConfig:
             raise ValueError(f"discount must be in [0, 1], got {self.discount}")
         if self.gae_lambda is not None and not 0.0 <= self.gae_lambda <= 1.0:
             raise ValueError(f"gae_lambda must be in [0, 1] or None, got {self.gae_lambda}")
-        for name in ("init_std", "policy_lr", "value_lr", "kl_target"):
+        for name in ("init_std", "policy_lr", "value_lr", "kl_target", "clip_range",
+                     "value_coef"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.value_clip is not None and not self.value_clip > 0:
+            raise ValueError(f"value_clip must be > 0 or None (no clipping), got "
+                             f"{self.value_clip}")
+        if self.entropy_coef < 0:
+            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
         for name in ("batch_size", "minibatch_size", "rollout_length", "chunk_length",
                      "update_threads"):
             value = getattr(self, name)
