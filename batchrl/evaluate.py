@@ -177,7 +177,7 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
     gl_failures = select_gl_backend() if video_path is not None else {}
     try:
         batch_env = make_batch_env(config.env.id, num_agents, config.env.max_length,
-                                   config.env.kwargs, backend="inline",
+                                   config.env.evaluation_kwargs, backend="inline",
                                    normalize_ranges=config.env.normalize_ranges)
     except Exception as exc:
         if not from_opengl(exc):

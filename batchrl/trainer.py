@@ -394,17 +394,30 @@ class Trainer:
         backend = env_config.backend
         if config.train.collectors and backend == "ray":
             backend = "workers"
-        batch_env = self._batch_env = make_batch_env(
-            env_config.id, env_config.num_agents, env_config.max_length, env_config.kwargs,
-            backend, env_config.workers, env_config.normalize_ranges,
-            share_main=env_config.share_main, infos=False, timeout=env_config.timeout or None,
-            max_restarts=env_config.max_restarts if env_config.restart_crashed_envs else 0,
-            ray_address=env_config.ray_address, ray_resources=env_config.ray_resources)
+
+        def build(kwargs: dict[str, Any]) -> Any:
+            return make_batch_env(
+                env_config.id, env_config.num_agents, env_config.max_length, kwargs,
+                backend, env_config.workers, env_config.normalize_ranges,
+                share_main=env_config.share_main, infos=False,
+                timeout=env_config.timeout or None,
+                max_restarts=env_config.max_restarts if env_config.restart_crashed_envs else 0,
+                ray_address=env_config.ray_address, ray_resources=env_config.ray_resources)
+
+        # env.eval_kwargs: evaluations run on envs of their own (here, or in the learner
+        # beside the collectors, whose envs are the training ones).
+        separate_eval = bool(env_config.eval_kwargs and config.train.eval_episodes
+                             and not config.train.collectors)
+        batch_env = self._batch_env = build(env_config.evaluation_kwargs
+                                            if config.train.collectors else env_config.kwargs)
+        eval_batch_env = None
         self.log = None
         bar = None
         pool = None
         last_eval: dict[str, Any] = {}
         try:
+            if separate_eval:
+                eval_batch_env = build(env_config.evaluation_kwargs)
             env = TensorBatchEnv(batch_env, self.device)
             algo = config.make_algorithm(env.observation_space, env.action_space, len(env),
                                          self.device)
@@ -444,6 +457,8 @@ class Trainer:
                 updates, eval_every = collector_plan(config, algo, len(env))
                 pool = self._collectors(algo, env, bar)
             simulation = Simulation(env)
+            eval_simulation = simulation if eval_batch_env is None else Simulation(
+                TensorBatchEnv(eval_batch_env, self.device))
             while self.counters.steps < config.train.steps:
                 if pool is not None:
                     record = self._collect_phase(pool, algo, updates, bar)
@@ -453,8 +468,8 @@ class Trainer:
                 due = self.counters.train_phases % eval_every == 0
                 final = self.counters.steps >= config.train.steps
                 if config.train.eval_episodes and (due or final):
-                    last_eval = self._phase(simulation, algo, "eval", config.train.eval_episodes,
-                                            None)
+                    last_eval = self._phase(eval_simulation, algo, "eval",
+                                            config.train.eval_episodes, None)
                     self._report(last_eval, bar)
                     self.log.plot()
                     evals += 1
@@ -483,10 +498,10 @@ class Trainer:
                 if pool is not None:
                     pool.close()
             finally:
-                self._close(bar, batch_env)
+                self._close(bar, batch_env, eval_batch_env)
         return last_eval
 
-    def _close(self, bar: Any, batch_env: Any) -> None:
+    def _close(self, bar: Any, batch_env: Any, eval_batch_env: Any) -> None:
         """Close what ``_run`` opened, whatever failed."""
         try:
             if bar is not None:
@@ -494,7 +509,11 @@ class Trainer:
             if self.log is not None:
                 self.log.close()
         finally:
-            batch_env.close()
+            try:
+                batch_env.close()
+            finally:
+                if eval_batch_env is not None:
+                    eval_batch_env.close()
 
     def _report(self, record: dict[str, Any], bar: Any) -> None:
         self.log.phase(record)

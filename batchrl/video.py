@@ -370,7 +370,7 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
     # Without a display the glfw package warns twice before MuJoCo's error, which says more.
     warnings.filterwarnings("ignore", module="glfw")
     env_config = config.env
-    kwargs = {**env_config.kwargs, "render_mode": "rgb_array"}
+    kwargs = {**env_config.evaluation_kwargs, "render_mode": "rgb_array"}
     try:
         raw = resolve_constructor(env_config.id, kwargs, env_config.max_length)()
     except Exception as exc:

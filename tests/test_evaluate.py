@@ -149,11 +149,14 @@ def test_the_video_extra_brings_what_each_config_needs_to_be_filmed():
     setup.read(Path(__file__).resolve().parents[1] / "setup.cfg")
     video = setup["options.extras_require"]["video"].split()
     installed = setup["options"]["install_requires"].split()
+    atari = setup["options.extras_require"]["atari"].split()
     needs = {"gymnasium.envs.classic_control": ("gymnasium[classic-control]", video),
-             "gymnasium.envs.mujoco": ("gymnasium[mujoco]", installed)}
+             "gymnasium.envs.mujoco": ("gymnasium[mujoco]", installed),
+             "batchrl.envs.atari": ("ale-py", atari)}  # (ALE renders the game's own frames)
     for name in available_configs():
         env_id = load_config(name).env.id
-        module = str(gym.spec(env_id).entry_point).split(":")[0]
+        entry = env_id if ":" in env_id else str(gym.spec(env_id).entry_point)
+        module = entry.split(":")[0]
         family = next((key for key in needs if module.startswith(key)), None)
         assert family is not None, f"{name}: {env_id} ({module}): which extra films it?"
         requirement, listed = needs[family]

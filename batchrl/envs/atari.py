@@ -1,0 +1,59 @@
+"""Atari 2600 games from ale-py with Gymnasium's standard preprocessing (``pip install
+'batchrl[atari]'``): ``env.id = "batchrl.envs.atari:make"`` in a config.
+
+The observation is a stack of the last ``frame_stack`` 84x84 grayscale frames,
+``Box(0, 255, (4, 84, 84), uint8)``: bytes through every transport and into the rollout memory,
+scaled to ``[0, 1]`` by the network (``algorithm.torso = "nature_cnn"``). Training envs end an
+episode when a life is lost and clip rewards to ``[-1, 1]`` (as DQN, A3C, IMPALA and PPO
+did on Atari); evaluation envs (``training=False``, the configs' ``env.eval_kwargs``) play whole
+games and report raw scores, as the papers' tables do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+from gymnasium.wrappers import AtariPreprocessing, ClipReward, FrameStackObservation
+
+try:
+    import ale_py
+except ImportError as exc:  # (named in the config error train.py prints)
+    raise ImportError(f"Atari games need ale-py and OpenCV: pip install 'batchrl[atari]' "
+                      f"({exc})") from None
+
+gym.register_envs(ale_py)
+
+__all__ = ["make"]
+
+
+def make(env_id: str = "ALE/Pong-v5", training: bool = True, sticky_actions: float = 0.25,
+         noop_max: int = 30, frame_skip: int = 4, screen_size: int = 84, frame_stack: int = 4,
+         terminal_on_life_loss: bool = True, clip_rewards: bool = True,
+         full_action_space: bool = False, **kwargs: Any) -> gym.Env:
+    """The game ``env_id`` (an ``ALE/<Game>-v5`` id) with Gymnasium's ``AtariPreprocessing``
+    (up to ``noop_max`` no-op actions after a reset, each action repeated ``frame_skip``
+    frames with the last two max-pooled, ``screen_size`` square grayscale frames) and
+    ``FrameStackObservation`` of ``frame_stack`` frames.
+
+    Args:
+      training: with ``terminal_on_life_loss``, a lost life terminates the episode; with
+        ``clip_rewards``, rewards are clipped to ``[-1, 1]`` (their sign, for integer
+        scores). ``False``: whole games and raw scores, for evaluation.
+      sticky_actions: the probability that the emulator repeats the previous action
+        instead of the new one (v5's default 0.25, Machado et al., 2018; 0.0: the
+        deterministic games of the DQN-era papers).
+      full_action_space: all 18 actions instead of the game's minimal set.
+      kwargs: further keyword arguments of ``gymnasium.make`` for the ALE env (such as
+        ``render_mode="rgb_array"``, which films the game's colour frames).
+    """
+    # (AtariPreprocessing reads the screens itself: a grayscale inner observation is the
+    # cheapest that it accepts)
+    env = gym.make(env_id, frameskip=1, repeat_action_probability=sticky_actions,
+                   obs_type="grayscale", full_action_space=full_action_space, **kwargs)
+    env = AtariPreprocessing(env, noop_max=noop_max, frame_skip=frame_skip,
+                             screen_size=screen_size,
+                             terminal_on_life_loss=training and terminal_on_life_loss)
+    if training and clip_rewards:
+        env = ClipReward(env, -1.0, 1.0)
+    return FrameStackObservation(env, frame_stack)
