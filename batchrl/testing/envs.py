@@ -27,3 +27,47 @@ class Uint8CartPole(gym.ObservationWrapper):
 def uint8_cartpole(**kwargs: Any) -> gym.Env:
     """``env.id = "batchrl.testing.envs:uint8_cartpole"``: see ``Uint8CartPole``."""
     return Uint8CartPole(gym.make("CartPole-v1", **kwargs))
+
+
+class PixelSide(gym.Env):
+    """A pixel task small enough to learn in seconds: each step shows a ``size`` x ``size``
+    grayscale image (``Box(0, 255, (1, size, size), uint8)``) with a bright square in its left
+    or right half, on a noisy background; action 0 (left) or 1 (right) earns 1.0 when it names
+    the square's side. Episodes last ``length`` steps: a random policy scores ``length / 2``,
+    one that reads the image ``length``."""
+
+    metadata = {"render_modes": ["rgb_array"]}
+
+    def __init__(self, size: int = 36, length: int = 10, render_mode: str | None = None):
+        self.size, self.length, self.render_mode = size, length, render_mode
+        self.observation_space = gym.spaces.Box(0, 255, (1, size, size), np.uint8)
+        self.action_space = gym.spaces.Discrete(2)
+
+    def _show(self) -> np.ndarray:
+        size = self.size
+        image = self.np_random.integers(0, 64, (1, size, size), dtype=np.uint8)
+        self.side = int(self.np_random.integers(2))
+        side = size // 2
+        row = int(self.np_random.integers(0, size - side // 2 + 1))
+        column = self.side * side + int(self.np_random.integers(0, side - side // 2 + 1))
+        image[0, row:row + side // 2, column:column + side // 2] = 255
+        self.image = image
+        return image
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        self.steps = 0
+        return self._show(), {}
+
+    def step(self, action):
+        reward = float(int(action) == self.side)
+        self.steps += 1
+        return self._show(), reward, False, self.steps >= self.length, {}
+
+    def render(self) -> np.ndarray:
+        return np.repeat(self.image[0][..., None], 3, axis=2)
+
+
+def pixel_side(**kwargs: Any) -> gym.Env:
+    """``env.id = "batchrl.testing.envs:pixel_side"``: see ``PixelSide``."""
+    return PixelSide(**kwargs)

@@ -1,0 +1,327 @@
+"""Learning from pixels: uint8 observations end to end, convolutional torsos, the clipped
+objective, the entropy bonus, value clipping, bfloat16 updates, and a pixel task learned through
+train.py (Atari's own end-to-end run is in tests/test_atari.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from torch.distributions import Categorical
+
+from batchrl import TensorBatchEnv
+from batchrl.algos import BatchPPO
+from batchrl.algos.networks import build_torso, image_layout
+from batchrl.config import ConfigError, load_config
+from batchrl import BatchEnv, make_batch_env, wrap_env
+from batchrl.errors import UnsupportedSpaceError
+from batchrl.parts.losses import ClippedObjective, entropy_bonus, value_loss
+from batchrl.testing.envs import PixelSide
+from batchrl.train import main as train_main
+
+PIXELS = gym.spaces.Box(0, 255, (4, 36, 36), np.uint8)
+
+
+# --- the env layer leaves pixels alone -----------------------------------------------------
+
+class HWCImage(gym.Env):
+    """A custom env with channels-last uint8 images, as a new user writes one."""
+
+    observation_space = gym.spaces.Box(0, 255, (84, 84, 1), np.uint8)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self.np_random.integers(0, 256, (84, 84, 1), dtype=np.uint8), {}
+
+    def step(self, action):
+        return self.reset()[0], 1.0, False, False, {}
+
+
+def test_wrap_env_keeps_uint8_images_as_they_are():
+    env = wrap_env(HWCImage())  # range normalisation on: it leaves uint8 spaces alone
+    assert env.observation_space == HWCImage.observation_space
+    observ, _ = env.reset(seed=0)
+    assert observ.dtype == np.uint8 and observ.shape == (84, 84, 1)
+    reference, _ = HWCImage().reset(seed=0)
+    assert np.array_equal(observ, reference)
+    # Float boxes are still rescaled, other integer boxes still become float32.
+    box = wrap_env(gym.make("Pendulum-v1"))
+    assert box.observation_space.dtype == np.float32
+    assert np.all(box.observation_space.high == 1.0)
+
+
+def test_tensor_batch_env_holds_uint8_observations():
+    env = TensorBatchEnv(BatchEnv([wrap_env(PixelSide()) for _ in range(3)]))
+    try:
+        observ = env.reset(seed=1)
+        assert env.observ.dtype == torch.uint8 and observ.dtype == torch.uint8
+        expected = np.stack([PixelSide().reset(seed=1 + i)[0] for i in range(3)])
+        assert np.array_equal(observ.numpy(), expected)
+        observ, _, _ = env.step(torch.zeros(3, dtype=torch.int64))
+        assert observ.dtype == torch.uint8 and int(observ.max()) == 255
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("backend", ["inline", "workers", "process"])
+def test_make_batch_env_ships_uint8_images(backend):
+    env = make_batch_env("batchrl.testing.envs:pixel_side", 4, 10, backend=backend, workers=2)
+    try:
+        observ = env.reset(seed=3)
+        assert env.observation_space == PixelSide().observation_space
+        assert observ.dtype == np.uint8 and observ.shape == (4, 1, 36, 36)
+        expected = np.stack([PixelSide().reset(seed=3 + i)[0] for i in range(4)])
+        assert np.array_equal(observ, expected)
+    finally:
+        env.close()
+
+
+# --- torsos --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["nature_cnn", "impala_cnn"])
+def test_conv_torsos_take_flat_uint8_images_with_any_leading_shape(kind):
+    torch.manual_seed(0)
+    torso = build_torso(kind, PIXELS)
+    images = torch.randint(0, 256, (2, 3, 4 * 36 * 36), dtype=torch.uint8)
+    features = torso(images)
+    assert features.shape == (2, 3, torso.out_size) and features.dtype == torch.float32
+    # The same as the float images scaled to [0, 1], one at a time.
+    one = torso(images[1, 2].float().div(255.0).mul(255.0).round().to(torch.uint8)[None])
+    assert torch.allclose(one[0], features[1, 2], atol=1e-5)
+
+
+def test_channels_last_images_are_read_as_channels():
+    space = gym.spaces.Box(0, 255, (36, 36, 3), np.uint8)
+    assert image_layout(space.shape) == ([3, 36, 36], True)
+    assert image_layout((4, 84, 84)) == ([4, 84, 84], False)
+    assert image_layout((84, 84)) == ([1, 84, 84], False)
+    torch.manual_seed(0)
+    torso = build_torso("nature_cnn", space)
+    hwc = torch.randint(0, 256, (2, 36, 36, 3), dtype=torch.uint8)
+    chw = hwc.permute(0, 3, 1, 2)
+    torch.manual_seed(0)
+    twin = build_torso("nature_cnn", gym.spaces.Box(0, 255, (3, 36, 36), np.uint8))
+    assert torch.allclose(torso(hwc.reshape(2, -1)), twin(chw.reshape(2, -1)), atol=1e-5)
+
+
+@pytest.mark.parametrize("space, message", [
+    (gym.spaces.Box(-1.0, 1.0, (17,), np.float32), "torso 'nature_cnn' needs image observations"),
+    (gym.spaces.Box(0, 255, (1, 12, 12), np.uint8), "cannot take images of 12x12 pixels"),
+])
+def test_a_space_a_torso_cannot_take_is_named(space, message):
+    with pytest.raises(UnsupportedSpaceError, match=message) as info:
+        BatchPPO(space, gym.spaces.Discrete(2), 2, rollout_length=4, torso="nature_cnn")
+    assert str(space) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_shared_torso_needs_a_torso_with_layers():
+    with pytest.raises(ValueError, match="shared_torso needs a torso"):
+        BatchPPO(gym.spaces.Box(-1.0, 1.0, (3,), np.float32), gym.spaces.Discrete(2), 2,
+                 rollout_length=4, shared_torso=True)
+
+
+# --- BatchPPO on pixels --------------------------------------------------------------------
+
+def pixel_ppo(seed: int = 0, agents: int = 4, **options) -> BatchPPO:
+    torch.manual_seed(seed)
+    keys = dict(torso="nature_cnn", shared_torso=True, policy_layers=(), value_layers=(),
+                objective="clip", entropy_coef=0.01, value_clip=0.2, value_coef=0.5,
+                advantage_normalization="minibatch", rollout_length=6, update_epochs=2,
+                minibatch_size=8, inference="eager", init="orthogonal")
+    keys.update(options)
+    return BatchPPO(PIXELS, gym.spaces.Discrete(3), agents, **keys)
+
+
+def drive(algo: BatchPPO, steps: int, seed: int = 0) -> list[dict]:
+    """``steps`` batch steps of random images and rewards through the paper's methods."""
+    generator = torch.Generator().manual_seed(seed)
+    agents = torch.arange(algo.num_agents)
+    summaries = []
+    algo.train()
+    for _ in range(steps):
+        observ = torch.randint(0, 256, (algo.num_agents, *PIXELS.shape), dtype=torch.uint8,
+                               generator=generator)
+        action, _ = algo.perform(agents, observ)
+        reward = torch.randn(algo.num_agents, generator=generator)
+        done = torch.zeros(algo.num_agents)
+        summary = algo.experience(agents, observ, action, reward, done, observ, done)
+        if summary:
+            summaries.append(summary)
+    return summaries
+
+
+def test_pixels_stay_bytes_in_memory_and_skip_the_observation_statistics():
+    algo = pixel_ppo()
+    assert algo.memory.buffers["observ"].dtype == torch.uint8
+    assert algo.memory.buffers["bootstrap_observ"].dtype == torch.uint8
+    mean = algo.observ_normalizer.mean.clone()
+    summaries = drive(algo, 12)
+    assert len(summaries) == 2 and all(math.isfinite(v) for v in summaries[-1].values())
+    assert torch.equal(algo.observ_normalizer.mean, mean)
+    assert {"ppo/clip_fraction", "ppo/entropy", "ppo/kl"} <= set(summaries[-1])
+
+
+def test_a_shared_torso_runs_once_per_step_with_the_same_result():
+    """The joint step takes the torso's features once for both networks: the same losses and
+    weights as running the full networks (a subclass's networks take that path)."""
+    fast, full = pixel_ppo(3), pixel_ppo(3)
+    full._torso = None
+    assert fast._torso is fast.policy.body.torso is fast.value.torso
+    torch.manual_seed(1)  # (actions and minibatches are drawn from torch's generator)
+    first = drive(fast, 12)
+    torch.manual_seed(1)
+    for a, b in zip(first, drive(full, 12)):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
+    for (name, p), q in zip(fast.policy.named_parameters(), full.policy.parameters()):
+        assert torch.allclose(p, q, atol=1e-6), name
+
+
+def test_the_same_seed_gives_the_same_pixel_run():
+    first, second = pixel_ppo(5), pixel_ppo(5)
+    torch.manual_seed(1)
+    summaries = drive(first, 12, seed=1)
+    torch.manual_seed(1)
+    assert drive(second, 12, seed=1) == summaries
+    for p, q in zip(first.policy.parameters(), second.policy.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_checkpoint_round_trip_keeps_a_pixel_run_exact():
+    first = pixel_ppo(7)
+    drive(first, 9, seed=2)  # mid-rollout: the memory holds 3 of 6 steps
+    state = first.state_dict()
+    second = pixel_ppo(8)
+    second.load_state_dict(state)
+    torch.manual_seed(11)
+    a = drive(first, 9, seed=4)
+    torch.manual_seed(11)
+    b = drive(second, 9, seed=4)
+    assert a == b
+    for p, q in zip(first.policy.parameters(), second.policy.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_bfloat16_updates_learn_close_to_float32_ones():
+    exact, low = pixel_ppo(9), pixel_ppo(9, precision="bfloat16")
+    torch.manual_seed(1)
+    a = drive(exact, 12)
+    torch.manual_seed(1)
+    b = drive(low, 12)
+    assert low.policy.body.torso.input_dtype == torch.bfloat16
+    # Recorded distributions and losses stay float32; the values are close, not equal.
+    assert low.memory.buffers["mean_or_logits"].dtype == torch.float32
+    assert b[-1]["ppo/value_loss"] == pytest.approx(a[-1]["ppo/value_loss"], rel=0.1)
+    for p, q in zip(exact.policy.parameters(), low.policy.parameters()):
+        assert p.dtype == q.dtype == torch.float32
+        assert torch.allclose(p, q, atol=2e-3)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        pixel_ppo(precision="float16")
+
+
+def test_train_precision_needs_an_algorithm_that_takes_it():
+    config = load_config("cartpole_reinforce", ["train.precision=bfloat16"])
+    with pytest.raises(ConfigError, match="train.precision='bfloat16' needs an algorithm"):
+        config.make_algorithm(gym.spaces.Box(-1.0, 1.0, (4,), np.float32),
+                              gym.spaces.Discrete(2), 2, "cpu")
+    with pytest.raises(ConfigError, match="train.precision must be one of"):
+        load_config("cartpole", ["train.precision=half"])
+
+
+# --- the losses ----------------------------------------------------------------------------
+
+def test_the_clipped_objective_is_the_smaller_of_the_two_surrogates():
+    logits = torch.tensor([[[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]]])
+    old = Categorical(logits=logits)
+    shift = torch.tensor([[[1.0, 0.0], [-1.0, 0.0], [0.05, 0.0]]], requires_grad=True)
+    new = Categorical(logits=logits + shift)
+    action = torch.zeros(1, 3, dtype=torch.int64)
+    advantage = torch.tensor([[1.0, -1.0, 2.0]])
+    mask = torch.ones(1, 3)
+    loss, terms = ClippedObjective(0.2)(new, old, action, advantage, mask)
+    ratio = (new.log_prob(action) - old.log_prob(action)).exp().detach()
+    # Step 0: ratio 1.46 > 1.2 with a positive advantage: clipped at 1.2 (no gradient).
+    # Step 1: ratio 0.54 < 0.8 with a negative advantage: clipped at 0.8 (no gradient).
+    # Step 2: ratio 1.025 inside the range: ratio * advantage.
+    expected = -(1.2 * 1.0 + 0.8 * -1.0 + float(ratio[0, 2]) * 2.0) / 3
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-6)
+    assert float(terms["clip_fraction"]) == pytest.approx(2 / 3)
+    loss.backward()
+    assert torch.all(shift.grad[0, :2] == 0) and shift.grad[0, 2, 0] < 0
+    # Padding (mask 0) counts for nothing, not even when its ratio is inf.
+    loss2, _ = ClippedObjective(0.2)(new, old, action, advantage, torch.tensor([[0., 0., 1.]]))
+    assert float(loss2.detach()) == pytest.approx(-float(ratio[0, 2]) * 2.0, rel=1e-6)
+    with pytest.raises(ValueError, match="clip_range must be > 0"):
+        ClippedObjective(0.0)
+
+
+def test_the_entropy_bonus_rewards_spread_out_policies():
+    logits = torch.tensor([[[2.0, 0.0, 0.0]]], requires_grad=True)
+    new = Categorical(logits=logits)
+    bonus, terms = entropy_bonus(new, torch.ones(1, 1), 0.1)
+    entropy = float(new.entropy().detach())
+    assert float(bonus.detach()) == pytest.approx(-0.1 * entropy, rel=1e-6)
+    assert float(terms["entropy"].detach()) == pytest.approx(entropy)
+    bonus.backward()  # descending the bonus lowers the dominant logit
+    assert logits.grad[0, 0, 0] > 0 > logits.grad[0, 0, 1]
+
+
+def test_value_clipping_takes_the_larger_error():
+    returns = torch.tensor([[1.0, 1.0]])
+    old = torch.tensor([[0.0, 0.9]])
+    value = torch.tensor([[0.8, 1.3]])
+    mask = torch.ones(1, 2)
+    # Step 0: moved 0.8 from 0.0, clipped to 0.2: error 0.8 > 0.2. Step 1: clipped to 1.1:
+    # error 0.1 < 0.3, so the unclipped 0.3 counts.
+    got = value_loss(value, returns, mask, old, clip=0.2)
+    assert float(got) == pytest.approx(0.5 * (0.8 ** 2 + 0.3 ** 2) / 2, rel=1e-6)
+    assert float(value_loss(value, returns, mask)) == pytest.approx(
+        0.5 * (0.2 ** 2 + 0.3 ** 2) / 2, rel=1e-6)
+    with pytest.raises(ValueError, match="needs old_value"):
+        value_loss(value, returns, mask, clip=0.2)
+
+
+def test_ppo_config_checks_the_new_keys():
+    for key, value, message in (("objective", "trust", "objective must be one of"),
+                                ("torso", "resnet", "torso must be one of"),
+                                ("clip_range", 0.0, "clip_range must be > 0"),
+                                ("value_clip", -1.0, "value_clip must be > 0"),
+                                ("entropy_coef", -0.1, "entropy_coef must be >= 0"),
+                                ("advantage_normalization", "batch",
+                                 "advantage_normalization must be one of")):
+        with pytest.raises(ConfigError, match=message):
+            load_config("cartpole", [f"algorithm.{key}={json.dumps(value)}"])
+
+
+# --- a pixel task learned through train.py -------------------------------------------------
+
+# One torch thread for the update: the test suite runs two tests at a time on two cores.
+PIXEL_TASK = ["--set", "env.id=batchrl.testing.envs:pixel_side",
+              "--set", "env.kwargs={length=10}", "--set", "env.max_length=20",
+              "--set", "algorithm.update_threads=1",
+              "--set", "env.backend=inline", "--set", "env.eval_kwargs={length=20}",
+              "--set", "train.steps=4000", "--set", "train.eval_every=2",
+              "--set", "train.eval_episodes=16", "--set", "algorithm.rollout_length=32",
+              "--set", "algorithm.minibatch_size=64", "--set", "algorithm.policy_lr=1e-3",
+              "--set", "algorithm.value_lr=1e-3", "--set", "algorithm.discount=0.9",
+              "--set", "algorithm.lr_schedule=constant"]
+
+
+def test_ppo_learns_a_pixel_task_through_train_py(tmp_path):
+    """The Atari config's network and objective on a task a random policy scores 5 of 10 on:
+    reading the image scores 10 (20 in the evaluation envs, whose episodes env.eval_kwargs
+    makes twice as long)."""
+    logdir = tmp_path / "run"
+    code = train_main(["--config", "atari/pong", *PIXEL_TASK, "--logdir", str(logdir),
+                       "--no-progress"])
+    assert code == 0
+    records = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["phase"] == "train" and r["score"] is not None]
+    evals = [r for r in records if r["phase"] == "eval"]
+    assert train[0]["score"] < 8.0 and train[-1]["score"] >= 9.5, train
+    assert evals[-1]["score"] >= 19.0 and evals[-1]["length"] == 20, evals
+    assert all(r["length"] == 10 for r in train)
