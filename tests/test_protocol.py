@@ -25,6 +25,7 @@ import pytest
 
 from batchrl.envs import (BatchEnv, BatchVectorEnv, EnvRaisedError, EnvWorker, ExternalProcess,
                           LocalWorker, RayEnvWorker)
+from batchrl.testing.envs import PixelSide
 from helpers import (CountingEnv, assert_same_log, assert_same_vector_steps, fails_at,
                      make_cartpole, make_cheetah, raise_site, rollout)
 
@@ -90,6 +91,18 @@ def test_trajectories_are_those_of_in_process_envs(transport, make, dtype):
     finally:
         reference.close()
     assert_same_log(rollout(transport([make] * 4), dtype), expected)
+
+
+def test_uint8_images_travel_as_uint8(transport):
+    """Pixels cross every transport as bytes (shared memory, pipes, Ray's object store)."""
+    reference = BatchEnv([PixelSide() for _ in range(4)])
+    try:
+        expected = rollout(reference, None)
+    finally:
+        reference.close()
+    got = rollout(transport([PixelSide] * 4), None)
+    assert got[0][2].dtype == np.uint8 and got[1][1].dtype == np.uint8
+    assert_same_log(got, expected)  # (dtypes included)
 
 
 @pytest.mark.parametrize("blocking", [False, True], ids=["parallel", "blocking"])
