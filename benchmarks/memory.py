@@ -36,6 +36,7 @@ Run it from the repository root (about 3-4 minutes on a 2-core machine with
 the defaults, half of it in the 62 updates; ``--no-updates`` is faster):
 
     python benchmarks/memory.py
+    python benchmarks/memory.py --pixels    # bytes per stored Atari frame, then exit
     python benchmarks/memory.py --envs 32 --steps 2000000 --json memory.json
 
 It prints a markdown table and a one-line JSON summary. The exit code is 1
@@ -129,6 +130,9 @@ def parse_args() -> argparse.Namespace:
                         help="largest allowed RSS growth in percent (default: 5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="also write every sample to PATH")
+    parser.add_argument("--pixels", action="store_true",
+                        help="print the bytes per stored step of configs/atari/pong.toml's "
+                             "rollout memory and exit")
     args = parser.parse_args()
     if args.envs < 1 or args.samples < 1 or args.warmup < 0:
         parser.error("--envs and --samples must be positive, --warmup >= 0")
@@ -138,9 +142,36 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def pixel_memory() -> None:
+    """Bytes per stored step of BatchPPO's rollout memory for ``configs/atari/pong.toml``
+    (4 stacked 84x84 frames kept as uint8), against the same memory with float32 frames."""
+    import gymnasium as gym
+    import numpy as np
+
+    from batchrl.config import load_config
+
+    config = load_config("atari/pong")
+    space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+    algo = BatchPPO(space, gym.spaces.Discrete(6), config.env.num_agents, total_steps=1,
+                    **config.algorithm.keys)
+    memory = algo.memory
+    steps = memory.num_agents * memory.length
+    total = sum(b.numel() * b.element_size() for b in memory.buffers.values())
+    frames = sum(memory.buffers[name].numel() for name in ("observ", "bootstrap_observ"))
+    as_float = total + frames * 3  # (4 bytes instead of 1 per pixel)
+    print(f"atari/pong rollout memory: {config.env.num_agents} agents x {memory.length} steps, "
+          f"{total / 2**20:.1f} MiB: {total / steps:,.0f} bytes per stored step "
+          f"(observation and bootstrap observation as uint8); with float32 frames "
+          f"{as_float / steps:,.0f} bytes ({as_float / total:.2f}x). Transport: "
+          f"{space.shape[0] * 84 * 84:,} bytes per env step through shared memory.")
+
+
 def main() -> int:
     """Run the loop, print the table and the JSON summary; returns the exit code."""
     args = parse_args()
+    if args.pixels:
+        pixel_memory()
+        return 0
     torch.set_num_threads(1)  # as the trainer (train.threads)
     parent = psutil.Process()
     # multiprocessing keeps the fork server (and the resource tracker it starts)

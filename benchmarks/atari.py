@@ -1,0 +1,180 @@
+"""Learning from pixels, side by side on this machine: Atari stepping, the cost of BatchPPO's
+update in float32 and bfloat16, and training steps/s of ``configs/atari/pong.toml`` against
+Stable-Baselines3's PPO with rl-zoo3's Atari settings.
+
+* **Stepping** (random actions, ``--envs`` envs, ``--seconds`` each): batchrl's layout
+  (``make_batch_env`` with the config's env, as ``train.py`` builds it), Gymnasium's
+  ``SyncVectorEnv`` of the same envs, and ale-py's own C++ ``AtariVectorEnv`` (its
+  preprocessing, not Gymnasium's wrappers).
+* **Update**: one BatchPPO update of the config (8 agents x 128 steps, 4 epochs of 4
+  minibatches of 256 frames) on random frames, seconds per update and per gradient step, in
+  ``float32`` and ``bfloat16`` (``train.precision``).
+* **Training**: ``--steps`` steps of ``python train.py --config atari/pong`` (no evaluations)
+  in float32 and bfloat16, and of SB3's ``PPO("CnnPolicy")`` on ``make_atari_env`` (its
+  ``AtariWrapper``, 8 envs in one process, 4 stacked frames) with rl-zoo3's hyperparameters
+  (128-step rollouts, 4 epochs, minibatches of 256, clip 0.1, entropy 0.01, learning rate
+  2.5e-4). steps/s counts the whole run after the networks are built (start-up of the env
+  processes included), one run after the other.
+
+    python benchmarks/atari.py                      # ~5 minutes, run it on an idle machine
+    python benchmarks/atari.py --steps 40960 --skip-sb3
+
+Stable-Baselines3 is not a dependency of batchrl: ``pip install stable-baselines3`` for this
+script (``--skip-sb3`` measures batchrl alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+GAME = "ALE/Pong-v5"
+
+
+def stepping(envs: int, seconds: float) -> dict[str, float]:
+    import gymnasium as gym
+
+    from batchrl.config import load_config
+    from batchrl.envs.atari import make
+    from batchrl.envs.factory import make_batch_env
+
+    config = load_config("atari/pong")
+    kwargs = config.env.kwargs
+    rates = {}
+    rng = np.random.default_rng(0)
+
+    def run(step, reset) -> float:
+        steps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            reset(step(rng.integers(0, 6, envs)))
+            steps += envs
+        return steps / (time.perf_counter() - start)
+
+    batch = make_batch_env(config.env.id, envs, config.env.max_length, kwargs, infos=False)
+    try:
+        batch.reset(seed=0)
+
+        def reset_batch(result) -> None:
+            ended = np.flatnonzero(result[2] | result[3])
+            if ended.size:
+                batch.reset(ended)
+
+        rates["batchrl (default layout)"] = run(batch.step, reset_batch)
+    finally:
+        batch.close()
+    for name, vector in (
+            ("Gymnasium SyncVectorEnv", gym.vector.SyncVectorEnv([lambda: make(**kwargs)] * envs)),
+            ("ale-py AtariVectorEnv (C++)", gym.make_vec(
+                GAME, envs, vectorization_mode="vector_entry_point", frameskip=4,
+                repeat_action_probability=0.0, stack_num=4))):
+        try:
+            vector.reset(seed=0)  # (both reset finished envs themselves)
+            rates[name] = run(vector.step, lambda result: None)
+        finally:
+            vector.close()
+    return rates
+
+
+def update_cost(precision: str, repeats: int = 3) -> float:
+    """Seconds of one BatchPPO update of the pong config on random frames."""
+    import gymnasium as gym
+    import torch
+
+    from batchrl.algos import BatchPPO
+    from batchrl.config import load_config
+
+    keys = dict(load_config("atari/pong").algorithm.keys)
+    space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+    algo = BatchPPO(space, gym.spaces.Discrete(6), 8, total_steps=10 ** 7, precision=precision,
+                    **keys)
+    algo.train()
+    agents = torch.arange(8)
+    frames = torch.randint(0, 256, (8, 4, 84, 84), dtype=torch.uint8)
+    zeros = torch.zeros(8)
+    times = []
+    for _ in range(repeats + 1):
+        for _ in range(128):
+            action, _ = algo.perform(agents, frames)
+            start = time.perf_counter()
+            if algo.experience(agents, frames, action, torch.randn(8), zeros, frames, zeros):
+                times.append(time.perf_counter() - start)
+    return float(np.median(times[1:]))  # (the first includes one-time set-up)
+
+
+def batchrl_training(steps: int, precision: str) -> float:
+    """steps/s of train.py --config atari/pong for ``steps`` steps without evaluations."""
+    with tempfile.TemporaryDirectory() as logdir:
+        subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", "atari/pong",
+                        "--logdir", logdir, "--no-progress", "--set", f"train.steps={steps}",
+                        "--set", "train.eval_episodes=0", "--set", "train.eval_every=10",
+                        "--set", f"train.precision={precision}"],
+                       check=True, capture_output=True, text=True)
+        records = [json.loads(line) for line in Path(logdir, "metrics.jsonl").open()]
+    return steps / records[-1]["wall_time"]
+
+
+def sb3_training(steps: int) -> float:
+    """steps/s of SB3's PPO with rl-zoo3's Atari settings for ``steps`` steps."""
+    import ale_py
+    import gymnasium as gym
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.env_util import make_atari_env
+    from stable_baselines3.common.vec_env import VecFrameStack
+
+    gym.register_envs(ale_py)
+    env = VecFrameStack(make_atari_env(GAME, n_envs=8, seed=0, env_kwargs={
+        "frameskip": 1, "repeat_action_probability": 0.0}), n_stack=4)
+    model = PPO("CnnPolicy", env, n_steps=128, n_epochs=4, batch_size=256,
+                learning_rate=2.5e-4, clip_range=0.1, ent_coef=0.01, vf_coef=0.5,
+                device="cpu", seed=0, verbose=0)
+    start = time.perf_counter()
+    model.learn(total_timesteps=steps)
+    rate = steps / (time.perf_counter() - start)
+    env.close()
+    return rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--envs", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=10.0, help="per stepping measurement")
+    parser.add_argument("--steps", type=int, default=20480, help="per training measurement")
+    parser.add_argument("--skip-sb3", action="store_true")
+    args = parser.parse_args()
+
+    print(f"Atari stepping, {GAME}, {args.envs} envs, random actions (agent steps/s):")
+    rates = stepping(args.envs, args.seconds)
+    base = rates["batchrl (default layout)"]
+    for name, rate in rates.items():
+        print(f"  {name:30s} {rate:8,.0f}  {rate / base:5.2f}x batchrl")
+
+    print("BatchPPO update of configs/atari/pong.toml (1,024 frames, 16 gradient steps):")
+    costs = {precision: update_cost(precision) for precision in ("float32", "bfloat16")}
+    for precision, cost in costs.items():
+        print(f"  {precision:9s} {cost:6.2f} s per update, {cost / 16 * 1000:5.0f} ms per "
+              f"gradient step, {costs['float32'] / cost:4.2f}x float32")
+
+    print(f"Training steps/s, {args.steps:,} steps, no evaluations:")
+    training = {f"batchrl atari/pong, {precision}": batchrl_training(args.steps, precision)
+                for precision in ("float32", "bfloat16")}
+    if not args.skip_sb3:
+        try:
+            training["SB3 PPO, rl-zoo3 Atari settings"] = sb3_training(args.steps)
+        except ImportError as exc:
+            print(f"  (SB3 skipped: {exc}; pip install stable-baselines3)")
+    reference = training.get("SB3 PPO, rl-zoo3 Atari settings")
+    for name, rate in training.items():
+        ratio = f"  {rate / reference:5.2f}x SB3" if reference else ""
+        print(f"  {name:34s} {rate:7,.0f}{ratio}")
+
+
+if __name__ == "__main__":
+    main()
