@@ -13,6 +13,7 @@ import torch
 
 from batchrl.envs.batch import BatchEnv
 from batchrl.envs.worker import Closeable
+from batchrl.pixels import is_pixel_space
 
 
 class TensorBatchEnv(Closeable):
@@ -49,7 +50,7 @@ class TensorBatchEnv(Closeable):
             staging = torch.zeros(shape, dtype=dtype, pin_memory=True) if cuda else device_buffer
             return device_buffer, staging
 
-        observ_dtype = torch.uint8 if obs_space.dtype == np.uint8 else torch.float32
+        observ_dtype = torch.uint8 if is_pixel_space(obs_space) else torch.float32
         self.observ, self._staging_observ = buffers((n, *obs_space.shape), observ_dtype)
         self.action, self._staging_action = buffers((n, *act_space.shape), action_dtype)
         self.reward, self._staging_reward = buffers((n,), torch.float32)

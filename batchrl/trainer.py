@@ -185,7 +185,8 @@ class Trainer:
         self.device = resolve_device(config.train.device)
         self.counters = Counters()
         self.last_scores: dict[str, float | None] = {"train": None, "eval": None}
-        self._restarts_seen = 0
+        self._restarts_seen: dict[int, int] = {}  # per batch env (id), its restarts reported
+        self._batch_envs: list[Any] = []  # the run's batch envs: training (and evaluation)
         self._collector_restarts = 0
         self._batch_env: Any = None  # the run's BatchEnv, for its restart events
         self._lines = False  # progress as plain lines (not a terminal)
@@ -222,8 +223,8 @@ class Trainer:
                 counters.steps += stepped
                 if bar is not None:  # (the last batch step may end past the budget)
                     bar.update(max(0, min(stepped, bar.total - bar.n)))
-            if self._batch_env.restarts != self._restarts_seen:
-                self._report_restarts(bar)
+            if env.batch_env.restarts != self._restarts_seen.get(id(env.batch_env), 0):
+                self._report_restarts(bar, env.batch_env)
             if bool(done.any()):
                 ended = done.nonzero().squeeze(1)
                 scores += score[ended].tolist()
@@ -347,10 +348,11 @@ class Trainer:
         return LocalCollectors(spec, env.observation_space, env.action_space,
                                algo.behaviour_fields(), algo.acting_state(), **options)
 
-    def _report_restarts(self, bar: Any) -> None:
-        """Print the new restarts and log their count (``env/restarts``)."""
-        batch_env = self._batch_env
-        for event in batch_env.restart_events[self._restarts_seen:]:
+    def _report_restarts(self, bar: Any, batch_env: Any) -> None:
+        """Print the new restarts of ``batch_env`` (the training or the evaluation envs), log
+        the run's count (``env/restarts``) and leave both envs what is left of the run's
+        ``env.max_restarts``."""
+        for event in batch_env.restart_events[self._restarts_seen.get(id(batch_env), 0):]:
             self.counters.env_restarts += 1
             message = (f"step {self.counters.steps:,}: {event} [{self.counters.env_restarts} "
                        f"of at most {self.config.env.max_restarts} in this run]")
@@ -358,7 +360,10 @@ class Trainer:
                 bar.write(message)
             else:
                 print(message, flush=True)
-        self._restarts_seen = batch_env.restarts
+        self._restarts_seen[id(batch_env)] = batch_env.restarts
+        left = max(0, self.config.env.max_restarts - self.counters.env_restarts)
+        for other in self._batch_envs:
+            other.max_restarts = other.restarts + left if other.max_restarts else 0
         self.log.scalars({"env/restarts": float(self.counters.env_restarts)},
                          self.counters.steps)
 
@@ -418,6 +423,7 @@ class Trainer:
         try:
             if separate_eval:
                 eval_batch_env = build(env_config.evaluation_kwargs)
+            self._batch_envs = [batch_env] + ([eval_batch_env] if eval_batch_env else [])
             env = TensorBatchEnv(batch_env, self.device)
             algo = config.make_algorithm(env.observation_space, env.action_space, len(env),
                                          self.device)
@@ -434,9 +440,10 @@ class Trainer:
                 self.counters = Counters(**state["counters"])
                 _set_rng_state(state["rng"])
                 self._written = self.counters.steps
-                if batch_env.max_restarts:  # the bound is per run, over all its sessions
-                    batch_env.max_restarts = max(
-                        0, env_config.max_restarts - self.counters.env_restarts)
+                for each in self._batch_envs:  # the bound is per run, over all its sessions
+                    if each.max_restarts:
+                        each.max_restarts = max(
+                            0, env_config.max_restarts - self.counters.env_restarts)
                 print(f"Resuming from {checkpoint} at step {self.counters.steps:,}")
                 if self.counters.steps >= config.train.steps:
                     print(f"The run already reached train.steps={config.train.steps:,}; "

@@ -297,6 +297,25 @@ def test_training_survives_a_crashed_env_and_counts_the_restart(tmp_path, capsys
     assert counters["env_restarts"] == 1
 
 
+def test_restarts_of_the_evaluation_envs_count_in_the_run(tmp_path, capsys):
+    """env.eval_kwargs gives evaluations envs of their own: their restarts are reported, logged
+    and spend the run's one env.max_restarts budget with the training envs' (here 1: the
+    training envs' later fault stops the run)."""
+    config = load_config("cartpole", [
+        'env.id="batchrl.testing.faults:make"', "env.backend=process", "env.num_agents=3",
+        f'env.kwargs={{env_id="CartPole-v1", fault="abort", at_step=300, '
+        f'once_file="{tmp_path / "train"}"}}',
+        f'env.eval_kwargs={{at_step=20, once_file="{tmp_path / "eval"}"}}',
+        "env.restart_crashed_envs=true", "env.max_restarts=1", "algorithm.update_every=3",
+        "train.eval_episodes=3", "train.steps=1500", "train.device=cpu"])
+    with pytest.raises(EnvCrashedError, match="killed by signal SIGABRT"):
+        Trainer(config, tmp_path / "run", progress=False).run()
+    out = capsys.readouterr().out
+    assert (tmp_path / "eval").exists() and (tmp_path / "train").exists()
+    assert "[1 of at most 1 in this run]" in out
+    assert scalar_events(tmp_path / "run")["env/restarts"][-1][1] == 1.0
+
+
 
 @pytest.mark.parametrize("fault, detail", [("hang", "no answer from the env worker"),
                                            ("segfault", "killed by signal SIGSEGV")])

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from batchrl.pixels import is_pixel_space
+from batchrl.algos.ppo_config import TORSOS
 from batchrl.errors import UnsupportedSpaceError
 
 ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh}
@@ -104,8 +105,8 @@ class ConvTorso(nn.Module):
         else:  # copied to channels-last while it is still bytes
             x = observ.reshape([-1] + self.image).contiguous(memory_format=torch.channels_last)
         x = x.to(self.input_dtype)  # (keeps the memory format)
-        if self.scale != 1.0:
-            x = x.mul_(self.scale)  # (pixels: to() made a new float tensor)
+        if self.scale != 1.0:  # (in place on the new tensor to() made of bytes)
+            x = x.mul_(self.scale) if observ.dtype == torch.uint8 else x * self.scale
         features = self.head(self.convs(x).flatten(1))
         return features.reshape(list(lead) + [self.out_size])
 
@@ -144,9 +145,6 @@ def impala_cnn(shape: Sequence[int], pixels: bool,
         channels = depth
     layers.append(nn.ReLU())
     return ConvTorso(shape, pixels, nn.Sequential(*layers), 256)
-
-
-TORSOS = ("mlp", "nature_cnn", "impala_cnn")
 
 
 def build_torso(kind: str, observation_space: gym.Space) -> nn.Module | None:

@@ -217,7 +217,7 @@ class BatchPPO(Algorithm):
             body = FeedForwardBody(obs_size, config.policy_layers, config.activation, torso)
         value_torso = body.torso if config.shared_torso else build_torso(
             config.torso, self.observation_space)
-        if config.shared_torso and torso is None:
+        if config.shared_torso and (torso is None or not any(True for _ in torso.parameters())):
             raise ValueError("shared_torso needs a torso with layers to share: set torso to "
                              "'nature_cnn' or 'impala_cnn' (an MLP policy and value network "
                              "share nothing)")
@@ -406,7 +406,10 @@ class BatchPPO(Algorithm):
             data["advantage"] = advantage * mask
         if weight is not None and targets is None:  # (older weights: see learn; V-trace's
             # advantages carry the truncated weight already)
-            data["advantage"] = data["advantage"] * weight
+            if config.advantage_normalization == "minibatch":
+                data["advantage_weight"] = weight  # (after the minibatch's normalisation)
+            else:
+                data["advantage"] = data["advantage"] * weight
         return data, mask
 
     def _layout(self, data: dict[str, torch.Tensor], mask: torch.Tensor
@@ -475,14 +478,17 @@ class BatchPPO(Algorithm):
         new, old = self._distributions(batch, features)
         advantage = batch["advantage"]
         if config.advantage_normalization == "minibatch":
+            count = mask.sum()
             mean = masked_mean(advantage, mask)
-            std = masked_mean((advantage - mean) ** 2, mask).sqrt()
-            advantage = (advantage - mean) / (std + 1e-8) * mask
+            variance = ((advantage - mean) ** 2 * mask).sum() / (count - 1).clamp(min=1)
+            advantage = (advantage - mean) / (variance.sqrt() + 1e-8) * mask
+            if "advantage_weight" in batch:
+                advantage = advantage * batch["advantage_weight"]
         loss, terms = self.objective(new, old, batch["action"], advantage, mask)
         if config.entropy_coef:
-            bonus, entropy = entropy_bonus(new, mask, config.entropy_coef)
+            bonus, _ = entropy_bonus(new, mask, config.entropy_coef)
             loss = loss + bonus
-            terms = {**terms, **entropy}
+            terms = {**terms, "entropy_bonus": bonus}
         return loss, terms
 
     def _value_loss(self, batch: dict[str, torch.Tensor], mask: torch.Tensor,
@@ -717,8 +723,10 @@ class BatchPPO(Algorithm):
             last[:, -1] = True
             normalized = self._normalize(observ[:, :steps].reshape(batch * steps, -1)
                                          ).reshape(batch, steps, -1)
-            state = observ.new_zeros(batch, steps, 0)
-            mean_or_logits, log_std, _ = self.policy(normalized, state[:, 0])
+            state = observ.new_zeros(batch, steps, 0, dtype=torch.float32)
+            with self._autocast():
+                mean_or_logits, log_std, _ = self.policy(normalized, state[:, 0])
+            mean_or_logits, log_std = mean_or_logits.float(), log_std.float()
             # Copies in the memory's layout ((B, T, ...), an empty log_std for a categorical):
             # a state-independent log_std is a view of the parameter the update changes.
             log_std = log_std.expand(batch, steps, *rollout.behaviour["log_std"].shape[2:])

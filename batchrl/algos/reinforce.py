@@ -152,7 +152,8 @@ class Reinforce(Algorithm):
     def _distribution(self, observ: torch.Tensor) -> torch.distributions.Distribution:
         """The action distribution for ``observ`` ``(B, *obs_shape)``; ``log_prob`` is ``(B,)``."""
         # (B, n) logits for Discrete, (B, action size) means for Box.
-        output = self.policy(observ.reshape(len(observ), -1))
+        # (uint8 observations arrive as bytes: this example takes their values as floats)
+        output = self.policy(observ.reshape(len(observ), -1).to(torch.float32))
         if self._discrete:
             return torch.distributions.Categorical(logits=output)
         mean = output.view(-1, *self.action_shape)
@@ -163,7 +164,7 @@ class Reinforce(Algorithm):
 
     def _value(self, observ: torch.Tensor) -> torch.Tensor:
         """The baseline's estimate of the return, ``(B,)``, for ``observ`` ``(B, *obs_shape)``."""
-        return self.value(observ.reshape(len(observ), -1)).squeeze(1)
+        return self.value(observ.reshape(len(observ), -1).to(torch.float32)).squeeze(1)
 
     def _sample(self, distribution: torch.distributions.Distribution) -> torch.Tensor:
         """Sample with our own generator (``Distribution.sample`` has no generator argument)."""

@@ -4,9 +4,11 @@
 The observation is a stack of the last ``frame_stack`` 84x84 grayscale frames,
 ``Box(0, 255, (4, 84, 84), uint8)``: bytes through every transport and into the rollout memory,
 scaled to ``[0, 1]`` by the network (``algorithm.torso = "nature_cnn"``). Training envs end an
-episode when a life is lost and clip rewards to ``[-1, 1]`` (as DQN, A3C, IMPALA and PPO
-did on Atari); evaluation envs (``training=False``, the configs' ``env.eval_kwargs``) play whole
-games and report raw scores, as the papers' tables do.
+episode when a life is lost and clip rewards to ``[-1, 1]``; evaluation envs (``training=False``,
+the configs' ``env.eval_kwargs``) play whole games and report raw scores, as the papers' tables
+do. Gymnasium's ``AtariPreprocessing`` starts a new game at the reset after a lost life, where
+the papers' wrappers played on with the lives left: in games with lives (Breakout) training
+sees only first lives. No FIRE is pressed after a reset: the policy learns to serve.
 """
 
 from __future__ import annotations

@@ -12,18 +12,17 @@ from batchrl.pixels import is_pixel_space
 __all__ = ["ClipAction", "TimeLimit", "range_normalize", "convert_to_32bit", "wrap_env"]
 
 
-def _finite_float_box(space: gym.Space) -> bool:
-    return (isinstance(space, gym.spaces.Box) and np.issubdtype(space.dtype, np.floating)
+def _finite_box(space: gym.Space) -> bool:
+    return (isinstance(space, gym.spaces.Box) and not is_pixel_space(space)
             and bool(np.isfinite(space.low).all() and np.isfinite(space.high).all()))
 
 
 def range_normalize(env: gym.Env) -> gym.Env:
-    """Rescale finite float Box observation and action ranges to ``[-1, 1]``; other
-    spaces (like most MuJoCo observations, with infinite bounds, and ``uint8`` pixels) stay
-    as they are."""
-    if _finite_float_box(env.observation_space):
+    """Rescale finite Box observation and action ranges to ``[-1, 1]``; other spaces (like
+    most MuJoCo observations, with infinite bounds) and ``uint8`` pixels stay as they are."""
+    if _finite_box(env.observation_space):
         env = RescaleObservation(env, np.float32(-1), np.float32(1))
-    if _finite_float_box(env.action_space):
+    if _finite_box(env.action_space):
         env = RescaleAction(env, np.float32(-1), np.float32(1))
     return env
 

@@ -35,15 +35,21 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
+def masked_log_ratio(new: Distribution, old: Distribution, action: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+    """``log new(a) - log old(a)`` ``(B, T)``, zero where ``mask`` is 0 (a padded step's ratio
+    can be inf, and inf * 0 is nan)."""
+    return torch.where(mask > 0, new.log_prob(action) - old.log_prob(action), 0.0)
+
+
 def policy_terms(new: Distribution, old: Distribution, action: torch.Tensor,
                  advantage: torch.Tensor, mask: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(surrogate, kl, log_ratio)``: the negated importance-weighted advantage
     ``-E[ratio * advantage]`` and ``KL(old || new)`` (masked means), and the ``(B, T)``
     log-ratio ``log new(a) - log old(a)`` (zero on padding)."""
-    # Padded steps' ratio or KL can be inf, and inf * 0 is nan: where() them away first.
+    log_ratio = masked_log_ratio(new, old, action, mask)
     valid = mask > 0
-    log_ratio = torch.where(valid, new.log_prob(action) - old.log_prob(action), 0.0)
     count = mask.sum().clamp(min=1)
     surrogate = -(torch.exp(log_ratio) * advantage * mask).sum() / count
     kl = (torch.where(valid, kl_divergence(old, new), 0.0) * mask).sum() / count
@@ -188,9 +194,7 @@ class ClippedObjective:
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss of one gradient step and the fraction of steps it clipped
         (``clip_fraction``)."""
-        valid = mask > 0
-        log_ratio = torch.where(valid, new.log_prob(action) - old.log_prob(action), 0.0)
-        ratio = log_ratio.exp()
+        ratio = masked_log_ratio(new, old, action, mask).exp()
         low, high = 1.0 - self.clip_range, 1.0 + self.clip_range
         surrogate = torch.minimum(ratio * advantage, ratio.clamp(low, high) * advantage)
         clipped = ((ratio < low) | (ratio > high)).to(mask.dtype)
@@ -209,4 +213,4 @@ class ClippedObjective:
         return {}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
-        pass
+        """Nothing to load (``state_dict`` is empty)."""

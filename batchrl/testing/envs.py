@@ -54,12 +54,13 @@ class PixelSide(gym.Env):
         self.image = image
         return image
 
-    def reset(self, *, seed: int | None = None, options: dict | None = None):
+    def reset(self, *, seed: int | None = None,
+              options: dict | None = None) -> tuple[np.ndarray, dict]:
         super().reset(seed=seed)
         self.steps = 0
         return self._show(), {}
 
-    def step(self, action):
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
         reward = float(int(action) == self.side)
         self.steps += 1
         return self._show(), reward, False, self.steps >= self.length, {}
