@@ -52,7 +52,7 @@ def test_the_wheel_holds_the_package_its_configs_and_metadata(wheel):
     (metadata_name,) = [name for name in names if name.endswith("dist-info/METADATA")]
     metadata = email.parser.Parser().parsestr(
         zipfile.ZipFile(wheel).read(metadata_name).decode())
-    assert set(metadata.get_all("Provides-Extra")) == {"ray", "video", "test", "bench"}
+    assert set(metadata.get_all("Provides-Extra")) == {"ray", "video", "test", "bench", "atari"}
     assert metadata["Requires-Python"] == ">=3.10"
     requires = metadata.get_all("Requires-Dist")
     assert "torch>=2.4" in requires and "mujoco<3.16,>=3.1" in requires
@@ -104,4 +104,4 @@ def test_the_installed_commands_train_and_evaluate_outside_the_checkout(wheel, t
                  "--no-progress")
     assert module.returncode == 0, module.stderr
     unknown = run("batchrl-train", "--config", "nosuch")
-    assert unknown.returncode == 2 and "available: ant, cartpole" in unknown.stderr
+    assert unknown.returncode == 2 and "available: ant, atari/boxing, atari/breakout" in unknown.stderr
