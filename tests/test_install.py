@@ -104,4 +104,5 @@ def test_the_installed_commands_train_and_evaluate_outside_the_checkout(wheel, t
                  "--no-progress")
     assert module.returncode == 0, module.stderr
     unknown = run("batchrl-train", "--config", "nosuch")
-    assert unknown.returncode == 2 and "available: ant, atari/boxing, atari/breakout" in unknown.stderr
+    assert unknown.returncode == 2
+    assert "available: ant, atari/boxing, atari/breakout" in unknown.stderr
