@@ -381,3 +381,17 @@ def test_ppo_learns_a_pixel_task_through_train_py(tmp_path):
     assert train[0]["score"] < 8.0 and train[-1]["score"] >= 9.5, train
     assert evals[-1]["score"] >= 19.0 and evals[-1]["length"] == 20, evals
     assert all(r["length"] == 10 for r in train)
+
+
+def test_a_recurrent_policy_on_a_conv_torso_trains_through_train_py(tmp_path):
+    """The GRU on top of the Nature CNN, on whole episodes (no learning bar: a short run)."""
+    logdir = tmp_path / "recurrent"
+    code = train_main(["--config", "atari/pong", *PIXEL_TASK, "--logdir", str(logdir),
+                       "--no-progress", "--steps", "480", "--set", "algorithm.network=recurrent",
+                       "--set", "algorithm.rollout_length=none",
+                       "--set", "algorithm.minibatch_size=none",
+                       "--set", "algorithm.update_every=8", "--set", "algorithm.batch_size=4",
+                       "--set", "algorithm.gru_size=32"])
+    assert code == 0
+    records = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["phase"] == "eval" and records[-1]["step"] >= 480
