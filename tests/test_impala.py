@@ -212,7 +212,7 @@ def image_algorithm(seed: int, **options) -> IMPALA:
                   update_steps=2, **options)
 
 
-def test_learn_accepts_uint8_observations_as_their_float32_values():
+def test_a_pixel_algorithm_learns_the_same_from_uint8_rollouts_and_their_float32_copies():
     first, second = image_algorithm(4), image_algorithm(4)
     assert_same_weights(first, second)
     rollout = hand_rollout(first, torch.uint8, seed=5)

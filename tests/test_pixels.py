@@ -395,3 +395,21 @@ def test_a_recurrent_policy_on_a_conv_torso_trains_through_train_py(tmp_path):
     assert code == 0
     records = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["phase"] == "eval" and records[-1]["step"] >= 480
+
+
+def test_impala_learns_the_pixel_task_on_a_shared_cnn(tmp_path):
+    """IMPALA (TorchBeast's algorithm) takes the same torsos: the pixel task from pixels."""
+    logdir = tmp_path / "impala"
+    code = train_main([
+        "--config", "impala/cartpole", "--logdir", str(logdir), "--no-progress",
+        "--set", "env.id=batchrl.testing.envs:pixel_side", "--set", "env.kwargs={length=10}",
+        "--set", "env.eval_kwargs={length=20}", "--set", "env.max_length=20",
+        "--set", "env.num_agents=8", "--set", "train.steps=6000", "--set", "train.eval_every=8",
+        "--set", "algorithm.torso=nature_cnn", "--set", "algorithm.shared_torso=true",
+        "--set", "algorithm.policy_layers=[]", "--set", "algorithm.value_layers=[]",
+        "--set", "algorithm.rollout_length=16", "--set", "algorithm.learning_rate=1e-3",
+        "--set", "algorithm.discount=0.9", "--set", "algorithm.lr_schedule=constant"])
+    assert code == 0
+    records = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r["phase"] == "eval"]
+    assert evals[-1]["score"] >= 19.0, evals

@@ -12,7 +12,8 @@ alike. A learning step on a rollout:
    episode (zero after a terminal state);
 3. V-trace targets ``vs`` and advantages from the learner's log-probabilities of the actions;
 4. one gradient step on ``actor_critic_loss`` (``update_steps`` of them), the gradient of the
-   policy and of the value network clipped each to ``max_grad_norm``;
+   policy and of the value network clipped each to ``max_grad_norm`` (together when they
+   share a torso);
 5. merge the rollout's observations into the normaliser. The steps before used the statistics
    the rollout was acted with (in the synchronous loop; a collector's may be older), so that
    on the learner's own rollout the first step is exactly on-policy.
@@ -31,9 +32,10 @@ from torch import nn
 
 from batchrl.algos.base import Summary
 from batchrl.algos.impala_config import IMPALAConfig
-from batchrl.algos.networks import FeedForwardBody, Policy, actor_critic
+from batchrl.algos.networks import FeedForwardBody, Policy, actor_critic, build_torsos
 from batchrl.algos.rollout import RolloutAlgorithm
 from batchrl.errors import UnsupportedSpaceError
+from batchrl.pixels import is_pixel_space
 from batchrl.parts.losses import action_distribution, actor_critic_loss, masked_mean
 from batchrl.parts.normalize import StreamingNormalizer
 from batchrl.parts.returns import discounted_cumsum
@@ -46,11 +48,13 @@ _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
 class IMPALA(RolloutAlgorithm):
-    """IMPALA with separate policy and value networks, for a batch of ``num_agents`` envs.
+    """IMPALA with policy and value networks (on one torso with ``shared_torso``), for a batch
+    of ``num_agents`` envs.
 
     Args:
-      observation_space: a Box space (observations are flattened; any dtype, learned from as
-        float32).
+      observation_space: a Box space (observations are flattened): float32, normalised with
+        running statistics if ``normalize_observ``; or ``uint8`` pixels, kept as bytes and
+        scaled to ``[0, 1]`` by the networks' torso (``torso``).
       action_space: Box (Gaussian policy, 1-D) or Discrete (categorical policy).
       num_agents: the batch size N of the env.
       config: hyperparameters (``IMPALAConfig``); or give them as keyword arguments (any
@@ -91,9 +95,15 @@ class IMPALA(RolloutAlgorithm):
                          device)
         self.config, self.total_steps, self.discrete = config, total_steps, discrete
         self.obs_size = math.prod(observation_space.shape)
+        self.pixels = is_pixel_space(observation_space)
         policy, value = self.build_networks(self.obs_size, action_space)
         self.policy, self.value = policy.to(self.device), value.to(self.device)
-        parameters = [*self.policy.parameters(), *self.value.parameters()]
+        # (a shared torso's parameters once)
+        parameters = list({id(p): p for p in [*self.policy.parameters(),
+                                              *self.value.parameters()]}.values())
+        self.shared_torso = len(parameters) < (len(list(self.policy.parameters()))
+                                               + len(list(self.value.parameters())))
+        self._parameters = parameters
         if config.optimizer == "adam":
             self.optimizer: torch.optim.Optimizer = torch.optim.Adam(
                 parameters, lr=config.learning_rate, eps=config.epsilon)
@@ -115,15 +125,22 @@ class IMPALA(RolloutAlgorithm):
         ``(mean_or_logits, log_std, state)``) and the value network (``(..., obs_size)`` ->
         ``(...)``), from the config. Override to build others (feed-forward ones)."""
         config = self.config
-        body = FeedForwardBody(obs_size, config.policy_layers, config.activation)
+        torso, value_torso = build_torsos(config.torso, self.observation_space,
+                                          config.shared_torso)
+        body = FeedForwardBody(obs_size, config.policy_layers, config.activation, torso)
         return actor_critic(body, obs_size, action_space, config.value_layers, config.activation,
-                            config.init, config.init_std, config.init_output_factor)
+                            config.init, config.init_std, config.init_output_factor,
+                            value_torso)
 
     # -- acting ---------------------------------------------------------------------------
 
     def _features(self, observ: torch.Tensor, batch_dims: int) -> torch.Tensor:
-        """``(*batch, *obs_shape)`` observations of any dtype -> ``(*batch, obs_size)``
-        float32 on ``device``, normalised when the config says so."""
+        """``(*batch, *obs_shape)`` observations of any dtype -> ``(*batch, obs_size)`` on
+        ``device``: ``uint8`` pixels as they are (the torso scales them), else float32,
+        normalised when the config says so."""
+        if self.pixels:
+            return observ.to(self.device, torch.uint8).reshape(*observ.shape[:batch_dims],
+                                                               self.obs_size)
         observ = observ.to(self.device, torch.float32).reshape(
             *observ.shape[:batch_dims], self.obs_size)
         if self.config.normalize_observ:
@@ -204,7 +221,7 @@ class IMPALA(RolloutAlgorithm):
         rollout = rollout.to(self.device)
         steps = rollout.length
         valid, ends = rollout.valid, rollout.done.bool()
-        raw = rollout.observ.to(torch.float32).reshape(rollout.size, steps + 1, self.obs_size)
+        raw = rollout.observ.reshape(rollout.size, steps + 1, self.obs_size)
         reward = self._scale_reward(rollout) if config.normalize_reward else rollout.reward
         observ = self._features(raw, 2)
         # Episodes that a time limit (or a cut) ended bootstrap from their final observation.
@@ -220,8 +237,9 @@ class IMPALA(RolloutAlgorithm):
                 for name, value in self._step(rollout, observ, final_observ, bootstrap,
                                               reward).items():
                     totals[name] = totals.get(name, 0.0) + value
-        if config.normalize_observ:  # (the policy that acted saw the statistics before)
-            self.observ_normalizer.update(raw[:, :steps][valid])
+        if config.normalize_observ and not self.pixels:  # (the policy that acted saw the
+            # statistics before)
+            self.observ_normalizer.update(raw[:, :steps][valid].to(torch.float32))
         summary = {f"impala/{name}": total / config.update_steps
                    for name, total in totals.items()}
         summary["impala/lr"] = rate
@@ -254,8 +272,11 @@ class IMPALA(RolloutAlgorithm):
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         limit = config.max_grad_norm or float("inf")
-        grad_norm = nn.utils.clip_grad_norm_(list(self.policy.parameters()), limit)
-        value_grad_norm = nn.utils.clip_grad_norm_(list(self.value.parameters()), limit)
+        if self.shared_torso:  # one gradient through the torso: clipped as one
+            grad_norm = value_grad_norm = nn.utils.clip_grad_norm_(self._parameters, limit)
+        else:
+            grad_norm = nn.utils.clip_grad_norm_(list(self.policy.parameters()), limit)
+            value_grad_norm = nn.utils.clip_grad_norm_(list(self.value.parameters()), limit)
         self.optimizer.step()
         with torch.no_grad():
             mask = valid.float()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchrl.algos.ppo_config import ACTIVATIONS, INITS, LR_SCHEDULES
+from batchrl.algos.ppo_config import ACTIVATIONS, INITS, LR_SCHEDULES, TORSOS
 
 OPTIMIZERS = ("adam", "rmsprop")
 
@@ -18,6 +18,8 @@ class IMPALAConfig:
 
     policy_layers: tuple[int, ...] = (64, 64)
     value_layers: tuple[int, ...] = (64, 64)
+    torso: str = "mlp"                        # or "nature_cnn", "impala_cnn" (images)
+    shared_torso: bool = False                # policy and value on one torso
     activation: str = "tanh"                  # or "relu", after every hidden layer
     init: str = "orthogonal"                  # or "default" (PyTorch's) weights
     init_output_factor: float = 0.01          # scale (orthogonal: gain) of the policy output
@@ -40,7 +42,8 @@ class IMPALAConfig:
 
     def __post_init__(self) -> None:
         for name, choices in (("activation", ACTIVATIONS), ("init", INITS),
-                              ("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES)):
+                              ("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES),
+                              ("torso", TORSOS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         for name in ("policy_layers", "value_layers"):

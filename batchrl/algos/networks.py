@@ -171,6 +171,20 @@ def build_torso(kind: str, observation_space: gym.Space) -> nn.Module | None:
                                     f"{str(exc).splitlines()[0]}") from None
 
 
+def build_torsos(kind: str, observation_space: gym.Space, shared: bool
+                 ) -> tuple[nn.Module | None, nn.Module | None]:
+    """The policy's and the value network's torsos (``build_torso``): with ``shared`` one module
+    for both, which must have parameters to share (``ValueError`` otherwise)."""
+    torso = build_torso(kind, observation_space)
+    if not shared:
+        return torso, build_torso(kind, observation_space)
+    if torso is None or not any(True for _ in torso.parameters()):
+        raise ValueError("shared_torso needs a torso with layers to share: set torso to "
+                         "'nature_cnn' or 'impala_cnn' (an MLP policy and value network share "
+                         "nothing)")
+    return torso, torso
+
+
 class FeedForwardBody(nn.Module):
     """``torso`` (none: the flat observation) then an MLP over the last dimension; carries an
     empty ``(B, 0)`` state."""

@@ -30,7 +30,7 @@ from torch.distributions import Distribution
 
 from batchrl.algos.base import Algorithm, Summary
 from batchrl.algos.networks import (Actor, ConvTorso, FeedForwardBody, Policy, RecurrentBody,
-                                    actor_critic, build_torso)
+                                    actor_critic, build_torsos)
 from batchrl.algos.ppo_config import PRECISIONS, PPOConfig
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.hardware import usable_cores
@@ -209,18 +209,13 @@ class BatchPPO(Algorithm):
         The torso (``config.torso``, for ``self.observation_space``) is the policy's first
         module; the value network gets it too with ``shared_torso``, else one of its own."""
         config = self.config
-        torso = build_torso(config.torso, self.observation_space)
+        torso, value_torso = build_torsos(config.torso, self.observation_space,
+                                          config.shared_torso)
         if config.network == "recurrent":
             body: FeedForwardBody = RecurrentBody(obs_size, config.policy_layers,
                                                   config.gru_size, config.activation, torso)
         else:
             body = FeedForwardBody(obs_size, config.policy_layers, config.activation, torso)
-        value_torso = body.torso if config.shared_torso else build_torso(
-            config.torso, self.observation_space)
-        if config.shared_torso and (torso is None or not any(True for _ in torso.parameters())):
-            raise ValueError("shared_torso needs a torso with layers to share: set torso to "
-                             "'nature_cnn' or 'impala_cnn' (an MLP policy and value network "
-                             "share nothing)")
         return actor_critic(body, obs_size, action_space, config.value_layers, config.activation,
                             config.init, config.init_std, config.init_output_factor,
                             value_torso)
