@@ -192,8 +192,9 @@ def test_a_shared_torso_runs_once_per_step_with_the_same_result():
         assert torch.allclose(p, q, atol=1e-5), (name, float((p - q).abs().max()))
 
 
-def test_the_same_seed_gives_the_same_pixel_run():
-    first, second = pixel_ppo(5), pixel_ppo(5)
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_the_same_seed_gives_the_same_pixel_run(precision):
+    first, second = pixel_ppo(5, precision=precision), pixel_ppo(5, precision=precision)
     torch.manual_seed(1)
     summaries = drive(first, 12, seed=1)
     torch.manual_seed(1)
