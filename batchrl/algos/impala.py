@@ -32,7 +32,8 @@ from torch import nn
 
 from batchrl.algos.base import Summary
 from batchrl.algos.impala_config import IMPALAConfig
-from batchrl.algos.networks import FeedForwardBody, Policy, actor_critic, build_torsos
+from batchrl.algos.networks import (FeedForwardBody, Policy, actor_critic, build_torsos,
+                                    torso_shared_by)
 from batchrl.algos.rollout import RolloutAlgorithm
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.pixels import is_pixel_space
@@ -104,6 +105,7 @@ class IMPALA(RolloutAlgorithm):
         self.shared_torso = len(parameters) < (len(list(self.policy.parameters()))
                                                + len(list(self.value.parameters())))
         self._parameters = parameters
+        self._torso = torso_shared_by(self.policy, self.value)  # computed once per step
         if config.optimizer == "adam":
             self.optimizer: torch.optim.Optimizer = torch.optim.Adam(
                 parameters, lr=config.learning_rate, eps=config.epsilon)
@@ -251,10 +253,16 @@ class IMPALA(RolloutAlgorithm):
         ``(B, T + 1, obs_size)``, the final ones ``(K, obs_size)`` of the ``bootstrap``
         ``(B, T)`` steps and the (scaled) rewards ``(B, T)``; returns the terms to log."""
         config, steps = self.config, rollout.length
-        mean_or_logits, log_std, _ = self.policy(observ[:, :steps], self._no_state)
+        if self._torso is not None:  # the shared torso once for both networks
+            features = self._torso(observ)
+            mean_or_logits, log_std, _ = self.policy.from_features(features[:, :steps],
+                                                                   self._no_state)
+            values = self.value.from_features(features)
+        else:
+            mean_or_logits, log_std, _ = self.policy(observ[:, :steps], self._no_state)
+            values = self.value(observ)
         distribution = action_distribution(mean_or_logits, log_std, self.discrete)
         log_prob = distribution.log_prob(rollout.action)
-        values = self.value(observ)
         valid, ends = rollout.valid, rollout.done.bool()
         with torch.no_grad():
             next_value = torch.where(ends, 0.0, values[:, 1:])

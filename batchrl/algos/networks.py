@@ -185,6 +185,16 @@ def build_torsos(kind: str, observation_space: gym.Space, shared: bool
     return torso, torso
 
 
+def torso_shared_by(policy: nn.Module, value: nn.Module) -> nn.Module | None:
+    """The torso that ``policy`` (a ``Policy``) and ``value`` (a ``ValueNet``) share, whose
+    features an update may compute once for both (``from_features``); ``None`` for networks
+    that share none or are built otherwise."""
+    torso = getattr(getattr(policy, "body", None), "torso", None)
+    shares = (isinstance(torso, nn.Module) and not isinstance(torso, nn.Identity)
+              and getattr(value, "torso", None) is torso)
+    return torso if shares else None
+
+
 class FeedForwardBody(nn.Module):
     """``torso`` (none: the flat observation) then an MLP over the last dimension; carries an
     empty ``(B, 0)`` state."""

@@ -30,7 +30,7 @@ from torch.distributions import Distribution
 
 from batchrl.algos.base import Algorithm, Summary
 from batchrl.algos.networks import (Actor, ConvTorso, FeedForwardBody, Policy, RecurrentBody,
-                                    actor_critic, build_torsos)
+                                    actor_critic, build_torsos, torso_shared_by)
 from batchrl.algos.ppo_config import PRECISIONS, PPOConfig
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.hardware import usable_cores
@@ -150,9 +150,7 @@ class BatchPPO(Algorithm):
         value_params = [p for p in self.value.parameters() if id(p) not in shared]
         self.shared_torso = len(value_params) < len(list(self.value.parameters()))
         # The torso both networks take their features from, run once per gradient step.
-        torso = getattr(getattr(self.policy, "body", None), "torso", None)
-        self._torso = torso if (self.shared_torso and torso is not None
-                                and getattr(self.value, "torso", None) is torso) else None
+        self._torso = torso_shared_by(self.policy, self.value)
         if not value_params:
             raise ValueError("the value network has no parameters of its own: give it at "
                              "least an output layer besides the shared torso")
