@@ -137,10 +137,8 @@ def assert_same_log(got: list[tuple], expected: list[tuple]) -> None:
         for g_item, e_item in zip(g[1:], e[1:]):
             if isinstance(e_item, list):
                 assert g_item == e_item, f"entry {entry} ({e[0]})"
-            else:
-                assert g_item.dtype == e_item.dtype, f"entry {entry} ({e[0]})"
-                assert g_item.shape == e_item.shape, f"entry {entry} ({e[0]})"
-                np.testing.assert_array_equal(g_item, e_item, err_msg=f"entry {entry} ({e[0]})")
+            else:  # arrays, or dicts and tuples of them (dtypes and shapes included)
+                assert_same_value(g_item, e_item, f"entry {entry} ({e[0]})")
 
 
 # -- processes ------------------------------------------------------------

@@ -45,10 +45,11 @@ def not_an_env():
 class DictObservation(gym.ObservationWrapper):
     def __init__(self, env):
         super().__init__(env)
-        self.observation_space = gym.spaces.Dict({"state": env.observation_space})
+        self.observation_space = gym.spaces.Dict({"state": env.observation_space,
+                                                  "name": gym.spaces.Text(8)})
 
     def observation(self, observ):
-        return {"state": observ}
+        return {"state": observ, "name": "cart"}
 
 
 def dict_observation():
@@ -122,10 +123,10 @@ def make_cases(tmp: Path) -> dict[str, tuple[list[str], int, list[str]]]:
                                      "--set", "env.backend=process"], 2,
                                     ["userenvs.not_an_env() returned str 'CartPole-v1', "
                                      "not a gymnasium.Env"]),
-        "dict observation": ([*envs, "--set", "env.id=userenvs:dict_observation",
+        "text in a dict observation": ([*envs, "--set", "env.id=userenvs:dict_observation",
                               "--set", "env.backend=workers"], 2,
-                             ["unsupported observation space Dict('state': Box(",
-                              "Box, Discrete", "FlattenObservation"]),
+                             ["unsupported observation space Dict('name': Text(",
+                              "its part 'name' is Text(", "must be Box, Discrete"]),
         "tuple action": ([*envs, "--set", "env.id=userenvs:tuple_action"], 2,
                          ["unsupported action space Tuple(Discrete(2), Discrete(2))",
                           "Box, Discrete"]),
@@ -256,9 +257,11 @@ def test_evaluate_device_without_cuda_names_the_flag(tmp_path):
 # --- the env layer's space checks -------------------------------------------------------
 
 def dict_observation_cartpole() -> gym.Env:
+    """A Dict observation with a part no batch holds (text)."""
     env = gym.make("CartPole-v1")
     return gym.wrappers.TransformObservation(
-        env, lambda observ: {"x": observ}, gym.spaces.Dict({"x": env.observation_space}))
+        env, lambda observ: {"x": observ, "name": "cart"},
+        gym.spaces.Dict({"x": env.observation_space, "name": gym.spaces.Text(8)}))
 
 
 @pytest.mark.parametrize("where", ["in-process", "process", "worker"])
@@ -271,8 +274,9 @@ def test_unsupported_space_names_the_space_on_every_backend(where):
         members = [EnvWorker([dict_observation_cartpole] * 2)]
     try:
         with pytest.raises(UnsupportedSpaceError,
-                           match=r"unsupported observation space Dict\('x': Box\(.*a batch "
-                                 r"env needs one of Box, Discrete, MultiDiscrete, MultiBinary"):
+                           match=r"unsupported observation space Dict\('name': Text\(.*its "
+                                 r"part 'name' is Text\(.*must be Box, Discrete, MultiDiscrete, "
+                                 r"MultiBinary"):
             BatchEnv(members)
     finally:
         for member in members:

@@ -125,7 +125,7 @@ LAYERS = {
 def layer(module: str) -> str:
     """The layer of a batchrl module (see ``LAYERS``)."""
     if module in ("batchrl.lazy", "batchrl.hardware", "batchrl.interrupt", "batchrl.errors",
-                  "batchrl.pixels"):
+                  "batchrl.pixels", "batchrl.nested"):
         return "base"
     if module.startswith(("batchrl.envs.process", "batchrl.envs.ray")):
         return "transports"

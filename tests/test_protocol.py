@@ -25,7 +25,8 @@ import pytest
 
 from batchrl.envs import (BatchEnv, BatchVectorEnv, EnvRaisedError, EnvWorker, ExternalProcess,
                           LocalWorker, RayEnvWorker)
-from batchrl.testing.envs import PixelSide
+from batchrl.nested import leaf_spaces, leaves
+from batchrl.testing.envs import ImageAndFlag, PixelSide
 from helpers import (CountingEnv, assert_same_log, assert_same_vector_steps, fails_at,
                      make_cartpole, make_cheetah, raise_site, rollout)
 
@@ -103,6 +104,27 @@ def test_uint8_images_travel_as_uint8(transport):
     got = rollout(transport([PixelSide] * 4), None)
     assert got[0][2].dtype == np.uint8 and got[1][1].dtype == np.uint8
     assert_same_log(got, expected)  # (dtypes included)
+
+
+@pytest.mark.parametrize("make", [ImageAndFlag, functools.partial(ImageAndFlag,
+                                                                    tuple_observations=True),
+                                  functools.partial(gym.make, "Blackjack-v1")],
+                         ids=["dict", "tuple", "Blackjack"])
+def test_dict_and_tuple_observations_travel_part_by_part(transport, make):
+    """Structured observations cross every transport as dicts and tuples of arrays, each part
+    in its space's dtype, in the space's order (not the order an env builds its dicts in)."""
+    reference = BatchEnv([make() for _ in range(4)])
+    try:
+        expected = rollout(reference, None)
+    finally:
+        reference.close()
+    got = rollout(transport([make] * 4), None)
+    space = reference.observation_space
+    if isinstance(space, gym.spaces.Dict):
+        assert list(got[1][1]) == list(space.keys()) == ["flag", "image"]
+    assert all(np.asarray(part).dtype == leaf.dtype and part.shape[1:] == leaf.shape
+               for part, (_, leaf) in zip(leaves(got[1][1]), leaf_spaces(space)))
+    assert_same_log(got, expected)
 
 
 @pytest.mark.parametrize("blocking", [False, True], ids=["parallel", "blocking"])
@@ -195,10 +217,12 @@ VECTOR_LAYOUTS = {"local": dict(backend="inline"), "process": dict(backend="proc
                   "ray": dict(backend="ray", workers=2, timeout=60)}
 
 
+@pytest.mark.parametrize("observations", ["array", "dict"])
 @pytest.mark.parametrize("mode", [gym.vector.AutoresetMode.NEXT_STEP,
                                   gym.vector.AutoresetMode.SAME_STEP], ids=["next", "same"])
-def test_vector_env_steps_as_sync_vector_env(transport, mode):
-    make = functools.partial(gym.make, "CartPole-v1", max_episode_steps=25)
+def test_vector_env_steps_as_sync_vector_env(transport, mode, observations):
+    make = (functools.partial(gym.make, "CartPole-v1", max_episode_steps=25)
+            if observations == "array" else functools.partial(ImageAndFlag, size=8, length=7))
     with BatchVectorEnv([make] * 4, mode, **VECTOR_LAYOUTS[transport.name]) as env, \
             closing(gym.vector.SyncVectorEnv([make] * 4, autoreset_mode=mode)) as reference:
         assert_same_vector_steps(env, reference, seed=7, steps=120)

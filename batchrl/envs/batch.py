@@ -14,6 +14,7 @@ from batchrl.envs.infos import InfoList
 from batchrl.envs.local import LocalWorker
 from batchrl.envs.spaces import check_space
 from batchrl.envs.worker import Closeable, Worker, WorkerFront
+from batchrl.nested import build, concatenate, first_leaf, leaf_spaces, leaves, put, take
 
 # Requests sent to the members that step in parallel, whose answers are due: the positions
 # asked, ``send(position, member)`` (the request's async half), the positions it was sent to
@@ -51,8 +52,10 @@ class BatchEnv(Closeable):
         crash, a timeout, or a NaN/inf observation or reward) is replaced by a fresh one instead of
         raising. In-process envs are never restarted.
 
-    ``step(actions)`` returns Gymnasium's 5-tuple batched: observations ``(N, *obs_shape)``, rewards
-    ``(N,)`` float64, terminated and truncated ``(N,)`` bool, and the info dicts as an ``InfoList``.
+    ``step(actions)`` returns Gymnasium's 5-tuple batched: observations ``(N, *obs_shape)`` (for a
+    ``Dict`` or ``Tuple`` observation space, a dict or tuple of such arrays, one per part, as
+    Gymnasium's vector envs give them; see ``batchrl.nested``), rewards ``(N,)`` float64, terminated
+    and truncated ``(N,)`` bool, and the info dicts as an ``InfoList``.
     Finished envs are not reset automatically. All modes give the same trajectories for the same
     seeds and actions.
 
@@ -115,12 +118,13 @@ class BatchEnv(Closeable):
             raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
         self.max_restarts = max_restarts
         self.restart_events: list[RestartEvent] = []
-        self._check_finite = self.observation_space.dtype.kind == "f"
+        # The float parts of the observations, checked for NaN and inf.
+        self._float_parts = [np.dtype(leaf.dtype).kind == "f"
+                             for _, leaf in leaf_spaces(self.observation_space)]
         # Steps of each env's running episode, to say where a NaN appeared.
         self._episode_steps = np.zeros(self._num_envs, np.int64)
         self._all = np.arange(self._num_envs)
-        self._no_restarts = (np.zeros(0, np.int64), np.zeros(
-            (0, *self.observation_space.shape), self.observation_space.dtype))
+        self._no_restarts = (np.zeros(0, np.int64), self._empty_observ(0))
         self._restarted = self._no_restarts
         self._pending: Pending | None = None  # a step_async() awaiting its step_wait()
 
@@ -229,8 +233,7 @@ class BatchEnv(Closeable):
                 self._episode_steps[start:start + count] = 0
                 self._check_observ(observ, rows, "reset")
                 old_rows, old = self._restarted
-                self._restarted = (np.concatenate([old_rows, rows]),
-                                   np.concatenate([old, observ]))
+                self._restarted = (np.concatenate([old_rows, rows]), concatenate([old, observ]))
                 return observ
             except EnvError as again:  # the fresh worker failed too: counts as another
                 self._locate(again, position)
@@ -249,9 +252,11 @@ class BatchEnv(Closeable):
                       rewards: np.ndarray | None = None) -> None:
         """Raise ``EnvNonFiniteError`` for the first env (row ``i`` is batch
         env ``indices[i]``) with a NaN or infinite observation or reward."""
-        if self._check_finite and not np.isfinite(observ).all():
-            what, row = "observation", int(np.flatnonzero(
-                ~np.isfinite(observ.reshape(len(observ), -1)).all(axis=1))[0])
+        parts = [part for part, check in zip(leaves(observ), self._float_parts) if check]
+        if not all(np.isfinite(part).all() for part in parts):
+            what, row = "observation", int(np.flatnonzero(~np.all(
+                [np.isfinite(part.reshape(len(part), -1)).all(axis=1) for part in parts],
+                axis=0))[0])
         elif rewards is not None and not np.isfinite(rewards).all():
             what, row = "reward", int(np.flatnonzero(~np.isfinite(rewards))[0])
         else:
@@ -293,7 +298,7 @@ class BatchEnv(Closeable):
         return actions
 
     def step(self, actions: Any, autoreset: np.ndarray | None = None
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[dict]]:
+             ) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, list[dict]]:
         """Step env ``i`` with ``actions[i]`` (shape ``(N, *action_space.shape)``);
         returns ``(observations, rewards, terminated, truncated, infos)``.
 
@@ -329,7 +334,7 @@ class BatchEnv(Closeable):
                 None if autoreset is None else
                 autoreset[starts[position]:starts[position] + member.num_envs]))
 
-    def step_wait(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[dict]]:
+    def step_wait(self) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, list[dict]]:
         """Finish the step begun by ``step_async``; returns what ``step`` returns."""
         pending, self._pending = self._pending, None
         if pending is None:
@@ -342,7 +347,7 @@ class BatchEnv(Closeable):
             for position, (observ, rewards, *_) in enumerate(results):
                 start = self._starts[position]
                 try:
-                    self._check_observ(observ, np.arange(start, start + len(observ)), "step",
+                    self._check_observ(observ, np.arange(start, start + len(rewards)), "step",
                                        rewards)
                 except EnvNonFiniteError as exc:
                     results[position] = self._fresh_step(position, self._restart(position, exc))
@@ -352,13 +357,13 @@ class BatchEnv(Closeable):
     @staticmethod
     def _join(results: Sequence[tuple]) -> tuple:
         obs, rewards, terminated, truncated, infos = zip(*results)
-        return (np.concatenate(obs), np.concatenate(rewards), np.concatenate(terminated),
+        return (concatenate(obs), np.concatenate(rewards), np.concatenate(terminated),
                 np.concatenate(truncated), InfoList.join(infos))
 
     @staticmethod
-    def _fresh_step(position: int, observ: np.ndarray) -> tuple:
+    def _fresh_step(position: int, observ: Any) -> tuple:
         """The step result of envs that were restarted instead of stepped."""
-        count = len(observ)
+        count = len(first_leaf(observ))
         return (observ, np.zeros(count), np.zeros(count, bool), np.zeros(count, bool),
                 [{} for _ in range(count)])
 
@@ -383,7 +388,7 @@ class BatchEnv(Closeable):
             if len(seeds) != len(indices):
                 raise ValueError(f"got {len(seeds)} seeds for {len(indices)} envs to reset")
         if not indices:
-            observ = np.zeros((0, *self.observation_space.shape), self.observation_space.dtype)
+            observ = self._empty_observ(0)
             return (observ, []) if return_infos else observ
         # Group the requests by member: one round trip per worker process.
         groups: dict[int, tuple[list[int], list[int], list]] = {}
@@ -398,12 +403,11 @@ class BatchEnv(Closeable):
         results = self._receive(self._send(
             positions, lambda position, member: member.reset_async(
                 groups[position][1], groups[position][2], options)),
-            _wait_reset, lambda position, observ: (observ[groups[position][1]], None))
-        first = results[0][0]
-        observ = np.empty((len(indices), *first.shape[1:]), first.dtype)
+            _wait_reset, lambda position, observ: (take(observ, groups[position][1]), None))
+        observ = self._empty_observ(len(indices))
         infos: list[dict] = [{} for _ in indices]
         for position, (obs, member_infos) in zip(positions, results):
-            observ[groups[position][0]] = obs
+            put(observ, groups[position][0], obs)
             if member_infos is not None:
                 for slot, info in zip(groups[position][0], member_infos):
                     infos[slot] = info
@@ -415,9 +419,16 @@ class BatchEnv(Closeable):
                 return (observ, infos) if return_infos else observ
             except EnvNonFiniteError as exc:
                 position = int(self._member_of[exc.env_index])
-                observ[groups[position][0]] = self._restart(position, exc)[groups[position][1]]
+                put(observ, groups[position][0],
+                    take(self._restart(position, exc), groups[position][1]))
                 for slot in groups[position][0]:
                     infos[slot] = {}
+
+    def _empty_observ(self, count: int) -> Any:
+        """Observations of ``count`` envs to fill in (a nested value for Dict and Tuple
+        spaces)."""
+        return build(self.observation_space,
+                     lambda space: np.zeros((count, *space.shape), space.dtype))
 
     def _check_indices(self, indices: Any) -> list[int]:
         if indices is None:

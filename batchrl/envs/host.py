@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from batchrl.envs.infos import info_columns
+from batchrl.nested import build, is_nested_space, leaf_spaces, put
 
 # Bytes reserved per action value: actions travel in the caller's dtype, as with in-process envs.
 ACTION_ITEMSIZE = 8
@@ -27,12 +28,13 @@ ACTION_ITEMSIZE = 8
 class StepArrays:
     """The arrays of one worker's step in one buffer (shared memory, or a bytearray).
 
-    ``observ`` and ``reset_observ`` are ``(num_envs, *obs_shape)`` in the observation space's dtype,
+    ``observ`` and ``reset_observ`` are ``(num_envs, *obs_shape)`` in the observation space's dtype
+    (for a ``Dict`` or ``Tuple`` space, a nested value of such arrays, one per part: ``batchrl.nested``),
     ``reward`` ``(num_envs,)`` float64, ``terminated``/``truncated``/``autoreset`` ``(num_envs,)``
     bool (``autoreset``: the envs to reset instead of step); ``action_bytes`` is raw storage that
     ``actions(dtype)`` views as ``(num_envs, *act_shape)``.
 
-    Spaces without a fixed shape and numeric dtype (Dict, Tuple, Text...) cannot live in a
+    Spaces without a fixed shape and numeric dtype (Text, Graph, a Dict holding one...) cannot live in a
     buffer: then ``shared`` is false, ``observ`` and ``reset_observ`` are ``(num_envs,)`` object
     arrays, there is no action storage (actions travel in the request), and this is the one
     place where arrays travel pickled: ``carry`` adds them to the env host's answer and ``take``
@@ -43,7 +45,7 @@ class StepArrays:
     CARRIED = ("observ", "reset_observ", "reward", "terminated", "truncated")
 
     def __init__(self, num_envs: int, obs_space: Any, act_space: Any, buffer: Any = None):
-        self.shared = self.fits(obs_space) and self.fits(act_space)
+        self.shared = self.fits(obs_space, parts=True) and self.fits(act_space)
         if not self.shared:
             self.size = 0
             self.observ = np.empty(num_envs, object)
@@ -52,10 +54,11 @@ class StepArrays:
             self.terminated, self.truncated, self.autoreset = np.zeros((3, num_envs), bool)
             self.action_bytes = None
             return
-        obs_shape = (num_envs, *obs_space.shape)
         self._act_shape = (num_envs, *act_space.shape)
-        fields = [("observ", obs_shape, obs_space.dtype),
-                  ("reset_observ", obs_shape, obs_space.dtype),
+        self._obs_space = obs_space
+        obs_leaves = [((num_envs, *leaf.shape), leaf.dtype) for _, leaf in leaf_spaces(obs_space)]
+        fields = [*((f"observ:{i}", *leaf) for i, leaf in enumerate(obs_leaves)),
+                  *((f"reset_observ:{i}", *leaf) for i, leaf in enumerate(obs_leaves)),
                   ("action_bytes", (math.prod(self._act_shape) * ACTION_ITEMSIZE,), np.uint8),
                   ("reward", (num_envs,), np.float64),
                   ("terminated", (num_envs,), np.bool_),
@@ -71,16 +74,24 @@ class StepArrays:
         self.attach(bytearray(self.size) if buffer is None else buffer)
 
     @staticmethod
-    def fits(space: Any) -> bool:
-        """Whether ``space``'s values fit in a buffer: a fixed shape and a numeric dtype."""
+    def fits(space: Any, parts: bool = False) -> bool:
+        """Whether ``space``'s values fit in a buffer: a fixed shape and a numeric dtype (with
+        ``parts``, as observations may: every part of a ``Dict`` or ``Tuple`` space)."""
+        if parts and is_nested_space(space):
+            return all(StepArrays.fits(leaf) for _, leaf in leaf_spaces(space))
         dtype = getattr(space, "dtype", None)
         return (isinstance(getattr(space, "shape", None), tuple) and dtype is not None
                 and np.dtype(dtype).kind in "biuf")
 
     def attach(self, buffer: Any) -> None:
         """View ``buffer`` (at least ``size`` bytes) as the arrays."""
-        for name, shape, dtype, offset in self._layout:
-            setattr(self, name, np.ndarray(shape, dtype, buffer=buffer, offset=offset))
+        views = {name: np.ndarray(shape, dtype, buffer=buffer, offset=offset)
+                 for name, shape, dtype, offset in self._layout}
+        for name in ("observ", "reset_observ"):
+            count = iter(range(len(views)))
+            views[name] = build(self._obs_space, lambda _: views.pop(f"{name}:{next(count)}"))
+        for name, view in views.items():
+            setattr(self, name, view)
 
     def actions(self, dtype: np.dtype) -> np.ndarray:
         """The action storage viewed as ``(num_envs, *act_shape)`` of ``dtype``."""
@@ -90,7 +101,7 @@ class StepArrays:
     def detach(self) -> None:
         """Drop the views (so that shared memory can be closed)."""
         for name, *_ in getattr(self, "_layout", ()):
-            setattr(self, name, None)
+            setattr(self, name.split(":")[0], None)
 
     def carry(self, answer: tuple) -> tuple:
         """The env host's ``answer`` to a step or reset, with the arrays' contents added
@@ -208,7 +219,7 @@ class EnvHost:
                     reward, term, trunc = 0.0, False, False
                 else:
                     obs, reward, term, trunc, info = env.step(actions[index])
-                arrays.observ[index] = obs
+                put(arrays.observ, index, obs)
                 arrays.reward[index] = reward
                 arrays.terminated[index] = term
                 arrays.truncated[index] = trunc
@@ -216,7 +227,7 @@ class EnvHost:
                     infos.append(info)
                 if self.prefetch_reset and (term or trunc):
                     reset_obs, reset_info = env.reset()
-                    arrays.reset_observ[index] = reset_obs
+                    put(arrays.reset_observ, index, reset_obs)
                     resets.append((index, pack(reset_info) if send_infos else None))
             except Exception as exc:
                 error = error or error_answer(exc, index)
@@ -237,7 +248,7 @@ class EnvHost:
         try:
             for index, seed in zip(indices, seeds):
                 obs, info = self.envs[index].reset(seed=seed, options=options)
-                arrays.reset_observ[index] = obs
+                put(arrays.reset_observ, index, obs)
                 infos.append(info)
         except Exception as exc:
             return error_answer(exc, index)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import gymnasium as gym
 
 from batchrl.envs.errors import EnvError, UnsupportedSpaceError
+from batchrl.nested import is_nested_space, leaf_spaces
 
 SUPPORTED_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete,
                     gym.spaces.MultiBinary)
@@ -14,11 +15,18 @@ SUPPORTED_SPACES = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscret
 
 def check_space(kind: str, space: gym.Space) -> None:
     """Raise ``UnsupportedSpaceError`` naming the ``kind`` (``"observation"`` or
-    ``"action"``) of ``space`` unless it fits in one batched array."""
+    ``"action"``) of ``space`` unless it fits in one batched array or, for observations, is a
+    ``Dict`` or ``Tuple`` of such spaces (batched leaf by leaf: ``batchrl.nested``)."""
+    names = ", ".join(cls.__name__ for cls in SUPPORTED_SPACES)
+    if kind == "observation" and is_nested_space(space):
+        for path, leaf in leaf_spaces(space):
+            if not isinstance(leaf, SUPPORTED_SPACES):
+                raise UnsupportedSpaceError(
+                    f"unsupported observation space {space}: its part {path!r} is {leaf}, "
+                    f"but the parts of a Dict or Tuple observation must be {names}")
+        return
     if not isinstance(space, SUPPORTED_SPACES):
-        names = ", ".join(cls.__name__ for cls in SUPPORTED_SPACES)
-        hint = (" (flatten it, e.g. with gymnasium.wrappers.FlattenObservation)"
-                if kind == "observation" else "")
+        hint = ", or a Dict or Tuple of them" if kind == "observation" else ""
         raise UnsupportedSpaceError(f"unsupported {kind} space {space}: a batch env needs "
                                     f"one of {names}{hint}")
 

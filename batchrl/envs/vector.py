@@ -10,12 +10,13 @@ from typing import Any, Callable, Iterable, Sequence
 import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode, VectorEnv
-from gymnasium.vector.utils import batch_space
+from gymnasium.vector.utils import batch_space, create_empty_array
 
 from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.factory import batch_env_from
 from batchrl.envs.infos import InfoList
 from batchrl.envs.worker import Closeable, RemoteAttribute
+from batchrl.nested import map_nested, put, take, unstack
 
 #: ``batch_env_from``'s options that ``BatchVectorEnv`` takes as keywords.
 LAYOUT_OPTIONS = tuple(name for name in inspect.signature(batch_env_from).parameters
@@ -71,7 +72,8 @@ class BatchVectorEnv(Closeable, VectorEnv):
         worker process per usable core, with observations in shared memory.
 
     ``step`` and ``reset`` return what ``SyncVectorEnv`` returns for the same seeds and actions:
-    observations ``(num_envs, *obs_shape)`` in the space's dtype, rewards float64, flags bool,
+    observations ``(num_envs, *obs_shape)`` in the space's dtype (dicts and tuples of them for Dict
+    and Tuple spaces, as ``SyncVectorEnv`` gives them), rewards float64, flags bool,
     and the infos as a dict of arrays with ``_key`` masks. A failed env raises batchrl's
     ``EnvError`` naming it; with ``max_restarts`` its worker is replaced instead, its envs start
     new episodes and ``infos["restarted"]`` marks them. Reset ``options`` that are empty count
@@ -104,8 +106,8 @@ class BatchVectorEnv(Closeable, VectorEnv):
         except BaseException:
             self.batch.close()
             raise
-        space = self.single_observation_space
-        self._observations = np.zeros((self.num_envs, *space.shape), space.dtype)
+        self._observations = create_empty_array(self.single_observation_space, self.num_envs,
+                                                np.zeros)
         self._autoreset: np.ndarray | None = None  # envs whose episodes ended: bool (num_envs,)
 
     def reset(self, *, seed: int | Sequence[int | None] | None = None,
@@ -133,8 +135,8 @@ class BatchVectorEnv(Closeable, VectorEnv):
         if mask is None:
             observations = observ
         else:
-            observations = self._observations.copy()
-            observations[indices] = observ
+            observations = _copy(self._observations)
+            put(observations, indices, observ)
         if self._autoreset is not None:
             self._autoreset[indices] = False
         env_infos: list[dict] = [{}] * num_envs
@@ -143,7 +145,7 @@ class BatchVectorEnv(Closeable, VectorEnv):
         restarted = self._take_restarts(observations, env_infos)
         self._observations = observations
         shown = np.union1d(indices, restarted) if restarted else indices
-        return observations.copy(), self._stack_infos(env_infos, reset=shown)
+        return _copy(observations), self._stack_infos(env_infos, reset=shown)
 
     def _check_mask(self, mask: Any) -> np.ndarray:
         if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_:
@@ -175,7 +177,7 @@ class BatchVectorEnv(Closeable, VectorEnv):
         if not (same_step and any_done) and not len(self.batch.restarted[0]):
             # The usual step: the infos go to arrays without becoming dicts.
             self._observations = observ
-            return observ.copy(), reward, terminated, truncated, self._stack_infos(infos)
+            return _copy(observ), reward, terminated, truncated, self._stack_infos(infos)
         env_infos = list(infos)
         self._take_restarts(observ, env_infos)
         several: dict[int, list[dict]] = {}  # envs with several infos, added in order
@@ -184,14 +186,14 @@ class BatchVectorEnv(Closeable, VectorEnv):
             # Served from the resets the workers made as the episodes ended.
             first, infos = self.batch.reset(ended, return_infos=True)
             for row, info in zip(ended.tolist(), infos):
-                several[row] = [{"final_obs": observ[row].copy(),
+                several[row] = [{"final_obs": _copy(take(observ, row)),
                                  "final_info": env_infos[row]}, info]
-            observ[ended] = first
+            put(observ, ended, first)
             for row in self._take_restarts(observ, env_infos):
                 if row in several:
                     several[row][1] = {"restarted": True}
         self._observations = observ
-        return (observ.copy(), reward, terminated, truncated,
+        return (_copy(observ), reward, terminated, truncated,
                 self._stack_infos(env_infos, several))
 
     def _take_restarts(self, observ: np.ndarray, env_infos: list[dict]) -> list[int]:
@@ -199,8 +201,8 @@ class BatchVectorEnv(Closeable, VectorEnv):
         mark them in their infos and return their indices."""
         rows, first = self.batch.restarted
         rows = rows.tolist()
-        for row, row_observ in zip(rows, first):
-            observ[row] = row_observ
+        for row, row_observ in zip(rows, unstack(first)):
+            put(observ, row, row_observ)
             env_infos[row] = {"restarted": True}
             if self._autoreset is not None:
                 self._autoreset[row] = False
@@ -260,6 +262,11 @@ class BatchVectorEnv(Closeable, VectorEnv):
     def close_extras(self, **kwargs: Any) -> None:
         """Close the envs and stop the worker processes."""
         self.batch.close()
+
+
+def _copy(observations: Any) -> Any:
+    """A copy of a batch of observations (dicts and tuples of arrays too)."""
+    return map_nested(np.copy, observations)
 
 
 def _get_attr(env: Any, name: str) -> Any:

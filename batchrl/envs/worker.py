@@ -14,6 +14,7 @@ import numpy as np
 
 from batchrl.envs.errors import EnvError, EnvTimeoutError
 from batchrl.envs.infos import InfoList
+from batchrl.nested import leaves, stack, unstack
 
 #: What ``step_wait`` returns: observations ``(num_envs, *obs_shape)`` in the space's dtype,
 #: rewards ``(num_envs,)`` float64, terminated and truncated ``(num_envs,)`` bool, the infos.
@@ -161,12 +162,12 @@ def check_constructors(kind: str, constructors: Sequence[Any]) -> list:
     return constructors
 
 
-def stack_rows(rows: list) -> np.ndarray:
-    """Observations as one ``(len(rows), *shape)`` array; values that no array of a fixed
-    shape holds (the dicts or tuples of ``EnvWorker(any_space=True)``) as a ``(len(rows),)``
-    object array."""
-    if all(isinstance(row, (np.ndarray, np.generic)) for row in rows):
-        return np.stack(rows)
+def stack_rows(rows: list) -> Any:
+    """Observations as one ``(len(rows), *shape)`` array (a nested value of them for the
+    ``Dict`` and ``Tuple`` spaces of arrays: ``batchrl.nested``); values that no array of a fixed
+    shape holds (those of ``EnvWorker(any_space=True)``) as a ``(len(rows),)`` object array."""
+    if all(isinstance(leaf, (np.ndarray, np.generic)) for row in rows for leaf in leaves(row)):
+        return stack(rows)
     stacked = np.empty(len(rows), object)
     for index, row in enumerate(rows):
         stacked[index] = row
@@ -310,7 +311,7 @@ class RemoteWorker(Worker):
         rows = {i: (observ, load_info(info)) for i, (observ, info) in fresh.items()}
         if sent:
             observ, infos = self._receive_reset(sent)
-            rows.update(zip(sent, zip(observ, infos)))
+            rows.update(zip(sent, zip(unstack(observ), infos)))
         return stack_rows([rows[i][0] for i in indices]), [rows[i][1] for i in indices]
 
     def get_attr(self, name: str, index: int = 0) -> Any:

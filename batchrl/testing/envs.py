@@ -72,3 +72,38 @@ class PixelSide(gym.Env):
 def pixel_side(**kwargs: Any) -> gym.Env:
     """``env.id = "batchrl.testing.envs:pixel_side"``: see ``PixelSide``."""
     return PixelSide(**kwargs)
+
+
+class ImageAndFlag(PixelSide):
+    """``PixelSide`` with a structured observation: the image and a ``flag`` (``Box(-1, 1, (2,),
+    float32)``) whose first value, -1 or +1, says whether the action earning 1.0 names the
+    square's side (+1) or the other one (-1); the second value is noise. Neither part alone beats
+    a random policy's ``length / 2``: a network must combine the image with the vector.
+    Observations are ``{"image": ..., "flag": ...}`` (``Dict``) or, with
+    ``tuple_observations``, ``(image, flag)`` (``Tuple``)."""
+
+    def __init__(self, size: int = 36, length: int = 10, tuple_observations: bool = False,
+                 render_mode: str | None = None):
+        super().__init__(size, length, render_mode)
+        image = self.observation_space
+        flag = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+        self.tuple_observations = tuple_observations
+        self.observation_space = (gym.spaces.Tuple((image, flag)) if tuple_observations
+                                  else gym.spaces.Dict({"image": image, "flag": flag}))
+
+    def _show(self) -> Any:
+        image = super()._show()
+        self.flipped = bool(self.np_random.integers(2))
+        flag = np.array([-1.0 if self.flipped else 1.0, self.np_random.uniform(-1, 1)],
+                        np.float32)
+        return (image, flag) if self.tuple_observations else {"image": image, "flag": flag}
+
+    def step(self, action: int) -> tuple[Any, float, bool, bool, dict]:
+        reward = float((int(action) == self.side) != self.flipped)
+        self.steps += 1
+        return self._show(), reward, False, self.steps >= self.length, {}
+
+
+def image_and_flag(**kwargs: Any) -> gym.Env:
+    """``env.id = "batchrl.testing.envs:image_and_flag"``: see ``ImageAndFlag``."""
+    return ImageAndFlag(**kwargs)

@@ -11,6 +11,7 @@ import numpy as np
 
 from batchrl.envs.process.shared_memory import EnvWorker
 from batchrl.envs.worker import WorkerFront
+from batchrl.nested import map_nested, take
 
 
 class ExternalProcess(WorkerFront):
@@ -102,7 +103,8 @@ class ExternalProcess(WorkerFront):
     def step_wait(self) -> tuple[Any, float, bool, bool, dict]:
         """``(observation, reward, terminated, truncated, info)`` of the step sent."""
         observ, reward, terminated, truncated, infos = self.worker.step_wait(copy=False)
-        first = observ[0].copy() if self.worker.shares_arrays else observ[0]
+        first = (map_nested(np.copy, take(observ, 0)) if self.worker.shares_arrays
+                 else observ[0])
         return first, reward[0], bool(terminated[0]), bool(truncated[0]), infos[0]
 
     def reset(self, *, seed: int | None = None,
@@ -118,7 +120,7 @@ class ExternalProcess(WorkerFront):
     def reset_wait(self) -> tuple[Any, dict]:
         """``(observation, info)`` of the reset sent."""
         observ, infos = self.worker.reset_wait()
-        return observ[0], infos[0]
+        return take(observ, 0), infos[0]
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Call the env's method ``name`` (dotted paths allowed) and return its result."""

@@ -21,6 +21,7 @@ from batchrl.envs.host import ACTION_ITEMSIZE, EnvHost, StepArrays, error_answer
 from batchrl.envs.process.channel import Channel, Frames, WorkerHandle, start_worker
 from batchrl.envs.spaces import check_space, worker_spaces
 from batchrl.envs.worker import RemoteWorker
+from batchrl.nested import map_nested, take
 
 _STEP = b"S"
 _PICKLE = pickle.HIGHEST_PROTOCOL
@@ -223,10 +224,10 @@ class EnvWorker(WorkerHandle, RemoteWorker):
         infos, resets = answer
         observ = (arrays.observ, arrays.reward, arrays.terminated, arrays.truncated)
         if copy:
-            observ = tuple(array.copy() for array in observ)
+            observ = tuple(map_nested(np.copy, value) for value in observ)
         first = arrays.reset_observ
-        resets = [(index, first[index].copy() if arrays.shared else first[index], info)
-                  for index, info in resets]
+        resets = [(index, map_nested(np.copy, take(first, index)) if arrays.shared
+                   else first[index], info) for index, info in resets]
         return (*observ, infos, resets)
 
     def _send_reset(self, indices: list[int], seeds: list, options: dict | None) -> None:
@@ -234,7 +235,7 @@ class EnvWorker(WorkerHandle, RemoteWorker):
 
     def _receive_reset(self, indices: list[int]) -> tuple[np.ndarray, list[dict]]:
         infos = self._arrays.take(self._channel.receive("reset")[1])
-        return self._arrays.reset_observ[indices], infos
+        return take(self._arrays.reset_observ, indices), infos
 
     def _ask(self, command: str, args: tuple) -> tuple[str, Any]:
         self._channel.send(command, cloudpickle.dumps((command, args)))

@@ -17,6 +17,7 @@ from batchrl.envs.errors import (EnvRaisedError, EnvTimeoutError,
 from batchrl.envs.host import EnvHost, StepArrays
 from batchrl.envs.spaces import worker_spaces
 from batchrl.envs.worker import RemoteWorker
+from batchrl.nested import map_nested, take
 
 
 class RayEnvHost:
@@ -52,9 +53,10 @@ class RayEnvHost:
             return answer
         infos, resets = answer[1]
         # Copies: the reply is serialized after this returns; the next step overwrites.
-        return ("ok", (arrays.observ.copy(), arrays.reward.copy(), arrays.terminated.copy(),
+        copy = (lambda value: map_nested(np.copy, value)) if arrays.shared else np.copy
+        return ("ok", (copy(arrays.observ), arrays.reward.copy(), arrays.terminated.copy(),
                        arrays.truncated.copy(), infos,
-                       [(index, arrays.reset_observ[index].copy(), info)
+                       [(index, copy(take(arrays.reset_observ, index)), info)
                         for index, info in resets]))
 
     def reset(self, indices: list[int], seeds: list, options: dict | None) -> tuple:
@@ -62,7 +64,7 @@ class RayEnvHost:
         answer = self.host.reset(indices, seeds, options, self.arrays)
         if answer[0] != "ok":
             return answer
-        return ("ok", (self.arrays.reset_observ[indices], answer[1]))
+        return ("ok", (take(self.arrays.reset_observ, indices), answer[1]))
 
     def ask(self, command: str, args: tuple) -> tuple:
         """``EnvHost.getattr(*args)`` or ``EnvHost.call(*args)``, by ``command``."""
