@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 import gymnasium as gym
 import numpy as np
 
-__all__ = ["is_nested_space", "leaf_spaces", "map_nested", "leaves", "build", "put", "take",
+__all__ = ["is_nested_space", "leaf_spaces", "map_nested", "leaves", "leaves_of", "build", "put", "take",
            "concatenate", "stack", "stack_as", "first_leaf", "unstack"]
 
 
@@ -65,6 +65,15 @@ def leaves(value: Any) -> list[Any]:
         return [leaf for child in value.values() for leaf in leaves(child)]
     if isinstance(value, tuple):
         return [leaf for child in value for leaf in leaves(child)]
+    return [value]
+
+
+def leaves_of(space: gym.Space, value: Any) -> list[Any]:
+    """The leaves of ``value`` in ``space``'s order (a dict in any key order)."""
+    if isinstance(space, gym.spaces.Dict):
+        return [leaf for key, child in space.spaces.items() for leaf in leaves_of(child, value[key])]
+    if isinstance(space, gym.spaces.Tuple):
+        return [leaf for child, part in zip(space.spaces, value) for leaf in leaves_of(child, part)]
     return [value]
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from batchrl.algos.base import Algorithm, Summary
+from batchrl.nested import map_nested
 from batchrl.parts import numpy_views
 from batchrl.tensor_env import TensorBatchEnv
 
@@ -199,7 +200,7 @@ class Simulation:
                 _begin(tracker, algo, env.restarted, summary)
 
         agents = tracker.agents
-        observ = env.observ.clone()  # the env overwrites its buffer when it steps
+        observ = map_nested(torch.clone, env.observ)  # the env overwrites it when it steps
         action = _performed(algo.perform(agents, observ), algo, summary)
         env.step_async(action)
         if lag:

@@ -5,7 +5,7 @@ tensor view of the batch and nothing more: the loop's own state (episodes, retur
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import gymnasium as gym
 import numpy as np
@@ -13,6 +13,7 @@ import torch
 
 from batchrl.envs.batch import BatchEnv
 from batchrl.envs.worker import Closeable
+from batchrl.nested import build, leaf_spaces, leaves, map_nested, put, take
 from batchrl.pixels import is_pixel_space
 
 
@@ -21,7 +22,9 @@ class TensorBatchEnv(Closeable):
 
     Attributes (on ``device``, first dimension ``N = len(batch_env)``):
       observ: ``(N, *obs_shape)``, the latest observation of each env: ``uint8`` for a
-        ``uint8`` observation space (pixels stay bytes until the network), else float32.
+        ``uint8`` observation space (pixels stay bytes until the network), else float32. For a
+        ``Dict`` or ``Tuple`` space, a dict or tuple of such tensors, one per part
+        (``batchrl.nested``): ``{"image": (N, 84, 84, 4) uint8, "state": (N, 7) float32}``.
       action: ``(N, *act_shape)``, the last action: float32 (Box) or int64 (discrete).
       reward: ``(N,)`` float32, the last reward (0 after a reset).
       done: ``(N,)`` float32, 1.0 where the last step ended the episode (terminated or truncated).
@@ -50,17 +53,22 @@ class TensorBatchEnv(Closeable):
             staging = torch.zeros(shape, dtype=dtype, pin_memory=True) if cuda else device_buffer
             return device_buffer, staging
 
-        observ_dtype = torch.uint8 if is_pixel_space(obs_space) else torch.float32
-        self.observ, self._staging_observ = buffers((n, *obs_space.shape), observ_dtype)
+        pairs = [buffers((n, *space.shape), torch.uint8 if is_pixel_space(space)
+                         else torch.float32) for _, space in leaf_spaces(obs_space)]
+        device_parts, staging_parts = iter([p[0] for p in pairs]), iter([p[1] for p in pairs])
+        self.observ = build(obs_space, lambda _: next(device_parts))
+        self._staging_observ = build(obs_space, lambda _: next(staging_parts))
         self.action, self._staging_action = buffers((n, *act_space.shape), action_dtype)
         self.reward, self._staging_reward = buffers((n,), torch.float32)
         self.done, self._staging_done = buffers((n,), torch.float32)
         self.terminated, self._staging_terminated = buffers((n,), torch.float32)
         names = ("observ", "action", "reward", "done", "terminated")
         # numpy views of the staging buffers: cheaper to fill than torch copies
-        self._np = {name: getattr(self, f"_staging_{name}").numpy() for name in names}
-        self._uploads = [(getattr(self, name), getattr(self, f"_staging_{name}"))
-                         for name in names if name != "action"]  # (device, staging) pairs
+        self._np = {name: map_nested(torch.Tensor.numpy, getattr(self, f"_staging_{name}"))
+                    for name in names}
+        self._uploads = [pair for name in names if name != "action"  # (device, staging) pairs
+                         for pair in zip(leaves(getattr(self, name)),
+                                         leaves(getattr(self, f"_staging_{name}")))]
         self.infos: Sequence[dict] = [{} for _ in range(n)]
         self.restarted: torch.Tensor | None = None
         # The staging buffers may only be rewritten once the last upload finished.
@@ -85,7 +93,7 @@ class TensorBatchEnv(Closeable):
             device_buffer.copy_(staging, non_blocking=True)
         self._uploaded.record()
 
-    def step(self, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def step(self, action: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """Step all envs with ``action`` ``(N, *act_shape)`` (on any device); returns the
         updated buffers ``(observ, reward, done)``."""
         self.step_async(action)
@@ -108,11 +116,11 @@ class TensorBatchEnv(Closeable):
             torch.cuda.current_stream(self.device).synchronize()
         self.batch_env.step_async(self._np["action"])
 
-    def step_wait(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def step_wait(self) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """Finish the step begun by ``step_async``; returns what ``step`` returns."""
         staging = self._np
         obs, reward, terminated, truncated, infos = self.batch_env.step_wait()
-        np.copyto(staging["observ"], obs, casting="unsafe")
+        map_nested(_copy_to, staging["observ"], obs)
         np.copyto(staging["reward"], reward, casting="unsafe")
         np.copyto(staging["terminated"], terminated)
         np.logical_or(terminated, truncated, out=staging["done"])
@@ -122,7 +130,7 @@ class TensorBatchEnv(Closeable):
         return self.observ, self.reward, self.done
 
     def reset(self, indices: torch.Tensor | Sequence[int] | None = None,
-              seed: int | Sequence[int] | None = None) -> torch.Tensor:
+              seed: int | Sequence[int] | None = None) -> Any:
         """Reset the envs at ``indices`` (all when ``None``), seeded as ``BatchEnv.reset``
         does: their observation rows are replaced, reward, done and terminated zeroed.
         Returns their observations ``(len(indices), *obs_shape)`` on ``device``."""
@@ -136,19 +144,20 @@ class TensorBatchEnv(Closeable):
         obs = self.batch_env.reset(rows, seed=seed)
         rows = rows.astype(np.int64)
         if rows.size == 0:
-            return self.observ[:0]
+            return take(self.observ, slice(0, 0))
         if self._uploaded is not None:
             self._uploaded.synchronize()
         cpu_rows = torch.from_numpy(rows)
         self._set_rows(cpu_rows, obs)
         self._note_restarts()
         self._upload()
-        return self.observ[cpu_rows.to(self.device)]
+        return take(self.observ, cpu_rows.to(self.device))
 
-    def _set_rows(self, cpu_rows: torch.Tensor, obs: np.ndarray) -> None:
+    def _set_rows(self, cpu_rows: torch.Tensor, obs: Any) -> None:
         """Fresh episodes in these rows: observations set, the rest zeroed."""
-        self._staging_observ[cpu_rows] = torch.from_numpy(np.asarray(obs)).to(
-            self._staging_observ.dtype)
+        put(self._staging_observ, cpu_rows,
+            map_nested(lambda staging, part: torch.from_numpy(np.asarray(part)).to(staging.dtype),
+                       self._staging_observ, obs))
         for staging in (self._staging_reward, self._staging_done, self._staging_terminated):
             staging[cpu_rows] = 0.0
 
@@ -165,4 +174,8 @@ class TensorBatchEnv(Closeable):
     def close(self) -> None:
         """Close the underlying batch env."""
         self.batch_env.close()
+
+
+def _copy_to(staging: np.ndarray, observ: np.ndarray) -> None:
+    np.copyto(staging, observ, casting="unsafe")
 

@@ -20,9 +20,11 @@ import gymnasium as gym
 import torch
 from torch import nn
 
-from batchrl.pixels import is_pixel_space
 from batchrl.algos.ppo_config import TORSOS
 from batchrl.errors import UnsupportedSpaceError
+from batchrl.nested import is_nested_space
+from batchrl.parts.packing import PackedObservations
+from batchrl.pixels import is_pixel_space
 
 ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh}
 PIXEL_SCALE = 1.0 / 255.0
@@ -58,9 +60,10 @@ class PixelInput(nn.Module):
     def __init__(self, obs_size: int):
         super().__init__()
         self.out_size = obs_size
+        self.scale = PIXEL_SCALE
 
     def forward(self, observ: torch.Tensor) -> torch.Tensor:
-        return observ.to(torch.float32) * PIXEL_SCALE
+        return observ.to(torch.float32) * self.scale
 
 
 def image_layout(shape: Sequence[int]) -> tuple[list[int], bool]:
@@ -147,10 +150,44 @@ def impala_cnn(shape: Sequence[int], pixels: bool,
     return ConvTorso(shape, pixels, nn.Sequential(*layers), 256)
 
 
+class PackedTorso(nn.Module):
+    """The torso of Dict and Tuple observations packed into ``uint8`` rows
+    (``batchrl.parts.packing.PackedObservations``): ``(..., packed_size)`` -> the float parts
+    ``(..., float_size)`` concatenated with the features of each image part (``torsos``, one per
+    ``uint8`` part, reading bytes ``[offset, offset + size)``)."""
+
+    def __init__(self, float_size: int, offsets: Sequence[int], sizes: Sequence[int],
+                 torsos: Sequence[nn.Module]):
+        super().__init__()
+        self.float_bytes = 4 * float_size
+        self.offsets: List[int] = list(offsets)
+        self.ends: List[int] = [offset + size for offset, size in zip(offsets, sizes)]
+        self.torsos = nn.ModuleList(torsos)
+        self.out_size = float_size + sum(int(torso.out_size) for torso in torsos)
+
+    def forward(self, observ: torch.Tensor) -> torch.Tensor:
+        # A view of the bytes as float32 (which TorchScript cannot express: see BatchPPO).
+        features = [observ[..., :self.float_bytes].view(torch.float32)]
+        for index, torso in enumerate(self.torsos):
+            features.append(torso(observ[..., self.offsets[index]:self.ends[index]]))
+        return torch.cat(features, -1)
+
+
 def build_torso(kind: str, observation_space: gym.Space) -> nn.Module | None:
     """The torso ``kind`` (one of ``TORSOS``) for ``observation_space``, or ``None`` where the
-    flat float observation itself is the input (``"mlp"`` on float observations). Raises
-    ``UnsupportedSpaceError`` naming the space when a convolutional torso cannot take it."""
+    flat float observation itself is the input (``"mlp"`` on float observations). For a Dict or
+    Tuple space, a ``PackedTorso`` whose image parts get a ``kind`` torso each (``"mlp"``: the
+    scaled pixels). Raises ``UnsupportedSpaceError`` naming the space when a convolutional
+    torso cannot take it."""
+    if is_nested_space(observation_space):
+        packing = PackedObservations(observation_space)
+        parts = packing.pixel_parts
+        if kind != "mlp" and not parts:
+            raise UnsupportedSpaceError(f"torso {kind!r} needs an image (a uint8 Box) among "
+                                        f"the parts of {observation_space}; use torso='mlp'")
+        return PackedTorso(packing.float_size, [offset for _, offset, _, _ in parts],
+                           [size for _, _, size, _ in parts],
+                           [build_torso(kind, space) for _, _, _, space in parts])
     shape = tuple(observation_space.shape)
     pixels = is_pixel_space(observation_space)
     if kind == "mlp":

@@ -34,15 +34,17 @@ from batchrl.algos.networks import (Actor, ConvTorso, FeedForwardBody, Policy, R
 from batchrl.algos.ppo_config import PRECISIONS, PPOConfig
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.hardware import usable_cores
+from batchrl.nested import first_leaf, is_nested_space, leaf_spaces, take
 from batchrl.parts import numpy_views
-from batchrl.pixels import is_pixel_space
 from batchrl.parts.losses import (ClippedObjective, KLPenalizedObjective, KLPenalty,
                                   action_distribution, entropy_bonus, masked_mean, value_loss)
 from batchrl.parts.memory import EpisodeMemory, RolloutMemory
 from batchrl.parts.normalize import StreamingNormalizer
+from batchrl.parts.packing import PackedObservations
 from batchrl.parts.returns import discounted_cumsum, gae, generalized_advantage
 from batchrl.parts.rollout import Fields, Rollout
 from batchrl.parts.vtrace import vtrace
+from batchrl.pixels import is_pixel_space
 
 __all__ = ["BatchPPO", "KLPenalty", "compile_actor"]
 
@@ -66,10 +68,15 @@ class BatchPPO(Algorithm):
     """PPO with the adaptive KL penalty, for a batch of ``num_agents`` envs.
 
     Args:
-      observation_space: a Box space. Observations are flattened to ``(obs_size,)``: float32
-        (normalised with running statistics if ``normalize_observ``), or ``uint8`` pixels,
-        kept as bytes in memory and scaled to ``[0, 1]`` by the networks' torso (``torso``:
-        an MLP's input, or a convolutional network for images).
+      observation_space: a Box space, or a Dict or Tuple of Box and Discrete spaces.
+        Observations are flattened to ``(obs_size,)``: float32 (normalised with running
+        statistics if ``normalize_observ``), or ``uint8`` pixels, kept as bytes in memory and
+        scaled to ``[0, 1]`` by the networks' torso (``torso``: an MLP's input, or a
+        convolutional network for images). Dict and Tuple observations are packed into one
+        ``uint8`` row each (``PackedObservations``: the float parts, normalised, then the
+        images); the torso gives every image part a ``torso`` network of its own and
+        concatenates their features with the float parts (``PackedTorso``). They run
+        ``inference="script"`` eager, and learn without collectors.
       action_space: Box (Gaussian policy) or Discrete (categorical policy).
       num_agents: the batch size N of the env.
       config: hyperparameters (``PPOConfig``); or give them as keyword
@@ -115,8 +122,12 @@ class BatchPPO(Algorithm):
         if config.lr_schedule == "linear" and total_steps is None:
             raise ValueError("lr_schedule='linear' needs total_steps, the env steps over which "
                              "the learning rates decay to zero (train.py sets it to train.steps)")
-        if not isinstance(observation_space, gym.spaces.Box):
-            raise UnsupportedSpaceError(f"BatchPPO needs a Box observation space, got "
+        if not isinstance(observation_space, gym.spaces.Box) and not (
+                is_nested_space(observation_space) and all(
+                    isinstance(leaf, (gym.spaces.Box, gym.spaces.Discrete))
+                    for _, leaf in leaf_spaces(observation_space))):
+            raise UnsupportedSpaceError(f"BatchPPO needs a Box observation space, or a Dict or "
+                                        f"Tuple of Box and Discrete spaces, got "
                                         f"{observation_space}")
         self.discrete = isinstance(action_space, gym.spaces.Discrete)
         if not self.discrete and not isinstance(action_space, gym.spaces.Box):
@@ -129,8 +140,14 @@ class BatchPPO(Algorithm):
         self.observation_space = observation_space
         # uint8 observations stay bytes up to the network, without running statistics.
         self.pixels = is_pixel_space(observation_space)
-        observ_dtype = torch.uint8 if self.pixels else torch.float32
-        obs_size = math.prod(observation_space.shape)
+        # Dict and Tuple observations: one uint8 row each, whose float part is normalised.
+        self.packing = (PackedObservations(observation_space)
+                        if is_nested_space(observation_space) else None)
+        observ_dtype = torch.uint8 if self.pixels or self.packing else torch.float32
+        obs_size = (self.packing.size if self.packing
+                    else math.prod(observation_space.shape))
+        # The observation values with running statistics.
+        normalized_size = self.packing.float_size if self.packing else obs_size
         if self.discrete:
             action_shape, action_dtype = (), torch.int64
             param_shape, log_std_shape = (int(action_space.n),), (0,)
@@ -154,13 +171,17 @@ class BatchPPO(Algorithm):
         if not value_params:
             raise ValueError("the value network has no parameters of its own: give it at "
                              "least an output layer besides the shared torso")
-        self.actor = compile_actor(Actor(self.policy), config.inference)
+        # TorchScript cannot view the bytes of packed Dict and Tuple observations as floats:
+        # those run eager.
+        inference = ("eager" if self.packing is not None and config.inference == "script"
+                     else config.inference)
+        self.actor = compile_actor(Actor(self.policy), inference)
         # A TorchScript module's forward, called directly, skips nn.Module's hook handling.
-        self._act = self.actor.forward if config.inference == "script" else self.actor
+        self._act = self.actor.forward if inference == "script" else self.actor
         self.policy_optimizer = torch.optim.Adam(policy_params, lr=config.policy_lr)
         self.value_optimizer = torch.optim.Adam(value_params, lr=config.value_lr)
         self.observ_normalizer = StreamingNormalizer(
-            (obs_size,), center=True, scale=True, clip=5.0).to(self.device)
+            (normalized_size,), center=True, scale=True, clip=5.0).to(self.device)
         # Read only by update(): the rewards of 64 steps are merged at once.
         self.reward_normalizer = StreamingNormalizer(
             (), center=False, scale=True, clip=10.0, defer=64 * num_agents).to(self.device)
@@ -227,9 +248,11 @@ class BatchPPO(Algorithm):
 
     # -- helpers ---------------------------------------------------------------
 
-    def _flatten(self, observ: torch.Tensor) -> torch.Tensor:
-        """``(K, *obs_shape)`` -> ``(K, obs_size)`` on ``device``: float32, or ``uint8``
-        for pixels."""
+    def _flatten(self, observ: Any) -> torch.Tensor:
+        """``(K, *obs_shape)`` -> ``(K, obs_size)`` on ``device``: float32, ``uint8`` for
+        pixels, packed ``uint8`` rows for Dict and Tuple observations (``PackedObservations``)."""
+        if self.packing is not None:
+            return self.packing.pack(observ, self.packing.floats(observ, self.device))
         if observ.dim() != 2:
             observ = observ.reshape(observ.shape[0], -1)
         dtype = torch.uint8 if self.pixels else torch.float32
@@ -237,11 +260,22 @@ class BatchPPO(Algorithm):
             observ = observ.to(self.device, dtype)
         return observ
 
-    def _normalize(self, observ: torch.Tensor) -> torch.Tensor:
-        observ = self._flatten(observ)
+    def _normalize(self, observ: Any) -> torch.Tensor:
+        """``_flatten``'s rows with the observation statistics applied (``normalize_observ``):
+        to the float parts of packed rows, to none of pixels."""
+        if self.packing is None or not isinstance(observ, torch.Tensor):  # (else packed)
+            observ = self._flatten(observ)
         if self.pixels or not self.config.normalize_observ:
             return observ
+        if self.packing is not None:
+            return self.packing.with_floats(
+                observ, self.observ_normalizer.transform(self.packing.unpack(observ)))
         return self.observ_normalizer.transform(observ)
+
+    def _statistics_input(self, flat: torch.Tensor) -> torch.Tensor:
+        """The values of ``_flatten``'s rows ``(..., obs_size)`` that the observation
+        statistics take in."""
+        return self.packing.unpack(flat) if self.packing is not None else flat
 
     def distribution(self, mean_or_logits: torch.Tensor, log_std: torch.Tensor) -> Distribution:
         """The action distribution for parameters from the policy (any batch shape)."""
@@ -291,7 +325,7 @@ class BatchPPO(Algorithm):
                                     "state": state})
             # Only now: this step's data and action used the statistics before it.
             if not self.pixels:
-                self.observ_normalizer.update(flat)
+                self.observ_normalizer.update(self._statistics_input(flat))
         return action, {}
 
     @torch.no_grad()
@@ -328,7 +362,7 @@ class BatchPPO(Algorithm):
         if any_done:
             ended = done.bool()
             end = self.memory.set_episode if episodes else self.memory.end_segments
-            end(agent_indices[ended], bootstrap_observ=self._normalize(next_observ[ended]),
+            end(agent_indices[ended], bootstrap_observ=self._normalize(take(next_observ, ended)),
                 terminated=terminated[ended])
         return {}
 
@@ -666,10 +700,10 @@ class BatchPPO(Algorithm):
             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Actions for ``observ`` ``(K, *obs_shape)`` with the current observation statistics,
         and the policy's ``mean_or_logits`` and ``log_std`` that chose them."""
-        count = observ.shape[0]
+        count = first_leaf(observ).shape[0]
         state = self._no_state if count == self.num_agents else self._no_state[:count]
         if count > self.num_agents:
-            state = observ.new_zeros(count, 0)
+            state = self._no_state.new_zeros(count, 0)
         action, mean_or_logits, log_std, _ = self._infer(self._normalize(observ), state,
                                                          deterministic)
         return action, {"mean_or_logits": mean_or_logits, "log_std": log_std}
@@ -700,6 +734,10 @@ class BatchPPO(Algorithm):
         the data coming from ``mu``. Without lag the weight is 1 and this is the synchronous
         update. With ``value_targets="vtrace"`` the value targets and advantages are V-trace's
         (``rho = pi_0 / mu``), which carry that weight themselves (NAPPO's IMPALA-PPO)."""
+        if self.packing is not None:
+            raise UnsupportedSpaceError(f"BatchPPO learns from collectors' rollouts of Box "
+                                        f"observations only, not {self.observation_space}: "
+                                        f"train Dict and Tuple observations without collectors")
         with torch.no_grad():
             rollout = rollout.to(self.device)
             batch, steps = rollout.size, rollout.length
