@@ -134,8 +134,10 @@ class Algorithm(abc.ABC):
     def perform(self, agent_indices: torch.Tensor,
                 observ: torch.Tensor) -> tuple[torch.Tensor, Summary]:
         """Choose actions for the ``K`` agents at ``agent_indices`` from ``observ``
-        ``(K, *obs_shape)``; returns ``(action, summary)`` with ``action``
-        ``(K, *act_shape)``, float32 for Box action spaces and int64 for discrete ones."""
+        ``(K, *obs_shape)`` (``TensorBatchEnv.observ``'s rows: for a Dict or Tuple observation
+        space a dict or tuple of such tensors, see ``batchrl.nested``); returns ``(action,
+        summary)`` with ``action`` ``(K, *act_shape)``, float32 for Box action spaces and int64
+        for discrete ones."""
 
     @abc.abstractmethod
     def experience(self, agent_indices: torch.Tensor, observ: torch.Tensor,

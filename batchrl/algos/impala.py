@@ -86,7 +86,8 @@ class IMPALA(RolloutAlgorithm):
                              "the learning rate decays to zero (train.py sets it to train.steps)")
         if not isinstance(observation_space, gym.spaces.Box):
             raise UnsupportedSpaceError(f"IMPALA needs a Box observation space, got "
-                                        f"{observation_space}")
+                                        f"{observation_space} (BatchPPO takes Dict and Tuple "
+                                        f"observations)")
         discrete = isinstance(action_space, gym.spaces.Discrete)
         if not discrete and not (isinstance(action_space, gym.spaces.Box)
                                  and len(action_space.shape) == 1):

@@ -83,7 +83,8 @@ class Reinforce(Algorithm):
                  seed: int | None = None):
         super().__init__(device)
         if not isinstance(observation_space, gym.spaces.Box):
-            raise TypeError(f"Reinforce needs a Box observation space, got {observation_space}")
+            raise TypeError(f"Reinforce needs a Box observation space, got {observation_space} "
+                            f"(BatchPPO takes Dict and Tuple observations)")
         if isinstance(action_space, gym.spaces.Discrete):
             self._discrete = True
             # Discrete(n, start) has actions start, ..., start + n - 1.

@@ -17,6 +17,8 @@ import gymnasium as gym
 import torch
 
 from batchrl.algos.base import Algorithm, Summary
+from batchrl.errors import UnsupportedSpaceError
+from batchrl.nested import is_nested_space
 from batchrl.envs.batch import BatchEnv
 from batchrl.envs.factory import split_evenly
 from batchrl.parts.rollout import RolloutBuffer
@@ -55,6 +57,14 @@ class Replacements:
         self.report(f"collector {index} failed ({why}); replaced [{self.count} of at most "
                     f"{self.max_restarts}]")
         return self.incarnations[index]
+
+
+def check_rollout_space(observation_space: gym.Space) -> None:
+    """Raise ``UnsupportedSpaceError`` for observations a rollout cannot hold: collectors move
+    one array per step, so Dict and Tuple observations train without them."""
+    if is_nested_space(observation_space):
+        raise UnsupportedSpaceError(f"collectors take array observations, not "
+                                    f"{observation_space}: train it with train.collectors=0")
 
 
 @dataclasses.dataclass

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 import torch.multiprocessing  # noqa: F401  (shares tensors between processes when pickled)
 
-from batchrl.collectors.collector import CollectorSpec, Link, Replacements, collect
+from batchrl.collectors.collector import (CollectorSpec, Link, Replacements, check_rollout_space,
+                                         collect)
 from batchrl.envs.process.channel import context, start_worker
 from batchrl.parts.rollout import Fields, Rollout, RolloutBuffer, rollout_tensors
 
@@ -145,6 +146,7 @@ class LocalCollectors:
                  acting_state: dict[str, torch.Tensor], max_policy_lag: int | None = None,
                  queue_size: int | None = None, max_restarts: int = 0,
                  report: Callable[[str], None] = print):
+        check_rollout_space(observation_space)
         self.spec = spec
         count = spec.collectors
         self.replacements = Replacements(count, max_restarts, report)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from batchrl.collectors.collector import (CollectorError, CollectorSpec, Link, Replacements,
-                                         collect)
+                                         check_rollout_space, collect)
 from batchrl.envs.ray import cluster as ray_cluster
 from batchrl.parts.rollout import Rollout, RolloutBuffer, rollout_tensors
 
@@ -156,6 +156,7 @@ class RayCollectors:
                  max_policy_lag: int | None = None, queue_size: int | None = None,
                  max_restarts: int = 0, report: Callable[[str], None] = print,
                  address: str = "", resources: dict[str, float] | None = None):
+        check_rollout_space(observation_space)
         self.spec = spec
         self.replacements = Replacements(spec.collectors, max_restarts, report)
         self.resources = {"CPU": 1} if resources is None else dict(resources)

@@ -1,0 +1,156 @@
+"""Dict and Tuple observations: batched part by part (``batchrl.nested``), kept as a dict or tuple
+of tensors by ``TensorBatchEnv``, packed into ``uint8`` rows for BatchPPO's memory
+(``batchrl.parts.packing``) and learned through train.py. The transports are checked in
+``test_protocol.py`` (every transport, and ``BatchVectorEnv`` against ``SyncVectorEnv``)."""
+
+from __future__ import annotations
+
+import json
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from batchrl.algos import BatchPPO
+from batchrl.envs import BatchEnv, EnvWorker
+from batchrl.errors import UnsupportedSpaceError
+from batchrl.nested import leaf_spaces, leaves, map_nested, put, stack_as, take
+from batchrl.parts.packing import PackedObservations
+from batchrl.tensor_env import TensorBatchEnv
+from batchrl.testing.envs import ImageAndFlag
+from batchrl.train import main as train_main
+
+SPACE = gym.spaces.Dict({
+    "camera": gym.spaces.Box(0, 255, (3, 4, 2), np.uint8),
+    "joints": gym.spaces.Tuple((gym.spaces.Box(-1, 1, (3,), np.float32), gym.spaces.Discrete(5))),
+    "depth": gym.spaces.Box(0, 255, (5,), np.uint8)})
+
+
+def test_parts_follow_the_space_whatever_order_an_env_builds_its_dicts_in():
+    assert [path for path, _ in leaf_spaces(SPACE)] == ["camera", "depth", "joints.0", "joints.1"]
+    rows = [SPACE.sample() for _ in range(3)]
+    shuffled = [{"joints": row["joints"], "depth": row["depth"], "camera": row["camera"]}
+                for row in rows]
+    batch = stack_as(SPACE, shuffled)
+    assert list(batch) == ["camera", "depth", "joints"]
+    assert batch["camera"].shape == (3, 3, 4, 2) and batch["camera"].dtype == np.uint8
+    assert batch["joints"][1].shape == (3,) and batch["joints"][1].dtype == np.int64
+    np.testing.assert_array_equal(take(batch, 2)["joints"][0], rows[2]["joints"][0])
+    put(batch, [0, 2], take(batch, [2, 0]))
+    np.testing.assert_array_equal(batch["depth"][0], rows[2]["depth"])
+
+
+def test_packed_rows_keep_floats_bit_exact_and_pixels_as_bytes():
+    packing = PackedObservations(SPACE)
+    # Floats first: the joints (3 values) and the Discrete part (1); then 24 + 5 image bytes.
+    assert packing.float_size == 4 and packing.size == 16 + 24 + 8  # (padded to 4 bytes)
+    assert [(path, offset, size) for path, offset, size, _ in packing.pixel_parts] == [
+        ("camera", 16, 24), ("depth", 40, 5)]
+    rows = [SPACE.sample() for _ in range(6)]
+    batch = map_nested(torch.as_tensor, stack_as(SPACE, rows))
+    floats = packing.floats(batch, torch.device("cpu"))
+    packed = packing.pack(batch, floats)
+    assert packed.dtype == torch.uint8 and packed.shape == (6, packing.size)
+    unpacked = packing.unpack(packed.reshape(2, 3, -1))  # any leading dimensions
+    assert unpacked.data_ptr() == packed.data_ptr()  # a view, not a copy
+    assert torch.equal(unpacked.reshape(6, -1)[:, :3], batch["joints"][0])
+    assert torch.equal(unpacked.reshape(6, -1)[:, 3], batch["joints"][1].float())
+    assert torch.equal(packed[:, 16:40], batch["camera"].reshape(6, -1))
+    assert torch.equal(packed[:, 40:45], batch["depth"])
+    halved = packing.with_floats(packed, floats / 2)
+    assert torch.equal(packing.unpack(halved), floats / 2) and torch.equal(halved[:, 16:],
+                                                                           packed[:, 16:])
+
+
+def test_tensor_batch_env_keeps_a_dict_of_tensors():
+    def make():
+        return ImageAndFlag(size=8)
+    reference = BatchEnv([make() for _ in range(4)])
+    env = TensorBatchEnv(BatchEnv([EnvWorker([make] * 4)]))
+    try:
+        expected = reference.reset(seed=3)
+        observ = env.reset(seed=3)
+        assert list(observ) == ["flag", "image"]
+        assert observ["image"].dtype == torch.uint8 and observ["flag"].dtype == torch.float32
+        for _ in range(8):  # (within an episode: a worker resets finished envs at once)
+            actions = np.array([0, 1, 1, 0])
+            expected = reference.step(actions)[0]
+            observ, reward, done = env.step(torch.as_tensor(actions))
+            for got, want in zip(leaves(observ), leaves(expected)):
+                np.testing.assert_array_equal(got.numpy(), want)
+        rows = env.reset(torch.tensor([2, 0]), seed=[5, 6])
+        expected = reference.reset([2, 0], seed=[5, 6])
+        assert rows["image"].shape == (2, 1, 8, 8)
+        for got, want in zip(leaves(rows), leaves(expected)):
+            np.testing.assert_array_equal(got.numpy(), want)
+        np.testing.assert_array_equal(env.observ["image"][[2, 0]].numpy(), expected["image"])
+        assert float(env.reward[2]) == 0.0 and float(env.done[0]) == 0.0
+    finally:
+        env.close()
+        reference.close()
+
+
+def test_batch_ppo_rejects_what_it_cannot_take():
+    multi = gym.spaces.Dict({"x": gym.spaces.MultiBinary(3)})
+    with pytest.raises(UnsupportedSpaceError, match=r"a Dict or Tuple of Box and Discrete"):
+        BatchPPO(multi, gym.spaces.Discrete(2), 2)
+    vectors = gym.spaces.Tuple((gym.spaces.Box(-1, 1, (3,)), gym.spaces.Discrete(4)))
+    with pytest.raises(UnsupportedSpaceError, match=r"torso 'nature_cnn' needs an image"):
+        BatchPPO(vectors, gym.spaces.Discrete(2), 2, torso="nature_cnn")
+    algo = BatchPPO(vectors, gym.spaces.Discrete(2), 2)  # torso "mlp": the float parts
+    action, _ = algo.act((torch.zeros(2, 3), torch.tensor([1.0, 3.0])))
+    assert action.shape == (2,)
+
+
+# One torch thread for the update: the test suite runs two tests at a time on two cores.
+STRUCTURED_TASK = ["--set", "env.id=batchrl.testing.envs:image_and_flag",
+                   "--set", "env.kwargs={length=10}", "--set", "env.eval_kwargs={length=20}",
+                   "--set", "env.max_length=20", "--set", "algorithm.update_threads=1",
+                   "--set", "train.eval_every=2", "--set", "train.eval_episodes=16",
+                   "--set", "algorithm.rollout_length=32", "--set", "algorithm.minibatch_size=64",
+                   "--set", "algorithm.policy_lr=1e-3", "--set", "algorithm.value_lr=1e-3",
+                   "--set", "algorithm.discount=0.9", "--set", "algorithm.lr_schedule=constant",
+                   "--set", "algorithm.policy_layers=[64]",
+                   "--set", "algorithm.value_layers=[64]"]
+
+
+def records(logdir) -> list[dict]:
+    return [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_ppo_learns_from_an_image_and_a_vector_through_train_py(tmp_path):
+    """Neither part alone beats a random policy (10 of 20 in evaluation): the Nature CNN's
+    features of the image and the vector, concatenated, reach 20. The dicts cross shared
+    memory (a worker process)."""
+    logdir = tmp_path / "run"
+    assert train_main(["--config", "atari/pong", *STRUCTURED_TASK, "--logdir", str(logdir),
+                       "--no-progress", "--set", "env.backend=workers", "--set", "env.workers=1",
+                       "--set", "train.steps=6000"]) == 0
+    evals = [r for r in records(logdir) if r["phase"] == "eval"]
+    assert evals[0]["score"] < 17.0 and evals[-1]["score"] >= 19.0, evals
+
+
+def test_tuple_observations_train_the_same_for_the_same_seed(tmp_path):
+    """A Tuple of the image and the vector through an MLP torso (pixels scaled), twice."""
+    runs = []
+    for name in ("a", "b"):
+        logdir = tmp_path / name
+        assert train_main(["--config", "atari/pong", *STRUCTURED_TASK, "--logdir", str(logdir),
+                           "--no-progress", "--set", "env.backend=inline",
+                           "--set", "env.kwargs={length=10, size=12, tuple_observations=true}",
+                           "--set", "env.eval_kwargs={length=20, size=12, "
+                                    "tuple_observations=true}",
+                           "--set", "algorithm.torso=mlp", "--set", "algorithm.shared_torso=false",
+                           "--set", "train.steps=1024", "--set", "train.eval_every=1"]) == 0
+        runs.append([(r["phase"], r["step"], r["score"]) for r in records(logdir)])
+    assert runs[0] == runs[1] and len(runs[0]) >= 4
+
+
+def test_collectors_say_they_take_array_observations(tmp_path, capsys):
+    code = train_main(["--config", "atari/pong", *STRUCTURED_TASK, "--logdir",
+                       str(tmp_path / "run"), "--no-progress", "--set", "env.backend=inline",
+                       "--set", "train.collectors=1", "--set", "train.steps=512"])
+    assert code == 2
+    assert "collectors take array observations, not Dict('flag'" in capsys.readouterr().err
