@@ -114,7 +114,7 @@ def _collector_env(config: Config, index: int, num_envs: int, seed: int) -> Any:
         env.normalize_ranges, share_main=env.share_main, infos=False,
         timeout=env.timeout or None,
         max_restarts=env.max_restarts if env.restart_crashed_envs else 0,
-        ray_address=env.ray_address, ray_resources=env.ray_resources)
+        ray_address=env.ray_address, ray_resources=env.ray_resources, vector_id=env.vector_id)
 
 
 def _collector_algorithm(config: Config, observation_space: Any, action_space: Any,
@@ -407,7 +407,8 @@ class Trainer:
                 share_main=env_config.share_main, infos=False,
                 timeout=env_config.timeout or None,
                 max_restarts=env_config.max_restarts if env_config.restart_crashed_envs else 0,
-                ray_address=env_config.ray_address, ray_resources=env_config.ray_resources)
+                ray_address=env_config.ray_address, ray_resources=env_config.ray_resources,
+                vector_id=env_config.vector_id)
 
         # env.eval_kwargs: evaluations run on envs of their own (here, or in the learner
         # beside the collectors, whose envs are the training ones).

@@ -2,15 +2,16 @@
 update in float32 and bfloat16, and training steps/s of ``configs/atari/pong.toml`` against
 Stable-Baselines3's PPO with rl-zoo3's Atari settings.
 
-* **Stepping** (random actions, ``--envs`` envs, ``--seconds`` each): batchrl's layout
-  (``make_batch_env`` with the config's env, as ``train.py`` builds it), Gymnasium's
-  ``SyncVectorEnv`` of the same envs, and ale-py's own C++ ``AtariVectorEnv`` (its
-  preprocessing, not Gymnasium's wrappers).
+* **Stepping** (random actions, ``--envs`` envs, ``--seconds`` each): ``make_batch_env`` with
+  the config's env as ``train.py`` builds it, on backend ``workers`` (Gymnasium's wrappers in
+  worker processes) and backend ``vector`` (ale-py's C++ ``AtariVectorEnv`` as the batch's
+  member, ``env.vector_id``); Gymnasium's ``SyncVectorEnv`` of the same envs, and
+  ``AtariVectorEnv`` alone.
 * **Update**: one BatchPPO update of the config (8 agents x 128 steps, 4 epochs of 4
   minibatches of 256 frames) on random frames, seconds per update and per gradient step, in
   ``float32`` and ``bfloat16`` (``train.precision``).
 * **Training**: ``--steps`` steps of ``python train.py --config atari/pong`` (no evaluations)
-  in float32 and bfloat16, and of SB3's ``PPO("CnnPolicy")`` on ``make_atari_env`` (its
+  in bfloat16 on both backends and in float32, and of SB3's ``PPO("CnnPolicy")`` on ``make_atari_env`` (its
   ``AtariWrapper``, 8 envs in one process, 4 stacked frames) with rl-zoo3's hyperparameters
   (128-step rollouts, 4 epochs, minibatches of 256, clip 0.1, entropy 0.01, learning rate
   2.5e-4). steps/s counts the whole run after the networks are built (start-up of the env
@@ -58,21 +59,23 @@ def stepping(envs: int, seconds: float) -> dict[str, float]:
             steps += envs
         return steps / (time.perf_counter() - start)
 
-    batch = make_batch_env(config.env.id, envs, config.env.max_length, kwargs, infos=False)
-    try:
-        batch.reset(seed=0)
+    for backend in ("workers", "vector"):
+        batch = make_batch_env(config.env.id, envs, config.env.max_length, kwargs, backend,
+                               infos=False, vector_id="batchrl.envs.atari:make_vector")
+        try:
+            batch.reset(seed=0)
 
-        def reset_batch(result) -> None:
-            ended = np.flatnonzero(result[2] | result[3])
-            if ended.size:
-                batch.reset(ended)
+            def reset_batch(result) -> None:
+                ended = np.flatnonzero(result[2] | result[3])
+                if ended.size:
+                    batch.reset(ended)
 
-        rates["batchrl (default layout)"] = run(batch.step, reset_batch)
-    finally:
-        batch.close()
+            rates[f"batchrl, backend {backend}"] = run(batch.step, reset_batch)
+        finally:
+            batch.close()
     for name, vector in (
             ("Gymnasium SyncVectorEnv", gym.vector.SyncVectorEnv([lambda: make(**kwargs)] * envs)),
-            ("ale-py AtariVectorEnv (C++)", gym.make_vec(
+            ("ale-py AtariVectorEnv alone", gym.make_vec(
                 GAME, envs, vectorization_mode="vector_entry_point", frameskip=4,
                 repeat_action_probability=0.0, stack_num=4))):
         try:
@@ -109,13 +112,14 @@ def update_cost(precision: str, repeats: int = 3) -> float:
     return float(np.median(times[1:]))  # (the first includes one-time set-up)
 
 
-def batchrl_training(steps: int, precision: str) -> float:
+def batchrl_training(steps: int, precision: str, backend: str) -> float:
     """steps/s of train.py --config atari/pong for ``steps`` steps without evaluations."""
     with tempfile.TemporaryDirectory() as logdir:
         subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", "atari/pong",
                         "--logdir", logdir, "--no-progress", "--set", f"train.steps={steps}",
                         "--set", "train.eval_episodes=0", "--set", "train.eval_every=10",
-                        "--set", f"train.precision={precision}"],
+                        "--set", f"train.precision={precision}",
+                        "--set", f"env.backend={backend}"],
                        check=True, capture_output=True, text=True)
         records = [json.loads(line) for line in Path(logdir, "metrics.jsonl").open()]
     return steps / records[-1]["wall_time"]
@@ -152,9 +156,9 @@ def main() -> None:
 
     print(f"Atari stepping, {GAME}, {args.envs} envs, random actions (agent steps/s):")
     rates = stepping(args.envs, args.seconds)
-    base = rates["batchrl (default layout)"]
+    base = rates["batchrl, backend workers"]
     for name, rate in rates.items():
-        print(f"  {name:30s} {rate:8,.0f}  {rate / base:5.2f}x batchrl")
+        print(f"  {name:30s} {rate:8,.0f}  {rate / base:5.2f}x backend workers")
 
     print("BatchPPO update of configs/atari/pong.toml (1,024 frames, 16 gradient steps):")
     costs = {precision: update_cost(precision) for precision in ("float32", "bfloat16")}
@@ -163,8 +167,10 @@ def main() -> None:
               f"gradient step, {costs['float32'] / cost:4.2f}x float32")
 
     print(f"Training steps/s, {args.steps:,} steps, no evaluations:")
-    training = {f"batchrl atari/pong, {precision}": batchrl_training(args.steps, precision)
-                for precision in ("float32", "bfloat16")}
+    training = {f"batchrl atari/pong, {precision}, {backend}":
+                batchrl_training(args.steps, precision, backend)
+                for precision, backend in (("bfloat16", "vector"), ("bfloat16", "workers"),
+                                           ("float32", "vector"))}
     if not args.skip_sb3:
         try:
             training["SB3 PPO, rl-zoo3 Atari settings"] = sb3_training(args.steps)
@@ -173,7 +179,7 @@ def main() -> None:
     reference = training.get("SB3 PPO, rl-zoo3 Atari settings")
     for name, rate in training.items():
         ratio = f"  {rate / reference:5.2f}x SB3" if reference else ""
-        print(f"  {name:34s} {rate:7,.0f}{ratio}")
+        print(f"  {name:42s} {rate:7,.0f}{ratio}")
 
 
 if __name__ == "__main__":

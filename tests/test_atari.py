@@ -12,8 +12,12 @@ import pytest
 
 pytest.importorskip("ale_py")
 
+import gymnasium as gym  # noqa: E402
+
 from batchrl.config import available_configs, load_config  # noqa: E402
 from batchrl.envs.atari import make  # noqa: E402
+from batchrl.envs.errors import EnvSpecError  # noqa: E402
+from batchrl.envs.factory import make_batch_env  # noqa: E402
 from helpers import finish, start_train_py  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -63,6 +67,8 @@ def test_every_atari_config_plays_a_game_with_pixels():
         config = load_config(name)
         assert config.env.id == "batchrl.envs.atari:make"
         assert config.env.eval_kwargs == {"training": False}
+        assert (config.env.backend, config.env.vector_id) == (
+            "vector", "batchrl.envs.atari:make_vector")
         assert config.algorithm.keys["torso"] == "nature_cnn"
         assert config.algorithm.keys["objective"] == "clip"
         env = make(**config.env.kwargs)
@@ -70,6 +76,59 @@ def test_every_atari_config_plays_a_game_with_pixels():
             assert env.observation_space.shape == (4, 84, 84)
         finally:
             env.close()
+
+
+def vector_pong(num_envs: int, max_length: int | None = None, **kwargs):
+    return make_batch_env("batchrl.envs.atari:make", num_envs, max_length, kwargs,
+                          backend="vector", vector_id="batchrl.envs.atari:make_vector")
+
+
+def test_ale_vector_env_is_a_batch_member_with_the_worker_protocol():
+    """ale-py's AtariVectorEnv steps the batch in native threads: the observations of ``make``'s
+    envs, seeded resets that repeat, partial resets, and next-step autoreset as the protocol's
+    ``autoreset`` (a time limit of 12 steps ends the episodes)."""
+    first, second = vector_pong(3, 12), vector_pong(3, 12)
+    single = make()
+    try:
+        assert first.observation_space == single.observation_space
+        assert first.action_space == single.action_space
+        observ = first.reset(seed=5)
+        assert observ.shape == (3, 4, 84, 84) and observ.dtype == np.uint8
+        np.testing.assert_array_equal(second.reset(seed=5), observ)
+        actions = np.array([2, 3, 0])
+        for step in range(12):
+            if step == 5:  # (refused before anything is sent)
+                with pytest.raises(ValueError, match=r"only after its episode ended; envs "
+                                                     r"\[1\] did not end"):
+                    second.step(actions, autoreset=np.array([False, True, False]))
+            observ, reward, terminated, truncated, infos = first.step(actions)
+            np.testing.assert_array_equal(second.step(actions)[0], observ)
+            assert reward.dtype == np.float64 and len(infos) == 3
+            assert truncated.all() == (step == 11) and not terminated.any()
+        assert infos[1]["episode_frame_number"] > 48 and "lives" in infos[1]
+        # The ended envs reset instead of stepping; the others, reset first, step.
+        rows = first.reset([2], seed=[9])
+        observ, reward, terminated, truncated, infos = first.step(
+            actions, autoreset=np.array([True, True, False]))
+        assert reward.tolist() == [0.0, 0.0, 0.0] and not (terminated | truncated).any()
+        assert infos[0]["episode_frame_number"] <= 4 * 30 and not np.array_equal(observ[2],
+                                                                                 rows[0])
+        np.testing.assert_array_equal(second.reset([2], seed=[9]), rows)
+    finally:
+        for env in (first, second, single):
+            env.close()
+
+
+def test_a_vector_backend_needs_a_vector_env(tmp_path):
+    with pytest.raises(ValueError, match="env.backend='vector' needs env.vector_id"):
+        load_config("atari/pong", ["env.backend=vector", "env.vector_id="])
+    with pytest.raises(EnvSpecError, match="single_pong returned OrderEnforcing, not a gymnasium.vector"):
+        make_batch_env("batchrl.envs.atari:make", 2, backend="vector",
+                       vector_id="tests.test_atari:single_pong")
+
+
+def single_pong(num_envs, max_episode_steps=None):
+    return gym.make("ALE/Pong-v5")
 
 
 @pytest.mark.slow

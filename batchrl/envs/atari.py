@@ -1,5 +1,7 @@
 """Atari 2600 games from ale-py with Gymnasium's standard preprocessing (``pip install
-'batchrl[atari]'``): ``env.id = "batchrl.envs.atari:make"`` in a config.
+'batchrl[atari]'``): ``env.id = "batchrl.envs.atari:make"`` in a config; ``make_vector`` builds
+ale-py's own ``AtariVectorEnv`` (the same preprocessing in C++, a batch stepped in native threads)
+for ``env.backend = "vector"``.
 
 The observation is a stack of the last ``frame_stack`` 84x84 grayscale frames,
 ``Box(0, 255, (4, 84, 84), uint8)``: bytes through every transport and into the rollout memory,
@@ -13,6 +15,7 @@ sees only first lives. No FIRE is pressed after a reset: the policy learns to se
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import gymnasium as gym
@@ -26,7 +29,7 @@ except ImportError as exc:  # (named in the config error train.py prints)
 
 gym.register_envs(ale_py)
 
-__all__ = ["make"]
+__all__ = ["make", "make_vector"]
 
 
 def make(env_id: str = "ALE/Pong-v5", training: bool = True, sticky_actions: float = 0.25,
@@ -59,3 +62,36 @@ def make(env_id: str = "ALE/Pong-v5", training: bool = True, sticky_actions: flo
     if training and clip_rewards:
         env = ClipReward(env, -1.0, 1.0)
     return FrameStackObservation(env, frame_stack)
+
+
+def make_vector(num_envs: int, env_id: str = "ALE/Pong-v5", training: bool = True,
+                sticky_actions: float = 0.25, noop_max: int = 30, frame_skip: int = 4,
+                screen_size: int = 84, frame_stack: int = 4, terminal_on_life_loss: bool = True,
+                clip_rewards: bool = True, full_action_space: bool = False,
+                max_episode_steps: int | None = None,
+                num_threads: int = 0) -> gym.vector.VectorEnv:
+    """``num_envs`` copies of the game ``env_id`` as ale-py's ``AtariVectorEnv``, with
+    ``make``'s arguments and observations (``(frame_stack, screen_size, screen_size)`` uint8),
+    for ``env.vector_id = "batchrl.envs.atari:make_vector"``. Its preprocessing is ale-py's
+    native one: the same steps as Gymnasium's wrappers, not the same pixels (another resize), so
+    runs on it do not repeat runs on ``make``'s envs. A lost life ends a training episode and the
+    game goes on with the lives left (as in the papers); no FIRE is pressed after a reset.
+
+    Args:
+      max_episode_steps: the time limit in agent steps (``env.max_length``); none: ale-py's
+        108,000 frames.
+      num_threads: native threads stepping the games (0: one per usable core).
+    """
+    from ale_py.vector_env import AtariVectorEnv
+    from batchrl.hardware import usable_cores
+
+    game = env_id.removeprefix("ALE/").split("-v")[0]
+    rom = re.sub(r"(?<!^)(?=[A-Z])", "_", game).lower()  # MsPacman -> ms_pacman
+    frames = 108_000 if max_episode_steps is None else max_episode_steps * frame_skip
+    return AtariVectorEnv(
+        rom, num_envs, num_threads=num_threads or min(num_envs, usable_cores()),
+        max_num_frames_per_episode=frames, repeat_action_probability=sticky_actions,
+        full_action_space=full_action_space, img_height=screen_size, img_width=screen_size,
+        stack_num=frame_stack, frameskip=frame_skip, noop_max=noop_max,
+        episodic_life=training and terminal_on_life_loss,
+        reward_clipping=training and clip_rewards, use_fire_reset=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import traceback
@@ -15,6 +16,7 @@ from batchrl.envs.errors import EnvRaisedError, EnvSpecError
 from batchrl.envs.process.external import ExternalProcess
 from batchrl.envs.process.shared_memory import EnvWorker
 from batchrl.envs.ray.cluster import check_resources
+from batchrl.envs.vectorized import VectorWorker
 from batchrl.envs.wrappers import TimeLimit, check_time_limit, wrap_env
 from batchrl.hardware import allowed_cores, usable_cores
 
@@ -88,7 +90,7 @@ def build_in_process(constructor: Callable[[], gym.Env], label: str | None) -> g
                              "".join(traceback.format_exception(exc))) from exc
 
 
-BACKENDS = ("workers", "process", "inline", "ray")
+BACKENDS = ("workers", "process", "inline", "ray", "vector")
 # Seconds a worker may take to answer a step or reset (far above any real env's
 # step), and to build its envs (imports, model compilation; slower on few cores).
 DEFAULT_TIMEOUT = 10.0
@@ -156,6 +158,9 @@ def batch_env_from(constructor: Callable[[], gym.Env] | Sequence[Callable[[], gy
     num_envs = len(constructors)
     if backend not in BACKENDS:
         raise EnvSpecError(f"unknown env backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if backend == "vector":
+        raise EnvSpecError("backend 'vector' builds vector envs, not single ones: use "
+                           "make_batch_env(..., backend='vector', vector_id=...)")
     if workers < 0:
         raise EnvSpecError(f"workers must be >= 0 (0: one per usable core), got {workers}")
     if max_restarts and backend == "inline":
@@ -224,17 +229,54 @@ def _ray_workers(constructors: list, workers: int, label: str | None, timeout: f
     return members
 
 
+def vector_members(vector_id: str, num_envs: int, max_length: int | None = None,
+                   kwargs: dict[str, Any] | None = None, workers: int = 0) -> list[VectorWorker]:
+    """The members of the ``"vector"`` backend: ``workers`` (0: one) vector envs built by
+    ``vector_id``, a ``"package.module:function"`` called as ``function(num_envs=n,
+    max_episode_steps=max_length, **kwargs)`` (``max_episode_steps`` only when given) that
+    returns a ``gymnasium.vector.VectorEnv`` stepping ``n`` envs (``VectorWorker``'s
+    conditions), with ``num_envs`` split evenly among them. The vector env applies its own
+    wrappers (``wrap_env``'s are for single envs)."""
+    module_name, attr, function = import_from(vector_id, f"env.vector_id {vector_id!r}",
+                                              EnvSpecError)
+    if not callable(function):
+        raise EnvSpecError(f"env.vector_id {vector_id!r}: module {module_name!r} has no "
+                           f"callable {attr!r}")
+    if max_length is not None:
+        check_time_limit(max_length)
+    extra = {} if max_length is None else {"max_episode_steps": max_length}
+    members: list[VectorWorker] = []
+    try:
+        for count in split_evenly(num_envs, workers or 1):
+            members.append(VectorWorker(functools.partial(function, num_envs=count,
+                                                          **extra, **(kwargs or {})),
+                                        label=vector_id))
+    except BaseException:
+        for member in members:
+            member.close()
+        raise
+    return members
+
+
 def make_batch_env(env_id: str, num_envs: int, max_length: int | None = None,
                    kwargs: dict[str, Any] | None = None, backend: str = "workers",
                    workers: int = 0, normalize_ranges: bool = True,
-                   **options: Any) -> BatchEnv:
+                   vector_id: str = "", **options: Any) -> BatchEnv:
     """``num_envs`` wrapped copies of the env named ``env_id`` as one ``BatchEnv``.
 
     Episodes end after ``max_length`` steps (``resolve_constructor``'s time
     limit); ``wrap_env`` then applies range normalisation (if
     ``normalize_ranges``), action clipping and 32-bit floats. ``backend``,
-    ``workers`` and ``options`` are ``batch_env_from``'s.
+    ``workers`` and ``options`` are ``batch_env_from``'s; backend ``"vector"``
+    steps them in vector envs built by ``vector_id`` instead (``vector_members``;
+    of ``options`` only ``max_restarts`` applies).
     """
+    if backend == "vector":
+        if not vector_id:
+            raise EnvSpecError("env backend 'vector' needs vector_id, the function building "
+                               "the vector env ('package.module:function')")
+        return BatchEnv(vector_members(vector_id, num_envs, max_length, kwargs, workers),
+                        max_restarts=options.get("max_restarts", 0))
     raw = resolve_constructor(env_id, kwargs, max_length)
 
     def constructor() -> gym.Env:

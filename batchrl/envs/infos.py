@@ -66,6 +66,31 @@ def info_columns(infos: Sequence[dict]) -> tuple | None:
         return None
 
 
+def columns_payload(columns: dict[str, np.ndarray]) -> tuple | None:
+    """``info_columns``' payload from a vector env's dict of arrays (``(num_envs,)`` numbers per
+    key, as Gymnasium's ``VectorEnv`` gives them), without dicts per env; ``None`` when some key
+    holds other values or is missing for some env (a ``_key`` mask not all true)."""
+    keys, arrays = [], []
+    for key, array in columns.items():
+        if key.startswith("_"):
+            continue
+        mask = columns.get(f"_{key}")
+        array = np.asarray(array)
+        if (mask is not None and not np.all(mask)) or array.ndim != 1 or \
+                array.dtype.kind not in "biuf":
+            return None
+        keys.append(key)
+        arrays.append(array)
+    if not keys:
+        return None
+    codes = tuple(array.dtype.str for array in arrays)
+    dtype = _record_dtype(tuple(keys), codes)
+    records = np.empty(len(arrays[0]), dtype)
+    for key, array in zip(keys, arrays):
+        records[key] = array
+    return tuple(keys), codes, records.tobytes()
+
+
 def _records(payload: tuple) -> np.ndarray:
     keys, codes, data = payload
     return np.frombuffer(data, _record_dtype(keys, codes))

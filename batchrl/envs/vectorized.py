@@ -1,0 +1,159 @@
+"""Envs that step a whole batch at once (native vector envs such as ale-py's ``AtariVectorEnv``)
+as one ``BatchEnv`` member."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Callable, Sequence
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector import AutoresetMode
+
+from batchrl.envs.errors import EnvRaisedError, EnvSpecError
+from batchrl.envs.infos import InfoList, columns_payload
+from batchrl.envs.worker import StepResult, Worker, constructor_label, reset_arguments
+from batchrl.nested import take
+
+
+class VectorWorker(Worker):
+    """``make()``'s Gymnasium ``VectorEnv`` (its ``num_envs`` envs stepped together by the env's
+    own code, often in native threads) as a ``Worker``: a ``BatchEnv`` member like any other.
+
+    The vector env must use next-step autoreset (Gymnasium's default) and accept
+    ``options={"reset_mask": mask}`` with one seed per env reset (an int array; ale-py's and
+    EnvPool's convention). Its next-step autoreset is the ``Worker`` protocol's ``autoreset``: an
+    env whose episode ended is reset, not stepped, by the next step; one that ``reset`` started
+    again steps. ``autoreset`` may only name envs whose episode ended at the last step. When the
+    vector env has ``send``/``recv`` (ale-py's does), ``step_async`` sends and the envs step
+    while the caller goes on.
+
+    Args:
+      make: builds the vector env (called again by ``restart``).
+      label: names the envs in error messages (default: ``make``'s name).
+    """
+
+    def __init__(self, make: Callable[[], gym.vector.VectorEnv], label: str | None = None):
+        self._make = make
+        self.label = label or constructor_label(make)
+        try:
+            env = make()
+        except Exception as exc:
+            raise self._error(exc, "construct", None) from exc
+        if not isinstance(env, gym.vector.VectorEnv):
+            raise EnvSpecError(f"{self.label} returned {type(env).__name__}, not a "
+                               f"gymnasium.vector.VectorEnv (a vector env member needs one)")
+        mode = AutoresetMode(env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP))
+        if mode is not AutoresetMode.NEXT_STEP:
+            env.close()
+            raise EnvSpecError(f"{self.label}: a vector env member needs next-step autoreset "
+                               f"(Gymnasium's default), got {mode}")
+        self.vector_env = env
+        self.num_envs = int(env.num_envs)
+        self.observation_space = env.single_observation_space
+        self.action_space = env.single_action_space
+        self._async = hasattr(env, "send") and hasattr(env, "recv")
+        self._ended = np.zeros(self.num_envs, bool)  # episodes that ended at the last step
+        self._pending: tuple | None = None  # (kind, *arguments) of the request in flight
+
+    def _error(self, exc: Exception, operation: str, index: int | None) -> EnvRaisedError:
+        error = EnvRaisedError(self.label, operation, type(exc).__name__, str(exc),
+                               "".join(traceback.format_exception(exc)))
+        if index is not None:
+            error.worker_env_index = index
+        return error
+
+    def _expect(self, kind: str | None, method: str) -> tuple | None:
+        pending = self._pending
+        if (pending and pending[0]) != kind:
+            raise RuntimeError(
+                f"{self.label}: {method}() called while a {pending[0]} is in flight: call "
+                f"{pending[0]}_wait() first" if pending else
+                f"{self.label}: {method}() needs a {kind}_async() first")
+        self._pending = None
+        return pending
+
+    def step_async(self, actions: np.ndarray, autoreset: np.ndarray | None = None) -> None:
+        """Send the actions; envs whose episode ended at the last step are reset instead (by
+        the vector env's autoreset), and ``autoreset`` may name only those."""
+        self._expect(None, "step_async")
+        if autoreset is not None and (autoreset & ~self._ended).any():
+            raise ValueError(f"{self.label}: a vector env resets an env instead of stepping it "
+                             f"only after its episode ended; envs "
+                             f"{np.flatnonzero(autoreset & ~self._ended).tolist()} did not end")
+        if self._async:
+            try:
+                self.vector_env.send(actions)
+            except Exception as exc:
+                raise self._error(exc, "step", None) from exc
+        self._pending = ("step", actions)
+
+    def step_wait(self, copy: bool = True) -> StepResult:
+        """The step's arrays (new ones on every call), the infos from the vector env's dict of
+        arrays."""
+        _, actions = self._expect("step", "step_wait")
+        try:
+            result = self.vector_env.recv() if self._async else self.vector_env.step(actions)
+        except Exception as exc:
+            raise self._error(exc, "step", None) from exc
+        observ, reward, terminated, truncated, info = result
+        terminated, truncated = np.asarray(terminated, bool), np.asarray(truncated, bool)
+        self._ended = terminated | truncated
+        payload = columns_payload(info)  # (else dicts per env)
+        return (observ, np.asarray(reward, np.float64), terminated, truncated,
+                InfoList([(self.num_envs, payload if payload is not None
+                           else self._infos(info, range(self.num_envs)))]))
+
+    def reset_async(self, indices: Sequence[int] | None = None,
+                    seeds: Sequence[int | None] | None = None,
+                    options: dict | None = None) -> None:
+        """Keep the reset for ``reset_wait``, which resets the envs at ``indices`` with the
+        vector env's ``reset_mask``."""
+        self._expect(None, "reset_async")
+        self._pending = ("reset", *reset_arguments(self.num_envs, indices, seeds), options)
+
+    def reset_wait(self) -> tuple[Any, list[dict]]:
+        _, indices, seeds, options = self._expect("reset", "reset_wait")
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"{self.label}: reset indices must be unique, got {indices}")
+        mask = np.zeros(self.num_envs, bool)
+        mask[indices] = True
+        order = np.flatnonzero(mask)  # the vector env's order: its seeds follow it
+        by_index = dict(zip(indices, seeds))
+        ordered = [by_index[int(i)] for i in order]
+        seed = (None if all(s is None for s in ordered)
+                else np.array([-1 if s is None else int(s) for s in ordered], np.int64))
+        try:
+            observ, info = self.vector_env.reset(
+                seed=seed, options={**(options or {}), "reset_mask": mask})
+        except Exception as exc:
+            raise self._error(exc, "reset", None) from exc
+        self._ended[indices] = False
+        return take(observ, np.asarray(indices, np.int64)), self._infos(info, indices)
+
+    @staticmethod
+    def _infos(info: dict[str, Any], indices: Sequence[int]) -> list[dict]:
+        """Per-env info dicts of the envs at ``indices`` from a vector env's dict of arrays
+        (a key counts for env ``i`` where its ``_key`` mask is true, or there is none)."""
+        keys = [key for key in info if not key.startswith("_")]
+        rows = []
+        for index in indices:
+            rows.append({key: info[key][index] for key in keys
+                         if info.get(f"_{key}") is None or info[f"_{key}"][index]})
+        return rows
+
+    def restart(self) -> "VectorWorker":
+        """Close this vector env; a fresh one from ``make``."""
+        self.close()
+        return VectorWorker(self._make, self.label)
+
+    def env(self, index: int) -> gym.vector.VectorEnv:
+        """The vector env that steps env ``index`` (one object for all of them)."""
+        return self.vector_env
+
+    def close(self) -> None:
+        self._pending = None
+        env = getattr(self, "vector_env", None)
+        if env is not None and not getattr(env, "closed", False):
+            env.close()
+
