@@ -14,8 +14,8 @@ from typing import Any, Callable, Iterator
 import gymnasium as gym
 import numpy as np
 
-__all__ = ["is_nested_space", "leaf_spaces", "map_nested", "leaves", "leaves_of", "build", "put", "take",
-           "concatenate", "stack", "stack_as", "first_leaf", "unstack"]
+__all__ = ["is_nested_space", "leaf_spaces", "map_nested", "leaves", "leaves_of", "build", "put",
+           "take", "concatenate", "stack", "stack_as", "first_leaf", "copy_nested", "unstack"]
 
 
 def is_nested_space(space: gym.Space) -> bool:
@@ -71,7 +71,8 @@ def leaves(value: Any) -> list[Any]:
 def leaves_of(space: gym.Space, value: Any) -> list[Any]:
     """The leaves of ``value`` in ``space``'s order (a dict in any key order)."""
     if isinstance(space, gym.spaces.Dict):
-        return [leaf for key, child in space.spaces.items() for leaf in leaves_of(child, value[key])]
+        return [leaf for key, child in space.spaces.items()
+                for leaf in leaves_of(child, value[key])]
     if isinstance(space, gym.spaces.Tuple):
         return [leaf for child, part in zip(space.spaces, value) for leaf in leaves_of(child, part)]
     return [value]
@@ -120,6 +121,11 @@ def stack_as(space: gym.Space, values: list[Any]) -> Any:
     for row, value in enumerate(values):
         put(batch, row, value)
     return batch
+
+
+def copy_nested(value: Any) -> Any:
+    """A copy of every leaf (numpy scalars stay scalars)."""
+    return map_nested(lambda leaf: leaf.copy(), value)
 
 
 def unstack(value: Any) -> list[Any]:

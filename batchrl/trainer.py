@@ -107,7 +107,8 @@ def _collector_env(config: Config, index: int, num_envs: int, seed: int) -> Any:
     worker processes of the collector's node."""
     env = config.env
     on_ray = on_a_cluster(config)
-    workers = env.workers or max(1, usable_cores() // (1 if on_ray else config.train.collectors))
+    workers = env.workers or (1 if env.backend == "vector" else max(
+        1, usable_cores() // (1 if on_ray else config.train.collectors)))
     backend = "workers" if env.backend == "ray" else env.backend
     return make_batch_env(
         env.id, num_envs, env.max_length, env.kwargs, backend, workers,

@@ -11,8 +11,9 @@ Stable-Baselines3's PPO with rl-zoo3's Atari settings.
   minibatches of 256 frames) on random frames, seconds per update and per gradient step, in
   ``float32`` and ``bfloat16`` (``train.precision``).
 * **Training**: ``--steps`` steps of ``python train.py --config atari/pong`` (no evaluations)
-  in bfloat16 on both backends and in float32, and of SB3's ``PPO("CnnPolicy")`` on ``make_atari_env`` (its
-  ``AtariWrapper``, 8 envs in one process, 4 stacked frames) with rl-zoo3's hyperparameters
+  in bfloat16 on both backends and in float32, and of SB3's ``PPO("CnnPolicy")`` on
+  ``make_atari_env`` (its ``AtariWrapper``, 8 envs in one process, 4 stacked frames) with
+  rl-zoo3's hyperparameters
   (128-step rollouts, 4 epochs, minibatches of 256, clip 0.1, entropy 0.01, learning rate
   2.5e-4). steps/s counts the whole run after the networks are built (start-up of the env
   processes included), one run after the other.

@@ -98,15 +98,18 @@ def test_ale_vector_env_is_a_batch_member_with_the_worker_protocol():
         actions = np.array([2, 3, 0])
         for step in range(12):
             if step == 5:  # (refused before anything is sent)
-                with pytest.raises(ValueError, match=r"only after its episode ended; envs "
-                                                     r"\[1\] did not end"):
+                with pytest.raises(ValueError, match=r"only after its episode ended, and then "
+                                                     r"always; envs \[1\] did not end"):
                     second.step(actions, autoreset=np.array([False, True, False]))
             observ, reward, terminated, truncated, infos = first.step(actions)
             np.testing.assert_array_equal(second.step(actions)[0], observ)
             assert reward.dtype == np.float64 and len(infos) == 3
             assert truncated.all() == (step == 11) and not terminated.any()
         assert infos[1]["episode_frame_number"] > 48 and "lives" in infos[1]
-        # The ended envs reset instead of stepping; the others, reset first, step.
+        # The ended envs reset instead of stepping; the others, reset first, step. Stepping an
+        # ended env would reset it: refused.
+        with pytest.raises(ValueError, match=r"envs \[0, 1, 2\] ended their episodes: reset"):
+            first.step(actions)
         rows = first.reset([2], seed=[9])
         observ, reward, terminated, truncated, infos = first.step(
             actions, autoreset=np.array([True, True, False]))
@@ -122,7 +125,8 @@ def test_ale_vector_env_is_a_batch_member_with_the_worker_protocol():
 def test_a_vector_backend_needs_a_vector_env(tmp_path):
     with pytest.raises(ValueError, match="env.backend='vector' needs env.vector_id"):
         load_config("atari/pong", ["env.backend=vector", "env.vector_id="])
-    with pytest.raises(EnvSpecError, match="single_pong returned OrderEnforcing, not a gymnasium.vector"):
+    with pytest.raises(EnvSpecError,
+                       match="single_pong returned OrderEnforcing, not a gymnasium.vector"):
         make_batch_env("batchrl.envs.atari:make", 2, backend="vector",
                        vector_id="tests.test_atari:single_pong")
 

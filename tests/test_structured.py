@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from batchrl.algos import BatchPPO
-from batchrl.envs import BatchEnv, EnvWorker
+from batchrl.envs import BatchEnv, EnvWorker, ExternalProcess
+from batchrl.envs.spaces import check_space
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.nested import leaf_spaces, leaves, map_nested, put, stack_as, take
 from batchrl.parts.packing import PackedObservations
@@ -39,6 +40,19 @@ def test_parts_follow_the_space_whatever_order_an_env_builds_its_dicts_in():
     np.testing.assert_array_equal(take(batch, 2)["joints"][0], rows[2]["joints"][0])
     put(batch, [0, 2], take(batch, [2, 0]))
     np.testing.assert_array_equal(batch["depth"][0], rows[2]["depth"])
+
+
+def test_every_transport_keeps_scalar_observations_scalars():
+    """(A Discrete observation is a numpy integer, not a 0-d array, as from the env itself.)"""
+    with ExternalProcess("CliffWalking-v1") as env:
+        observ, _ = env.reset(seed=0)
+        assert type(observ) is np.int64
+        assert type(env.step(0)[0]) is np.int64
+
+
+def test_an_empty_dict_is_no_observation_space():
+    with pytest.raises(UnsupportedSpaceError, match="needs at least one part"):
+        check_space("observation", gym.spaces.Dict({}))
 
 
 def test_packed_rows_keep_floats_bit_exact_and_pixels_as_bytes():

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from batchrl.algos.base import Algorithm, Summary
+from batchrl.errors import UnsupportedSpaceError
 from batchrl.parts import discounted_return
 
 __all__ = ["Reinforce"]
@@ -83,8 +84,9 @@ class Reinforce(Algorithm):
                  seed: int | None = None):
         super().__init__(device)
         if not isinstance(observation_space, gym.spaces.Box):
-            raise TypeError(f"Reinforce needs a Box observation space, got {observation_space} "
-                            f"(BatchPPO takes Dict and Tuple observations)")
+            raise UnsupportedSpaceError(f"Reinforce needs a Box observation space, got "
+                                        f"{observation_space} (BatchPPO takes Dict and Tuple "
+                                        f"observations)")
         if isinstance(action_space, gym.spaces.Discrete):
             self._discrete = True
             # Discrete(n, start) has actions start, ..., start + n - 1.

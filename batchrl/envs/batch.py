@@ -14,7 +14,8 @@ from batchrl.envs.infos import InfoList
 from batchrl.envs.local import LocalWorker
 from batchrl.envs.spaces import check_space
 from batchrl.envs.worker import Closeable, Worker, WorkerFront
-from batchrl.nested import build, concatenate, first_leaf, leaf_spaces, leaves, put, take
+from batchrl.nested import (build, concatenate, first_leaf, leaf_spaces, leaves_of, map_nested,
+                            put, take)
 
 # Requests sent to the members that step in parallel, whose answers are due: the positions
 # asked, ``send(position, member)`` (the request's async half), the positions it was sent to
@@ -252,7 +253,8 @@ class BatchEnv(Closeable):
                       rewards: np.ndarray | None = None) -> None:
         """Raise ``EnvNonFiniteError`` for the first env (row ``i`` is batch
         env ``indices[i]``) with a NaN or infinite observation or reward."""
-        parts = [part for part, check in zip(leaves(observ), self._float_parts) if check]
+        parts = [part for part, check in zip(leaves_of(self.observation_space, observ),
+                                             self._float_parts) if check]
         if not all(np.isfinite(part).all() for part in parts):
             what, row = "observation", int(np.flatnonzero(~np.all(
                 [np.isfinite(part.reshape(len(part), -1)).all(axis=1) for part in parts],
@@ -404,7 +406,9 @@ class BatchEnv(Closeable):
             positions, lambda position, member: member.reset_async(
                 groups[position][1], groups[position][2], options)),
             _wait_reset, lambda position, observ: (take(observ, groups[position][1]), None))
-        observ = self._empty_observ(len(indices))
+        # (each part in the dtype the envs gave, as a step returns it)
+        observ = map_nested(lambda part: np.empty((len(indices), *part.shape[1:]), part.dtype),
+                            results[0][0])
         infos: list[dict] = [{} for _ in indices]
         for position, (obs, member_infos) in zip(positions, results):
             put(observ, groups[position][0], obs)

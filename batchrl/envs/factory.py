@@ -230,7 +230,8 @@ def _ray_workers(constructors: list, workers: int, label: str | None, timeout: f
 
 
 def vector_members(vector_id: str, num_envs: int, max_length: int | None = None,
-                   kwargs: dict[str, Any] | None = None, workers: int = 0) -> list[VectorWorker]:
+                   kwargs: dict[str, Any] | None = None, workers: int = 0,
+                   infos: bool = True) -> list[VectorWorker]:
     """The members of the ``"vector"`` backend: ``workers`` (0: one) vector envs built by
     ``vector_id``, a ``"package.module:function"`` called as ``function(num_envs=n,
     max_episode_steps=max_length, **kwargs)`` (``max_episode_steps`` only when given) that
@@ -245,12 +246,20 @@ def vector_members(vector_id: str, num_envs: int, max_length: int | None = None,
     if max_length is not None:
         check_time_limit(max_length)
     extra = {} if max_length is None else {"max_episode_steps": max_length}
+    reserved = sorted({"num_envs", *extra} & set(kwargs or {}))
+    if reserved:
+        raise EnvSpecError(f"env.vector_id {vector_id!r}: kwargs must not set {reserved}: "
+                           f"num_envs comes from env.num_agents, the time limit from "
+                           f"env.max_length")
     members: list[VectorWorker] = []
     try:
         for count in split_evenly(num_envs, workers or 1):
             members.append(VectorWorker(functools.partial(function, num_envs=count,
                                                           **extra, **(kwargs or {})),
-                                        label=vector_id))
+                                        label=vector_id, infos=infos))
+            if members[-1].num_envs != count:
+                raise EnvSpecError(f"env.vector_id {vector_id!r} built "
+                                   f"{members[-1].num_envs} envs when asked for {count}")
     except BaseException:
         for member in members:
             member.close()
@@ -269,13 +278,14 @@ def make_batch_env(env_id: str, num_envs: int, max_length: int | None = None,
     ``normalize_ranges``), action clipping and 32-bit floats. ``backend``,
     ``workers`` and ``options`` are ``batch_env_from``'s; backend ``"vector"``
     steps them in vector envs built by ``vector_id`` instead (``vector_members``;
-    of ``options`` only ``max_restarts`` applies).
+    of ``options`` only ``infos`` and ``max_restarts`` apply).
     """
     if backend == "vector":
         if not vector_id:
             raise EnvSpecError("env backend 'vector' needs vector_id, the function building "
                                "the vector env ('package.module:function')")
-        return BatchEnv(vector_members(vector_id, num_envs, max_length, kwargs, workers),
+        return BatchEnv(vector_members(vector_id, num_envs, max_length, kwargs, workers,
+                                       options.get("infos", True)),
                         max_restarts=options.get("max_restarts", 0))
     raw = resolve_constructor(env_id, kwargs, max_length)
 

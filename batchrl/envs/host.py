@@ -29,12 +29,12 @@ class StepArrays:
     """The arrays of one worker's step in one buffer (shared memory, or a bytearray).
 
     ``observ`` and ``reset_observ`` are ``(num_envs, *obs_shape)`` in the observation space's dtype
-    (for a ``Dict`` or ``Tuple`` space, a nested value of such arrays, one per part: ``batchrl.nested``),
-    ``reward`` ``(num_envs,)`` float64, ``terminated``/``truncated``/``autoreset`` ``(num_envs,)``
-    bool (``autoreset``: the envs to reset instead of step); ``action_bytes`` is raw storage that
-    ``actions(dtype)`` views as ``(num_envs, *act_shape)``.
+    (for a ``Dict`` or ``Tuple`` space, a nested value of such arrays, one per part:
+    ``batchrl.nested``), ``reward`` ``(num_envs,)`` float64, ``terminated``/``truncated``/
+    ``autoreset`` ``(num_envs,)`` bool (``autoreset``: the envs to reset instead of step);
+    ``action_bytes`` is raw storage that ``actions(dtype)`` views as ``(num_envs, *act_shape)``.
 
-    Spaces without a fixed shape and numeric dtype (Text, Graph, a Dict holding one...) cannot live in a
+    Spaces without a fixed shape and numeric dtype (Text, Graph, a Dict holding one) cannot live in a
     buffer: then ``shared`` is false, ``observ`` and ``reset_observ`` are ``(num_envs,)`` object
     arrays, there is no action storage (actions travel in the request), and this is the one
     place where arrays travel pickled: ``carry`` adds them to the env host's answer and ``take``

@@ -62,8 +62,8 @@ class LocalWorker(Worker):
         except Exception as exc:
             raise self._error(exc, "step", len(results)) from exc
         obs, rewards, terminated, truncated, infos = zip(*results)
-        return (stack_as(self.observation_space, obs), np.array(rewards, np.float64), np.array(terminated, bool),
-                np.array(truncated, bool), list(infos))
+        return (stack_as(self.observation_space, obs), np.array(rewards, np.float64),
+                np.array(terminated, bool), np.array(truncated, bool), list(infos))
 
     def reset_async(self, indices: Sequence[int] | None = None,
                     seeds: Sequence[int | None] | None = None,
@@ -81,7 +81,8 @@ class LocalWorker(Worker):
                 results.append(self.envs[index].reset(seed=seed, options=options))
         except Exception as exc:
             raise self._error(exc, "reset", index) from exc
-        return stack_as(self.observation_space, [obs for obs, _ in results]), [info for _, info in results]
+        return (stack_as(self.observation_space, [obs for obs, _ in results]),
+                [info for _, info in results])
 
     def _expect(self, kind: str | None, method: str) -> tuple | None:
         """The request in flight (cleared) if it is a ``kind`` one (``None``: none is);

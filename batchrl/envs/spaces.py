@@ -19,6 +19,9 @@ def check_space(kind: str, space: gym.Space) -> None:
     ``Dict`` or ``Tuple`` of such spaces (batched leaf by leaf: ``batchrl.nested``)."""
     names = ", ".join(cls.__name__ for cls in SUPPORTED_SPACES)
     if kind == "observation" and is_nested_space(space):
+        if not leaf_spaces(space):
+            raise UnsupportedSpaceError(f"unsupported observation space {space}: a Dict or "
+                                        f"Tuple observation needs at least one part")
         for path, leaf in leaf_spaces(space):
             if not isinstance(leaf, SUPPORTED_SPACES):
                 raise UnsupportedSpaceError(

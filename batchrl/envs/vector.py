@@ -16,7 +16,7 @@ from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.factory import batch_env_from
 from batchrl.envs.infos import InfoList
 from batchrl.envs.worker import Closeable, RemoteAttribute
-from batchrl.nested import map_nested, put, take, unstack
+from batchrl.nested import copy_nested, put, take, unstack
 
 #: ``batch_env_from``'s options that ``BatchVectorEnv`` takes as keywords.
 LAYOUT_OPTIONS = tuple(name for name in inspect.signature(batch_env_from).parameters
@@ -135,7 +135,7 @@ class BatchVectorEnv(Closeable, VectorEnv):
         if mask is None:
             observations = observ
         else:
-            observations = _copy(self._observations)
+            observations = copy_nested(self._observations)
             put(observations, indices, observ)
         if self._autoreset is not None:
             self._autoreset[indices] = False
@@ -145,7 +145,7 @@ class BatchVectorEnv(Closeable, VectorEnv):
         restarted = self._take_restarts(observations, env_infos)
         self._observations = observations
         shown = np.union1d(indices, restarted) if restarted else indices
-        return _copy(observations), self._stack_infos(env_infos, reset=shown)
+        return copy_nested(observations), self._stack_infos(env_infos, reset=shown)
 
     def _check_mask(self, mask: Any) -> np.ndarray:
         if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_:
@@ -177,7 +177,7 @@ class BatchVectorEnv(Closeable, VectorEnv):
         if not (same_step and any_done) and not len(self.batch.restarted[0]):
             # The usual step: the infos go to arrays without becoming dicts.
             self._observations = observ
-            return _copy(observ), reward, terminated, truncated, self._stack_infos(infos)
+            return copy_nested(observ), reward, terminated, truncated, self._stack_infos(infos)
         env_infos = list(infos)
         self._take_restarts(observ, env_infos)
         several: dict[int, list[dict]] = {}  # envs with several infos, added in order
@@ -186,14 +186,14 @@ class BatchVectorEnv(Closeable, VectorEnv):
             # Served from the resets the workers made as the episodes ended.
             first, infos = self.batch.reset(ended, return_infos=True)
             for row, info in zip(ended.tolist(), infos):
-                several[row] = [{"final_obs": _copy(take(observ, row)),
+                several[row] = [{"final_obs": copy_nested(take(observ, row)),
                                  "final_info": env_infos[row]}, info]
             put(observ, ended, first)
             for row in self._take_restarts(observ, env_infos):
                 if row in several:
                     several[row][1] = {"restarted": True}
         self._observations = observ
-        return (_copy(observ), reward, terminated, truncated,
+        return (copy_nested(observ), reward, terminated, truncated,
                 self._stack_infos(env_infos, several))
 
     def _take_restarts(self, observ: np.ndarray, env_infos: list[dict]) -> list[int]:
@@ -262,11 +262,6 @@ class BatchVectorEnv(Closeable, VectorEnv):
     def close_extras(self, **kwargs: Any) -> None:
         """Close the envs and stop the worker processes."""
         self.batch.close()
-
-
-def _copy(observations: Any) -> Any:
-    """A copy of a batch of observations (dicts and tuples of arrays too)."""
-    return map_nested(np.copy, observations)
 
 
 def _get_attr(env: Any, name: str) -> Any:

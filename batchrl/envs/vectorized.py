@@ -13,7 +13,7 @@ from gymnasium.vector import AutoresetMode
 from batchrl.envs.errors import EnvRaisedError, EnvSpecError
 from batchrl.envs.infos import InfoList, columns_payload
 from batchrl.envs.worker import StepResult, Worker, constructor_label, reset_arguments
-from batchrl.nested import take
+from batchrl.nested import build, take
 
 
 class VectorWorker(Worker):
@@ -24,18 +24,22 @@ class VectorWorker(Worker):
     ``options={"reset_mask": mask}`` with one seed per env reset (an int array; ale-py's and
     EnvPool's convention). Its next-step autoreset is the ``Worker`` protocol's ``autoreset``: an
     env whose episode ended is reset, not stepped, by the next step; one that ``reset`` started
-    again steps. ``autoreset`` may only name envs whose episode ended at the last step. When the
-    vector env has ``send``/``recv`` (ale-py's does), ``step_async`` sends and the envs step
-    while the caller goes on.
+    again steps. So a step must reset (``autoreset``) exactly the envs whose episode ended at the
+    last step and were not reset since (a ``ValueError`` otherwise). When the vector env has
+    ``send``/``recv`` (ale-py's does), ``step_async`` sends and the envs step while the caller
+    goes on; else they step in ``step_wait`` (``in_process``).
 
     Args:
       make: builds the vector env (called again by ``restart``).
       label: names the envs in error messages (default: ``make``'s name).
+      infos: pass on the vector env's infos (else empty dicts).
     """
 
-    def __init__(self, make: Callable[[], gym.vector.VectorEnv], label: str | None = None):
+    def __init__(self, make: Callable[[], gym.vector.VectorEnv], label: str | None = None,
+                 infos: bool = True):
         self._make = make
         self.label = label or constructor_label(make)
+        self.infos = infos
         try:
             env = make()
         except Exception as exc:
@@ -53,6 +57,7 @@ class VectorWorker(Worker):
         self.observation_space = env.single_observation_space
         self.action_space = env.single_action_space
         self._async = hasattr(env, "send") and hasattr(env, "recv")
+        self.in_process = not self._async
         self._ended = np.zeros(self.num_envs, bool)  # episodes that ended at the last step
         self._pending: tuple | None = None  # (kind, *arguments) of the request in flight
 
@@ -77,10 +82,15 @@ class VectorWorker(Worker):
         """Send the actions; envs whose episode ended at the last step are reset instead (by
         the vector env's autoreset), and ``autoreset`` may name only those."""
         self._expect(None, "step_async")
-        if autoreset is not None and (autoreset & ~self._ended).any():
-            raise ValueError(f"{self.label}: a vector env resets an env instead of stepping it "
-                             f"only after its episode ended; envs "
-                             f"{np.flatnonzero(autoreset & ~self._ended).tolist()} did not end")
+        resets = np.zeros(self.num_envs, bool) if autoreset is None else autoreset
+        if (resets != self._ended).any():
+            early, late = resets & ~self._ended, self._ended & ~resets
+            raise ValueError(
+                f"{self.label}: a vector env resets an env instead of stepping it only after its "
+                f"episode ended, and then always; envs {np.flatnonzero(early).tolist()} did not "
+                f"end" if early.any() else
+                f"{self.label}: envs {np.flatnonzero(late).tolist()} ended their episodes: reset "
+                f"them (or step with autoreset) first; a vector env would reset them itself")
         if self._async:
             try:
                 self.vector_env.send(actions)
@@ -99,10 +109,13 @@ class VectorWorker(Worker):
         observ, reward, terminated, truncated, info = result
         terminated, truncated = np.asarray(terminated, bool), np.asarray(truncated, bool)
         self._ended = terminated | truncated
+        if not (self.infos and info):
+            return (observ, np.asarray(reward, np.float64), terminated, truncated,
+                    InfoList([(self.num_envs, None)]))
         payload = columns_payload(info)  # (else dicts per env)
         return (observ, np.asarray(reward, np.float64), terminated, truncated,
                 InfoList([(self.num_envs, payload if payload is not None
-                           else self._infos(info, range(self.num_envs)))]))
+                           else [_row(info, index) for index in range(self.num_envs)])]))
 
     def reset_async(self, indices: Sequence[int] | None = None,
                     seeds: Sequence[int | None] | None = None,
@@ -114,6 +127,9 @@ class VectorWorker(Worker):
 
     def reset_wait(self) -> tuple[Any, list[dict]]:
         _, indices, seeds, options = self._expect("reset", "reset_wait")
+        if not indices:
+            return build(self.observation_space, lambda space: np.zeros(
+                (0, *space.shape), space.dtype)), []
         if len(set(indices)) != len(indices):
             raise ValueError(f"{self.label}: reset indices must be unique, got {indices}")
         mask = np.zeros(self.num_envs, bool)
@@ -129,18 +145,8 @@ class VectorWorker(Worker):
         except Exception as exc:
             raise self._error(exc, "reset", None) from exc
         self._ended[indices] = False
-        return take(observ, np.asarray(indices, np.int64)), self._infos(info, indices)
-
-    @staticmethod
-    def _infos(info: dict[str, Any], indices: Sequence[int]) -> list[dict]:
-        """Per-env info dicts of the envs at ``indices`` from a vector env's dict of arrays
-        (a key counts for env ``i`` where its ``_key`` mask is true, or there is none)."""
-        keys = [key for key in info if not key.startswith("_")]
-        rows = []
-        for index in indices:
-            rows.append({key: info[key][index] for key in keys
-                         if info.get(f"_{key}") is None or info[f"_{key}"][index]})
-        return rows
+        return (take(observ, np.asarray(indices, np.int64)),
+                [_row(info, index) if self.infos else {} for index in indices])
 
     def restart(self) -> "VectorWorker":
         """Close this vector env; a fresh one from ``make``."""
@@ -157,3 +163,14 @@ class VectorWorker(Worker):
         if env is not None and not getattr(env, "closed", False):
             env.close()
 
+
+def _row(info: dict[str, Any], index: int) -> dict:
+    """Env ``index``'s info dict from a vector env's dict of arrays (a key counts where its
+    ``_key`` mask is true, or there is none; dicts, such as ``"episode"``, part by part)."""
+    row = {}
+    for key, value in info.items():
+        mask = info.get(f"_{key}")
+        if key.startswith("_") or (mask is not None and not mask[index]):
+            continue
+        row[key] = _row(value, index) if isinstance(value, dict) else value[index]
+    return row

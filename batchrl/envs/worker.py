@@ -14,7 +14,8 @@ import numpy as np
 
 from batchrl.envs.errors import EnvError, EnvTimeoutError
 from batchrl.envs.infos import InfoList
-from batchrl.nested import leaves, stack, unstack
+from batchrl.envs.host import StepArrays
+from batchrl.nested import is_nested_space, stack, unstack
 
 #: What ``step_wait`` returns: observations ``(num_envs, *obs_shape)`` in the space's dtype,
 #: rewards ``(num_envs,)`` float64, terminated and truncated ``(num_envs,)`` bool, the infos.
@@ -162,12 +163,15 @@ def check_constructors(kind: str, constructors: Sequence[Any]) -> list:
     return constructors
 
 
-def stack_rows(rows: list) -> Any:
-    """Observations as one ``(len(rows), *shape)`` array (a nested value of them for the
-    ``Dict`` and ``Tuple`` spaces of arrays: ``batchrl.nested``); values that no array of a fixed
-    shape holds (those of ``EnvWorker(any_space=True)``) as a ``(len(rows),)`` object array."""
-    if all(isinstance(leaf, (np.ndarray, np.generic)) for row in rows for leaf in leaves(row)):
+def stack_rows(rows: list, parts: bool = False) -> Any:
+    """Observations as one ``(len(rows), *shape)`` array, or with ``parts`` (a ``Dict`` or
+    ``Tuple`` space whose arrays travel part by part) a nested value of them
+    (``batchrl.nested``); values that no array of a fixed shape holds (those of
+    ``EnvWorker(any_space=True)``) as a ``(len(rows),)`` object array."""
+    if parts:
         return stack(rows)
+    if all(isinstance(row, (np.ndarray, np.generic)) for row in rows):
+        return np.stack(rows)
     stacked = np.empty(len(rows), object)
     for index, row in enumerate(rows):
         stacked[index] = row
@@ -312,7 +316,10 @@ class RemoteWorker(Worker):
         if sent:
             observ, infos = self._receive_reset(sent)
             rows.update(zip(sent, zip(unstack(observ), infos)))
-        return stack_rows([rows[i][0] for i in indices]), [rows[i][1] for i in indices]
+        parts = is_nested_space(self._spaces[0]) and StepArrays.fits(self._spaces[0], True) \
+            and StepArrays.fits(self._spaces[1])
+        return (stack_rows([rows[i][0] for i in indices], parts),
+                [rows[i][1] for i in indices])
 
     def get_attr(self, name: str, index: int = 0) -> Any:
         """Env ``index``'s attribute ``name`` (dotted paths allowed): a copy,

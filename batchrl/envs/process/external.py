@@ -11,7 +11,7 @@ import numpy as np
 
 from batchrl.envs.process.shared_memory import EnvWorker
 from batchrl.envs.worker import WorkerFront
-from batchrl.nested import map_nested, take
+from batchrl.nested import copy_nested, take
 
 
 class ExternalProcess(WorkerFront):
@@ -103,8 +103,7 @@ class ExternalProcess(WorkerFront):
     def step_wait(self) -> tuple[Any, float, bool, bool, dict]:
         """``(observation, reward, terminated, truncated, info)`` of the step sent."""
         observ, reward, terminated, truncated, infos = self.worker.step_wait(copy=False)
-        first = (map_nested(np.copy, take(observ, 0)) if self.worker.shares_arrays
-                 else observ[0])
+        first = copy_nested(take(observ, 0)) if self.worker.shares_arrays else observ[0]
         return first, reward[0], bool(terminated[0]), bool(truncated[0]), infos[0]
 
     def reset(self, *, seed: int | None = None,

@@ -21,7 +21,7 @@ from batchrl.envs.host import ACTION_ITEMSIZE, EnvHost, StepArrays, error_answer
 from batchrl.envs.process.channel import Channel, Frames, WorkerHandle, start_worker
 from batchrl.envs.spaces import check_space, worker_spaces
 from batchrl.envs.worker import RemoteWorker
-from batchrl.nested import map_nested, take
+from batchrl.nested import copy_nested, take
 
 _STEP = b"S"
 _PICKLE = pickle.HIGHEST_PROTOCOL
@@ -224,10 +224,10 @@ class EnvWorker(WorkerHandle, RemoteWorker):
         infos, resets = answer
         observ = (arrays.observ, arrays.reward, arrays.terminated, arrays.truncated)
         if copy:
-            observ = tuple(map_nested(np.copy, value) for value in observ)
+            observ = tuple(copy_nested(value) for value in observ)
         first = arrays.reset_observ
-        resets = [(index, map_nested(np.copy, take(first, index)) if arrays.shared
-                   else first[index], info) for index, info in resets]
+        resets = [(index, copy_nested(take(first, index)) if arrays.shared else first[index],
+                   info) for index, info in resets]
         return (*observ, infos, resets)
 
     def _send_reset(self, indices: list[int], seeds: list, options: dict | None) -> None:

@@ -17,7 +17,7 @@ from batchrl.envs.errors import (EnvRaisedError, EnvTimeoutError,
 from batchrl.envs.host import EnvHost, StepArrays
 from batchrl.envs.spaces import worker_spaces
 from batchrl.envs.worker import RemoteWorker
-from batchrl.nested import map_nested, take
+from batchrl.nested import copy_nested, take
 
 
 class RayEnvHost:
@@ -53,11 +53,11 @@ class RayEnvHost:
             return answer
         infos, resets = answer[1]
         # Copies: the reply is serialized after this returns; the next step overwrites.
-        copy = (lambda value: map_nested(np.copy, value)) if arrays.shared else np.copy
-        return ("ok", (copy(arrays.observ), arrays.reward.copy(), arrays.terminated.copy(),
-                       arrays.truncated.copy(), infos,
-                       [(index, copy(take(arrays.reset_observ, index)), info)
-                        for index, info in resets]))
+        first = arrays.reset_observ
+        return ("ok", (copy_nested(arrays.observ), arrays.reward.copy(),
+                       arrays.terminated.copy(), arrays.truncated.copy(), infos,
+                       [(index, copy_nested(take(first, index)) if arrays.shared
+                         else first[index].copy(), info) for index, info in resets]))
 
     def reset(self, indices: list[int], seeds: list, options: dict | None) -> tuple:
         """Reset the envs at ``indices``; answers ``(observ, infos)``."""
