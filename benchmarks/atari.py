@@ -11,7 +11,7 @@ Stable-Baselines3's PPO with rl-zoo3's Atari settings.
   minibatches of 256 frames) on random frames, seconds per update and per gradient step, in
   ``float32`` and ``bfloat16`` (``train.precision``).
 * **Training**: ``--steps`` steps of ``python train.py --config atari/pong`` (no evaluations)
-  in bfloat16 on both backends and in float32, and of SB3's ``PPO("CnnPolicy")`` on
+  in bfloat16 on both backends and in float32 (backend ``workers``, the config's), and of SB3's ``PPO("CnnPolicy")`` on
   ``make_atari_env`` (its ``AtariWrapper``, 8 envs in one process, 4 stacked frames) with
   rl-zoo3's hyperparameters
   (128-step rollouts, 4 epochs, minibatches of 256, clip 0.1, entropy 0.01, learning rate
@@ -170,8 +170,8 @@ def main() -> None:
     print(f"Training steps/s, {args.steps:,} steps, no evaluations:")
     training = {f"batchrl atari/pong, {precision}, {backend}":
                 batchrl_training(args.steps, precision, backend)
-                for precision, backend in (("bfloat16", "vector"), ("bfloat16", "workers"),
-                                           ("float32", "vector"))}
+                for precision, backend in (("bfloat16", "workers"), ("bfloat16", "vector"),
+                                           ("float32", "workers"))}
     if not args.skip_sb3:
         try:
             training["SB3 PPO, rl-zoo3 Atari settings"] = sb3_training(args.steps)

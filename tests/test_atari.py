@@ -68,7 +68,7 @@ def test_every_atari_config_plays_a_game_with_pixels():
         assert config.env.id == "batchrl.envs.atari:make"
         assert config.env.eval_kwargs == {"training": False}
         assert (config.env.backend, config.env.vector_id) == (
-            "vector", "batchrl.envs.atari:make_vector")
+            "workers", "batchrl.envs.atari:make_vector")
         assert config.algorithm.keys["torso"] == "nature_cnn"
         assert config.algorithm.keys["objective"] == "clip"
         env = make(**config.env.kwargs)

@@ -80,16 +80,15 @@ def make_vector(num_envs: int, env_id: str = "ALE/Pong-v5", training: bool = Tru
     Args:
       max_episode_steps: the time limit in agent steps (``env.max_length``); none: ale-py's
         108,000 frames.
-      num_threads: native threads stepping the games (0: one per usable core).
+      num_threads: native threads stepping the games (0: ale-py's default, a thread per game).
     """
     from ale_py.vector_env import AtariVectorEnv
-    from batchrl.hardware import usable_cores
 
     game = env_id.removeprefix("ALE/").split("-v")[0]
     rom = re.sub(r"(?<!^)(?=[A-Z])", "_", game).lower()  # MsPacman -> ms_pacman
     frames = 108_000 if max_episode_steps is None else max_episode_steps * frame_skip
     return AtariVectorEnv(
-        rom, num_envs, num_threads=num_threads or min(num_envs, usable_cores()),
+        rom, num_envs, num_threads=num_threads,
         max_num_frames_per_episode=frames, repeat_action_probability=sticky_actions,
         full_action_space=full_action_space, img_height=screen_size, img_width=screen_size,
         stack_num=frame_stack, frameskip=frame_skip, noop_max=noop_max,
