@@ -17,7 +17,8 @@ from batchrl.envs import BatchEnv, EnvWorker, ExternalProcess
 from batchrl.envs.spaces import check_space
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.nested import leaf_spaces, leaves, map_nested, put, stack_as, take
-from batchrl.parts.packing import PackedObservations
+from batchrl.parts.packing import PackedObservations, packing_for, stored_observations
+from batchrl.parts.rollout import RolloutBuffer, rollout_tensors
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.testing.envs import ImageAndFlag
 from batchrl.train import main as train_main
@@ -162,9 +163,51 @@ def test_tuple_observations_train_the_same_for_the_same_seed(tmp_path):
     assert runs[0] == runs[1] and len(runs[0]) >= 4
 
 
-def test_collectors_say_they_take_array_observations(tmp_path, capsys):
-    code = train_main(["--config", "atari/pong", *STRUCTURED_TASK, "--logdir",
-                       str(tmp_path / "run"), "--no-progress", "--set", "env.backend=inline",
-                       "--set", "train.collectors=1", "--set", "train.steps=512"])
-    assert code == 2
-    assert "collectors take array observations, not Dict('flag'" in capsys.readouterr().err
+def test_rollouts_hold_packed_rows_that_batch_ppo_learns_from():
+    """The collectors' path: a ``RolloutBuffer`` packs the dicts it records; ``learn`` takes
+    the rows and keeps statistics of the float parts only."""
+    env = ImageAndFlag(size=36)
+    space = env.observation_space
+    algo = BatchPPO(space, env.action_space, 2, torso="nature_cnn", shared_torso=True,
+                    rollout_length=6, minibatch_size=4, inference="eager")
+    shape, dtype = stored_observations(space, torch.float32)
+    assert (shape, dtype) == ((PackedObservations(space).size,), torch.uint8)
+    buffer = RolloutBuffer(rollout_tensors(2, 6, shape, dtype, (), torch.int64,
+                                           algo.behaviour_fields()), packing_for(space))
+    buffer.start(torch.arange(2), version=0)
+    frames = [map_nested(torch.as_tensor, stack_as(space, [env.reset(seed=2 * t + i)[0]
+                                                            for i in range(2)]))
+              for t in range(7)]
+    for t in range(6):
+        action, record = algo.act(frames[t])
+        buffer.act(frames[t], action, record)
+        done = torch.tensor([float(t == 2), 0.0])
+        buffer.outcome(torch.ones(2), done, done, frames[t + 1])
+    rollout = buffer.rollout()
+    assert rollout.observ.dtype == torch.uint8 and rollout.observ.shape[-1] == shape[0]
+    assert torch.equal(rollout.observ[:, 1], PackedObservations(space).pack_all(frames[1]))
+    before = [p.detach().clone() for p in algo.policy.parameters()]
+    summary = algo.learn(rollout)
+    assert all(np.isfinite(value) for value in summary.values())
+    assert any(not torch.equal(p, q) for p, q in zip(algo.policy.parameters(), before))
+    assert algo.observ_normalizer.mean.shape == (2,)  # the flag's two values
+    assert float(algo.observ_normalizer.count) == 12
+
+
+@pytest.mark.slow
+def test_impala_learns_from_dict_observations_through_a_collector(tmp_path):
+    """IMPALA and a collector process on Dict observations: the image decides, the vector
+    rides along (``flips=false``)."""
+    logdir = tmp_path / "impala"
+    assert train_main([
+        "--config", "impala/cartpole", "--logdir", str(logdir), "--no-progress",
+        "--set", "env.id=batchrl.testing.envs:image_and_flag",
+        "--set", "env.kwargs={length=10, flips=false}", "--set", "env.eval_kwargs={length=20}",
+        "--set", "env.max_length=20", "--set", "env.num_agents=8", "--set", "train.steps=6000",
+        "--set", "train.eval_every=8", "--set", "train.collectors=1",
+        "--set", "algorithm.torso=nature_cnn", "--set", "algorithm.shared_torso=true",
+        "--set", "algorithm.policy_layers=[]", "--set", "algorithm.value_layers=[]",
+        "--set", "algorithm.rollout_length=16", "--set", "algorithm.learning_rate=1e-3",
+        "--set", "algorithm.discount=0.9", "--set", "algorithm.lr_schedule=constant"]) == 0
+    evals = [r for r in records(logdir) if r["phase"] == "eval"]
+    assert evals[0]["score"] < 17.0 and evals[-1]["score"] >= 19.0, evals

@@ -36,12 +36,14 @@ from batchrl.algos.networks import (FeedForwardBody, Policy, actor_critic, build
                                     torso_shared_by)
 from batchrl.algos.rollout import RolloutAlgorithm
 from batchrl.errors import UnsupportedSpaceError
-from batchrl.pixels import is_pixel_space
+from batchrl.nested import is_nested_space, leaf_spaces
 from batchrl.parts.losses import action_distribution, actor_critic_loss, masked_mean
 from batchrl.parts.normalize import StreamingNormalizer
+from batchrl.parts.packing import packing_for
 from batchrl.parts.returns import discounted_cumsum
 from batchrl.parts.rollout import Fields, Rollout
 from batchrl.parts.vtrace import vtrace
+from batchrl.pixels import is_pixel_space
 
 __all__ = ["IMPALA", "IMPALAConfig"]
 
@@ -55,7 +57,8 @@ class IMPALA(RolloutAlgorithm):
     Args:
       observation_space: a Box space (observations are flattened): float32, normalised with
         running statistics if ``normalize_observ``; or ``uint8`` pixels, kept as bytes and
-        scaled to ``[0, 1]`` by the networks' torso (``torso``).
+        scaled to ``[0, 1]`` by the networks' torso (``torso``). Dict and Tuple observations
+        are packed as BatchPPO packs them (``PackedObservations``, ``PackedTorso``).
       action_space: Box (Gaussian policy, 1-D) or Discrete (categorical policy).
       num_agents: the batch size N of the env.
       config: hyperparameters (``IMPALAConfig``); or give them as keyword arguments (any
@@ -84,10 +87,13 @@ class IMPALA(RolloutAlgorithm):
         if config.lr_schedule == "linear" and total_steps is None:
             raise ValueError("lr_schedule='linear' needs total_steps, the env steps over which "
                              "the learning rate decays to zero (train.py sets it to train.steps)")
-        if not isinstance(observation_space, gym.spaces.Box):
-            raise UnsupportedSpaceError(f"IMPALA needs a Box observation space, got "
-                                        f"{observation_space} (BatchPPO takes Dict and Tuple "
-                                        f"observations)")
+        if not isinstance(observation_space, gym.spaces.Box) and not (
+                is_nested_space(observation_space) and all(
+                    isinstance(leaf, (gym.spaces.Box, gym.spaces.Discrete))
+                    for _, leaf in leaf_spaces(observation_space))):
+            raise UnsupportedSpaceError(f"IMPALA needs a Box observation space, or a Dict or "
+                                        f"Tuple of Box and Discrete spaces, got "
+                                        f"{observation_space}")
         discrete = isinstance(action_space, gym.spaces.Discrete)
         if not discrete and not (isinstance(action_space, gym.spaces.Box)
                                  and len(action_space.shape) == 1):
@@ -96,8 +102,11 @@ class IMPALA(RolloutAlgorithm):
         super().__init__(observation_space, action_space, num_agents, config.rollout_length,
                          device)
         self.config, self.total_steps, self.discrete = config, total_steps, discrete
-        self.obs_size = math.prod(observation_space.shape)
         self.pixels = is_pixel_space(observation_space)
+        # Dict and Tuple observations: packed uint8 rows (as the rollouts hold them).
+        self.packing = packing_for(observation_space)
+        self.obs_size = (self.packing.size if self.packing
+                         else math.prod(observation_space.shape))
         policy, value = self.build_networks(self.obs_size, action_space)
         self.policy, self.value = policy.to(self.device), value.to(self.device)
         # (a shared torso's parameters once)
@@ -114,7 +123,8 @@ class IMPALA(RolloutAlgorithm):
             self.optimizer = torch.optim.RMSprop(parameters, lr=config.learning_rate,
                                                  alpha=0.99, eps=config.epsilon)
         self.observ_normalizer = StreamingNormalizer(
-            (self.obs_size,), center=True, scale=True, clip=5.0).to(self.device)
+            (self.packing.float_size if self.packing else self.obs_size,), center=True,
+            scale=True, clip=5.0).to(self.device)
         # Rewards are divided by the std of the discounted returns (unit-scale value targets).
         self.return_normalizer = StreamingNormalizer(
             (), center=False, scale=True, clip=10.0).to(self.device)
@@ -141,6 +151,15 @@ class IMPALA(RolloutAlgorithm):
         """``(*batch, *obs_shape)`` observations of any dtype -> ``(*batch, obs_size)`` on
         ``device``: ``uint8`` pixels as they are (the torso scales them), else float32,
         normalised when the config says so."""
+        if self.packing is not None:
+            if not isinstance(observ, torch.Tensor):  # (act: a dict or tuple of parts)
+                observ = self.packing.pack_all(observ)
+            observ = observ.to(self.device, torch.uint8).reshape(*observ.shape[:batch_dims],
+                                                                 self.obs_size)
+            if self.config.normalize_observ:
+                observ = self.packing.with_floats(observ, self.observ_normalizer.transform(
+                    self.packing.unpack(observ)))
+            return observ
         if self.pixels:
             return observ.to(self.device, torch.uint8).reshape(*observ.shape[:batch_dims],
                                                                self.obs_size)
@@ -242,7 +261,9 @@ class IMPALA(RolloutAlgorithm):
                     totals[name] = totals.get(name, 0.0) + value
         if config.normalize_observ and not self.pixels:  # (the policy that acted saw the
             # statistics before)
-            self.observ_normalizer.update(raw[:, :steps][valid].to(torch.float32))
+            seen = raw[:, :steps][valid]
+            self.observ_normalizer.update(self.packing.unpack(seen) if self.packing is not None
+                                          else seen.to(torch.float32))
         summary = {f"impala/{name}": total / config.update_steps
                    for name, total in totals.items()}
         summary["impala/lr"] = rate

@@ -76,7 +76,7 @@ class BatchPPO(Algorithm):
         ``uint8`` row each (``PackedObservations``: the float parts, normalised, then the
         images); the torso gives every image part a ``torso`` network of its own and
         concatenates their features with the float parts (``PackedTorso``). They run
-        ``inference="script"`` eager, and learn without collectors.
+        ``inference="script"`` eager.
       action_space: Box (Gaussian policy) or Discrete (categorical policy).
       num_agents: the batch size N of the env.
       config: hyperparameters (``PPOConfig``); or give them as keyword
@@ -734,21 +734,17 @@ class BatchPPO(Algorithm):
         the data coming from ``mu``. Without lag the weight is 1 and this is the synchronous
         update. With ``value_targets="vtrace"`` the value targets and advantages are V-trace's
         (``rho = pi_0 / mu``), which carry that weight themselves (NAPPO's IMPALA-PPO)."""
-        if self.packing is not None:
-            raise UnsupportedSpaceError(f"BatchPPO learns from collectors' rollouts of Box "
-                                        f"observations only, not {self.observation_space}: "
-                                        f"train Dict and Tuple observations without collectors")
         with torch.no_grad():
             rollout = rollout.to(self.device)
             batch, steps = rollout.size, rollout.length
             observ = rollout.observ.reshape(batch, steps + 1, -1)
-            if not self.pixels:
+            if not (self.pixels or self.packing):  # (packed rows stay bytes)
                 observ = observ.to(torch.float32)
             valid = rollout.valid
             self._learn_rewards(rollout)
             self.env_steps += batch * steps
             next_observ = rollout.next_observ().reshape(batch, steps, -1)
-            if not self.pixels:
+            if not (self.pixels or self.packing):
                 next_observ = next_observ.to(torch.float32)
             last = torch.zeros_like(valid)
             last[:, -1] = True
@@ -777,7 +773,7 @@ class BatchPPO(Algorithm):
             # Only now, as perform() does: the data was normalised as the weights that acted
             # on it (without lag) normalised it.
             if self.config.normalize_observ and not self.pixels:
-                self.observ_normalizer.update(observ[:, :steps][valid])
+                self.observ_normalizer.update(self._statistics_input(observ[:, :steps][valid]))
         summary = self.update(data)
         summary["ppo/importance_weight"] = float(data["behaviour_weight"][valid].mean())
         return summary

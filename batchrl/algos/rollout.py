@@ -17,7 +17,9 @@ import gymnasium as gym
 import torch
 
 from batchrl.algos.base import Algorithm, Summary
+from batchrl.parts.packing import packing_for, stored_observations
 from batchrl.parts.rollout import RolloutBuffer, rollout_tensors
+from batchrl.pixels import is_pixel_space
 
 __all__ = ["RolloutAlgorithm"]
 
@@ -49,15 +51,18 @@ class RolloutAlgorithm(Algorithm):
 
     @property
     def buffer(self) -> RolloutBuffer:
-        """The rollout the synchronous loop is recording (on ``device``, observations float32
-        as the loop gives them)."""
+        """The rollout the synchronous loop is recording (on ``device``; observations as the
+        loop gives them: ``uint8`` pixels, else float32; Dict and Tuple ones packed)."""
         if self._buffer is None:
             discrete = isinstance(self.action_space, gym.spaces.Discrete)
+            space = self.observation_space
+            shape, dtype = stored_observations(
+                space, torch.uint8 if is_pixel_space(space) else torch.float32)
             self._buffer = RolloutBuffer(rollout_tensors(
-                self.num_agents, self.steps_per_update, self.observation_space.shape,
-                torch.float32, () if discrete else self.action_space.shape,
+                self.num_agents, self.steps_per_update, shape, dtype,
+                () if discrete else self.action_space.shape,
                 torch.int64 if discrete else torch.float32, self.behaviour_fields(),
-                self.device))
+                self.device), packing_for(space))
             self._buffer.start(self._agents, self.updates)
         return self._buffer
 

@@ -17,8 +17,7 @@ import gymnasium as gym
 import torch
 
 from batchrl.algos.base import Algorithm, Summary
-from batchrl.errors import UnsupportedSpaceError
-from batchrl.nested import is_nested_space
+from batchrl.parts.packing import packing_for
 from batchrl.envs.batch import BatchEnv
 from batchrl.envs.factory import split_evenly
 from batchrl.parts.rollout import RolloutBuffer
@@ -57,14 +56,6 @@ class Replacements:
         self.report(f"collector {index} failed ({why}); replaced [{self.count} of at most "
                     f"{self.max_restarts}]")
         return self.incarnations[index]
-
-
-def check_rollout_space(observation_space: gym.Space) -> None:
-    """Raise ``UnsupportedSpaceError`` for observations a rollout cannot hold: collectors move
-    one array per step, so Dict and Tuple observations train without them."""
-    if is_nested_space(observation_space):
-        raise UnsupportedSpaceError(f"collectors take array observations, not "
-                                    f"{observation_space}: train it with train.collectors=0")
 
 
 @dataclasses.dataclass
@@ -177,7 +168,7 @@ def collect(spec: CollectorSpec, index: int, link: Link, incarnation: int = 0) -
             if newest is not None:
                 version, state = newest
                 actor.load_acting_state(state)
-            recorder.buffer = buffer = RolloutBuffer(tensors)
+            recorder.buffer = buffer = RolloutBuffer(tensors, packing_for(env.observation_space))
             buffer.start(agents, version)
             started = time.perf_counter()
             episodes = scores = squares = lengths = 0.0

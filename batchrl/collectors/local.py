@@ -27,9 +27,9 @@ import numpy as np
 import torch
 import torch.multiprocessing  # noqa: F401  (shares tensors between processes when pickled)
 
-from batchrl.collectors.collector import (CollectorSpec, Link, Replacements, check_rollout_space,
-                                         collect)
+from batchrl.collectors.collector import CollectorSpec, Link, Replacements, collect
 from batchrl.envs.process.channel import context, start_worker
+from batchrl.parts.packing import stored_observations
 from batchrl.parts.rollout import Fields, Rollout, RolloutBuffer, rollout_tensors
 
 __all__ = ["LocalCollectors"]
@@ -146,15 +146,16 @@ class LocalCollectors:
                  acting_state: dict[str, torch.Tensor], max_policy_lag: int | None = None,
                  queue_size: int | None = None, max_restarts: int = 0,
                  report: Callable[[str], None] = print):
-        check_rollout_space(observation_space)
         self.spec = spec
         count = spec.collectors
         self.replacements = Replacements(count, max_restarts, report)
         queue_size = 2 if queue_size is None else queue_size
         discrete = isinstance(action_space, gym.spaces.Discrete)
-        observ_dtype = torch.from_numpy(np.zeros(0, observation_space.dtype)).dtype
+        # (in the space's dtype; Dict and Tuple observations packed)
+        observ_shape, observ_dtype = stored_observations(
+            observation_space, torch.from_numpy(np.zeros(0, observation_space.dtype)).dtype)
         slots = [[rollout_tensors(len(spec.agents(index)), spec.rollout_length,
-                                  observation_space.shape, observ_dtype,
+                                  observ_shape, observ_dtype,
                                   () if discrete else action_space.shape,
                                   torch.int64 if discrete else torch.float32, behaviour)
                   for _ in range(1 + queue_size)] for index in range(count)]

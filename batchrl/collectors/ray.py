@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 from batchrl.collectors.collector import (CollectorError, CollectorSpec, Link, Replacements,
-                                         check_rollout_space, collect)
+                                         collect)
 from batchrl.envs.ray import cluster as ray_cluster
+from batchrl.parts.packing import stored_observations
 from batchrl.parts.rollout import Rollout, RolloutBuffer, rollout_tensors
 
 __all__ = ["RayCollectors", "check_placement"]
@@ -156,7 +157,6 @@ class RayCollectors:
                  max_policy_lag: int | None = None, queue_size: int | None = None,
                  max_restarts: int = 0, report: Callable[[str], None] = print,
                  address: str = "", resources: dict[str, float] | None = None):
-        check_rollout_space(observation_space)
         self.spec = spec
         self.replacements = Replacements(spec.collectors, max_restarts, report)
         self.resources = {"CPU": 1} if resources is None else dict(resources)
@@ -166,11 +166,12 @@ class RayCollectors:
         try:
             check_placement(ray, spec.collectors, self.resources)
             discrete = isinstance(action_space, gym.spaces.Discrete)
-            observ_dtype = torch.from_numpy(np.zeros(0, observation_space.dtype)).dtype
+            observ_shape, observ_dtype = stored_observations(
+                observation_space, torch.from_numpy(np.zeros(0, observation_space.dtype)).dtype)
             self._slots = []  # each collector's rollout layout: name -> (shape, dtype name)
             for index in range(spec.collectors):
                 template = rollout_tensors(len(spec.agents(index)), spec.rollout_length,
-                                           observation_space.shape, observ_dtype,
+                                           observ_shape, observ_dtype,
                                            () if discrete else action_space.shape,
                                            torch.int64 if discrete else torch.float32,
                                            behaviour, device="meta")

@@ -15,7 +15,7 @@ from typing import Any
 import gymnasium as gym
 import torch
 
-from batchrl.nested import leaf_spaces, leaves_of
+from batchrl.nested import is_nested_space, leaf_spaces, leaves_of
 from batchrl.pixels import is_pixel_space
 
 _FLOAT_BYTES = 4
@@ -76,7 +76,30 @@ class PackedObservations:
         return packed[..., :self.float_size * _FLOAT_BYTES].view(torch.float32)
 
     def with_floats(self, packed: torch.Tensor, floats: torch.Tensor) -> torch.Tensor:
-        """``packed`` rows ``(K, size)`` with their float region replaced by ``floats``."""
+        """``packed`` rows ``(..., size)`` with their float region replaced by ``floats``
+        ``(..., float_size)``."""
         packed = packed.clone()
-        packed[:, :self.float_size * _FLOAT_BYTES] = floats.float().contiguous().view(torch.uint8)
+        packed[..., :self.float_size * _FLOAT_BYTES] = floats.float().contiguous().view(
+            torch.uint8)
         return packed
+
+    def pack_all(self, observ: Any) -> torch.Tensor:
+        """Rows ``(K, size)`` of a batch of observations as they are (floats not normalised),
+        on the device of their first part (a tensor's; else the CPU)."""
+        first = leaves_of(self.space, observ)[0]
+        device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+        return self.pack(observ, self.floats(observ, device))
+
+
+def packing_for(space: gym.Space) -> PackedObservations | None:
+    """The packing of ``space``'s observations, or ``None`` for an array space (stored as it
+    is)."""
+    return PackedObservations(space) if is_nested_space(space) else None
+
+
+def stored_observations(space: gym.Space, dtype: torch.dtype
+                        ) -> tuple[tuple[int, ...], torch.dtype]:
+    """``(shape, dtype)`` of one observation of ``space`` in a buffer: packed rows for Dict and
+    Tuple spaces (``PackedObservations``), else ``space.shape`` in ``dtype``."""
+    packing = packing_for(space)
+    return ((packing.size,), torch.uint8) if packing else (tuple(space.shape), dtype)

@@ -15,6 +15,8 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from batchrl.parts.packing import PackedObservations
+
 Fields = Mapping[str, tuple[Sequence[int], torch.dtype]]
 """name -> ``(shape, dtype)`` of a value recorded per agent and step (shape without B, T)."""
 
@@ -122,14 +124,18 @@ class RolloutBuffer:
 
     Args:
       tensors: from ``rollout_tensors`` (their shapes fix ``N``, ``T`` and the fields).
+      packing: for Dict and Tuple observations (``packing_for``), which ``act`` and
+        ``outcome`` then take as dicts or tuples of tensors and store packed.
 
     Per step: ``act(observ, action, behaviour)`` before the envs step, ``outcome(reward, done,
     terminated, next_observ)`` after; ``full`` once ``T`` steps were recorded, then ``rollout()``
     views the tensors (clone it before ``clear()`` if it must outlive the next rollout).
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor]):
+    def __init__(self, tensors: dict[str, torch.Tensor],
+                 packing: PackedObservations | None = None):
         self.tensors = tensors
+        self._packing = packing
         self.num_agents, self.length = tensors["action"].shape[:2]
         self.step = 0
         self._behaviour = {name.partition(".")[2]: value for name, value in tensors.items()
@@ -157,6 +163,8 @@ class RolloutBuffer:
         if t >= self.length:
             raise RuntimeError(f"the rollout already holds its {self.length} steps: start() "
                                f"the next one")
+        if self._packing is not None:
+            observ = self._packing.pack_all(observ)
         tensors["observ"][:, t].copy_(observ)
         tensors["action"][:, t].copy_(action)
         for name, value in self._behaviour.items():
@@ -167,6 +175,8 @@ class RolloutBuffer:
         """Step ``t``'s reward, done and terminated ``(N,)`` and the observation after it
         (``(N, *obs_shape)``, the ended episode's last where ``done``); the next step follows."""
         t, tensors = self.step, self.tensors
+        if self._packing is not None:
+            next_observ = self._packing.pack_all(next_observ)
         tensors["reward"][:, t].copy_(reward)
         tensors["done"][:, t].copy_(done)
         tensors["terminated"][:, t].copy_(terminated)

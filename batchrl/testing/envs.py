@@ -80,11 +80,13 @@ class ImageAndFlag(PixelSide):
     square's side (+1) or the other one (-1); the second value is noise. Neither part alone beats
     a random policy's ``length / 2``: a network must combine the image with the vector.
     Observations are ``{"image": ..., "flag": ...}`` (``Dict``) or, with
-    ``tuple_observations``, ``(image, flag)`` (``Tuple``)."""
+    ``tuple_observations``, ``(image, flag)`` (``Tuple``). ``flips=False`` keeps the flag at +1:
+    ``PixelSide`` with a vector beside the image."""
 
     def __init__(self, size: int = 36, length: int = 10, tuple_observations: bool = False,
-                 render_mode: str | None = None):
+                 flips: bool = True, render_mode: str | None = None):
         super().__init__(size, length, render_mode)
+        self.flips = flips
         image = self.observation_space
         flag = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
         self.tuple_observations = tuple_observations
@@ -93,7 +95,7 @@ class ImageAndFlag(PixelSide):
 
     def _show(self) -> Any:
         image = super()._show()
-        self.flipped = bool(self.np_random.integers(2))
+        self.flipped = self.flips and bool(self.np_random.integers(2))
         flag = np.array([-1.0 if self.flipped else 1.0, self.np_random.uniform(-1, 1)],
                         np.float32)
         return (image, flag) if self.tuple_observations else {"image": image, "flag": flag}
