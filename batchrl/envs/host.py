@@ -35,10 +35,10 @@ class StepArrays:
     ``action_bytes`` is raw storage that ``actions(dtype)`` views as ``(num_envs, *act_shape)``.
 
     Spaces without a fixed shape and numeric dtype (Text, Graph, a Dict holding one) cannot
-    live in a buffer: then ``shared`` is false, ``observ`` and ``reset_observ`` are ``(num_envs,)`` object
-    arrays, there is no action storage (actions travel in the request), and this is the one
-    place where arrays travel pickled: ``carry`` adds them to the env host's answer and ``take``
-    puts them in place on the other side.
+    live in a buffer: then ``shared`` is false, ``observ`` and ``reset_observ`` are
+    ``(num_envs,)`` object arrays, there is no action storage (actions travel in the request),
+    and this is the one place where arrays travel pickled: ``carry`` adds them to the env host's
+    answer and ``take`` puts them in place on the other side.
     """
 
     #: The arrays ``carry`` sends when they are not shared, in this order.
