@@ -36,10 +36,9 @@ from batchrl.algos.networks import (FeedForwardBody, Policy, actor_critic, build
                                     torso_shared_by)
 from batchrl.algos.rollout import RolloutAlgorithm
 from batchrl.errors import UnsupportedSpaceError
-from batchrl.nested import is_nested_space, leaf_spaces
 from batchrl.parts.losses import action_distribution, actor_critic_loss, masked_mean
 from batchrl.parts.normalize import StreamingNormalizer
-from batchrl.parts.packing import packing_for
+from batchrl.parts.packing import check_observation_space, packing_for
 from batchrl.parts.returns import discounted_cumsum
 from batchrl.parts.rollout import Fields, Rollout
 from batchrl.parts.vtrace import vtrace
@@ -87,13 +86,7 @@ class IMPALA(RolloutAlgorithm):
         if config.lr_schedule == "linear" and total_steps is None:
             raise ValueError("lr_schedule='linear' needs total_steps, the env steps over which "
                              "the learning rate decays to zero (train.py sets it to train.steps)")
-        if not isinstance(observation_space, gym.spaces.Box) and not (
-                is_nested_space(observation_space) and all(
-                    isinstance(leaf, (gym.spaces.Box, gym.spaces.Discrete))
-                    for _, leaf in leaf_spaces(observation_space))):
-            raise UnsupportedSpaceError(f"IMPALA needs a Box observation space, or a Dict or "
-                                        f"Tuple of Box and Discrete spaces, got "
-                                        f"{observation_space}")
+        check_observation_space(observation_space, "IMPALA")
         discrete = isinstance(action_space, gym.spaces.Discrete)
         if not discrete and not (isinstance(action_space, gym.spaces.Box)
                                  and len(action_space.shape) == 1):

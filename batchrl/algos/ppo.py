@@ -34,13 +34,13 @@ from batchrl.algos.networks import (Actor, ConvTorso, FeedForwardBody, Policy, R
 from batchrl.algos.ppo_config import PRECISIONS, PPOConfig
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.hardware import usable_cores
-from batchrl.nested import first_leaf, is_nested_space, leaf_spaces, take
+from batchrl.nested import first_leaf, take
 from batchrl.parts import numpy_views
 from batchrl.parts.losses import (ClippedObjective, KLPenalizedObjective, KLPenalty,
                                   action_distribution, entropy_bonus, masked_mean, value_loss)
 from batchrl.parts.memory import EpisodeMemory, RolloutMemory
 from batchrl.parts.normalize import StreamingNormalizer
-from batchrl.parts.packing import PackedObservations
+from batchrl.parts.packing import check_observation_space, packing_for
 from batchrl.parts.returns import discounted_cumsum, gae, generalized_advantage
 from batchrl.parts.rollout import Fields, Rollout
 from batchrl.parts.vtrace import vtrace
@@ -122,13 +122,7 @@ class BatchPPO(Algorithm):
         if config.lr_schedule == "linear" and total_steps is None:
             raise ValueError("lr_schedule='linear' needs total_steps, the env steps over which "
                              "the learning rates decay to zero (train.py sets it to train.steps)")
-        if not isinstance(observation_space, gym.spaces.Box) and not (
-                is_nested_space(observation_space) and all(
-                    isinstance(leaf, (gym.spaces.Box, gym.spaces.Discrete))
-                    for _, leaf in leaf_spaces(observation_space))):
-            raise UnsupportedSpaceError(f"BatchPPO needs a Box observation space, or a Dict or "
-                                        f"Tuple of Box and Discrete spaces, got "
-                                        f"{observation_space}")
+        check_observation_space(observation_space, "BatchPPO")
         self.discrete = isinstance(action_space, gym.spaces.Discrete)
         if not self.discrete and not isinstance(action_space, gym.spaces.Box):
             raise UnsupportedSpaceError(f"BatchPPO supports Box and Discrete action spaces, got "
@@ -141,8 +135,7 @@ class BatchPPO(Algorithm):
         # uint8 observations stay bytes up to the network, without running statistics.
         self.pixels = is_pixel_space(observation_space)
         # Dict and Tuple observations: one uint8 row each, whose float part is normalised.
-        self.packing = (PackedObservations(observation_space)
-                        if is_nested_space(observation_space) else None)
+        self.packing = packing_for(observation_space)
         observ_dtype = torch.uint8 if self.pixels or self.packing else torch.float32
         obs_size = (self.packing.size if self.packing
                     else math.prod(observation_space.shape))

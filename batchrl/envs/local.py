@@ -9,11 +9,11 @@ import gymnasium as gym
 import numpy as np
 
 from batchrl.envs.errors import EnvRaisedError
-from batchrl.envs.worker import StepResult, Worker, reset_arguments
+from batchrl.envs.worker import KeptRequest, StepResult, Worker, reset_arguments
 from batchrl.nested import stack_as
 
 
-class LocalWorker(Worker):
+class LocalWorker(KeptRequest, Worker):
     """Gymnasium envs stepped one after the other in this process (cannot be restarted). The
     ``*_async`` halves keep the request, the ``*_wait`` halves do the work. An env's exception is
     raised as the ``EnvRaisedError`` a worker process would send."""
@@ -83,18 +83,6 @@ class LocalWorker(Worker):
             raise self._error(exc, "reset", index) from exc
         return (stack_as(self.observation_space, [obs for obs, _ in results]),
                 [info for _, info in results])
-
-    def _expect(self, kind: str | None, method: str) -> tuple | None:
-        """The request in flight (cleared) if it is a ``kind`` one (``None``: none is);
-        else the ``RuntimeError`` of calling ``method`` now."""
-        pending = self._pending
-        if (pending and pending[0]) != kind:
-            raise RuntimeError(
-                f"{self.label}: {method}() called while a {pending[0]} is in flight: call "
-                f"{pending[0]}_wait() first" if pending else
-                f"{self.label}: {method}() needs a {kind}_async() first")
-        self._pending = None
-        return pending
 
     def env_label(self, index: int) -> str:
         env = self.envs[index]

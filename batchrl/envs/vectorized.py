@@ -12,11 +12,12 @@ from gymnasium.vector import AutoresetMode
 
 from batchrl.envs.errors import EnvRaisedError, EnvSpecError
 from batchrl.envs.infos import InfoList, columns_payload
-from batchrl.envs.worker import StepResult, Worker, constructor_label, reset_arguments
+from batchrl.envs.worker import (KeptRequest, StepResult, Worker, constructor_label,
+                                  reset_arguments)
 from batchrl.nested import build, take
 
 
-class VectorWorker(Worker):
+class VectorWorker(KeptRequest, Worker):
     """``make()``'s Gymnasium ``VectorEnv`` (its ``num_envs`` envs stepped together by the env's
     own code, often in native threads) as a ``Worker``: a ``BatchEnv`` member like any other.
 
@@ -67,16 +68,6 @@ class VectorWorker(Worker):
         if index is not None:
             error.worker_env_index = index
         return error
-
-    def _expect(self, kind: str | None, method: str) -> tuple | None:
-        pending = self._pending
-        if (pending and pending[0]) != kind:
-            raise RuntimeError(
-                f"{self.label}: {method}() called while a {pending[0]} is in flight: call "
-                f"{pending[0]}_wait() first" if pending else
-                f"{self.label}: {method}() needs a {kind}_async() first")
-        self._pending = None
-        return pending
 
     def step_async(self, actions: np.ndarray, autoreset: np.ndarray | None = None) -> None:
         """Send the actions; envs whose episode ended at the last step are reset instead (by

@@ -116,6 +116,26 @@ class Worker(Closeable, abc.ABC):
         return self.num_envs
 
 
+class KeptRequest:
+    """For a ``Worker`` whose ``*_async`` halves keep the request (``_pending``: ``(kind,
+    *arguments)``) and whose ``*_wait`` halves do it: ``_expect`` takes it back."""
+
+    label: str
+    _pending: tuple | None = None
+
+    def _expect(self, kind: str | None, method: str) -> tuple | None:
+        """The request in flight (cleared) if it is a ``kind`` one (``None``: none is);
+        else the ``RuntimeError`` of calling ``method`` now."""
+        pending = self._pending
+        if (pending and pending[0]) != kind:
+            raise RuntimeError(
+                f"{self.label}: {method}() called while a {pending[0]} is in flight: call "
+                f"{pending[0]}_wait() first" if pending else
+                f"{self.label}: {method}() needs a {kind}_async() first")
+        self._pending = None
+        return pending
+
+
 class WorkerFront(Closeable, abc.ABC):
     """One env with Gymnasium's single-env API in front of a ``Worker`` of that env alone
     (``ExternalProcess``). A ``BatchEnv`` given one steps its ``worker``, lists the front

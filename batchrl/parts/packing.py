@@ -15,6 +15,7 @@ from typing import Any
 import gymnasium as gym
 import torch
 
+from batchrl.errors import UnsupportedSpaceError
 from batchrl.nested import is_nested_space, leaf_spaces, leaves_of
 from batchrl.pixels import is_pixel_space
 
@@ -89,6 +90,17 @@ class PackedObservations:
         first = leaves_of(self.space, observ)[0]
         device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
         return self.pack(observ, self.floats(observ, device))
+
+
+def check_observation_space(space: gym.Space, algorithm: str) -> None:
+    """Raise ``UnsupportedSpaceError`` unless ``algorithm`` (its name, for the message) can
+    take ``space``: a Box, or a Dict or Tuple of Box and Discrete spaces (packed)."""
+    if isinstance(space, gym.spaces.Box) or (is_nested_space(space) and all(
+            isinstance(leaf, (gym.spaces.Box, gym.spaces.Discrete))
+            for _, leaf in leaf_spaces(space))):
+        return
+    raise UnsupportedSpaceError(f"{algorithm} needs a Box observation space, or a Dict or "
+                                f"Tuple of Box and Discrete spaces, got {space}")
 
 
 def packing_for(space: gym.Space) -> PackedObservations | None:
