@@ -214,3 +214,67 @@ def test_impala_learns_from_dict_observations_through_a_collector(tmp_path):
         "--set", "algorithm.discount=0.9", "--set", "algorithm.lr_schedule=constant"]) == 0
     evals = [r for r in records(logdir) if r["phase"] == "eval"]
     assert evals[0]["score"] < 17.0 and evals[-1]["score"] >= 19.0, evals
+
+
+# --- a vector env written in numpy as a batch member ---------------------------------------
+
+class CountingVectorEnv(gym.vector.VectorEnv):
+    """``num_envs`` counters stepped at once (next-step autoreset, ``reset_mask``): each step
+    adds the action to an env's count; episodes end after ``length`` steps with an ``episode``
+    info (a dict of arrays, as ``RecordEpisodeStatistics`` gives)."""
+
+    def __init__(self, num_envs: int, length: int = 3, max_episode_steps=None):
+        self.num_envs, self.length = num_envs, length
+        self.single_observation_space = gym.spaces.Box(0, 100, (1,), np.float32)
+        self.single_action_space = gym.spaces.Discrete(3)
+        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space,
+                                                              num_envs)
+        self.action_space = gym.vector.utils.batch_space(self.single_action_space, num_envs)
+        self.count = np.zeros(num_envs, np.float32)
+        self.steps = np.zeros(num_envs, np.int64)
+        self.pending = np.zeros(num_envs, bool)  # ended: reset by the next step
+
+    def reset(self, *, seed=None, options=None):
+        mask = (options or {}).get("reset_mask", np.ones(self.num_envs, bool))
+        start = np.zeros(mask.sum(), np.float32) if seed is None else np.asarray(seed, np.float32)
+        self.count[mask], self.steps[mask], self.pending[mask] = start, 0, False
+        return self.count[:, None].copy(), {"count": self.count.copy()}
+
+    def step(self, actions):
+        fresh = self.pending.copy()
+        self.count[fresh], self.steps[fresh] = 0.0, 0
+        self.count[~fresh] += np.asarray(actions)[~fresh]
+        self.steps[~fresh] += 1
+        truncated = self.steps >= self.length
+        self.pending = truncated.copy()
+        reward = np.where(fresh, 0.0, 1.0)
+        info = {"count": self.count.copy(), "episode": {"r": self.count.copy(), "_r": truncated},
+                "_episode": truncated}
+        return (self.count[:, None].copy(), reward, np.zeros(self.num_envs, bool), truncated,
+                info)
+
+
+def test_a_numpy_vector_env_is_a_batch_member():
+    """``VectorWorker`` without ``send``/``recv`` steps in ``step_wait``; its infos (nested ones
+    too) reach the batch, or nothing with ``infos=False``; an ended env must be reset."""
+    from batchrl.envs.vectorized import VectorWorker
+
+    member = VectorWorker(lambda: CountingVectorEnv(3))
+    quiet = VectorWorker(lambda: CountingVectorEnv(2), infos=False)
+    batch = BatchEnv([member, quiet])
+    try:
+        assert member.in_process and len(batch) == 5
+        observ = batch.reset(seed=10)
+        assert observ[:, 0].tolist() == [10, 11, 12, 13, 14]  # one seed per env reset
+        for _ in range(3):
+            observ, reward, terminated, truncated, infos = batch.step(np.full(5, 2))
+        assert observ[:, 0].tolist() == [16, 17, 18, 19, 20] and truncated.all()
+        assert infos[0] == {"count": 16.0, "episode": {"r": 16.0}} and infos[4] == {}
+        with pytest.raises(ValueError, match=r"envs \[0, 1, 2\] ended their episodes"):
+            batch.step(np.ones(5, np.int64))
+        assert batch.reset([1], seed=[5])[:, 0].tolist() == [5]
+        observ, reward, *_ = batch.step(np.ones(5, np.int64),
+                                        autoreset=np.array([True, False, True, True, True]))
+        assert observ[:, 0].tolist() == [0, 6, 0, 0, 0] and reward.tolist() == [0, 1, 0, 0, 0]
+    finally:
+        batch.close()
