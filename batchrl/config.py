@@ -25,7 +25,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from batchrl.algos.impala_config import IMPALAConfig
-from batchrl.algos.ppo_config import PRECISIONS, PPOConfig
+from batchrl.algos.ppo_config import EVAL_ACTIONS, PRECISIONS, PPOConfig
 from batchrl.envs.factory import BACKENDS, check_resources, import_from
 from batchrl.errors import UnsupportedSpaceError
 
@@ -118,6 +118,9 @@ class TrainConfig:
     # "bfloat16": the algorithm's updates under torch.autocast (CPUs with AVX-512 BF16 or AMX,
     # CUDA GPUs), for algorithms that take a precision argument (BatchPPO).
     precision: str = "float32"
+    # "sample": evaluations act with sampled actions rather than the mean (most likely) ones, as
+    # the Atari papers report; for algorithms that take an eval_actions argument (all shipped).
+    eval_actions: str = "mean"
 
     def __post_init__(self) -> None:
         _check_range(self, 1, "steps")
@@ -130,6 +133,9 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, got "
                              f"{self.precision!r}")
+        if self.eval_actions not in EVAL_ACTIONS:
+            raise ValueError(f"train.eval_actions must be one of {', '.join(EVAL_ACTIONS)}, got "
+                             f"{self.eval_actions!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"train.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', "
                              f"got {self.device!r}")
@@ -140,13 +146,16 @@ IMPALA = "batchrl.algos.impala:IMPALA"
 SHIPPED_ALGORITHMS = (BATCHPPO, "batchrl.algos.reinforce:Reinforce", IMPALA)
 # What the trainer tells every algorithm about the run, as keyword arguments its constructor
 # takes by these names: the episode time limit, the training budget, the device and the
-# precision of updates (passed only to a constructor that names it: an algorithm that cannot
-# honour bfloat16 must not take it silently through **kwargs).
-RUN_FACTS = ("max_length", "total_steps", "device", "precision")
+# precision of updates and what evaluations act with (these two passed only to a constructor
+# that names them: an algorithm that cannot honour them must not take them silently through
+# **kwargs).
+RUN_FACTS = ("max_length", "total_steps", "device", "precision", "eval_actions")
+_NAMED_ONLY = {"precision": "float32", "eval_actions": "mean"}  # and their neutral values
 # Set by the trainer, not by an [algorithm] section: the positional arguments and the run facts.
 TRAINER_ARGUMENTS = ("observation_space", "action_space", "num_agents", *RUN_FACTS)
 _FACT_SOURCES = {"max_length": "env.max_length", "total_steps": "train.steps",
-                 "device": "train.device", "precision": "train.precision"}
+                 "device": "train.device", "precision": "train.precision",
+                 "eval_actions": "train.eval_actions"}
 # Hyperparameter classes of shipped algorithms, known without importing the algorithm (and so
 # torch): train.py checks a config before it loads torch. Other classes may name theirs in a
 # ``config_class`` attribute; without one, their constructor's signature is the schema.
@@ -196,9 +205,10 @@ class Config:
     def run_facts(self, device: Any) -> dict[str, Any]:
         """What the trainer passes every algorithm besides spaces and agent count:
         ``max_length`` (``env.max_length``), ``total_steps`` (``train.steps``), ``device``,
-        ``precision`` (``train.precision``)."""
+        ``precision`` (``train.precision``), ``eval_actions`` (``train.eval_actions``)."""
         return {"max_length": self.env.max_length, "total_steps": self.train.steps,
-                "device": device, "precision": self.train.precision}
+                "device": device, "precision": self.train.precision,
+                "eval_actions": self.train.eval_actions}
 
     def make_algorithm(self, observation_space: Any, action_space: Any, num_agents: int,
                        device: Any) -> Any:
@@ -209,11 +219,13 @@ class Config:
         parameters = inspect.signature(cls).parameters
         open_ended = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
         facts = {name: value for name, value in self.run_facts(device).items()
-                 if name in parameters or (open_ended and name != "precision")}
-        if "precision" not in facts and self.train.precision != "float32":
-            raise ConfigError(f"train.precision={self.train.precision!r} needs an algorithm "
-                              f"whose constructor takes precision; {self.algorithm.path} does "
-                              f"not: use train.precision='float32'")
+                 if name in parameters or (open_ended and name not in _NAMED_ONLY)}
+        for name, neutral in _NAMED_ONLY.items():
+            if name not in facts and getattr(self.train, name) != neutral:
+                raise ConfigError(f"train.{name}={getattr(self.train, name)!r} needs an "
+                                  f"algorithm whose constructor takes {name}; "
+                                  f"{self.algorithm.path} does not: use "
+                                  f"train.{name}={neutral!r}")
         try:
             return cls(observation_space, action_space, num_agents, **facts,
                        **self.algorithm.keys)

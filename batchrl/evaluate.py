@@ -4,7 +4,8 @@
   python -m batchrl.evaluate logs/cheetah --video cheetah.mp4 --episodes 3
 
 The run's ``config.json`` rebuilds the env (stepped in this process) and the algorithm,
-which loads the checkpoint and acts with its mean (mode) action. ``K`` agents run exactly
+which loads the checkpoint and acts with its mean (mode) action, or with sampled ones
+(``--actions sample``, the default of a run with ``train.eval_actions = "sample"``). ``K`` agents run exactly
 ``episodes`` whole episodes between them, so short episodes bias nothing. With ``--video``
 the episodes are rendered one after another into an MP4 instead (``batchrl.video``; MuJoCo
 cameras follow the agent; classic control renders with pygame, which the ``video`` extra
@@ -23,11 +24,11 @@ import torch
 
 from batchrl.algos.base import Algorithm
 from batchrl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
-from batchrl.config import CONFIG_FILE, Config, ConfigError, load_saved_config
+from batchrl.config import CONFIG_FILE, EVAL_ACTIONS, Config, ConfigError, load_saved_config
 from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.factory import make_batch_env
 from batchrl.tensor_env import TensorBatchEnv
-from batchrl.simulation import evaluate_episodes
+from batchrl.simulation import evaluate_episodes, evaluation_rng
 from batchrl.trainer import resolve_device
 from batchrl.video import (VIDEO_SUFFIXES, VideoError, find_gl_backend, from_opengl,
                            opengl_failure, record_video, select_gl_backend,
@@ -96,8 +97,9 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
              checkpoint: str | Path | None = None, seed: int = 0, device: str = "auto",
              video: str | Path | None = None, agents: int | None = None,
              camera: str | None = None, width: int | None = None,
-             height: int | None = None, max_frames: int | None = None) -> dict[str, Any]:
-    """Mean-action return of a training run's checkpoint.
+             height: int | None = None, max_frames: int | None = None,
+             actions: str | None = None) -> dict[str, Any]:
+    """Mean-action (or sampled-action) return of a training run's checkpoint.
 
     Args:
       logdir: the run's log directory (``config.json`` and ``ckpt-*.pt``).
@@ -113,13 +115,16 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
       camera, width, height: the video's MuJoCo camera (default: one that follows
         the agent; ``"free"``: one that does not) and frame size (``follow_agent``).
       max_frames: record at most this many frames (the episodes still count whole).
+      actions: ``"mean"`` (the mean or most likely action) or ``"sample"`` (sampled with
+        torch's generators seeded by ``seed``); default: the run's ``train.eval_actions``.
 
     Returns:
       A dict with ``score``, ``score_std`` (population std), ``length`` (mean
       episode length), ``episodes``, ``scores`` and ``lengths`` (per episode),
       ``checkpoint`` (path), ``step`` (its training step), ``env_id``, ``agents``,
       ``video`` (path or ``None``), ``video_frames``, ``camera`` (in words, or ``None``),
-      ``notes`` (a line for each argument that could not be followed, and why).
+      ``notes`` (a line for each argument that could not be followed, and why), ``actions``
+      (``"mean"`` or ``"sample"``).
 
     Raises:
       EvaluationError: no run or checkpoint in ``logdir``, one that does not fit, or a failed video.
@@ -155,7 +160,11 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
         problem = video_writer_problem() if video_path.suffix.lower() == ".mp4" else None
         if problem:
             raise EvaluationError(problem)
+    if actions is not None and actions not in EVAL_ACTIONS:
+        raise ConfigError(f"--actions must be one of {', '.join(EVAL_ACTIONS)}, got {actions!r}")
     config, checkpoint_path = _load_run(logdir, None if checkpoint is None else Path(checkpoint))
+    if actions is not None:
+        config.train.eval_actions = actions
     torch_device = resolve_device(device, "--device")
     num_agents = 1 if video_path is not None else min(agents or config.env.num_agents, episodes)
     notes = []
@@ -189,9 +198,10 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
         recording = None
         if video_path is not None:
             try:
-                recording = record_video(config, algo, torch_device, video_path, seed,
-                                         gl_failures, episodes, camera, width, height,
-                                         max_frames)
+                with evaluation_rng(seed, torch_device):
+                    recording = record_video(config, algo, torch_device, video_path, seed,
+                                             gl_failures, episodes, camera, width, height,
+                                             max_frames)
             except VideoError as exc:
                 raise EvaluationError(str(exc)) from None
             scores, lengths, num_agents = recording.scores, recording.lengths, 1
@@ -205,7 +215,8 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
             "env_id": config.env.id, "agents": num_agents,
             "video": None if video_path is None else str(video_path),
             "video_frames": 0 if recording is None else recording.frames,
-            "camera": None if recording is None else recording.camera, "notes": notes}
+            "camera": None if recording is None else recording.camera, "notes": notes,
+            "actions": config.train.eval_actions}
 
 
 def main(argv: list[str] | None = None, command: str = "python -m batchrl.evaluate") -> int:
@@ -213,7 +224,8 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.evalua
     how the user ran it, for the usage line."""
     parser = argparse.ArgumentParser(
         prog=command,
-        description="Mean-action return of a training run's latest checkpoint.",
+        description="Mean-action (or sampled-action) return of a training run's latest "
+                    "checkpoint.",
         epilog="MuJoCo videos render offscreen with the OpenGL backend in MUJOCO_GL "
                "(egl, osmesa, glfw); when unset, a working one is chosen.")
     parser.add_argument("logdir", type=Path, help="the run's log directory")
@@ -241,17 +253,21 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.evalua
     parser.add_argument("--agents", type=int, default=None, metavar="K",
                         help="envs stepped in lockstep (default: min(episodes, env.num_agents); "
                              "an algorithm without per-agent state uses the training run's)")
+    parser.add_argument("--actions", choices=EVAL_ACTIONS, default=None,
+                        help="act with the policy's mean (most likely) actions or sampled ones "
+                             "(default: the run's train.eval_actions, 'mean' unless set)")
     args = parser.parse_args(argv)
     try:
         result = evaluate(args.logdir, args.episodes, args.checkpoint, args.seed, args.device,
                           args.video, args.agents, args.camera, args.width, args.height,
-                          args.max_frames)
+                          args.max_frames, args.actions)
     except (EvaluationError, ConfigError, EnvSpecError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for note in result["notes"]:
         print(f"note: {note}", file=sys.stderr)
-    print(f"{result['env_id']}, {result['checkpoint']} (step {result['step']:,}), mean actions, "
+    print(f"{result['env_id']}, {result['checkpoint']} (step {result['step']:,}), "
+          f"{'mean' if result['actions'] == 'mean' else 'sampled'} actions, "
           f"{result['agents']} agent{'s' if result['agents'] != 1 else ''}")
     if result["video"] is not None:
         print(f"Video: {result['video']} ({result['video_frames']} frames, "

@@ -9,8 +9,9 @@ top: it keeps one such state per env for the caller.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -238,30 +239,51 @@ class Simulation:
                  ) -> tuple[list[float], list[int]]:
         """Returns and lengths of exactly ``episodes`` whole mean-action episodes (eval mode,
         resets seeded ``seed + i`` for env ``i``). Each agent counts its first episodes, an
-        equal share, so short ones bias nothing; the lists hold all first episodes first."""
+        equal share, so short ones bias nothing; the lists hold all first episodes first.
+
+        An algorithm that samples in evaluation (``eval_actions="sample"``) draws from torch's
+        global generators seeded with ``seed`` inside a fork of them: the same seed gives the
+        same episodes, and the training run's random stream goes on as if no evaluation ran."""
         if episodes < 1:
             raise ValueError(f"episodes must be >= 1, got {episodes}")
         num_agents = len(self.env)
         quota = [episodes // num_agents + (i < episodes % num_agents)
                  for i in range(num_agents)]
-        results: list[list[tuple[float, int]]] = [[] for _ in range(num_agents)]
         training = algo.training
         algo.eval()
-        try:
-            reset = True
-            while any(len(results[i]) < quota[i] for i in range(num_agents)):
-                done, score, _ = self.step(algo, reset=reset, seed=seed if reset else None)
-                reset = False
-                if bool(done.any()):
-                    lengths = self.episode_length
-                    for i in done.nonzero().squeeze(1).tolist():
-                        if len(results[i]) < quota[i]:
-                            results[i].append((float(score[i]), int(lengths[i])))
-        finally:
-            algo.train(training)
+        with evaluation_rng(seed, algo.device):
+            try:
+                return self._evaluate(algo, quota, seed)
+            finally:
+                algo.train(training)
+
+    def _evaluate(self, algo: Algorithm, quota: list[int], seed: int
+                  ) -> tuple[list[float], list[int]]:
+        """``evaluate``'s loop: the first ``quota[i]`` episodes of agent ``i``."""
+        num_agents = len(self.env)
+        results: list[list[tuple[float, int]]] = [[] for _ in range(num_agents)]
+        reset = True
+        while any(len(results[i]) < quota[i] for i in range(num_agents)):
+            done, score, _ = self.step(algo, reset=reset, seed=seed if reset else None)
+            reset = False
+            if bool(done.any()):
+                lengths = self.episode_length
+                for i in done.nonzero().squeeze(1).tolist():
+                    if len(results[i]) < quota[i]:
+                        results[i].append((float(score[i]), int(lengths[i])))
         ordered = [results[i][k] for k in range(max(quota)) for i in range(num_agents)
                    if k < len(results[i])]
         return [s for s, _ in ordered], [n for _, n in ordered]
+
+
+@contextlib.contextmanager
+def evaluation_rng(seed: int, device: torch.device) -> Iterator[None]:
+    """Inside: torch's global generators (the CPU's, and ``device``'s if it is a GPU) seeded
+    with ``seed``; after: as they were. Evaluations with sampled actions run inside it, so they
+    are reproducible by their seed and leave the training run's random stream untouched."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
 
 
 # The state simulate() keeps for each env it was called with. Only the env is weakly held (the

@@ -42,7 +42,7 @@ from batchrl.hardware import usable_cores
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.interrupt import Interrupted, StopSignals
 from batchrl.metrics import RunLog
-from batchrl.simulation import Simulation
+from batchrl.simulation import Simulation, evaluation_rng
 
 
 def resolve_device(name: str, key: str = "train.device") -> torch.device:
@@ -208,30 +208,33 @@ class Trainer:
         scores: list[float] = []
         lengths: list[float] = []
         start, steps, calls = time.perf_counter(), 0, 0
-        while len(scores) < episodes if batch_steps is None else calls < batch_steps:
-            if training and counters.steps >= config.train.steps:
-                break  # the budget is spent: the last phase stops at it
-            reset = calls == 0
-            done, score, summary = simulation.step(algo, reset=reset,
-                                                   seed=seed if reset else None,
-                                                   overlap=training and config.train.overlap)
-            calls += 1
-            self._stop.check()
-            # Envs restarted in this step did not step (they were reset).
-            stepped = num_agents if env.restarted is None else num_agents - len(env.restarted)
-            steps += stepped
-            if training:
-                counters.steps += stepped
-                if bar is not None:  # (the last batch step may end past the budget)
-                    bar.update(max(0, min(stepped, bar.total - bar.n)))
-            if env.batch_env.restarts != self._restarts_seen.get(id(env.batch_env), 0):
-                self._report_restarts(bar, env.batch_env)
-            if bool(done.any()):
-                ended = done.nonzero().squeeze(1)
-                scores += score[ended].tolist()
-                lengths += simulation.episode_length[ended].tolist()
-            if summary and training:
-                self.log.scalars(summary, counters.steps)
+        # Evaluations that sample actions draw from generators of their own.
+        rng = contextlib.nullcontext() if training else evaluation_rng(seed, algo.device)
+        with rng:
+            while len(scores) < episodes if batch_steps is None else calls < batch_steps:
+                if training and counters.steps >= config.train.steps:
+                    break  # the budget is spent: the last phase stops at it
+                reset = calls == 0
+                done, score, summary = simulation.step(algo, reset=reset,
+                                                       seed=seed if reset else None,
+                                                       overlap=training and config.train.overlap)
+                calls += 1
+                self._stop.check()
+                # Envs restarted in this step did not step (they were reset).
+                stepped = num_agents if env.restarted is None else num_agents - len(env.restarted)
+                steps += stepped
+                if training:
+                    counters.steps += stepped
+                    if bar is not None:  # (the last batch step may end past the budget)
+                        bar.update(max(0, min(stepped, bar.total - bar.n)))
+                if env.batch_env.restarts != self._restarts_seen.get(id(env.batch_env), 0):
+                    self._report_restarts(bar, env.batch_env)
+                if bool(done.any()):
+                    ended = done.nonzero().squeeze(1)
+                    scores += score[ended].tolist()
+                    lengths += simulation.episode_length[ended].tolist()
+                if summary and training:
+                    self.log.scalars(summary, counters.steps)
         summary = simulation.flush()  # a checkpoint must hold every step's experience
         if summary and training:
             self.log.scalars(summary, counters.steps)

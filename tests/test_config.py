@@ -295,7 +295,7 @@ def test_the_trainer_passes_the_run_facts_to_the_algorithm():
     config = load_config("pendulum", ["env.max_length=50", "train.steps=12345",
                                       "algorithm.inference=eager"])
     assert config.run_facts("cpu") == {"max_length": 50, "total_steps": 12345, "device": "cpu",
-                                       "precision": "float32"}
+                                       "precision": "float32", "eval_actions": "mean"}
     assert tuple(config.run_facts("cpu")) == RUN_FACTS
     assert not set(RUN_FACTS) & set(config.algorithm.keys)
     observation_space = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)

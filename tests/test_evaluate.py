@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -9,10 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 
 from batchrl.checkpoint import list_checkpoints
+from batchrl.algos.reinforce import Reinforce
 from batchrl.config import ConfigError, load_config
 from batchrl.evaluate import EvaluationError, evaluate, find_gl_backend, main, video_writer_problem
 from batchrl.trainer import Trainer
@@ -54,6 +58,62 @@ def test_evaluate_returns_exact_episode_count_and_is_seeded(cartpole_run):
     older = evaluate(cartpole_run, episodes=3, checkpoint=oldest, device="cpu")
     assert older["agents"] == 3 and older["checkpoint"] == str(oldest)
     assert older["step"] == int(oldest.stem.split("-")[1])
+
+
+def test_sampled_actions_are_seeded_by_the_evaluation_seed(cartpole_run):
+    mean = evaluate(cartpole_run, episodes=6, agents=3, device="cpu")
+    sampled = evaluate(cartpole_run, episodes=6, agents=3, device="cpu", actions="sample")
+    assert mean["actions"] == "mean" and sampled["actions"] == "sample"
+    # A barely trained CartPole policy is far from deterministic: sampling changes the episodes.
+    assert sampled["lengths"] != mean["lengths"]
+    again = evaluate(cartpole_run, episodes=6, agents=3, device="cpu", actions="sample")
+    assert again["scores"] == sampled["scores"]
+    other_seed = evaluate(cartpole_run, episodes=6, agents=3, device="cpu", actions="sample",
+                          seed=1)
+    assert other_seed["scores"] != sampled["scores"]
+    with pytest.raises(ConfigError, match="--actions must be one of mean, sample, got 'greedy'"):
+        evaluate(cartpole_run, episodes=1, actions="greedy")
+    process = run_cli(cartpole_run, "--episodes", "2", "--device", "cpu", "--actions", "sample")
+    assert process.returncode == 0 and "sampled actions" in process.stdout, process.stderr
+
+
+def test_evaluations_that_sample_leave_the_training_run_as_it_was(tmp_path):
+    """train.eval_actions='sample' draws from generators of its own: the run learns exactly
+    what it learns with mean-action evaluations, and its evaluations repeat with its seed."""
+    runs = {}
+    for name, actions in (("mean", "mean"), ("sample", "sample"), ("again", "sample")):
+        config = load_config("cartpole", ["train.steps=1500", "env.num_agents=4",
+                                          "algorithm.update_every=4", "train.eval_episodes=4",
+                                          "train.device=cpu", f"train.eval_actions={actions}"])
+        Trainer(config, tmp_path / name, progress=False).run()
+        checkpoint = torch.load(list_checkpoints(tmp_path / name)[-1], weights_only=False)
+        evals = [row["score"] for row in map(json.loads, (tmp_path / name / "metrics.jsonl")
+                                              .read_text().splitlines())
+                 if row.get("phase") == "eval"]
+        runs[name] = checkpoint["algorithm"], evals
+    for key, value in runs["mean"][0].items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, runs["sample"][0][key]), key
+    assert runs["sample"][1] == runs["again"][1] and len(runs["sample"][1]) >= 2
+    assert runs["sample"][1] != runs["mean"][1]
+
+
+class MeanOnly(Reinforce):
+    """A user's algorithm whose constructor takes no eval_actions."""
+
+    def __init__(self, observation_space, action_space, num_agents, max_length, device="cpu"):
+        super().__init__(observation_space, action_space, num_agents, max_length, device)
+
+
+def test_an_algorithm_that_cannot_sample_in_evaluation_is_refused():
+    config = load_config("cartpole_reinforce", ["train.eval_actions=sample"])
+    config.algorithm.path = f"{__name__}:MeanOnly"
+    with pytest.raises(ConfigError, match="train.eval_actions='sample' needs an algorithm whose "
+                                          "constructor takes eval_actions"):
+        config.make_algorithm(gym.spaces.Box(-1.0, 1.0, (4,), np.float32),
+                              gym.spaces.Discrete(2), 2, "cpu")
+    with pytest.raises(ConfigError, match="train.eval_actions must be one of mean, sample"):
+        load_config("cartpole", ["train.eval_actions=greedy"])
 
 
 def test_bad_arguments_and_unreadable_checkpoint(cartpole_run, tmp_path):

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from batchrl.algos.ppo_config import EVAL_ACTIONS
+
 if TYPE_CHECKING:  # (parts sit below algorithms; only the annotations name them)
     from batchrl.parts.rollout import Fields, Rollout
 
@@ -46,23 +48,26 @@ class Algorithm(abc.ABC):
     kept, every ``experience`` comes before ``end_episodes`` and ``begin_episodes`` of its agents,
     and ``Simulation.flush()`` delivers a late one before a checkpoint.
 
-    ``train()`` / ``eval()`` switch ``self.training``; in evaluation an algorithm acts with its mean
-    (mode) action and learns nothing. ``state_dict()`` / ``load_state_dict()`` must cover everything
-    needed to resume training exactly (weights, optimisers, statistics). Gradient steps may happen
-    in any method (typically ``end_episodes`` or ``experience``): only ``perform`` should run under
-    ``torch.no_grad()``. An algorithm given an env that something else stepped before must start
-    with ``simulate(..., reset=True)``.
+    ``train()`` / ``eval()`` switch ``self.training``; in evaluation an algorithm learns nothing and
+    acts with its mean (mode) action, or with sampled ones when ``eval_actions`` is ``"sample"``
+    (``acting_deterministically`` says which applies now). ``state_dict()`` /
+    ``load_state_dict()`` must cover everything needed to resume training exactly (weights,
+    optimisers, statistics). Gradient steps may happen in any method (typically ``end_episodes``
+    or ``experience``): only ``perform`` should run under ``torch.no_grad()``. An algorithm
+    given an env that something else stepped before must start with
+    ``simulate(..., reset=True)``.
 
     Built by ``train.py``: a config's ``[algorithm]`` section names the class
     (``class = "package.module:Class"``; BatchPPO without it) and its other keys are keyword
     arguments: ``Class(observation_space, action_space, num_agents, **run facts, **keys)``. The
     run facts are passed by name to a constructor that takes them: ``max_length`` (the episode
-    time limit, ``env.max_length``), ``total_steps`` (the training budget, ``train.steps``) and
-    ``device`` (``train.device``). A class may name a dataclass of its hyperparameters in
-    ``config_class`` (as BatchPPO does with ``PPOConfig``); otherwise its constructor's signature
-    and annotations check the keys. The trainer then offers everything it has (evaluation
-    phases, TensorBoard, checkpoints of ``state_dict()``, exact resume, Ctrl-C,
-    ``python -m batchrl.evaluate``). Optional attributes tell it more:
+    time limit, ``env.max_length``), ``total_steps`` (the training budget, ``train.steps``),
+    ``device`` (``train.device``), ``precision`` (``train.precision``) and ``eval_actions``
+    (``train.eval_actions``, which a class passes on to ``Algorithm.__init__``). A class may name
+    a dataclass of its hyperparameters in ``config_class`` (as BatchPPO does with
+    ``PPOConfig``); otherwise its constructor's signature and annotations check the keys. The
+    trainer then offers everything it has (evaluation phases, TensorBoard, checkpoints of
+    ``state_dict()``, exact resume, Ctrl-C, ``python -m batchrl.evaluate``). Optional attributes tell it more:
 
     - ``episodes_per_phase``: an update's worth of whole episodes. A training phase then ends once
       that many episodes finished, and an evaluation follows every ``train.eval_every`` phases.
@@ -108,8 +113,11 @@ class Algorithm(abc.ABC):
     per_agent_state: tuple[str, ...] = ()
     interrupt_check: Callable[[], None] | None = None
 
-    def __init__(self, device: str | torch.device = "cpu"):
+    def __init__(self, device: str | torch.device = "cpu", eval_actions: str = "mean"):
+        if eval_actions not in EVAL_ACTIONS:
+            raise ValueError(f"eval_actions must be one of {EVAL_ACTIONS}, got {eval_actions!r}")
         self.device = torch.device(device)
+        self.eval_actions = eval_actions
         self.training = True
 
     def train(self, mode: bool = True) -> "Algorithm":
@@ -118,8 +126,15 @@ class Algorithm(abc.ABC):
         return self
 
     def eval(self) -> "Algorithm":
-        """Switch to evaluation: mean actions, nothing learned."""
+        """Switch to evaluation: mean (or, with ``eval_actions="sample"``, sampled) actions,
+        nothing learned."""
         return self.train(False)
+
+    @property
+    def acting_deterministically(self) -> bool:
+        """Whether actions now are the mean (mode) ones: in evaluation, unless ``eval_actions``
+        is ``"sample"``."""
+        return not self.training and self.eval_actions == "mean"
 
     def check_interrupt(self) -> None:
         """Call ``interrupt_check`` if the trainer set one: it raises when asked to stop."""

@@ -67,6 +67,8 @@ class IMPALA(RolloutAlgorithm):
         the episodes'), taken because the trainer passes it to a constructor with ``**options``.
       total_steps: the run's training env steps, over which ``lr_schedule="linear"`` decays
         the learning rate (``train.py`` passes ``train.steps``).
+      eval_actions: ``"mean"`` (evaluation takes the most likely or mean action) or
+        ``"sample"`` (``train.eval_actions``).
     """
 
     config_class = IMPALAConfig
@@ -76,7 +78,7 @@ class IMPALA(RolloutAlgorithm):
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, num_agents: int,
                  config: IMPALAConfig | None = None, device: str | torch.device = "cpu",
                  max_length: int | None = None, total_steps: int | None = None,
-                 **options: Any):
+                 eval_actions: str = "mean", **options: Any):
         if config is not None and options:
             raise TypeError(f"IMPALA takes an IMPALAConfig or keyword arguments, not both "
                             f"(got config and {sorted(options)})")
@@ -93,7 +95,7 @@ class IMPALA(RolloutAlgorithm):
             raise UnsupportedSpaceError(f"IMPALA supports Discrete and 1-D Box action spaces, "
                                         f"got {action_space}")
         super().__init__(observation_space, action_space, num_agents, config.rollout_length,
-                         device)
+                         device, eval_actions)
         self.config, self.total_steps, self.discrete = config, total_steps, discrete
         self.pixels = is_pixel_space(observation_space)
         # Dict and Tuple observations: packed uint8 rows (as the rollouts hold them).

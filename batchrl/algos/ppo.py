@@ -90,6 +90,8 @@ class BatchPPO(Algorithm):
         and in the update, run under ``torch.autocast`` in bfloat16 (weights, optimiser state,
         recorded distributions and losses stay float32); ``train.py`` passes
         ``train.precision``.
+      eval_actions: ``"mean"`` (evaluation acts with the mean or most likely action) or
+        ``"sample"``; ``train.py`` passes ``train.eval_actions``.
 
     ``build_networks`` makes the policy and the value network; a subclass may return
     networks that share layers (a torso), which the update then trains with one joint step.
@@ -102,8 +104,8 @@ class BatchPPO(Algorithm):
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, num_agents: int,
                  config: PPOConfig | None = None, device: str | torch.device = "cpu",
                  max_length: int = 1000, total_steps: int | None = None,
-                 precision: str = "float32", **options: Any):
-        super().__init__(device)
+                 precision: str = "float32", eval_actions: str = "mean", **options: Any):
+        super().__init__(device, eval_actions)
         if config is not None and options:
             raise TypeError(f"BatchPPO takes a PPOConfig or keyword arguments, not both "
                             f"(got config and {sorted(options)})")
@@ -308,8 +310,8 @@ class BatchPPO(Algorithm):
         else:  # feed-forward: skip two indexing operations per step
             count = agent_indices.shape[0]
             state = self._no_state if count == self.num_agents else self._no_state[:count]
-        action, mean_or_logits, log_std, new_state = self._infer(norm_observ, state,
-                                                                 not self.training)
+        action, mean_or_logits, log_std, new_state = self._infer(
+            norm_observ, state, self.acting_deterministically)
         if self.state_size:
             self.recurrent_state[agent_indices] = new_state
         if self.training:

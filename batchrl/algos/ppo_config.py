@@ -16,6 +16,9 @@ TORSOS = ("mlp", "nature_cnn", "impala_cnn")  # built by ``batchrl.algos.network
 OBJECTIVES = ("kl_penalty", "clip")
 ADVANTAGE_NORMALIZATIONS = ("update", "minibatch", "none")
 PRECISIONS = ("float32", "bfloat16")  # of updates: train.precision, BatchPPO's precision
+# What evaluation acts with (train.eval_actions, every Algorithm's eval_actions): the policy's
+# mean or most likely action, or a sample of it.
+EVAL_ACTIONS = ("mean", "sample")
 
 
 @dataclass

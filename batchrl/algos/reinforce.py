@@ -75,14 +75,16 @@ class Reinforce(Algorithm):
       seed: seeds the network initialisation and the action sampling (with a private generator, so
         the global torch RNG is left alone); ``None`` uses the global RNG for the weights and a
         random seed for sampling.
+      eval_actions: ``"mean"`` (evaluation takes the most likely or mean action) or
+        ``"sample"`` (``train.eval_actions``).
     """
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space,
                  num_agents: int, max_length: int, device: str | torch.device = "cpu",
                  discount: float = 0.99, learning_rate: float = 1e-2,
                  update_every: int = 16, hidden: Sequence[int] = (64, 64),
-                 seed: int | None = None):
-        super().__init__(device)
+                 seed: int | None = None, eval_actions: str = "mean"):
+        super().__init__(device, eval_actions)
         if not isinstance(observation_space, gym.spaces.Box):
             raise UnsupportedSpaceError(f"Reinforce needs a Box observation space, got "
                                         f"{observation_space} (BatchPPO takes Dict and Tuple "
@@ -186,10 +188,11 @@ class Reinforce(Algorithm):
     @torch.no_grad()
     def perform(self, agent_indices: torch.Tensor,
                 observ: torch.Tensor) -> tuple[torch.Tensor, Summary]:
-        """Sample actions, or take the mode of the policy in evaluation: ``(K,)`` int64
+        """Sample actions, or take the mode of the policy in evaluation (unless
+        ``eval_actions="sample"``): ``(K,)`` int64
         for ``Discrete``, ``(K, *act_shape)`` float32 for ``Box``."""
         distribution = self._distribution(observ)
-        if self.training:
+        if not self.acting_deterministically:
             action = self._sample(distribution)
         elif self._discrete:
             action = distribution.probs.argmax(-1)  # the most likely action

@@ -38,8 +38,9 @@ class RolloutAlgorithm(Algorithm):
     """
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, num_agents: int,
-                 rollout_length: int, device: str | torch.device = "cpu"):
-        super().__init__(device)
+                 rollout_length: int, device: str | torch.device = "cpu",
+                 eval_actions: str = "mean"):
+        super().__init__(device, eval_actions)
         if rollout_length < 1:
             raise ValueError(f"rollout_length must be >= 1, got {rollout_length}")
         self.num_agents = num_agents
@@ -76,7 +77,7 @@ class RolloutAlgorithm(Algorithm):
     @torch.no_grad()
     def perform(self, agent_indices: torch.Tensor,
                 observ: torch.Tensor) -> tuple[torch.Tensor, Summary]:
-        action, behaviour = self.act(observ, deterministic=not self.training)
+        action, behaviour = self.act(observ, deterministic=self.acting_deterministically)
         if self.training:
             self.buffer.act(observ, action, behaviour)
         return action, {}
