@@ -113,6 +113,9 @@ class TrainConfig:
     # Collector processes (Ray actors with env.ray_address) that step the envs while the
     # learner learns; env.num_agents is split over them. 0: the synchronous loop.
     collectors: int = 0
+    # Learner processes, each stepping env.num_agents / learners envs with a full copy of the
+    # algorithm; gradients are averaged over them after every backward pass. 1: one process.
+    learners: int = 1
     max_policy_lag: int | None = None  # collectors wait rather than exceed it ("none": no limit)
     queue_size: int = 2           # finished rollouts per collector that may wait for the learner
     # "bfloat16": the algorithm's updates under torch.autocast (CPUs with AVX-512 BF16 or AMX,
@@ -129,7 +132,8 @@ class TrainConfig:
             raise ValueError(f"max_policy_lag must be >= 0 (0: every rollout is learned by the "
                              f"weights that collected it) or 'none' (no limit), got "
                              f"{self.max_policy_lag}")
-        _check_range(self, 1, "eval_every", "threads", "checkpoint_every", "keep_checkpoints")
+        _check_range(self, 1, "eval_every", "threads", "checkpoint_every", "keep_checkpoints",
+                     "learners")
         if self.precision not in PRECISIONS:
             raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, got "
                              f"{self.precision!r}")

@@ -1,12 +1,17 @@
 """Stop a long computation cleanly on Ctrl-C (SIGINT) or SIGTERM: ``StopSignals``' handlers
-only record the signal; the computation calls ``check()`` where stopping is safe."""
+only record the signal; the computation calls ``check()`` where stopping is safe. A child
+process (an env worker, a collector, a learner) calls ``start_worker`` first: it then dies
+with its parent and leaves Ctrl-C to it."""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing as mp
 import os
 import signal
 import sys
 import threading
+import time
 from types import FrameType
 from typing import Any
 
@@ -65,3 +70,41 @@ class StopSignals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+
+
+def die_with_parent() -> None:
+    """Make this process exit when the process that created the worker dies, even while
+    stuck in a ``step()`` that never reads the pipe: by ``prctl(PR_SET_PDEATHSIG)`` (Linux),
+    and since under ``forkserver`` that parent is the fork server (which outlives a busy
+    worker's creator), by a thread waiting on ``multiprocessing.parent_process()`` too."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()  # returns once the parent is gone
+        time.sleep(1.0)  # an idle worker exits cleanly on the pipe's EOF meanwhile
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="batchrl-parent-watchdog", daemon=True).start()
+
+
+def start_worker(parent_pid: int) -> bool:
+    """First thing a worker does: tie its life to the parent's and ignore
+    Ctrl-C and SIGTERM (sent to the whole process group, but the parent
+    decides how to stop). Returns ``False`` when the parent is already gone."""
+    die_with_parent()
+    if parent_pid != os.getppid():
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            return False  # the parent died before prctl was armed
+        except PermissionError:
+            pass  # alive, but another user's
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return True

@@ -145,15 +145,18 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
         print("Interrupted before training started", file=sys.stderr)
         return 130
     from batchrl.checkpoint import CheckpointError
-    from batchrl.trainer import Trainer, TrainingInterrupted
+    from batchrl.learners import LearnerError, run
+    from batchrl.trainer import TrainingInterrupted
 
     user_errors = (ConfigError, EnvSpecError, CheckpointError, UnsupportedSpaceError,
                    SpaceMismatchError)
     try:
-        print(f"Training {config.env.id} with {config.env.num_agents} agents for "
-              f"{config.train.steps:,} steps; writing to {logdir}", flush=True)
-        result = Trainer(config, logdir, progress=not args.no_progress,
-                         handle_signals=True).run()
+        if os.environ.get("RANK", "0") == "0":  # (torchrun's learners: the writer's line)
+            learners = (f" ({config.train.learners} learners)" if config.train.learners > 1
+                        else "")
+            print(f"Training {config.env.id} with {config.env.num_agents} agents{learners} "
+                  f"for {config.train.steps:,} steps; writing to {logdir}", flush=True)
+        result = run(config, logdir, progress=not args.no_progress, handle_signals=True)
     except TrainingInterrupted as stop:
         print(_interrupted_message(stop, command, args.config, logdir), flush=True)
         return stop.exit_code
@@ -180,6 +183,14 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
             return 2
         print(f"error: {exc}", file=sys.stderr)
         _print_resume(logdir, command, args.config)
+        return 1
+    except LearnerError as exc:
+        from batchrl.checkpoint import latest_checkpoint
+        checkpoint = latest_checkpoint(logdir)
+        print(f"error: {exc}", file=sys.stderr)
+        if checkpoint is not None:
+            print(f"\nThe run's latest checkpoint is {checkpoint}. Resume it with: "
+                  f"{_resume_command(command, args.config, logdir)}", file=sys.stderr)
         return 1
     if result:
         print(f"Final evaluation: {result['score']:.1f} ± {result['score_std']:.1f} "

@@ -42,6 +42,7 @@ from batchrl.hardware import usable_cores
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.interrupt import Interrupted, StopSignals
 from batchrl.metrics import RunLog
+from batchrl.parts.distributed import LearnerGroup
 from batchrl.simulation import Simulation, evaluation_rng
 
 
@@ -142,6 +143,41 @@ def check_collectors(config: Config, algo: Algorithm) -> None:
                           f"({agents}): each collector steps a share of the envs")
 
 
+def _join(algo: Algorithm, learners: LearnerGroup) -> None:
+    """Make ``algo`` one of ``learners``, or say why it cannot be (``ConfigError``)."""
+    support = getattr(algo, "learner_support", None)
+    if not hasattr(algo, "join_learners"):
+        reason = f"{type(algo).__name__} cannot be one of several learners (no join_learners)"
+    else:
+        reason = None if support is None else support(learners.size)
+    if reason is not None:
+        raise ConfigError(f"train.learners = {learners.size}: {reason}; or set "
+                          f"train.learners = 1")
+    algo.join_learners(learners)
+
+
+def _learner_state(state: dict[str, Any], checkpoint: Path, learners: LearnerGroup
+                   ) -> dict[str, Any]:
+    """This learner's own part of a checkpoint of several learners: its random generators and
+    per-agent algorithm state."""
+    written = len(state.get("learners", ()))
+    if written != learners.size:
+        by = f"{written} learners" if written else "one learner"
+        raise ConfigError(f"{checkpoint} was written by {by} and resumes exactly only with "
+                          f"as many (train.learners = {written or 1}); this run has "
+                          f"{learners.size}")
+    return state["learners"][learners.rank]
+
+
+class _NoLog:
+    """The run log of a learner other than the writer: it logs nothing."""
+
+    def scalars(self, *args: Any) -> None:
+        pass
+
+    phase = plot = truncate = close = update = scalars
+
+
 class TrainingInterrupted(Interrupted):
     """``Trainer.run()`` stopped on a signal, after writing its final checkpoint:
     ``checkpoint`` is the run's newest (``None``: it has none yet), ``step`` its step."""
@@ -175,8 +211,12 @@ class Trainer:
     """
 
     def __init__(self, config: Config, logdir: Path, progress: bool = True,
-                 handle_signals: bool = False):
+                 handle_signals: bool = False, learners: LearnerGroup | None = None):
         self.config = config
+        # Several learners: this one's group; only the writer (learner 0) logs, evaluates
+        # and checkpoints.
+        self.learners = learners
+        self.writer = learners is None or learners.is_writer
         self.logdir = Path(logdir)
         self.progress = progress
         self.handle_signals = handle_signals
@@ -202,8 +242,12 @@ class Trainer:
         algo.train(training)
         env = simulation.env
         num_agents = len(env)
-        # Seeded resets make phases reproducible across resumes.
-        seed = config.train.seed * 1_000_003 + counters.phases * num_agents
+        # Seeded resets make phases reproducible across resumes. Learner r's envs are agents
+        # r * N/M ... of the run's N, seeded as one learner's would be.
+        size, rank = (1, 0) if self.learners is None else (self.learners.size,
+                                                          self.learners.rank)
+        seed = (config.train.seed * 1_000_003 + counters.phases * num_agents * size
+                + rank * num_agents)
         counters.phases += 1
         scores: list[float] = []
         lengths: list[float] = []
@@ -224,6 +268,7 @@ class Trainer:
                 stepped = num_agents if env.restarted is None else num_agents - len(env.restarted)
                 steps += stepped
                 if training:
+                    stepped *= size  # (the learners step alike)
                     counters.steps += stepped
                     if bar is not None:  # (the last batch step may end past the budget)
                         bar.update(max(0, min(stepped, bar.total - bar.n)))
@@ -240,6 +285,11 @@ class Trainer:
             self.log.scalars(summary, counters.steps)
         elapsed = time.perf_counter() - start
         counters.wall_time += elapsed
+        if self.learners is not None and training:  # the phase's episodes of all learners
+            everyone = self.learners.gather((scores, lengths))
+            scores = [score for each, _ in everyone for score in each]
+            lengths = [length for _, each in everyone for length in each]
+            steps *= size
         if training:
             counters.train_phases += 1
         else:
@@ -404,9 +454,13 @@ class Trainer:
         if config.train.collectors and backend == "ray":
             backend = "workers"
 
+        learners = self.learners
+        # Several learners: env.num_agents is the run's, each learner steps its share.
+        num_agents = env_config.num_agents // (1 if learners is None else learners.size)
+
         def build(kwargs: dict[str, Any]) -> Any:
             return make_batch_env(
-                env_config.id, env_config.num_agents, env_config.max_length, kwargs,
+                env_config.id, num_agents, env_config.max_length, kwargs,
                 backend, env_config.workers, env_config.normalize_ranges,
                 share_main=env_config.share_main, infos=False,
                 timeout=env_config.timeout or None,
@@ -417,7 +471,7 @@ class Trainer:
         # env.eval_kwargs: evaluations run on envs of their own (here, or in the learner
         # beside the collectors, whose envs are the training ones).
         separate_eval = bool(env_config.eval_kwargs and config.train.eval_episodes
-                             and not config.train.collectors)
+                             and not config.train.collectors and self.writer)
         batch_env = self._batch_env = build(env_config.evaluation_kwargs
                                             if config.train.collectors else env_config.kwargs)
         eval_batch_env = None
@@ -434,32 +488,49 @@ class Trainer:
                                          self.device)
             if config.train.collectors:
                 check_collectors(config, algo)
+            if learners is not None:
+                _join(algo, learners)
+                # The writer's initial weights for all; then a random stream of their own.
+                algo.load_state_dict(learners.broadcast(algo.state_dict()))
+                torch.manual_seed(config.train.seed * 1_000_003 + learners.rank)
             # Only now that env and algorithm fit together (spaces) is this a run.
-            self.logdir.mkdir(parents=True, exist_ok=True)
-            save_config(config, self.logdir)
+            if self.writer:
+                self.logdir.mkdir(parents=True, exist_ok=True)
+                save_config(config, self.logdir)
             algo.interrupt_check = self._stop.check  # Ctrl-C within an update
-            checkpoint = latest_checkpoint(self.logdir)
+            checkpoint = latest_checkpoint(self.logdir) if self.writer else None
+            if learners is not None:
+                checkpoint = learners.broadcast(checkpoint)
             if checkpoint is not None:
-                state = load_checkpoint(checkpoint, self.device)
-                algo.load_state_dict(state["algorithm"])
+                state = (load_checkpoint(checkpoint, self.device) if self.writer
+                         else None)
+                if learners is not None:
+                    state = learners.broadcast(state)
+                    own = _learner_state(state, checkpoint, learners)
+                    algo.load_state_dict({**state["algorithm"], **own["algorithm"]})
+                    _set_rng_state(own["rng"])
+                else:
+                    algo.load_state_dict(state["algorithm"])
+                    _set_rng_state(state["rng"])
                 self.counters = Counters(**state["counters"])
-                _set_rng_state(state["rng"])
                 self._written = self.counters.steps
                 for each in self._batch_envs:  # the bound is per run, over all its sessions
                     if each.max_restarts:
                         each.max_restarts = max(
                             0, env_config.max_restarts - self.counters.env_restarts)
-                print(f"Resuming from {checkpoint} at step {self.counters.steps:,}")
-                if self.counters.steps >= config.train.steps:
+                if self.writer:
+                    print(f"Resuming from {checkpoint} at step {self.counters.steps:,}")
+                if self.counters.steps >= config.train.steps and self.writer:
                     print(f"The run already reached train.steps={config.train.steps:,}; "
                           f"nothing to train (train.py --steps N extends its budget)")
             # Drop what earlier sessions logged after the checkpoint (metrics.jsonl
             # records; TensorBoard hides their events from purge_step on).
-            self.log = RunLog(self.logdir, purge_step=self.counters.steps + 1)
+            self.log = (RunLog(self.logdir, purge_step=self.counters.steps + 1) if self.writer
+                        else _NoLog())
             self.log.truncate(self.counters.steps)
             # A bar on a terminal; one plain line per phase in a log file.
-            self._lines = self.progress and not sys.stderr.isatty()
-            if self.progress and not self._lines:
+            self._lines = self.progress and self.writer and not sys.stderr.isatty()
+            if self.progress and self.writer and not self._lines:
                 from tqdm import tqdm
                 bar = tqdm(total=config.train.steps, initial=self.counters.steps,
                            unit="step", unit_scale=True, dynamic_ncols=True)
@@ -480,15 +551,25 @@ class Trainer:
                 due = self.counters.train_phases % eval_every == 0
                 final = self.counters.steps >= config.train.steps
                 if config.train.eval_episodes and (due or final):
-                    last_eval = self._phase(eval_simulation, algo, "eval",
-                                            config.train.eval_episodes, None)
-                    self._report(last_eval, bar)
-                    self.log.plot()
+                    if self.writer:
+                        last_eval = self._phase(eval_simulation, algo, "eval",
+                                                config.train.eval_episodes, None)
+                        self._report(last_eval, bar)
+                        self.log.plot()
+                    else:  # (the writer evaluates; the phase count seeds the next resets)
+                        self.counters.phases += 1
                     evals += 1
                 # A phase boundary: the only state a run can resume from exactly.
-                state = {"algorithm": algo.state_dict(),
+                algo_state = algo.state_dict()
+                state = {"algorithm": algo_state,
                          "counters": dataclasses.asdict(self.counters),
                          "rng": _rng_state(), "config": config.to_dict()}
+                if learners is not None:  # what differs between the learners, for each
+                    state["learners"] = learners.gather(
+                        {"rng": state["rng"],
+                         "algorithm": {key: algo_state[key] for key in algo.per_agent_state}})
+                if not self.writer:
+                    continue
                 self._snapshot = (self.counters.steps, serialize(state))
                 if final or (due and evals % config.train.checkpoint_every == 0):
                     if not config.train.eval_episodes:
@@ -501,7 +582,8 @@ class Trainer:
             self._save_snapshot()  # what the run learned until the env failed is kept
             raise
         except Exception:
-            if pool is not None:  # collectors or the learner failed: keep what was learned
+            # collectors, another learner or this one failed: keep what was learned
+            if pool is not None or (self.learners is not None and self.writer):
                 with contextlib.suppress(Exception):  # (the error that stopped it matters more)
                     self._save_snapshot()
             raise

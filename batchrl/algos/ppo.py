@@ -39,7 +39,8 @@ from batchrl.parts import numpy_views
 from batchrl.parts.losses import (ClippedObjective, KLPenalizedObjective, KLPenalty,
                                   action_distribution, entropy_bonus, masked_mean, value_loss)
 from batchrl.parts.memory import EpisodeMemory, RolloutMemory
-from batchrl.parts.normalize import StreamingNormalizer
+from batchrl.parts.distributed import LearnerGroup
+from batchrl.parts.normalize import Statistics, StreamingNormalizer
 from batchrl.parts.packing import check_observation_space, packing_for
 from batchrl.parts.returns import discounted_cumsum, gae, generalized_advantage
 from batchrl.parts.rollout import Fields, Rollout
@@ -211,6 +212,9 @@ class BatchPPO(Algorithm):
         self.updates = 0
         # Env steps in training, and those before the last update (the lr schedule's clock).
         self.env_steps = self.updated_steps = 0
+        # Several learners (join_learners): the group and the merged normaliser statistics.
+        self.learners: LearnerGroup | None = None
+        self._merged: dict[str, Statistics | None] = {"observ": None, "reward": None}
         # What perform() saw, for experience(), which may come after the next perform().
         self._performed: collections.deque[dict[str, torch.Tensor]] = collections.deque(maxlen=2)
 
@@ -337,7 +341,8 @@ class BatchPPO(Algorithm):
         self.memory.append(agent_indices, observ=last["observ"], action=action,
                            mean_or_logits=last["mean_or_logits"], log_std=last["log_std"],
                            reward=reward, state=last["state"])
-        self.env_steps += agent_indices.shape[0]
+        # (all learners step alike: the run's env steps are this learner's times their number)
+        self.env_steps += agent_indices.shape[0] * (self.learners.size if self.learners else 1)
         if self.config.reward_scale == "return":
             running = self.running_return[agent_indices] * self.config.discount + reward
             self.running_return[agent_indices] = running
@@ -422,8 +427,8 @@ class BatchPPO(Algorithm):
         if config.value_clip is not None:
             data["old_value"] = value
         if config.advantage_normalization == "update":
-            valid = advantage[mask]
-            data["advantage"] = (advantage - valid.mean()) / (valid.std() + 1e-8) * mask
+            mean, std = self._advantage_moments(advantage[mask])
+            data["advantage"] = (advantage - mean) / (std + 1e-8) * mask
         else:  # ("minibatch": in each gradient step)
             data["advantage"] = advantage * mask
         if weight is not None and targets is None:  # (older weights: see learn; V-trace's
@@ -433,6 +438,52 @@ class BatchPPO(Algorithm):
             else:
                 data["advantage"] = data["advantage"] * weight
         return data, mask
+
+    def _advantage_moments(self, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and (unbiased) std of the update's advantages ``valid`` ``(K,)``; with several
+        learners, of all learners' advantages."""
+        if self.learners is None:
+            return valid.mean(), valid.std()
+        sums = self.learners.sum(torch.stack([valid.new_tensor(valid.numel()), valid.sum(),
+                                              valid.square().sum()]).double())
+        count, total, squares = sums
+        mean = total / count
+        variance = (squares - count * mean * mean) / (count - 1).clamp(min=1)
+        return mean.to(valid.dtype), variance.clamp(min=0).sqrt().to(valid.dtype)
+
+    def _merge_statistics(self) -> None:
+        """Give this learner's normalisers the statistics of every learner's data."""
+        if not self.pixels:
+            self._merged["observ"] = self.learners.merge(self.observ_normalizer,
+                                                         self._merged["observ"])
+        self._merged["reward"] = self.learners.merge(self.reward_normalizer,
+                                                     self._merged["reward"])
+
+    # -- several learners ------------------------------------------------------------
+
+    def learner_support(self, learners: int) -> str | None:
+        """Why this instance cannot be one of ``learners`` learners, or ``None``: each
+        learner must take the same number of gradient steps per update."""
+        config = self.config
+        if config.rollout_length is None:
+            return ("several learners need fixed-length rollouts (every learner must take "
+                    "the same gradient steps per update): set algorithm.rollout_length")
+        for name in ("minibatch_size", "batch_size"):
+            value = getattr(config, name)
+            if value is not None and value % learners:
+                return (f"algorithm.{name} ({value}) is the batch of a gradient step over all "
+                        f"learners and must be divisible by train.learners ({learners})")
+        return None
+
+    def join_learners(self, learners: LearnerGroup) -> None:
+        """Learn as one of ``learners``: gradients averaged over them after every backward
+        pass, normaliser statistics merged before every update, advantages normalised and
+        the KL penalty adapted over all learners' data, and ``minibatch_size`` (or
+        ``batch_size``) split among them. Call on every learner before training."""
+        reason = self.learner_support(learners.size)
+        if reason is not None:
+            raise ValueError(reason)
+        self.learners = learners
 
     def _layout(self, data: dict[str, torch.Tensor], mask: torch.Tensor
                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -535,6 +586,9 @@ class BatchPPO(Algorithm):
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if self.learners is not None:
+            self.learners.average_gradients(
+                p for module in modules for p in module.parameters())
         grad_norm = None
         if norm or self.config.max_grad_norm:
             parameters = {id(p): p for module in modules for p in module.parameters()}
@@ -592,8 +646,10 @@ class BatchPPO(Algorithm):
         their results depend on the number of cores; set it to compare runs across machines).
         """
         threads = torch.get_num_threads()
+        # (not with several learners: two threads' all-reduces could interleave)
         side_by_side = (self.config.update_threads is None and self.device.type == "cpu"
-                        and usable_cores() > 1 and not self.shared_torso)
+                        and usable_cores() > 1 and not self.shared_torso
+                        and self.learners is None)
         default = usable_cores() if self.shared_torso and self.device.type == "cpu" else 1
         torch.set_num_threads(self.config.update_threads or default)
         try:
@@ -623,12 +679,16 @@ class BatchPPO(Algorithm):
                 rollout_data: dict[str, torch.Tensor] | None) -> Summary:
         config = self.config
         lr_fraction = self._anneal()
+        if self.learners is not None:  # every learner normalises with everyone's statistics
+            self._merge_statistics()
         with torch.no_grad():
             data, valid = self._advantages(rollout_data)
         batches, mask = self._layout(data, valid)
         mask = mask.float()
         rows = mask.shape[0]
         size = config.minibatch_size or config.batch_size or rows
+        if self.learners is not None and (config.minibatch_size or config.batch_size):
+            size //= self.learners.size  # a gradient step's batch is over all learners
         totals = {"policy_loss": 0.0, "value_loss": 0.0, "grad_norm": 0.0}
         steps = 0
         for _ in range(config.update_epochs):
@@ -660,7 +720,8 @@ class BatchPPO(Algorithm):
         with torch.no_grad():
             new, old = self._distributions(batches)
         summary.update({f"ppo/{name}": value for name, value in self.objective.end_update(
-            new, old, batches["action"], batches["advantage"], mask).items()})
+            new, old, batches["action"], batches["advantage"], mask,
+            None if self.learners is None else self.learners.mean).items()})
         with torch.no_grad(), self._autocast():
             returns = data["returns"][valid]
             residual = returns - self.value(data["observ"])[valid].float()
@@ -828,3 +889,6 @@ class BatchPPO(Algorithm):
         if "running_return" in state:  # (checkpoints of earlier versions lack it)
             self.running_return.copy_(state["running_return"])
         self.memory.load_state_dict(state["memory"])
+        # Every learner loads the same merged statistics: its own additions start from them.
+        self._merged = {"observ": self.observ_normalizer.statistics(),
+                        "reward": self.reward_normalizer.statistics()}

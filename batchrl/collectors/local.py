@@ -28,7 +28,8 @@ import torch
 import torch.multiprocessing  # noqa: F401  (shares tensors between processes when pickled)
 
 from batchrl.collectors.collector import CollectorSpec, Link, Replacements, collect
-from batchrl.envs.process.channel import context, start_worker
+from batchrl.envs.process.channel import context
+from batchrl.interrupt import start_worker
 from batchrl.parts.packing import stored_observations
 from batchrl.parts.rollout import Fields, Rollout, RolloutBuffer, rollout_tensors
 

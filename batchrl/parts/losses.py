@@ -17,6 +17,8 @@ algorithms that learn from V-trace targets (``batchrl.parts.vtrace``).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch.distributions import Categorical, Distribution, Independent, Normal, kl_divergence
 
@@ -157,12 +159,18 @@ class KLPenalizedObjective:
         return surrogate + self.penalty.value * kl + cutoff, {"kl_cutoff": cutoff}
 
     def end_update(self, new: Distribution, old: Distribution, action: torch.Tensor,
-                   advantage: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+                   advantage: torch.Tensor, mask: torch.Tensor,
+                   average: Callable[[torch.Tensor], torch.Tensor] | None = None
+                   ) -> dict[str, float]:
         """Adapt beta to the KL of the updated policy over the whole update's data; returns
-        the KL, beta before and after, and the new policy's entropy."""
+        the KL, beta before and after, and the new policy's entropy. ``average``: the mean of
+        a tensor over several learners (each holding an equal share of the data), so that
+        all of them adapt beta alike."""
         with torch.no_grad():
             _, kl, _ = policy_terms(new, old, action, advantage, mask)
             entropy = masked_mean(new.entropy(), mask)
+            if average is not None:
+                kl, entropy = average(torch.stack([kl, entropy]))
         kl, beta = float(kl), self.penalty.value
         return {"kl": kl, "beta": beta, "beta_next": self.penalty.adapt(kl),
                 "entropy": float(entropy)}
@@ -201,11 +209,16 @@ class ClippedObjective:
         return -masked_mean(surrogate, mask), {"clip_fraction": masked_mean(clipped, mask)}
 
     def end_update(self, new: Distribution, old: Distribution, action: torch.Tensor,
-                   advantage: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-        """The KL of the updated policy from the acting one and its entropy, to log."""
+                   advantage: torch.Tensor, mask: torch.Tensor,
+                   average: Callable[[torch.Tensor], torch.Tensor] | None = None
+                   ) -> dict[str, float]:
+        """The KL of the updated policy from the acting one and its entropy, to log
+        (``average``: their mean over several learners)."""
         with torch.no_grad():
             _, kl, _ = policy_terms(new, old, action, advantage, mask)
             entropy = masked_mean(new.entropy(), mask)
+            if average is not None:
+                kl, entropy = average(torch.stack([kl, entropy]))
         return {"kl": float(kl), "entropy": float(entropy)}
 
     def state_dict(self) -> dict[str, float]:

@@ -2,13 +2,54 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch import nn
 
 from batchrl.parts import numpy_views
+
+
+class Statistics(NamedTuple):
+    """Count, mean and sum of squared deviations of a set of values, float64 tensors: the
+    mean and ``sum_sq`` of one value's shape."""
+
+    count: torch.Tensor
+    mean: torch.Tensor
+    sum_sq: torch.Tensor
+
+    def __add__(self, other: "Statistics") -> "Statistics":  # type: ignore[override]
+        """The statistics of both sets together (Chan et al.'s parallel formula)."""
+        total = self.count + other.count
+        if float(total) == 0:
+            return self
+        delta = other.mean - self.mean
+        weight = other.count / total
+        return Statistics(total, self.mean + delta * weight,
+                          self.sum_sq + other.sum_sq + delta * delta * self.count * weight)
+
+    def __sub__(self, other: "Statistics") -> "Statistics":  # type: ignore[override]
+        """The statistics of the values in ``self`` that are not in ``other``, a subset of
+        them: the inverse of ``+`` (``(a + b) - a == b`` up to float64 rounding)."""
+        count = self.count - other.count
+        if float(count) == 0:
+            return Statistics(count, torch.zeros_like(self.mean), torch.zeros_like(self.sum_sq))
+        mean = (self.mean * self.count - other.mean * other.count) / count
+        delta = mean - other.mean
+        sum_sq = self.sum_sq - other.sum_sq - delta * delta * other.count * count / self.count
+        return Statistics(count, mean, sum_sq)
+
+    def flat(self) -> torch.Tensor:
+        """One float64 vector ``[count, *mean, *sum_sq]`` (for collectives)."""
+        return torch.cat([self.count.reshape(1), self.mean.reshape(-1), self.sum_sq.reshape(-1)])
+
+    @classmethod
+    def from_flat(cls, flat: torch.Tensor, shape: tuple[int, ...]) -> "Statistics":
+        """The inverse of ``flat()`` for values of ``shape``."""
+        size = flat.numel() // 2
+        return cls(flat[0].clone(), flat[1:1 + size].reshape(shape).clone(),
+                   flat[1 + size:].reshape(shape).clone())
 
 
 class StreamingNormalizer(nn.Module):
@@ -141,6 +182,19 @@ class StreamingNormalizer(nn.Module):
             self.count.fill_(total)
         cache.count = total
         cache.fresh = False
+
+    def statistics(self) -> "Statistics":
+        """``(count, mean, sum_sq)`` of everything seen, float64 copies."""
+        self.flush()
+        return Statistics(self.count.clone(), self.mean.clone(), self.sum_sq.clone())
+
+    def load_statistics(self, statistics: "Statistics") -> None:
+        """Replace the statistics by ``statistics`` (as ``statistics()`` returns them)."""
+        self.flush()
+        for name, value in zip(("count", "mean", "sum_sq"), statistics):
+            getattr(self, name).copy_(value)
+        self._cache.count = float(statistics.count)
+        self._cache.fresh = False
 
     @property
     def variance(self) -> torch.Tensor:

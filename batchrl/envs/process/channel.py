@@ -10,10 +10,7 @@ import multiprocessing as mp
 import os
 import pickle
 import select
-import signal
 import struct
-import sys
-import threading
 import time
 import weakref
 from typing import Any, Callable
@@ -35,44 +32,6 @@ def context() -> mp.context.BaseContext:
         ctx.set_forkserver_preload(_WORKER_MODULES)
         return ctx
     return mp.get_context("spawn")
-
-
-def die_with_parent() -> None:
-    """Make this process exit when the process that created the worker dies, even while
-    stuck in a ``step()`` that never reads the pipe: by ``prctl(PR_SET_PDEATHSIG)`` (Linux),
-    and since under ``forkserver`` that parent is the fork server (which outlives a busy
-    worker's creator), by a thread waiting on ``multiprocessing.parent_process()`` too."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            import ctypes
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    parent = mp.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        parent.join()  # returns once the parent is gone
-        time.sleep(1.0)  # an idle worker exits cleanly on the pipe's EOF meanwhile
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="batchrl-parent-watchdog", daemon=True).start()
-
-
-def start_worker(parent_pid: int) -> bool:
-    """First thing a worker does: tie its life to the parent's and ignore
-    Ctrl-C and SIGTERM (sent to the whole process group, but the parent
-    decides how to stop). Returns ``False`` when the parent is already gone."""
-    die_with_parent()
-    if parent_pid != os.getppid():
-        try:
-            os.kill(parent_pid, 0)
-        except ProcessLookupError:
-            return False  # the parent died before prctl was armed
-        except PermissionError:
-            pass  # alive, but another user's
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    return True
 
 
 def _shutdown(process, conn, timeout: float) -> None:

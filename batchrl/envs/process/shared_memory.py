@@ -18,7 +18,8 @@ import numpy as np
 
 from batchrl.envs.errors import EnvError, UnsupportedSpaceError
 from batchrl.envs.host import ACTION_ITEMSIZE, EnvHost, StepArrays, error_answer
-from batchrl.envs.process.channel import Channel, Frames, WorkerHandle, start_worker
+from batchrl.envs.process.channel import Channel, Frames, WorkerHandle
+from batchrl.interrupt import start_worker
 from batchrl.envs.spaces import check_space, worker_spaces
 from batchrl.envs.worker import RemoteWorker
 from batchrl.nested import copy_nested, take

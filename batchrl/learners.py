@@ -1,0 +1,190 @@
+"""Several learners (``train.learners = M``): start them, and stop them together.
+
+Each learner is a process with ``env.num_agents / M`` envs of its own and a full copy of the
+algorithm; after every backward pass the gradients are averaged over all learners
+(``batchrl.parts.distributed.LearnerGroup``), so all of them hold the same weights after every
+update. Learner 0, the writer, keeps the run's log, checkpoints and evaluations. Launches:
+
+- ``python train.py --config NAME --set train.learners=M``: this process becomes learner 0
+  and starts the others here, joined by gloo over 127.0.0.1, each pinned to its share of the
+  usable cores. Ctrl-C stops all of them, a learner that fails stops the run with an error
+  naming it, and none outlives the launching process.
+- ``torchrun --nproc-per-node M -m batchrl.train --config NAME``: every process torchrun
+  starts is a learner (its ``RANK``); torchrun places and stops them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from batchrl.config import Config, ConfigError
+from batchrl.hardware import usable_cores
+from batchrl.interrupt import start_worker
+from batchrl.parts.distributed import LearnerGroup, launched_by_torchrun
+from batchrl.trainer import Trainer, resolve_device
+
+
+class LearnerError(RuntimeError):
+    """A learner other than the writer failed or died, which stopped the run."""
+
+
+def check_learners(config: Config, learners: int, local: bool = True) -> None:
+    """``ConfigError`` when ``learners`` learners cannot run ``config`` (here, with
+    ``local``: one machine's cores or GPUs)."""
+    agents = config.env.num_agents
+    if agents % learners:
+        raise ConfigError(f"env.num_agents ({agents}) must be divisible by train.learners "
+                          f"({learners}): each learner steps an equal share of the envs")
+    if config.train.collectors:
+        raise ConfigError(f"train.learners = {learners} runs each learner's own envs, not "
+                          f"collectors: set train.collectors = 0 or train.learners = 1")
+    if not local:
+        return
+    device = resolve_device(config.train.device)
+    if device.type == "cuda":
+        gpus = torch.cuda.device_count()
+        if learners > gpus:
+            raise ConfigError(f"train.learners ({learners}) is more than the {gpus} GPUs "
+                              f"here: each learner takes one (or set train.device = 'cpu')")
+    elif learners > usable_cores():
+        raise ConfigError(f"train.learners ({learners}) is more than the {usable_cores()} "
+                          f"usable CPU cores here: each learner needs at least one")
+
+
+def run(config: Config, logdir: Path, progress: bool = True,
+        handle_signals: bool = False) -> dict[str, Any]:
+    """Train as ``config`` says with ``train.learners`` learners (one: ``Trainer`` here);
+    under ``torchrun``, as the learner it started. Returns the writer's last evaluation
+    record (``{}`` on the other learners). Raises as ``Trainer.run`` does, and
+    ``LearnerError`` when another learner failed."""
+    if launched_by_torchrun():
+        return _run_torchrun(config, logdir, progress, handle_signals)
+    if config.train.learners == 1:
+        return Trainer(config, logdir, progress, handle_signals).run()
+    return _run_local(config, logdir, progress, handle_signals)
+
+
+def _run_torchrun(config: Config, logdir: Path, progress: bool,
+                  handle_signals: bool) -> dict[str, Any]:
+    device = resolve_device(config.train.device)
+    learners = LearnerGroup.from_torchrun(device)
+    try:
+        if config.train.learners not in (1, learners.size):
+            raise ConfigError(f"train.learners = {config.train.learners}, but torchrun "
+                              f"started {learners.size} processes: set --nproc-per-node "
+                              f"(times the nodes) to train.learners")
+        config.train.learners = learners.size  # (the saved config records it)
+        check_learners(config, learners.size, local=False)
+        writer = learners.is_writer
+        return Trainer(config, logdir, progress and writer, handle_signals and writer,
+                       learners=learners).run()
+    finally:
+        learners.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _run_local(config: Config, logdir: Path, progress: bool,
+               handle_signals: bool) -> dict[str, Any]:
+    size = config.train.learners
+    check_learners(config, size)
+    cores = sorted(os.sched_getaffinity(0))
+    shares = [cores[len(cores) * rank // size:len(cores) * (rank + 1) // size]
+              for rank in range(size)]
+    port = _free_port()
+    ctx = mp.get_context("spawn")  # (no inherited threads: torch's pools make fork unsafe)
+    errors = ctx.Queue()
+    processes = []
+    own_cores = os.sched_getaffinity(0)
+    learners = None
+    finished = False
+    try:
+        for rank in range(1, size):
+            process = ctx.Process(target=_learner_main, name=f"batchrl-learner-{rank}",
+                                  args=(config, logdir, rank, size, port, os.getpid(),
+                                        shares[rank], errors))
+            process.start()
+            processes.append(process)
+        pids = [os.getpid()] + [process.pid for process in processes]
+        print(f"{size} learners, cores {shares}: pids {', '.join(map(str, pids))}", flush=True)
+        os.sched_setaffinity(0, shares[0])
+        learners = LearnerGroup.connect(0, size, "127.0.0.1", port,
+                                        resolve_device(config.train.device))
+        result = Trainer(config, logdir, progress, handle_signals, learners=learners).run()
+        finished = True
+        return result
+    except (ConfigError, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        failure = _failure(processes, errors)
+        if failure is not None:
+            raise LearnerError(failure) from exc
+        raise
+    finally:
+        try:
+            _stop(processes, 10.0 if finished else 0.0)
+            errors.cancel_join_thread()
+            errors.close()
+        finally:
+            if learners is not None:
+                learners.close()
+            os.sched_setaffinity(0, own_cores)
+
+
+def _learner_main(config: Config, logdir: Path, rank: int, size: int, port: int,
+                  parent_pid: int, cores: list[int], errors: Any) -> None:
+    """Learner ``rank`` (not the writer): tied to the launching process's life, deaf to
+    Ctrl-C (learner 0 decides when the run stops). A failure is sent to the launching
+    process as one line before the process exits with code 1."""
+    if not start_worker(parent_pid):
+        return
+    os.sched_setaffinity(0, cores)
+    learners = None
+    try:
+        learners = LearnerGroup.connect(rank, size, "127.0.0.1", port,
+                                        resolve_device(config.train.device))
+        Trainer(config, logdir, progress=False, learners=learners).run()
+    except BaseException as exc:  # noqa: BLE001 - reported to learner 0, then exit
+        errors.put((rank, f"{type(exc).__name__}: {exc}".splitlines()[0]))
+        errors.close()
+        errors.join_thread()
+        os._exit(1)
+    finally:
+        if learners is not None:
+            with contextlib.suppress(Exception):
+                learners.close()
+
+
+def _failure(processes: list[Any], errors: Any) -> str | None:
+    """What stopped the run when another learner did: its reported error or its exit."""
+    with contextlib.suppress(Exception):
+        rank, line = errors.get(timeout=2.0)
+        return f"learner {rank} failed: {line}"
+    for rank, process in enumerate(processes, 1):
+        process.join(2.0)
+        if process.exitcode is not None and process.exitcode != 0:
+            how = (f"was killed by signal {-process.exitcode}" if process.exitcode < 0
+                   else f"exited with code {process.exitcode}")
+            return f"learner {rank} (pid {process.pid}) {how}"
+    return None
+
+
+def _stop(processes: list[Any], timeout: float) -> None:
+    """Give the learners ``timeout`` seconds to finish (they end the run with learner 0),
+    then kill the rest."""
+    for process in processes:
+        process.join(timeout if process.exitcode is None else 0)
+        if process.exitcode is None:
+            process.kill()
+            process.join(5.0)

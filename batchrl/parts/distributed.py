@@ -1,0 +1,134 @@
+"""Several learners (``train.learners``): one learner's view of them, and their collectives.
+
+The learners of a run (``train.learners = M``) each step their own share of the envs and hold
+a full copy of the algorithm. After every backward pass their gradients are averaged by an
+all-reduce (``torch.distributed``: gloo on the CPU, NCCL between GPUs), so every learner takes
+the same optimiser step and all of them hold the same weights after every update. Learner 0
+(the writer) keeps the run's log, checkpoints and evaluations.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from batchrl.parts.normalize import Statistics, StreamingNormalizer
+
+# A collective waits this long for a learner that is still busy (an evaluation by learner 0, a
+# slow env) before it fails; a learner that died fails it at once (its connections close).
+DEFAULT_TIMEOUT = datetime.timedelta(hours=1)
+# What torchrun sets in every process it starts.
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class LearnerGroup:
+    """Learner ``rank`` of ``size``, joined to the others by a ``torch.distributed`` process
+    group (made with ``connect`` or ``from_torchrun``). Every method that communicates is a
+    collective: all learners call it, in the same order.
+
+    Args:
+      rank: this learner's index, 0 (the writer) to ``size - 1``.
+      size: the number of learners ``M``.
+    """
+
+    def __init__(self, rank: int, size: int):
+        if not 0 <= rank < size:
+            raise ValueError(f"learner rank must be in [0, {size}), got {rank}")
+        self.rank, self.size = rank, size
+
+    @classmethod
+    def connect(cls, rank: int, size: int, address: str, port: int, device: torch.device,
+                timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> "LearnerGroup":
+        """Join the ``size`` learners that meet at ``address:port`` (learner 0 listens there)."""
+        dist.init_process_group(_backend(device), init_method=f"tcp://{address}:{port}",
+                                rank=rank, world_size=size, timeout=timeout)
+        return cls(rank, size)
+
+    @classmethod
+    def from_torchrun(cls, device: torch.device,
+                      timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> "LearnerGroup":
+        """Join the learners of a ``torchrun`` launch (its ``RANK``, ``WORLD_SIZE``,
+        ``MASTER_ADDR`` and ``MASTER_PORT``)."""
+        dist.init_process_group(_backend(device), init_method="env://", timeout=timeout)
+        return cls(dist.get_rank(), dist.get_world_size())
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this learner keeps the run's log, checkpoints and evaluations."""
+        return self.rank == 0
+
+    def average_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """Replace each parameter's ``.grad`` by its mean over the learners: one all-reduce
+        of all of them in a single flat tensor. Every learner must hold gradients for the
+        same parameters (they run the same networks on the same shapes)."""
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        dist.all_reduce(flat)
+        flat.div_(self.size)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The mean of ``value`` (any shape) over the learners, in float64."""
+        total = value.detach().to(torch.float64).clone()
+        dist.all_reduce(total)
+        return (total / self.size).to(value.dtype)
+
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum of ``value`` over the learners, in float64."""
+        total = value.detach().to(torch.float64).clone()
+        dist.all_reduce(total)
+        return total
+
+    def merge(self, normalizer: StreamingNormalizer, synced: Statistics | None) -> Statistics:
+        """Give every learner's ``normalizer`` the statistics of all the learners' values:
+        ``synced`` (the merged statistics of the last call, ``None`` before the first) plus
+        what each learner added since, merged in learner order, so that the result is the
+        same on every learner and equals one normaliser's over the union of the values (up
+        to float64 rounding). Returns it, the next call's ``synced``."""
+        current = normalizer.statistics()
+        if synced is None:
+            synced = Statistics(*(torch.zeros_like(value) for value in current))
+        own = (current - synced).flat()
+        everyone = [torch.empty_like(own) for _ in range(self.size)]
+        dist.all_gather(everyone, own)
+        merged = synced
+        for flat in everyone:
+            merged = merged + Statistics.from_flat(flat, tuple(current.mean.shape))
+        normalizer.load_statistics(merged)
+        return merged
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every learner's ``value`` (picklable), in learner order, on every learner."""
+        values: list[Any] = [None] * self.size
+        dist.all_gather_object(values, value)
+        return values
+
+    def broadcast(self, value: Any) -> Any:
+        """Learner 0's ``value`` (picklable) on every learner (the others pass anything)."""
+        box = [value if self.is_writer else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def close(self) -> None:
+        """Leave the process group (when it was made)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process was started by ``torchrun`` (or another launcher that sets
+    ``torch.distributed``'s environment variables)."""
+    return all(name in os.environ for name in TORCHRUN_VARIABLES)

@@ -1,0 +1,240 @@
+"""Several learners (train.learners): gradients averaged over torch.distributed (gloo on
+127.0.0.1), identical weights, merged normaliser statistics, the writer's checkpoints and exact
+resume, a killed learner, Ctrl-C, torchrun, and the errors before work starts."""
+
+from __future__ import annotations
+
+import io
+import json
+import multiprocessing as mp
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchrl.algos.ppo import BatchPPO
+from batchrl.hardware import usable_cores
+from batchrl.parts.distributed import LearnerGroup
+from batchrl.parts.normalize import StreamingNormalizer
+from batchrl.simulation import simulate
+from helpers import (REPO, assert_same, descendants, finish, seeded_tensor_env, sets,
+                     start_train_py, wait_for, wait_gone)
+
+# HalfCheetah with 4 agents in 50-step rollouts: a training phase of 2,000 steps in a second
+# or two; minibatches of 100 steps over both learners.
+CHEETAH = ["env.num_agents=4", "env.max_length=100", "train.eval_every=10",
+           "train.eval_episodes=2", "train.device=cpu", "algorithm.minibatch_size=100",
+           "algorithm.update_epochs=2", "train.keep_checkpoints=100"]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def read_metrics(logdir: Path) -> list[dict]:
+    path = logdir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+# --- the collectives and BatchPPO, in two processes --------------------------------------
+
+def _learner(rank: int, port: int, results) -> None:
+    torch.set_num_threads(1)
+    learners = LearnerGroup.connect(rank, 2, "127.0.0.1", port, torch.device("cpu"))
+    try:
+        # Three rounds of different data per learner, merged after each.
+        normalizer, merged = StreamingNormalizer((3,)), None
+        generator = torch.Generator().manual_seed(rank)
+        batches = []
+        for round_ in range(3):
+            batch = torch.randn(17 + 5 * rank + round_, 3, generator=generator) * (1 + rank)
+            batches.append(batch)
+            normalizer.update(batch)
+            merged = learners.merge(normalizer, merged)
+        # BatchPPO: 3 updates on each learner's own Pendulum envs.
+        torch.manual_seed(0)
+        env = seeded_tensor_env("Pendulum-v1", 3, seed=100 * rank)
+        algo = BatchPPO(env.observation_space, env.action_space, 3, rollout_length=16,
+                        minibatch_size=16, update_epochs=2, policy_layers=(16,),
+                        value_layers=(16,), reward_scale="return", inference="eager")
+        initial = {k: v.clone() for k, v in algo.policy.state_dict().items()}
+        algo.join_learners(learners)
+        torch.manual_seed(1 + rank)
+        for _ in range(16 * 3):
+            simulate(env, algo)
+        env.close()
+        state = algo.state_dict()
+        # As bytes: a queued tensor would be shared memory this process must outlive.
+        buffer = io.BytesIO()
+        torch.save({"batches": batches, "statistics": tuple(normalizer.statistics()),
+                    "policy": state["policy"], "value": state["value"],
+                    "observ_normalizer": state["observ_normalizer"],
+                    "reward_normalizer": state["reward_normalizer"],
+                    "objective": state["objective"], "updates": state["updates"],
+                    "env_steps": state["env_steps"], "running_return": state["running_return"],
+                    "initial": initial}, buffer)
+        results.put((rank, buffer.getvalue()))
+    finally:
+        learners.close()
+
+
+@pytest.fixture(scope="module")
+def two_learners() -> dict[int, dict]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    processes = [ctx.Process(target=_learner, args=(rank, port, results)) for rank in (0, 1)]
+    for process in processes:
+        process.start()
+    try:
+        found = {rank: torch.load(io.BytesIO(data), weights_only=False)
+                 for rank, data in (results.get(timeout=120) for _ in processes)}
+    finally:
+        for process in processes:
+            process.join(30)
+            if process.exitcode is None:
+                process.kill()
+    return found
+
+
+def test_learners_hold_identical_weights_after_every_update(two_learners):
+    first, second = two_learners[0], two_learners[1]
+    assert first["updates"] == second["updates"] == 3
+    for name in ("policy", "value", "observ_normalizer", "reward_normalizer", "objective"):
+        assert_same(first[name], second[name], name)  # bit for bit
+    # They learned (from different data: their envs and returns differ).
+    assert any(not torch.equal(first["policy"][k], first["initial"][k]) for k in first["initial"])
+    assert not torch.equal(first["running_return"], second["running_return"])
+    # The learning-rate clock counts the run's env steps, both learners'.
+    assert first["env_steps"] == 2 * 3 * 16 * 3
+
+
+def test_merged_statistics_are_one_normalisers_over_the_union(two_learners):
+    union = StreamingNormalizer((3,))
+    for rank in (0, 1):
+        for batch in two_learners[rank]["batches"]:
+            union.update(batch)
+    expected = union.statistics()
+    for rank in (0, 1):
+        for got, want in zip(two_learners[rank]["statistics"], expected):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+# --- train.py with two learners -----------------------------------------------------------
+
+def train(logdir: Path, *args: str, timeout: float = 180) -> tuple[int, str, str]:
+    process = start_train_py("--config", "halfcheetah", "--logdir", str(logdir), *args)
+    return finish(process, timeout)
+
+
+@pytest.mark.slow
+def test_two_learners_write_one_run_that_resumes_exactly(tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    code, stdout, stderr = train(straight, *sets(*CHEETAH, "train.learners=2",
+                                                 "train.steps=6000"))
+    assert code == 0, stderr
+    assert re.search(r"2 learners, cores .*: pids \d+, \d+", stdout), stdout
+    code, _, stderr = train(resumed, *sets(*CHEETAH, "train.learners=2", "train.steps=4000"))
+    assert code == 0, stderr
+    code, _, stderr = train(resumed, "--steps", "6000")
+    assert code == 0, stderr
+    records = [read_metrics(run) for run in (straight, resumed)]
+    assert [r["step"] for r in records[0] if r["phase"] == "train"] == [2000, 4000, 6000]
+    # Exact on the CPU: the same phases, returns and episode counts either way.
+    key = [[(r["step"], r["phase"], r["score"], r["episodes"]) for r in run] for run in records]
+    assert key[0] == key[1] and any(r["phase"] == "eval" for r in records[0])
+    checkpoint = torch.load(sorted(straight.glob("ckpt-*.pt"))[-1], weights_only=False)
+    assert len(checkpoint["learners"]) == 2 and checkpoint["counters"]["steps"] == 6000
+    assert json.loads((straight / "config.json").read_text())["train"]["learners"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["kill learner 1", "ctrl-c"])
+def test_a_learner_that_dies_or_ctrl_c_stops_every_learner(tmp_path, how):
+    logdir = tmp_path / "run"
+    process = start_train_py("--config", "halfcheetah", "--logdir", str(logdir),
+                             *sets(*CHEETAH, "train.learners=2", "train.steps=10000000"))
+    try:
+        wait_for(lambda: any(logdir.glob("ckpt-*.pt")) or process.poll() is not None, 120,
+                 "the first checkpoint")
+        assert process.poll() is None, process.communicate()
+        children = descendants(process.pid)
+        if how == "ctrl-c":
+            os.killpg(process.pid, signal.SIGINT)
+        else:
+            line = process.stdout.readline()
+            while "learners, cores" not in line:
+                line = process.stdout.readline()
+            other = int(line.rsplit(", ", 1)[1])
+            assert other in children
+            os.kill(other, signal.SIGKILL)
+        code, stdout, stderr = finish(process, 60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert wait_gone(children, timeout=15) == []
+    assert "Traceback" not in stderr, stderr
+    assert sorted(logdir.glob("ckpt-*.pt")), "the run's work is kept"
+    if how == "ctrl-c":
+        assert code == 130, (stdout, stderr)
+        assert "Resume with:" in stdout
+    else:
+        assert code == 1, (stdout, stderr)
+        assert re.search(rf"error: learner 1 \(pid {other}\) was killed by signal 9", stderr)
+        assert "Resume it with:" in stderr
+
+
+@pytest.mark.slow
+def test_torchrun_starts_the_learners(tmp_path):
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    assert torchrun is not None
+    logdir = tmp_path / "run"
+    process = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "batchrl.train",
+         "--config", "halfcheetah", "--logdir", str(logdir), "--no-progress",
+         *sets(*CHEETAH, "train.steps=2000")],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+        env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert process.stdout.count("Training HalfCheetah-v5") == 1  # the writer's line only
+    checkpoint = torch.load(sorted(logdir.glob("ckpt-*.pt"))[-1], weights_only=False)
+    assert len(checkpoint["learners"]) == 2
+    assert json.loads((logdir / "config.json").read_text())["train"]["learners"] == 2
+
+
+# --- errors before work starts ------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.learners=0"], "learners must be >= 1, got 0"),
+    (["train.learners=2", "env.num_agents=5"],
+     "env.num_agents (5) must be divisible by train.learners (2)"),
+    (["train.learners=2", "train.collectors=2"], "set train.collectors = 0"),
+    ([f"train.learners={usable_cores() + 1}", f"env.num_agents={usable_cores() + 1}"],
+     "usable CPU cores here: each learner needs at least one"),
+])
+def test_bad_learner_settings_are_one_line_errors(tmp_path, overrides, message):
+    code, stdout, stderr = train(tmp_path / "run", *sets(*CHEETAH, *overrides), timeout=60)
+    assert code == 2, (stdout, stderr)
+    assert message in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="two learners need two cores")
+def test_an_algorithm_that_cannot_be_one_of_several_learners_is_named(tmp_path):
+    # cartpole updates on whole episodes: learners could take different gradient steps.
+    process = start_train_py("--config", "cartpole", "--logdir", str(tmp_path / "run"),
+                             *sets("train.learners=2", "env.num_agents=4"))
+    code, stdout, stderr = finish(process, 90)
+    assert code == 2, (stdout, stderr)
+    assert ("error: train.learners = 2: several learners need fixed-length rollouts"
+            in stderr), stderr
+    assert wait_gone(descendants(process.pid), 10) == []
