@@ -26,6 +26,7 @@ else:  # pragma: no cover - Python 3.10
 
 from batchrl.algos.impala_config import IMPALAConfig
 from batchrl.algos.ppo_config import EVAL_ACTIONS, PRECISIONS, PPOConfig
+from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.factory import BACKENDS, check_resources, import_from
 from batchrl.errors import UnsupportedSpaceError
 
@@ -116,6 +117,8 @@ class TrainConfig:
     # Learner processes, each stepping env.num_agents / learners envs with a full copy of the
     # algorithm; gradients are averaged over them after every backward pass. 1: one process.
     learners: int = 1
+    # On a Ray cluster: what each learner but the first (the launching process) reserves.
+    learner_resources: dict = field(default_factory=lambda: {"CPU": 1})
     max_policy_lag: int | None = None  # collectors wait rather than exceed it ("none": no limit)
     queue_size: int = 2           # finished rollouts per collector that may wait for the learner
     # "bfloat16": the algorithm's updates under torch.autocast (CPUs with AVX-512 BF16 or AMX,
@@ -137,6 +140,10 @@ class TrainConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, got "
                              f"{self.precision!r}")
+        try:
+            check_resources(self.learner_resources)
+        except EnvSpecError as exc:
+            raise ValueError(f"train.learner_{exc}") from None
         if self.eval_actions not in EVAL_ACTIONS:
             raise ValueError(f"train.eval_actions must be one of {', '.join(EVAL_ACTIONS)}, got "
                              f"{self.eval_actions!r}")

@@ -118,7 +118,9 @@ LAYERS = {
     "algorithms": {"base", "parts"},
     "loop": {"base", "env core", "parts", "algorithms"},
     "collectors": {"base", "env core", "env front", "transports", "parts", "algorithms", "loop"},
-    "application": {"base", "env core", "env front", "parts", "algorithms", "loop", "collectors"},
+    "learners": {"base", "env core", "env front", "transports", "parts", "algorithms", "loop"},
+    "application": {"base", "env core", "env front", "parts", "algorithms", "loop", "collectors",
+                    "learners"},
 }
 
 
@@ -139,6 +141,8 @@ def layer(module: str) -> str:
         return "loop"
     if module.startswith("batchrl.collectors"):
         return "collectors"
+    if module == "batchrl.learners.ray":  # (placing learners; launching them is the application's)
+        return "learners"
     return "application"
 
 

@@ -20,7 +20,10 @@ import pytest
 import torch
 
 from batchrl.algos.ppo import BatchPPO
+from batchrl.config import load_config
+from batchrl.envs.errors import EnvSpecError
 from batchrl.hardware import usable_cores
+from batchrl.learners import run
 from batchrl.parts.distributed import LearnerGroup
 from batchrl.parts.normalize import StreamingNormalizer
 from batchrl.simulation import simulate
@@ -209,6 +212,34 @@ def test_torchrun_starts_the_learners(tmp_path):
     checkpoint = torch.load(sorted(logdir.glob("ckpt-*.pt"))[-1], weights_only=False)
     assert len(checkpoint["learners"]) == 2
     assert json.loads((logdir / "config.json").read_text())["train"]["learners"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_learners_on_a_two_node_ray_cluster(cluster, tmp_path, capsys):
+    second = cluster.node_id("second")
+    config = load_config("halfcheetah", [*CHEETAH, "train.learners=2", "train.steps=4000",
+                                         f"env.ray_address={cluster.address}",
+                                         "train.learner_resources={CPU = 1, second_node = 1}"])
+    result = run(config, tmp_path, progress=False)
+    out = capsys.readouterr().out
+    assert f"2 learners: learner 0 here, learner 1 on node {second[:8]}" in out, out
+    assert result["step"] == 4000 and result["phase"] == "eval"
+    checkpoint = torch.load(sorted(tmp_path.glob("ckpt-*.pt"))[-1], weights_only=False)
+    assert len(checkpoint["learners"]) == 2
+    cluster.wait_idle()  # the learner's actor and its bundle are gone
+
+
+def test_a_ray_cluster_without_room_for_the_learners_is_an_error(cluster, tmp_path):
+    config = load_config("halfcheetah", [*CHEETAH, "train.learners=3",
+                                         f"env.ray_address={cluster.address}",
+                                         "env.num_agents=3", "algorithm.minibatch_size=99",
+                                         "train.learner_resources={CPU = 2}"])
+    with pytest.raises(EnvSpecError, match=r"2 more learners with train.learner_resources="
+                                           r"\{'CPU': 2\} need CPU=4 in all, but the Ray "
+                                           r"cluster has CPU=3"):
+        run(config, tmp_path, progress=False)
+    cluster.wait_idle()
 
 
 # --- errors before work starts ------------------------------------------------------------

@@ -9,6 +9,10 @@ update. Learner 0, the writer, keeps the run's log, checkpoints and evaluations.
   and starts the others here, joined by gloo over 127.0.0.1, each pinned to its share of the
   usable cores. Ctrl-C stops all of them, a learner that fails stops the run with an error
   naming it, and none outlives the launching process.
+- The same on a Ray cluster (``env.ray_address``, or ``env.backend = "ray"``): learners 1 to
+  M-1 are Ray actors, one per bundle of a placement group spread over the nodes, each
+  reserving ``train.learner_resources``; they step their envs in worker processes of their
+  node. Learner 0 is the launching process.
 - ``torchrun --nproc-per-node M -m batchrl.train --config NAME``: every process torchrun
   starts is a learner (its ``RANK``); torchrun places and stops them.
 """
@@ -16,6 +20,8 @@ update. Learner 0, the writer, keeps the run's log, checkpoints and evaluations.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import multiprocessing as mp
 import os
 import socket
@@ -28,7 +34,7 @@ from batchrl.config import Config, ConfigError
 from batchrl.hardware import usable_cores
 from batchrl.interrupt import start_worker
 from batchrl.parts.distributed import LearnerGroup, launched_by_torchrun
-from batchrl.trainer import Trainer, resolve_device
+from batchrl.trainer import Trainer, on_a_cluster, resolve_device
 
 
 class LearnerError(RuntimeError):
@@ -68,6 +74,8 @@ def run(config: Config, logdir: Path, progress: bool = True,
         return _run_torchrun(config, logdir, progress, handle_signals)
     if config.train.learners == 1:
         return Trainer(config, logdir, progress, handle_signals).run()
+    if on_a_cluster(config):
+        return _run_ray(config, logdir, progress, handle_signals)
     return _run_local(config, logdir, progress, handle_signals)
 
 
@@ -89,10 +97,66 @@ def _run_torchrun(config: Config, logdir: Path, progress: bool,
         learners.close()
 
 
-def _free_port() -> int:
+def _free_port(address: str = "127.0.0.1") -> int:
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind((address, 0))
         return probe.getsockname()[1]
+
+
+def _run_ray(config: Config, logdir: Path, progress: bool,
+             handle_signals: bool) -> dict[str, Any]:
+    from batchrl.learners.ray import RayLearners  # (imports Ray)
+    size = config.train.learners
+    check_learners(config, size, local=False)
+    remote = RayLearners(size - 1, config.train.learner_resources, config.env.ray_address)
+    learners = None
+    finished = False
+    try:
+        import ray
+        address = ray.util.get_node_ip_address()
+        port = _free_port(address)
+        # A learner is the unit Ray places: it steps its envs in processes of its node.
+        env = config.env
+        cpus = int(config.train.learner_resources.get("CPU", 1))
+        on_node = dataclasses.replace(config, env=dataclasses.replace(
+            env, backend="workers" if env.backend == "ray" else env.backend,
+            workers=env.workers or max(1, cpus)))
+        remote.start([functools.partial(_remote_main, on_node, logdir, rank, size, address,
+                                        port) for rank in range(1, size)])
+        nodes = ", ".join(f"learner {rank} on node {node[:8]}"
+                          for rank, (node, _) in enumerate(remote.nodes, 1))
+        print(f"{size} learners: learner 0 here, {nodes}", flush=True)
+        learners = LearnerGroup.connect(0, size, address, port,
+                                        resolve_device(config.train.device))
+        result = Trainer(config, logdir, progress, handle_signals, learners=learners).run()
+        finished = True
+        return result
+    except (ConfigError, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        failure = remote.failure()
+        if failure is not None:
+            raise LearnerError(failure) from exc
+        raise
+    finally:
+        try:
+            if finished:
+                remote.wait(10.0)
+            remote.close()
+        finally:
+            if learners is not None:
+                learners.close()
+
+
+def _remote_main(config: Config, logdir: Path, rank: int, size: int, address: str,
+                 port: int) -> None:
+    """Learner ``rank`` in a Ray actor."""
+    learners = LearnerGroup.connect(rank, size, address, port,
+                                    resolve_device(config.train.device))
+    try:
+        Trainer(config, logdir, progress=False, learners=learners).run()
+    finally:
+        learners.close()
 
 
 def _run_local(config: Config, logdir: Path, progress: bool,
