@@ -629,6 +629,26 @@ class BatchPPO(Algorithm):
                                         norm=True)
         return loss, terms, grad_norm, values
 
+    def _both_steps(self, batch: dict[str, torch.Tensor], mask: torch.Tensor
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], float, torch.Tensor]:
+        """The policy's and the value network's gradient steps with one all-reduce of both
+        gradients (several learners; the networks share nothing, so each step is what
+        ``_policy_step`` and ``_value_step`` take): as ``_joint_step`` returns."""
+        loss, terms = self._policy_loss(batch, mask)
+        values = self._value_loss(batch, mask)
+        for optimizer in (self.policy_optimizer, self.value_optimizer):
+            optimizer.zero_grad(set_to_none=True)
+        (loss + values).backward()  # (each network's gradient is its own loss's)
+        self.learners.average_gradients(
+            p for network in (self.policy, self.value) for p in network.parameters())
+        limit = self.config.max_grad_norm or float("inf")
+        grad_norm = float(nn.utils.clip_grad_norm_(list(self.policy.parameters()), limit))
+        if self.config.max_grad_norm:
+            nn.utils.clip_grad_norm_(list(self.value.parameters()), limit)
+        self.policy_optimizer.step()
+        self.value_optimizer.step()
+        return loss, terms, grad_norm, values
+
     def update(self, rollout_data: dict[str, torch.Tensor] | None = None) -> Summary:
         """Learn from the episodes (or the rollout) in memory, or from ``rollout_data`` (see
         ``learn``); returns the summary. Runs with gradients on, even when called under
@@ -701,6 +721,8 @@ class BatchPPO(Algorithm):
                 batch_mask = mask[picked]
                 if self.shared_torso:
                     policy_loss, terms, grad_norm, values = self._joint_step(batch, batch_mask)
+                elif self.learners is not None:
+                    policy_loss, terms, grad_norm, values = self._both_steps(batch, batch_mask)
                 elif pool is None:
                     policy_loss, terms, grad_norm = self._policy_step(batch, batch_mask)
                     values = self._value_step(batch, batch_mask)
