@@ -224,6 +224,8 @@ class Trainer:
         self._snapshot: tuple[int, bytes] | None = None
         self._written: int | None = None
         self.device = resolve_device(config.train.device)
+        if learners is not None and self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", learners.local_rank)  # a GPU per learner
         self.counters = Counters()
         self.last_scores: dict[str, float | None] = {"train": None, "eval": None}
         self._restarts_seen: dict[int, int] = {}  # per batch env (id), its restarts reported

@@ -151,8 +151,9 @@ def _run_ray(config: Config, logdir: Path, progress: bool,
 def _remote_main(config: Config, logdir: Path, rank: int, size: int, address: str,
                  port: int) -> None:
     """Learner ``rank`` in a Ray actor."""
+    # (Ray shows an actor only the GPUs it reserved: its first is its own)
     learners = LearnerGroup.connect(rank, size, address, port,
-                                    resolve_device(config.train.device))
+                                    resolve_device(config.train.device), local_rank=0)
     try:
         Trainer(config, logdir, progress=False, learners=learners).run()
     finally:

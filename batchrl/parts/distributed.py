@@ -33,28 +33,35 @@ class LearnerGroup:
     Args:
       rank: this learner's index, 0 (the writer) to ``size - 1``.
       size: the number of learners ``M``.
+      local_rank: its index among the learners of its machine (its GPU there); ``rank``
+        unless given.
     """
 
-    def __init__(self, rank: int, size: int):
+    def __init__(self, rank: int, size: int, local_rank: int | None = None):
         if not 0 <= rank < size:
             raise ValueError(f"learner rank must be in [0, {size}), got {rank}")
         self.rank, self.size = rank, size
+        self.local_rank = rank if local_rank is None else local_rank
 
     @classmethod
     def connect(cls, rank: int, size: int, address: str, port: int, device: torch.device,
-                timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> "LearnerGroup":
+                timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+                local_rank: int | None = None) -> "LearnerGroup":
         """Join the ``size`` learners that meet at ``address:port`` (learner 0 listens there)."""
+        _use_gpu(device, rank if local_rank is None else local_rank)
         dist.init_process_group(_backend(device), init_method=f"tcp://{address}:{port}",
                                 rank=rank, world_size=size, timeout=timeout)
-        return cls(rank, size)
+        return cls(rank, size, local_rank)
 
     @classmethod
     def from_torchrun(cls, device: torch.device,
                       timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> "LearnerGroup":
         """Join the learners of a ``torchrun`` launch (its ``RANK``, ``WORLD_SIZE``,
         ``MASTER_ADDR`` and ``MASTER_PORT``)."""
+        _use_gpu(device, int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(_backend(device), init_method="env://", timeout=timeout)
-        return cls(dist.get_rank(), dist.get_world_size())
+        return cls(dist.get_rank(), dist.get_world_size(),
+                   int(os.environ.get("LOCAL_RANK", dist.get_rank())))
 
     @property
     def is_writer(self) -> bool:
@@ -122,6 +129,13 @@ class LearnerGroup:
         """Leave the process group (when it was made)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _use_gpu(device: torch.device, local_rank: int) -> None:
+    """On GPUs, make the learner's own (``cuda:local_rank``) the current one: NCCL's
+    collectives run there."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index if device.index is not None else local_rank)
 
 
 def _backend(device: torch.device) -> str:
