@@ -160,12 +160,13 @@ def _learner_state(state: dict[str, Any], checkpoint: Path, learners: LearnerGro
                    ) -> dict[str, Any]:
     """This learner's own part of a checkpoint of several learners: its random generators and
     per-agent algorithm state."""
-    written = len(state.get("learners", ()))
+    written = len(state.get("learners", ())) or 1
     if written != learners.size:
-        by = f"{written} learners" if written else "one learner"
-        raise ConfigError(f"{checkpoint} was written by {by} and resumes exactly only with "
-                          f"as many (train.learners = {written or 1}); this run has "
-                          f"{learners.size}")
+        raise ConfigError(f"{checkpoint} was written by {written} learner(s) and resumes "
+                          f"exactly only with as many (train.learners = {written}); this run "
+                          f"has {learners.size}")
+    if "learners" not in state:  # (one learner: under torchrun with one process)
+        return {"rng": state["rng"], "algorithm": {}}
     return state["learners"][learners.rank]
 
 
