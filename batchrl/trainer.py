@@ -146,8 +146,9 @@ def check_collectors(config: Config, algo: Algorithm) -> None:
 def _join(algo: Algorithm, learners: LearnerGroup) -> None:
     """Make ``algo`` one of ``learners``, or say why it cannot be (``ConfigError``)."""
     support = getattr(algo, "learner_support", None)
-    if not hasattr(algo, "join_learners"):
-        reason = f"{type(algo).__name__} cannot be one of several learners (no join_learners)"
+    if not all(hasattr(algo, name) for name in ("join_learners", "synchronize")):
+        reason = (f"{type(algo).__name__} cannot be one of several learners (no "
+                  f"join_learners and synchronize)")
     else:
         reason = None if support is None else support(learners.size)
     if reason is not None:
@@ -267,8 +268,10 @@ class Trainer:
                                                        overlap=training and config.train.overlap)
                 calls += 1
                 self._stop.check()
-                # Envs restarted in this step did not step (they were reset).
-                stepped = num_agents if env.restarted is None else num_agents - len(env.restarted)
+                # Envs restarted in this step did not step (they were reset); several learners
+                # count every env, so that their step counters (and budgets) stay in lockstep.
+                stepped = (num_agents if env.restarted is None or self.learners is not None
+                           else num_agents - len(env.restarted))
                 steps += stepped
                 if training:
                     stepped *= size  # (the learners step alike)
@@ -289,9 +292,10 @@ class Trainer:
         elapsed = time.perf_counter() - start
         counters.wall_time += elapsed
         if self.learners is not None and training:  # the phase's episodes of all learners
-            everyone = self.learners.gather((scores, lengths))
-            scores = [score for each, _ in everyone for score in each]
-            lengths = [length for _, each in everyone for length in each]
+            everyone = self.learners.gather_to_writer((scores, lengths))
+            if everyone is not None:
+                scores = [score for each, _ in everyone for score in each]
+                lengths = [length for _, each in everyone for length in each]
             steps *= size
         if training:
             counters.train_phases += 1
@@ -513,6 +517,11 @@ class Trainer:
                     algo.load_state_dict({**state["algorithm"], **own["algorithm"]})
                     _set_rng_state(own["rng"])
                 else:
+                    if len(state.get("learners", ())) > 1:
+                        raise ConfigError(f"{checkpoint} was written by "
+                                          f"{len(state['learners'])} learners and resumes "
+                                          f"exactly only with as many (train.learners = "
+                                          f"{len(state['learners'])}); this run has 1")
                     algo.load_state_dict(state["algorithm"])
                     _set_rng_state(state["rng"])
                 self.counters = Counters(**state["counters"])
@@ -563,12 +572,14 @@ class Trainer:
                         self.counters.phases += 1
                     evals += 1
                 # A phase boundary: the only state a run can resume from exactly.
+                if learners is not None:  # (the shared state the last update left unmerged)
+                    algo.synchronize()
                 algo_state = algo.state_dict()
                 state = {"algorithm": algo_state,
                          "counters": dataclasses.asdict(self.counters),
                          "rng": _rng_state(), "config": config.to_dict()}
                 if learners is not None:  # what differs between the learners, for each
-                    state["learners"] = learners.gather(
+                    state["learners"] = learners.gather_to_writer(
                         {"rng": state["rng"],
                          "algorithm": {key: algo_state[key] for key in algo.per_agent_state}})
                 if not self.writer:

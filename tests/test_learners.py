@@ -157,6 +157,14 @@ def test_two_learners_write_one_run_that_resumes_exactly(tmp_path):
     assert key[0] == key[1] and any(r["phase"] == "eval" for r in records[0])
     checkpoint = torch.load(sorted(straight.glob("ckpt-*.pt"))[-1], weights_only=False)
     assert len(checkpoint["learners"]) == 2 and checkpoint["counters"]["steps"] == 6000
+    # A budget that ends mid-rollout, then raised: the reset drops each learner's unfinished
+    # steps, yet both take the same gradient steps (no collective is left waiting).
+    cut = tmp_path / "cut"
+    code, _, stderr = train(cut, *sets(*CHEETAH, "train.learners=2", "train.steps=2100"))
+    assert code == 0, stderr
+    code, _, stderr = train(cut, "--steps", "4000", timeout=120)
+    assert code == 0, stderr
+    assert [r["step"] for r in read_metrics(cut) if r["phase"] == "train"][-2:] == [2100, 4000]
     assert json.loads((straight / "config.json").read_text())["train"]["learners"] == 2
 
 

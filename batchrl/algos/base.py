@@ -101,6 +101,15 @@ class Algorithm(abc.ABC):
       The rows were acted by older weights (``rollout.version``): correct for it (importance
       ratios, V-trace) from the recorded behaviour.
 
+    Several learners (``train.learners = M``): each learner process holds a copy of the
+    algorithm and steps its share of the envs. An algorithm takes part with three methods
+    (BatchPPO has them): ``learner_support(M)`` says why it cannot (or ``None``);
+    ``join_learners(group)`` hands it the ``batchrl.parts.distributed.LearnerGroup`` whose
+    collectives it calls in the same order on every learner (BatchPPO averages its gradients
+    after every backward pass and merges its statistics before every update); and
+    ``synchronize()``, a collective the trainer calls on every learner before a checkpoint,
+    after which the state all learners share is identical.
+
     ``rollout_length`` is the steps per rollout (``steps_per_update`` unless an algorithm says
     otherwise); ``collector_support()`` says why an instance cannot run with collectors, if it
     cannot (the trainer reports it before it starts any).

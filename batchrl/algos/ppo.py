@@ -475,6 +475,11 @@ class BatchPPO(Algorithm):
                         f"learners and must be divisible by train.learners ({learners})")
         return None
 
+    def synchronize(self) -> None:
+        """Merge every learner's normaliser statistics (a collective: all learners call it);
+        the trainer does before each checkpoint, which then holds them all."""
+        self._merge_statistics()
+
     def join_learners(self, learners: LearnerGroup) -> None:
         """Learn as one of ``learners``: gradients averaged over them after every backward
         pass, normaliser statistics merged before every update, advantages normalised and
@@ -494,6 +499,10 @@ class BatchPPO(Algorithm):
         """
         chunk = self.config.chunk_length
         if self.config.minibatch_size is not None:
+            if self.learners is not None:  # every step, the invalid ones masked: all learners
+                # take the same gradient steps however many steps a reset dropped
+                return ({name: value.flatten(0, 1).unsqueeze(1)
+                         for name, value in data.items()}, mask.reshape(-1, 1))
             return ({name: value[mask].unsqueeze(1) for name, value in data.items()},
                     mask.new_ones(int(mask.sum()), 1))
         if self.state_size == 0 or chunk is None:

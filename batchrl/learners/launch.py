@@ -32,7 +32,7 @@ import torch
 
 from batchrl.config import Config, ConfigError
 from batchrl.hardware import usable_cores
-from batchrl.interrupt import start_worker
+from batchrl.interrupt import Interrupted, start_worker
 from batchrl.parts.distributed import LearnerGroup, launched_by_torchrun
 from batchrl.trainer import Trainer, on_a_cluster, resolve_device
 
@@ -54,6 +54,9 @@ def check_learners(config: Config, learners: int, local: bool = True) -> None:
     if not local:
         return
     device = resolve_device(config.train.device)
+    if device.type == "cuda" and device.index is not None:
+        raise ConfigError(f"train.device = {config.train.device!r} puts every learner on one "
+                          f"GPU: use 'cuda' (or 'auto'), and learner r takes cuda:r")
     if device.type == "cuda":
         gpus = torch.cuda.device_count()
         if learners > gpus:
@@ -131,7 +134,7 @@ def _run_ray(config: Config, logdir: Path, progress: bool,
         result = Trainer(config, logdir, progress, handle_signals, learners=learners).run()
         finished = True
         return result
-    except (ConfigError, KeyboardInterrupt):
+    except (ConfigError, Interrupted, KeyboardInterrupt):
         raise
     except Exception as exc:
         failure = remote.failure()
@@ -189,7 +192,7 @@ def _run_local(config: Config, logdir: Path, progress: bool,
         result = Trainer(config, logdir, progress, handle_signals, learners=learners).run()
         finished = True
         return result
-    except (ConfigError, KeyboardInterrupt):
+    except (ConfigError, Interrupted, KeyboardInterrupt):
         raise
     except Exception as exc:
         failure = _failure(processes, errors)
@@ -214,9 +217,9 @@ def _learner_main(config: Config, logdir: Path, rank: int, size: int, port: int,
     process as one line before the process exits with code 1."""
     if not start_worker(parent_pid):
         return
-    os.sched_setaffinity(0, cores)
     learners = None
     try:
+        os.sched_setaffinity(0, cores)
         learners = LearnerGroup.connect(rank, size, "127.0.0.1", port,
                                         resolve_device(config.train.device))
         Trainer(config, logdir, progress=False, learners=learners).run()

@@ -21,8 +21,10 @@ from batchrl.parts.normalize import Statistics, StreamingNormalizer
 # A collective waits this long for a learner that is still busy (an evaluation by learner 0, a
 # slow env) before it fails; a learner that died fails it at once (its connections close).
 DEFAULT_TIMEOUT = datetime.timedelta(hours=1)
+# How long the learners of a run may take to meet (start their processes, import torch).
+CONNECT_TIMEOUT = datetime.timedelta(minutes=2)
 # What torchrun sets in every process it starts.
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN_VARIABLES = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 class LearnerGroup:
@@ -49,8 +51,12 @@ class LearnerGroup:
                 local_rank: int | None = None) -> "LearnerGroup":
         """Join the ``size`` learners that meet at ``address:port`` (learner 0 listens there)."""
         _use_gpu(device, rank if local_rank is None else local_rank)
-        dist.init_process_group(_backend(device), init_method=f"tcp://{address}:{port}",
-                                rank=rank, world_size=size, timeout=timeout)
+        # Meeting is bounded by CONNECT_TIMEOUT (a learner that failed to start must not keep
+        # the others waiting for an hour); the collectives after it by ``timeout``.
+        store = dist.TCPStore(address, port, size, rank == 0, timeout=CONNECT_TIMEOUT,
+                              wait_for_workers=True)
+        dist.init_process_group(_backend(device), store=store, rank=rank, world_size=size,
+                                timeout=timeout)
         return cls(rank, size, local_rank)
 
     @classmethod
@@ -113,10 +119,11 @@ class LearnerGroup:
         normalizer.load_statistics(merged)
         return merged
 
-    def gather(self, value: Any) -> list[Any]:
-        """Every learner's ``value`` (picklable), in learner order, on every learner."""
-        values: list[Any] = [None] * self.size
-        dist.all_gather_object(values, value)
+    def gather_to_writer(self, value: Any) -> list[Any] | None:
+        """Every learner's ``value`` (picklable), in learner order, on the writer; ``None`` on
+        the others."""
+        values: list[Any] | None = [None] * self.size if self.is_writer else None
+        dist.gather_object(value, values, dst=0)
         return values
 
     def broadcast(self, value: Any) -> Any:
@@ -143,6 +150,6 @@ def _backend(device: torch.device) -> str:
 
 
 def launched_by_torchrun() -> bool:
-    """Whether this process was started by ``torchrun`` (or another launcher that sets
-    ``torch.distributed``'s environment variables)."""
+    """Whether this process was started by ``torchrun`` (its run id and
+    ``torch.distributed``'s environment variables are set)."""
     return all(name in os.environ for name in TORCHRUN_VARIABLES)
