@@ -145,7 +145,7 @@ def main() -> None:
           f"call, {per_update * 1e3:.1f} ms per update; one learner's update: "
           f"{update * 1e3:.0f} ms ({per_update / update:.2f} of it)")
     rates = {learners: training(args.config, learners, args.steps) for learners in (1, 2)}
-    print(f"\n| learners | steps/s | ratio |\n|---:|---:|---:|")
+    print("\n| learners | steps/s | ratio |\n|---:|---:|---:|")
     for learners, rate in rates.items():
         print(f"| {learners} | {rate:,.0f} | {rate / rates[1]:.2f} |")
 
