@@ -26,7 +26,7 @@ import multiprocessing as mp
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -112,7 +112,6 @@ def _run_ray(config: Config, logdir: Path, progress: bool,
     size = config.train.learners
     check_learners(config, size, local=False)
     remote = RayLearners(size - 1, config.train.learner_resources, config.env.ray_address)
-    learners = None
     finished = False
     try:
         import ray
@@ -129,26 +128,35 @@ def _run_ray(config: Config, logdir: Path, progress: bool,
         nodes = ", ".join(f"learner {rank} on node {node[:8]}"
                           for rank, (node, _) in enumerate(remote.nodes, 1))
         print(f"{size} learners: learner 0 here, {nodes}", flush=True)
-        learners = LearnerGroup.connect(0, size, address, port,
-                                        resolve_device(config.train.device))
-        result = Trainer(config, logdir, progress, handle_signals, learners=learners).run()
+        result = _lead(config, logdir, progress, handle_signals, address, port,
+                       remote.failure)
         finished = True
         return result
+    finally:
+        if finished:
+            remote.wait(10.0)
+        remote.close()
+
+
+def _lead(config: Config, logdir: Path, progress: bool, handle_signals: bool, address: str,
+          port: int, failure: Callable[[], str | None]) -> dict[str, Any]:
+    """Learner 0: meet the others at ``address:port`` and train. An error that another
+    learner caused becomes a ``LearnerError`` naming it (``failure()`` says which, if any)."""
+    learners = None
+    try:
+        learners = LearnerGroup.connect(0, config.train.learners, address, port,
+                                        resolve_device(config.train.device))
+        return Trainer(config, logdir, progress, handle_signals, learners=learners).run()
     except (ConfigError, Interrupted, KeyboardInterrupt):
         raise
     except Exception as exc:
-        failure = remote.failure()
-        if failure is not None:
-            raise LearnerError(failure) from exc
+        line = failure()
+        if line is not None:
+            raise LearnerError(line) from exc
         raise
     finally:
-        try:
-            if finished:
-                remote.wait(10.0)
-            remote.close()
-        finally:
-            if learners is not None:
-                learners.close()
+        if learners is not None:
+            learners.close()
 
 
 def _remote_main(config: Config, logdir: Path, rank: int, size: int, address: str,
@@ -175,7 +183,6 @@ def _run_local(config: Config, logdir: Path, progress: bool,
     errors = ctx.Queue()
     processes = []
     own_cores = os.sched_getaffinity(0)
-    learners = None
     finished = False
     try:
         for rank in range(1, size):
@@ -187,26 +194,16 @@ def _run_local(config: Config, logdir: Path, progress: bool,
         pids = [os.getpid()] + [process.pid for process in processes]
         print(f"{size} learners, cores {shares}: pids {', '.join(map(str, pids))}", flush=True)
         os.sched_setaffinity(0, shares[0])
-        learners = LearnerGroup.connect(0, size, "127.0.0.1", port,
-                                        resolve_device(config.train.device))
-        result = Trainer(config, logdir, progress, handle_signals, learners=learners).run()
+        result = _lead(config, logdir, progress, handle_signals, "127.0.0.1", port,
+                       functools.partial(_failure, processes, errors))
         finished = True
         return result
-    except (ConfigError, Interrupted, KeyboardInterrupt):
-        raise
-    except Exception as exc:
-        failure = _failure(processes, errors)
-        if failure is not None:
-            raise LearnerError(failure) from exc
-        raise
     finally:
         try:
             _stop(processes, 10.0 if finished else 0.0)
             errors.cancel_join_thread()
             errors.close()
         finally:
-            if learners is not None:
-                learners.close()
             os.sched_setaffinity(0, own_cores)
 
 
