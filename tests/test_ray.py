@@ -186,7 +186,10 @@ def test_killed_actor_is_replaced_with_max_restarts(closing):
 
 
 def test_step_timeout_applies_to_ray_calls(closing):
-    worker = closing(RayEnvWorker([sleeps_at(2, 30.0)], label="sleepy", timeout=1.0))
+    # (placing the actor and building its env may take longer on a busy machine: the step
+    # timeout is what this test is about)
+    worker = closing(RayEnvWorker([sleeps_at(2, 30.0)], label="sleepy", timeout=1.0,
+                                  construct_timeout=60.0))
     batch = closing(BatchEnv([worker]))
     batch.reset(seed=0)
     batch.step(np.zeros(1, int))

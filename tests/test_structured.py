@@ -127,7 +127,8 @@ STRUCTURED_TASK = ["--set", "env.id=batchrl.testing.envs:image_and_flag",
                    "--set", "algorithm.policy_lr=1e-3", "--set", "algorithm.value_lr=1e-3",
                    "--set", "algorithm.discount=0.9", "--set", "algorithm.lr_schedule=constant",
                    "--set", "algorithm.policy_layers=[64]",
-                   "--set", "algorithm.value_layers=[64]"]
+                   "--set", "algorithm.value_layers=[64]",
+                   "--set", "train.eval_actions=mean"]  # (the Atari configs sample)
 
 
 def records(logdir) -> list[dict]:
