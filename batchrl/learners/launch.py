@@ -13,8 +13,8 @@ update. Learner 0, the writer, keeps the run's log, checkpoints and evaluations.
   M-1 are Ray actors, one per bundle of a placement group spread over the nodes, each
   reserving ``train.learner_resources``; they step their envs in worker processes of their
   node. Learner 0 is the launching process.
-- ``torchrun --standalone --nproc-per-node M -m batchrl.train --config NAME``: every process torchrun
-  starts is a learner (its ``RANK``); torchrun places and stops them.
+- ``torchrun --standalone --nproc-per-node M -m batchrl.train --config NAME``: every process
+  torchrun starts is a learner (its ``RANK``); torchrun places and stops them.
 """
 
 from __future__ import annotations
