@@ -145,11 +145,11 @@ def check_collectors(config: Config, algo: Algorithm) -> None:
 
 def _join(algo: Algorithm, learners: LearnerGroup) -> None:
     """Make ``algo`` one of ``learners``, or say why it cannot be (``ConfigError``)."""
-    support = getattr(algo, "learner_support", None)
     if not all(hasattr(algo, name) for name in ("join_learners", "synchronize")):
         reason = (f"{type(algo).__name__} cannot be one of several learners (no "
                   f"join_learners and synchronize)")
     else:
+        support = getattr(algo, "learner_support", None)
         reason = None if support is None else support(learners.size)
     if reason is not None:
         raise ConfigError(f"train.learners = {learners.size}: {reason}; or set "
@@ -157,18 +157,19 @@ def _join(algo: Algorithm, learners: LearnerGroup) -> None:
     algo.join_learners(learners)
 
 
-def _learner_state(state: dict[str, Any], checkpoint: Path, learners: LearnerGroup
+def _learner_state(state: dict[str, Any], checkpoint: Path, learners: LearnerGroup | None
                    ) -> dict[str, Any]:
-    """This learner's own part of a checkpoint of several learners: its random generators and
-    per-agent algorithm state."""
+    """This learner's own part of a checkpoint (``learners``: ``None`` for one learner): its
+    random generators and the per-agent algorithm state that differs between learners."""
     written = len(state.get("learners", ())) or 1
-    if written != learners.size:
+    size = 1 if learners is None else learners.size
+    if written != size:
         raise ConfigError(f"{checkpoint} was written by {written} learner(s) and resumes "
                           f"exactly only with as many (train.learners = {written}); this run "
-                          f"has {learners.size}")
-    if "learners" not in state:  # (one learner: under torchrun with one process)
+                          f"has {size}")
+    if "learners" not in state:  # one learner's checkpoint
         return {"rng": state["rng"], "algorithm": {}}
-    return state["learners"][learners.rank]
+    return state["learners"][0 if learners is None else learners.rank]
 
 
 class _NoLog:
@@ -513,17 +514,9 @@ class Trainer:
                          else None)
                 if learners is not None:
                     state = learners.broadcast(state)
-                    own = _learner_state(state, checkpoint, learners)
-                    algo.load_state_dict({**state["algorithm"], **own["algorithm"]})
-                    _set_rng_state(own["rng"])
-                else:
-                    if len(state.get("learners", ())) > 1:
-                        raise ConfigError(f"{checkpoint} was written by "
-                                          f"{len(state['learners'])} learners and resumes "
-                                          f"exactly only with as many (train.learners = "
-                                          f"{len(state['learners'])}); this run has 1")
-                    algo.load_state_dict(state["algorithm"])
-                    _set_rng_state(state["rng"])
+                own = _learner_state(state, checkpoint, learners)
+                algo.load_state_dict({**state["algorithm"], **own["algorithm"]})
+                _set_rng_state(own["rng"])
                 self.counters = Counters(**state["counters"])
                 self._written = self.counters.steps
                 for each in self._batch_envs:  # the bound is per run, over all its sessions
