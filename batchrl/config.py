@@ -119,6 +119,9 @@ class TrainConfig:
     learners: int = 1
     # On a Ray cluster: what each learner but the first (the launching process) reserves.
     learner_resources: dict = field(default_factory=lambda: {"CPU": 1})
+    # DD-PPO's preemption with several learners: once this fraction of them collected their
+    # whole rollout, the others cut theirs short and all update. 0: off (runs reproducible).
+    preemption_threshold: float = 0.0
     max_policy_lag: int | None = None  # collectors wait rather than exceed it ("none": no limit)
     queue_size: int = 2           # finished rollouts per collector that may wait for the learner
     # "bfloat16": the algorithm's updates under torch.autocast (CPUs with AVX-512 BF16 or AMX,
@@ -137,6 +140,10 @@ class TrainConfig:
                              f"{self.max_policy_lag}")
         _check_range(self, 1, "eval_every", "threads", "checkpoint_every", "keep_checkpoints",
                      "learners")
+        if not 0 <= self.preemption_threshold < 1:
+            raise ValueError(f"train.preemption_threshold must be in [0, 1) (the fraction of "
+                             f"learners whose finished rollouts cut the others'; 0: off), got "
+                             f"{self.preemption_threshold}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, got "
                              f"{self.precision!r}")

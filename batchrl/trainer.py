@@ -143,18 +143,25 @@ def check_collectors(config: Config, algo: Algorithm) -> None:
                           f"({agents}): each collector steps a share of the envs")
 
 
-def _join(algo: Algorithm, learners: LearnerGroup) -> None:
-    """Make ``algo`` one of ``learners``, or say why it cannot be (``ConfigError``)."""
-    if not all(hasattr(algo, name) for name in ("join_learners", "synchronize")):
+def _join(algo: Algorithm, learners: LearnerGroup, preemption: float) -> None:
+    """Make ``algo`` one of ``learners`` (with DD-PPO's ``preemption`` threshold unless 0), or
+    say why it cannot be (``ConfigError``). Such an algorithm has ``join_learners`` and
+    ``synchronize``; with preemption also ``updates`` and ``env_steps``, the counts of its
+    updates and of all learners' env steps (exact after each update), which the phases go by."""
+    needed = ("join_learners", "synchronize") + (("updates", "env_steps") if preemption else ())
+    if not all(hasattr(algo, name) for name in needed):
         reason = (f"{type(algo).__name__} cannot be one of several learners (no "
-                  f"join_learners and synchronize)")
+                  f"{' and '.join(needed)})")
     else:
         support = getattr(algo, "learner_support", None)
         reason = None if support is None else support(learners.size)
     if reason is not None:
         raise ConfigError(f"train.learners = {learners.size}: {reason}; or set "
                           f"train.learners = 1")
-    algo.join_learners(learners)
+    if preemption:
+        algo.join_learners(learners, preemption=preemption)
+    else:
+        algo.join_learners(learners)
 
 
 def _learner_state(state: dict[str, Any], checkpoint: Path, learners: LearnerGroup | None
@@ -238,10 +245,13 @@ class Trainer:
         self._lines = False  # progress as plain lines (not a terminal)
 
     def _phase(self, simulation: Simulation, algo: Algorithm, phase: str, episodes: int | None,
-               bar: Any, batch_steps: int | None = None) -> dict[str, Any]:
+               bar: Any, batch_steps: int | None = None,
+               updates: int | None = None) -> dict[str, Any]:
         """Run one phase until ``episodes`` episodes finished, or for
-        ``batch_steps`` steps of the whole batch when given; a training phase
-        also ends at the run's budget (``train.steps``). Returns its record."""
+        ``batch_steps`` steps of the whole batch when given, or for ``updates`` updates of
+        ``algo`` (with preemption, whose learners' rollouts differ in length: the budget is
+        checked between updates, and steps are the algorithm's count of all learners'); a
+        training phase also ends at the run's budget (``train.steps``). Returns its record."""
         config, counters = self.config, self.counters
         training = phase == "train"
         algo.train(training)
@@ -256,13 +266,23 @@ class Trainer:
         counters.phases += 1
         scores: list[float] = []
         lengths: list[float] = []
-        start, steps, calls = time.perf_counter(), 0, 0
+        start, steps, calls, start_steps = time.perf_counter(), 0, 0, counters.steps
+        last_update = first_update = algo.updates if updates is not None else 0
+
+        def more() -> bool:
+            if updates is not None:
+                return algo.updates < first_update + updates
+            return len(scores) < episodes if batch_steps is None else calls < batch_steps
+
         # Evaluations that sample actions draw from generators of their own.
         rng = contextlib.nullcontext() if training else evaluation_rng(seed, algo.device)
         with rng:
-            while len(scores) < episodes if batch_steps is None else calls < batch_steps:
-                if training and counters.steps >= config.train.steps:
+            while more():
+                between = updates is None or calls == 0 or algo.updates != last_update
+                if training and between and counters.steps >= config.train.steps:
                     break  # the budget is spent: the last phase stops at it
+                if updates is not None:
+                    last_update, counted = algo.updates, algo.env_steps
                 reset = calls == 0
                 done, score, summary = simulation.step(algo, reset=reset,
                                                        seed=seed if reset else None,
@@ -274,8 +294,8 @@ class Trainer:
                 stepped = (num_agents if env.restarted is None or self.learners is not None
                            else num_agents - len(env.restarted))
                 steps += stepped
-                if training:
-                    stepped *= size  # (the learners step alike)
+                if training:  # (without preemption the learners step alike)
+                    stepped = algo.env_steps - counted if updates is not None else stepped * size
                     counters.steps += stepped
                     if bar is not None:  # (the last batch step may end past the budget)
                         bar.update(max(0, min(stepped, bar.total - bar.n)))
@@ -297,7 +317,7 @@ class Trainer:
             if everyone is not None:
                 scores = [score for each, _ in everyone for score in each]
                 lengths = [length for _, each in everyone for length in each]
-            steps *= size
+            steps = counters.steps - start_steps
         if training:
             counters.train_phases += 1
         else:
@@ -497,7 +517,7 @@ class Trainer:
             if config.train.collectors:
                 check_collectors(config, algo)
             if learners is not None:
-                _join(algo, learners)
+                _join(algo, learners, config.train.preemption_threshold)
                 # The writer's initial weights for all; then a random stream of their own.
                 algo.load_state_dict(learners.broadcast(algo.state_dict()))
                 torch.manual_seed(config.train.seed * 1_000_003 + learners.rank)
@@ -541,6 +561,9 @@ class Trainer:
                            unit="step", unit_scale=True, dynamic_ncols=True)
             evals = self.counters.phases - self.counters.train_phases  # over all sessions
             episodes, phase_steps, eval_every = phase_plan(config, algo, len(env))
+            # Preempted rollouts differ in length between learners: phases of whole updates.
+            phase_updates = (phase_steps // algo.steps_per_update if learners is not None
+                             and config.train.preemption_threshold else None)
             if config.train.collectors:
                 updates, eval_every = collector_plan(config, algo, len(env))
                 pool = self._collectors(algo, env, bar)
@@ -551,7 +574,8 @@ class Trainer:
                 if pool is not None:
                     record = self._collect_phase(pool, algo, updates, bar)
                 else:
-                    record = self._phase(simulation, algo, "train", episodes, bar, phase_steps)
+                    record = self._phase(simulation, algo, "train", episodes, bar, phase_steps,
+                                         phase_updates)
                 self._report(record, bar)
                 due = self.counters.train_phases % eval_every == 0
                 final = self.counters.steps >= config.train.steps

@@ -5,11 +5,14 @@
   update (one all-reduce of both networks' gradients per gradient step), against the
   update's own time on one learner.
 * **Training**: ``--steps`` steps of ``python train.py --config CONFIG`` without evaluations,
-  with 1 and with 2 learners (each stepping its half of ``env.num_agents``), one after the
-  other: steps/s over the training phases.
+  with 1 and with 2 learners (each stepping its half of ``env.num_agents``), and with 2
+  learners and DD-PPO's preemption (``--preemption``, ``train.preemption_threshold``), one
+  after the other: steps/s over the training phases. ``--straggler`` runs them again with a
+  busy loop on the last core, where learner 1 runs: a slow node, which preemption is for.
 
     python benchmarks/learners.py                        # halfcheetah, ~3 minutes; idle machine
     python benchmarks/learners.py --config ant --steps 100000
+    python benchmarks/learners.py --steps 100000 --straggler   # preemption against a slow core
 
 ``docs/learners.md`` turns these figures into a model of when more learners pay.
 """
@@ -17,8 +20,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
+import os
 import socket
 import subprocess
 import sys
@@ -115,13 +120,14 @@ def update_seconds(config_name: str, updates: int) -> tuple[float, int]:
     return (time.perf_counter() - start) / updates, steps
 
 
-def training(config_name: str, learners: int, steps: int) -> float:
+def training(config_name: str, learners: int, steps: int, preemption: float = 0.0) -> float:
     """steps/s of the training phases of a ``train.py`` run."""
     with tempfile.TemporaryDirectory() as logdir:
         command = [sys.executable, str(ROOT / "train.py"), "--config", config_name,
                    "--logdir", logdir, "--no-progress", "--set", "train.eval_episodes=0",
                    "--set", f"train.steps={steps}", "--set", f"train.learners={learners}",
-                   "--set", "train.device=cpu"]
+                   "--set", "train.device=cpu",
+                   "--set", f"train.preemption_threshold={preemption}"]
         subprocess.run(command, check=True, cwd=ROOT, capture_output=True, text=True)
         records = [json.loads(line) for line in
                    (Path(logdir) / "metrics.jsonl").read_text().splitlines()]
@@ -129,11 +135,27 @@ def training(config_name: str, learners: int, steps: int) -> float:
     return last["step"] / last["wall_time"]
 
 
+@contextlib.contextmanager
+def busy_core(core: int):
+    """A process spinning on ``core`` for the duration."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                               preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="halfcheetah")
     parser.add_argument("--steps", type=int, default=200_000)
     parser.add_argument("--calls", type=int, default=400)
+    parser.add_argument("--preemption", type=float, default=0.5,
+                        help="train.preemption_threshold of the third run (0: no third run)")
+    parser.add_argument("--straggler", action="store_true",
+                        help="also run them with a busy loop on the last core")
     args = parser.parse_args()
 
     reduce = allreduce(args.config, args.calls)
@@ -144,10 +166,20 @@ def main() -> None:
     print(f"all-reduce (2 learners, gloo, 127.0.0.1): {reduce['per_call'] * 1e3:.3f} ms per "
           f"call, {per_update * 1e3:.1f} ms per update; one learner's update: "
           f"{update * 1e3:.0f} ms ({per_update / update:.2f} of it)")
-    rates = {learners: training(args.config, learners, args.steps) for learners in (1, 2)}
-    print("\n| learners | steps/s | ratio |\n|---:|---:|---:|")
-    for learners, rate in rates.items():
-        print(f"| {learners} | {rate:,.0f} | {rate / rates[1]:.2f} |")
+    runs = [("1", 1, 0.0), ("2", 2, 0.0)]
+    if args.preemption:
+        runs.append((f"2, preemption {args.preemption:g}", 2, args.preemption))
+    settings = [("", contextlib.nullcontext)]
+    if args.straggler:
+        core = sorted(os.sched_getaffinity(0))[-1]
+        settings.append((f", core {core} busy", lambda: busy_core(core)))
+    print("\n| learners | steps/s | ratio |\n|---|---:|---:|")
+    for suffix, setting in settings:
+        with setting():
+            rates = {name: training(args.config, learners, args.steps, preemption)
+                     for name, learners, preemption in runs}
+        for name, rate in rates.items():
+            print(f"| {name}{suffix} | {rate:,.0f} | {rate / rates['1']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

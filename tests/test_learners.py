@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,37 +77,20 @@ def _learner(rank: int, port: int, results) -> None:
             simulate(env, algo)
         env.close()
         state = algo.state_dict()
-        # As bytes: a queued tensor would be shared memory this process must outlive.
-        buffer = io.BytesIO()
-        torch.save({"batches": batches, "statistics": tuple(normalizer.statistics()),
-                    "policy": state["policy"], "value": state["value"],
-                    "observ_normalizer": state["observ_normalizer"],
-                    "reward_normalizer": state["reward_normalizer"],
-                    "objective": state["objective"], "updates": state["updates"],
-                    "env_steps": state["env_steps"], "running_return": state["running_return"],
-                    "initial": initial}, buffer)
-        results.put((rank, buffer.getvalue()))
+        _put(results, rank, {
+            "batches": batches, "statistics": tuple(normalizer.statistics()),
+            "policy": state["policy"], "value": state["value"],
+            "observ_normalizer": state["observ_normalizer"],
+            "reward_normalizer": state["reward_normalizer"], "objective": state["objective"],
+            "updates": state["updates"], "env_steps": state["env_steps"],
+            "running_return": state["running_return"], "initial": initial})
     finally:
         learners.close()
 
 
 @pytest.fixture(scope="module")
 def two_learners() -> dict[int, dict]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    processes = [ctx.Process(target=_learner, args=(rank, port, results)) for rank in (0, 1)]
-    for process in processes:
-        process.start()
-    try:
-        found = {rank: torch.load(io.BytesIO(data), weights_only=False)
-                 for rank, data in (results.get(timeout=120) for _ in processes)}
-    finally:
-        for process in processes:
-            process.join(30)
-            if process.exitcode is None:
-                process.kill()
-    return found
+    return _run_two(_learner)
 
 
 def test_learners_hold_identical_weights_after_every_update(two_learners):
@@ -130,6 +114,68 @@ def test_merged_statistics_are_one_normalisers_over_the_union(two_learners):
     for rank in (0, 1):
         for got, want in zip(two_learners[rank]["statistics"], expected):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def _preempted_learner(rank: int, port: int, results) -> None:
+    torch.set_num_threads(1)
+    learners = LearnerGroup.connect(rank, 2, "127.0.0.1", port, torch.device("cpu"))
+    try:
+        torch.manual_seed(0)
+        env = seeded_tensor_env("Pendulum-v1", 3, seed=100 * rank)
+        algo = BatchPPO(env.observation_space, env.action_space, 3, rollout_length=16,
+                        minibatch_size=16, update_epochs=2, policy_layers=(16,),
+                        value_layers=(16,), inference="eager")
+        algo.join_learners(learners, preemption=0.5)
+        calls, collected = 0, []
+        while algo.updates < 4:  # learner 1 steps slowly: learner 0 finishes first
+            if rank == 1:
+                time.sleep(0.02)
+            _, _, summary = simulate(env, algo)
+            calls += 1
+            if "learners/collected" in summary:
+                collected.append(summary["learners/collected"])
+        env.close()
+        _put(results, rank, {"calls": calls, "collected": collected,
+                             "env_steps": algo.env_steps, "policy": algo.policy.state_dict()})
+    finally:
+        learners.close()
+
+
+def _put(results, rank: int, found: dict) -> None:
+    # As bytes: a queued tensor would be shared memory this process must outlive.
+    buffer = io.BytesIO()
+    torch.save(found, buffer)
+    results.put((rank, buffer.getvalue()))
+
+
+def _run_two(target) -> dict[int, dict]:
+    """Run ``target(rank, port, results)`` as learners 0 and 1; what each put, by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    processes = [ctx.Process(target=target, args=(rank, port, results)) for rank in (0, 1)]
+    for process in processes:
+        process.start()
+    try:
+        return {rank: torch.load(io.BytesIO(data), weights_only=False)
+                for rank, data in (results.get(timeout=120) for _ in processes)}
+    finally:
+        for process in processes:
+            process.join(30)
+            if process.exitcode is None:
+                process.kill()
+
+
+def test_preemption_cuts_the_slow_learners_rollouts_and_keeps_the_weights_identical():
+    found = _run_two(_preempted_learner)
+    fast, slow = found[0], found[1]
+    assert_same(fast["policy"], slow["policy"], "policy")  # the same gradient steps
+    # The slow learner's rollouts were cut (at a quarter of 16 x 3 steps at the earliest;
+    # the fast one's too, at times, when it was the slower to start), and the learning-rate
+    # clock counts the steps the two really took.
+    assert 4 * 4 <= slow["calls"] < fast["calls"] <= 4 * 16
+    assert fast["env_steps"] == slow["env_steps"] == 3 * (fast["calls"] + slow["calls"])
+    assert fast["collected"] == slow["collected"] and min(fast["collected"]) < 1.0
 
 
 # --- train.py with two learners -----------------------------------------------------------
@@ -166,6 +212,23 @@ def test_two_learners_write_one_run_that_resumes_exactly(tmp_path):
     assert code == 0, stderr
     assert [r["step"] for r in read_metrics(cut) if r["phase"] == "train"][-2:] == [2100, 4000]
     assert json.loads((straight / "config.json").read_text())["train"]["learners"] == 2
+
+
+@pytest.mark.slow
+def test_preempting_learners_train_in_whole_updates_and_resume(tmp_path):
+    logdir = tmp_path / "run"
+    preempting = sets(*CHEETAH, "train.learners=2", "train.preemption_threshold=0.5")
+    code, _, stderr = train(logdir, *preempting, "--set", "train.steps=3000")
+    assert code == 0, stderr
+    code, _, stderr = train(logdir, "--steps", "5000")
+    assert code == 0, stderr
+    steps = [r["step"] for r in read_metrics(logdir) if r["phase"] == "train"]
+    # Phases of 10 updates (at most 2,000 steps); the budget is checked between updates.
+    assert steps == sorted(steps) and steps[-1] >= 5000 and len(steps) >= 3
+    assert all(later - earlier <= 2000 for earlier, later in zip([0, *steps], steps))
+    checkpoint = torch.load(sorted(logdir.glob("ckpt-*.pt"))[-1], weights_only=False)
+    # The run's count is the learners' steps summed at each update, the lr clock's too.
+    assert checkpoint["counters"]["steps"] == checkpoint["algorithm"]["env_steps"] == steps[-1]
 
 
 @pytest.mark.slow
@@ -212,7 +275,8 @@ def test_torchrun_starts_the_learners(tmp_path):
     process = subprocess.run(
         [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "batchrl.train",
          "--config", "halfcheetah", "--logdir", str(logdir), "--no-progress",
-         *sets(*CHEETAH, "train.steps=2000")],
+         # (preemption: the learners' store, which learner 0 opens under torchrun)
+         *sets(*CHEETAH, "train.steps=2000", "train.preemption_threshold=0.5")],
         cwd=REPO, capture_output=True, text=True, timeout=180,
         env=dict(os.environ, PYTHONPATH=str(REPO)))
     assert process.returncode == 0, process.stderr[-3000:]
@@ -257,6 +321,10 @@ def test_a_ray_cluster_without_room_for_the_learners_is_an_error(cluster, tmp_pa
     (["train.learners=2", "env.num_agents=5"],
      "env.num_agents (5) must be divisible by train.learners (2)"),
     (["train.learners=2", "train.collectors=2"], "set train.collectors = 0"),
+    (["train.learners=2", "train.preemption_threshold=0.6"],
+     "a preemption threshold of 0.6 with 2 learners waits for all 2"),
+    (["train.preemption_threshold=0.5"], "set train.learners >= 2, or the threshold to 0"),
+    (["train.preemption_threshold=1"], "train.preemption_threshold must be in [0, 1)"),
     ([f"train.learners={usable_cores() + 1}", f"env.num_agents={usable_cores() + 1}"],
      "usable CPU cores here: each learner needs at least one"),
 ])

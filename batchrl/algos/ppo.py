@@ -39,7 +39,7 @@ from batchrl.parts import numpy_views
 from batchrl.parts.losses import (ClippedObjective, KLPenalizedObjective, KLPenalty,
                                   action_distribution, entropy_bonus, masked_mean, value_loss)
 from batchrl.parts.memory import EpisodeMemory, RolloutMemory
-from batchrl.parts.distributed import LearnerGroup
+from batchrl.parts.distributed import PREEMPT_FEWEST, LearnerGroup, preemption_count
 from batchrl.parts.normalize import Statistics, StreamingNormalizer
 from batchrl.parts.packing import check_observation_space, packing_for
 from batchrl.parts.returns import discounted_cumsum, gae, generalized_advantage
@@ -214,6 +214,10 @@ class BatchPPO(Algorithm):
         self.env_steps = self.updated_steps = 0
         # Several learners (join_learners): the group and the merged normaliser statistics.
         self.learners: LearnerGroup | None = None
+        # With preemption: the finished learners that end the others' rollouts, and the
+        # fewest steps a rollout is cut at.
+        self._preempt_count: int | None = None
+        self._preempt_steps = 0
         self._merged: dict[str, Statistics | None] = {"observ": None, "reward": None}
         # What perform() saw, for experience(), which may come after the next perform().
         self._performed: collections.deque[dict[str, torch.Tensor]] = collections.deque(maxlen=2)
@@ -291,7 +295,10 @@ class BatchPPO(Algorithm):
             return True
         # Steps stored, plus one performed but not yet experienced, plus this one.
         pending = len(self._performed) + 1
-        return memory.stored + pending * self.num_agents < memory.num_agents * memory.length
+        # (with preemption any step past the fewest may end the rollout)
+        last = (memory.num_agents * memory.length if self._preempt_count is None
+                else self._preempt_steps)
+        return memory.stored + pending * self.num_agents < last
 
     def train(self, mode: bool = True) -> "BatchPPO":
         self._performed.clear()  # a perform() of the other mode gets no experience()
@@ -350,7 +357,7 @@ class BatchPPO(Algorithm):
         else:
             self.reward_normalizer.update(reward)
         episodes = self.config.rollout_length is None
-        if not episodes and self.memory.full:  # the rollout is cut here: every agent bootstraps
+        if not episodes and self._rollout_ends():  # cut here: every agent bootstraps
             self.memory.end_segments(agent_indices,
                                      bootstrap_observ=self._normalize(next_observ),
                                      terminated=terminated)
@@ -365,6 +372,17 @@ class BatchPPO(Algorithm):
             end(agent_indices[ended], bootstrap_observ=self._normalize(take(next_observ, ended)),
                 terminated=terminated[ended])
         return {}
+
+    def _rollout_ends(self) -> bool:
+        """Whether the rollout ends at this step: the memory is full, or (DD-PPO's preemption)
+        enough other learners collected theirs and this one has at least its fewest steps.
+        A learner whose rollout is full tells the others."""
+        if self.memory.full:
+            if self._preempt_count is not None:
+                self.learners.report_finished(self.updates)
+            return True
+        return (self._preempt_count is not None and self.memory.stored >= self._preempt_steps
+                and self.learners.finished(self.updates) >= self._preempt_count)
 
     def end_episodes(self, agent_indices: torch.Tensor) -> Summary:
         # (fixed-length rollouts saw the end of the episodes in experience())
@@ -480,15 +498,24 @@ class BatchPPO(Algorithm):
         the trainer does before each checkpoint, which then holds them all."""
         self._merge_statistics()
 
-    def join_learners(self, learners: LearnerGroup) -> None:
+    def join_learners(self, learners: LearnerGroup, preemption: float | None = None) -> None:
         """Learn as one of ``learners``: gradients averaged over them after every backward
         pass, normaliser statistics merged before every update, advantages normalised and
         the KL penalty adapted over all learners' data, and ``minibatch_size`` (or
-        ``batch_size``) split among them. Call on every learner before training."""
+        ``batch_size``) split among them. Call on every learner before training.
+
+        ``preemption`` (DD-PPO's threshold, in (0, 1)): once ``ceil(preemption * M)``
+        learners collected their whole rollout, the others end theirs at their next step
+        (if they hold ``PREEMPT_FEWEST`` of it). Every learner still takes
+        the same gradient steps: a shorter rollout fills fewer of its minibatches' rows."""
         reason = self.learner_support(learners.size)
         if reason is not None:
             raise ValueError(reason)
         self.learners = learners
+        if preemption is not None:
+            self._preempt_count = preemption_count(preemption, learners.size)
+            self._preempt_steps = math.ceil(
+                self.memory.num_agents * self.memory.length * PREEMPT_FEWEST)
 
     def _layout(self, data: dict[str, torch.Tensor], mask: torch.Tensor
                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -708,8 +735,16 @@ class BatchPPO(Algorithm):
                 rollout_data: dict[str, torch.Tensor] | None) -> Summary:
         config = self.config
         lr_fraction = self._anneal()
+        summary = {}
         if self.learners is not None:  # every learner normalises with everyone's statistics
             self._merge_statistics()
+            # The run's steps in this rollout: the learners' own (which preemption can make
+            # differ) summed, the same on each.
+            collected = float(self.learners.sum(torch.tensor(float(self.memory.stored))))
+            self.env_steps = self.updated_steps + int(collected)
+            summary["learners/collected"] = collected / (self.memory.num_agents
+                                                         * self.memory.length
+                                                         * self.learners.size)
         with torch.no_grad():
             data, valid = self._advantages(rollout_data)
         batches, mask = self._layout(data, valid)
@@ -746,7 +781,7 @@ class BatchPPO(Algorithm):
                     totals[name] = totals.get(name, 0.0) + float(term.detach())
                 steps += 1
 
-        summary = {f"ppo/{name}": total / steps for name, total in totals.items()}
+        summary.update({f"ppo/{name}": total / steps for name, total in totals.items()})
         summary["ppo/total_loss"] = summary["ppo/policy_loss"] + summary["ppo/value_loss"]
         with torch.no_grad():
             new, old = self._distributions(batches)

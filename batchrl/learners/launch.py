@@ -33,7 +33,7 @@ import torch
 from batchrl.config import Config, ConfigError
 from batchrl.hardware import usable_cores
 from batchrl.interrupt import Interrupted, start_worker
-from batchrl.parts.distributed import LearnerGroup, launched_by_torchrun
+from batchrl.parts.distributed import LearnerGroup, launched_by_torchrun, preemption_count
 from batchrl.trainer import Trainer, on_a_cluster, resolve_device
 
 
@@ -51,6 +51,11 @@ def check_learners(config: Config, learners: int, local: bool = True) -> None:
     if config.train.collectors:
         raise ConfigError(f"train.learners = {learners} runs each learner's own envs, not "
                           f"collectors: set train.collectors = 0 or train.learners = 1")
+    if config.train.preemption_threshold:
+        try:
+            preemption_count(config.train.preemption_threshold, learners)
+        except ValueError as exc:
+            raise ConfigError(f"train.preemption_threshold: {exc}") from None
     if not local:
         return
     device = resolve_device(config.train.device)
@@ -76,6 +81,9 @@ def run(config: Config, logdir: Path, progress: bool = True,
     if launched_by_torchrun():
         return _run_torchrun(config, logdir, progress, handle_signals)
     if config.train.learners == 1:
+        if config.train.preemption_threshold:
+            raise ConfigError("train.preemption_threshold cuts the rollouts of some of several "
+                              "learners: set train.learners >= 2, or the threshold to 0")
         return Trainer(config, logdir, progress, handle_signals).run()
     if on_a_cluster(config):
         return _run_ray(config, logdir, progress, handle_signals)

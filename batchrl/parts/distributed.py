@@ -10,6 +10,7 @@ the same optimiser step and all of them hold the same weights after every update
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from typing import Any, Iterable
 
@@ -23,6 +24,8 @@ from batchrl.parts.normalize import Statistics, StreamingNormalizer
 DEFAULT_TIMEOUT = datetime.timedelta(hours=1)
 # How long the learners of a run may take to meet (start their processes, import torch).
 CONNECT_TIMEOUT = datetime.timedelta(minutes=2)
+# DD-PPO's preemption cuts a learner's rollout only once it holds this fraction of it.
+PREEMPT_FEWEST = 0.25
 # What torchrun sets in every process it starts.
 TORCHRUN_VARIABLES = ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -37,13 +40,17 @@ class LearnerGroup:
       size: the number of learners ``M``.
       local_rank: its index among the learners of its machine (its GPU there); ``rank``
         unless given.
+      store: a key-value store all learners reach (``torch.distributed.Store``), for what
+        they tell each other without waiting for one another (``report_finished``).
     """
 
-    def __init__(self, rank: int, size: int, local_rank: int | None = None):
+    def __init__(self, rank: int, size: int, local_rank: int | None = None,
+                 store: dist.Store | None = None):
         if not 0 <= rank < size:
             raise ValueError(f"learner rank must be in [0, {size}), got {rank}")
         self.rank, self.size = rank, size
         self.local_rank = rank if local_rank is None else local_rank
+        self.store = store
 
     @classmethod
     def connect(cls, rank: int, size: int, address: str, port: int, device: torch.device,
@@ -57,7 +64,7 @@ class LearnerGroup:
                               wait_for_workers=True)
         dist.init_process_group(_backend(device), store=store, rank=rank, world_size=size,
                                 timeout=timeout)
-        return cls(rank, size, local_rank)
+        return cls(rank, size, local_rank, store)
 
     @classmethod
     def from_torchrun(cls, device: torch.device,
@@ -66,8 +73,15 @@ class LearnerGroup:
         ``MASTER_ADDR`` and ``MASTER_PORT``)."""
         _use_gpu(device, int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(_backend(device), init_method="env://", timeout=timeout)
-        return cls(dist.get_rank(), dist.get_world_size(),
-                   int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+        group = cls(dist.get_rank(), dist.get_world_size(),
+                    int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+        # torchrun's own store is not public: learner 0 opens one on a free port of its host.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, None, True, timeout=CONNECT_TIMEOUT,
+                              wait_for_workers=False) if group.is_writer else None
+        port = group.broadcast(store.port if store is not None else None)
+        group.store = store or dist.TCPStore(os.environ["MASTER_ADDR"], port, None, False,
+                                             timeout=CONNECT_TIMEOUT)
+        return group
 
     @property
     def is_writer(self) -> bool:
@@ -132,10 +146,37 @@ class LearnerGroup:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def report_finished(self, rollout: int) -> None:
+        """Tell the others that this learner collected the whole of its rollout number
+        ``rollout`` (``finished`` counts them; DD-PPO's preemption). Does not wait."""
+        self.store.add(f"finished/{rollout}", 1)
+        # Every learner left the rollout before: they all took part in its update.
+        self.store.delete_key(f"finished/{rollout - 1}")
+
+    def finished(self, rollout: int) -> int:
+        """How many learners reported rollout number ``rollout`` finished (so far)."""
+        return int(self.store.add(f"finished/{rollout}", 0))
+
     def close(self) -> None:
         """Leave the process group (when it was made)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def preemption_count(threshold: float, size: int) -> int:
+    """How many of ``size`` learners must collect their whole rollout before the others' are
+    cut, for DD-PPO's preemption ``threshold`` (a fraction of the learners, in (0, 1)).
+    ``ValueError`` when the threshold is out of range or takes all of them (the last learner
+    would never be cut: preemption would change nothing)."""
+    if not 0 < threshold < 1:
+        raise ValueError(f"the preemption threshold is the fraction of learners whose finished "
+                         f"rollouts cut the others', in (0, 1) (0: off), got {threshold}")
+    count = math.ceil(round(threshold * size, 9))  # (0.6 * 5 is 3.0000000000000004)
+    if count >= size:
+        raise ValueError(f"a preemption threshold of {threshold} with {size} learners waits "
+                         f"for all {size} (the last is never cut): use at most "
+                         f"{(size - 1) / size:.2f}, or more learners")
+    return count
 
 
 def _use_gpu(device: torch.device, local_rank: int) -> None:
