@@ -108,7 +108,10 @@ class Algorithm(abc.ABC):
     collectives it calls in the same order on every learner (BatchPPO averages its gradients
     after every backward pass and merges its statistics before every update); and
     ``synchronize()``, a collective the trainer calls on every learner before a checkpoint,
-    after which the state all learners share is identical.
+    after which the state all learners share is identical. With DD-PPO's preemption
+    (``train.preemption_threshold``) the trainer calls ``join_learners(group,
+    preemption=f)`` and reads ``updates`` and ``env_steps`` (all learners' steps, the same on
+    each after every update): its training phases are whole updates.
 
     ``rollout_length`` is the steps per rollout (``steps_per_update`` unless an algorithm says
     otherwise); ``collector_support()`` says why an instance cannot run with collectors, if it
