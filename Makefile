@@ -23,7 +23,7 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(TORCH_PIP_ARGS)
-	$(BIN)/python -m pip install -q -e ".[test,bench,video,ray,atari]"
+	$(BIN)/python -m pip install -q -e ".[test,bench,video,ray,atari,native]"
 	touch $(STAMP)
 
 train: $(STAMP)

@@ -59,7 +59,9 @@ class EnvConfig:
     eval_kwargs: dict = field(default_factory=dict)
     num_agents: int = 30          # envs stepped in lockstep (the paper's batch of agents)
     max_length: int = 1000        # time limit of an episode, in env steps
-    backend: str = "workers"      # "workers", "process" (one per env), "inline", "ray", "vector"
+    # "workers", "process" (one per env), "inline", "ray", "vector", "native" (MuJoCo tasks
+    # stepped in batches: batchrl.envs.mujoco_batch)
+    backend: str = "workers"
     vector_id: str = ""           # "vector": "package.module:function" building the vector env
     workers: int = 0              # processes / Ray actors (0: one per usable core / cluster CPU)
     share_main: bool = False      # "workers": the main process steps a share of the envs too
@@ -89,7 +91,7 @@ class EnvConfig:
         if self.backend == "vector" and not self.vector_id:
             raise ValueError("env.backend='vector' needs env.vector_id, the function building "
                              "the vector env ('package.module:function')")
-        if self.backend == "vector" and self.restart_crashed_envs:
+        if self.backend in ("vector", "native") and self.restart_crashed_envs:
             raise ValueError("env.restart_crashed_envs needs envs in worker processes: a "
                              "vector env steps in this process")
 

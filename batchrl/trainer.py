@@ -108,7 +108,7 @@ def _collector_env(config: Config, index: int, num_envs: int, seed: int) -> Any:
     worker processes of the collector's node."""
     env = config.env
     on_ray = on_a_cluster(config)
-    workers = env.workers or (1 if env.backend == "vector" else max(
+    workers = env.workers or (1 if env.backend in ("vector", "native") else max(
         1, usable_cores() // (1 if on_ray else config.train.collectors)))
     backend = "workers" if env.backend == "ray" else env.backend
     return make_batch_env(

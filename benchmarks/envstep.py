@@ -16,6 +16,12 @@ with random actions, for several batch sizes, with
   * ``AsyncVectorEnv``: ``gymnasium.vector.AsyncVectorEnv(shared_memory=True)``;
     the Gymnasium vector envs reset finished envs themselves (their default
     next-step autoreset);
+  * ``native``: ``make_batch_env(..., backend="vector")`` over
+    ``batchrl.envs.mujoco_batch`` (the tasks it has, with ``mjbatch`` installed:
+    ``pip install -e .[native]``): the simulations stepped in mjbatch's C++
+    threads, observations, rewards and resets computed in numpy for the batch;
+    it applies ``wrap_env``'s action clipping and 32-bit floats, which the
+    others leave out;
   * ``envpool``: EnvPool's C++ thread pool with its own MuJoCo port of the
     task, when ``envpool`` is installed (``pip install envpool``): the ceiling
     a Python env loop can approach.
@@ -60,7 +66,8 @@ import numpy as np
 import psutil
 
 from batchrl.envs import BatchEnv, BatchVectorEnv, ExternalProcess
-from batchrl.envs.factory import batch_env_from
+from batchrl.envs.factory import batch_env_from, make_batch_env
+from batchrl.envs.mujoco_batch import TASKS
 from batchrl.hardware import usable_cores
 
 try:
@@ -68,8 +75,13 @@ try:
 except ImportError:  # optional: only adds a column
     envpool = None
 
+try:
+    import mjbatch
+except ImportError:  # the native extra: only adds a column
+    mjbatch = None
+
 BACKENDS = ("batchrl", "BatchVectorEnv", "batchrl-process", "SyncVectorEnv", "AsyncVectorEnv") + (
-    ("envpool",) if envpool is not None else ())
+    ("envpool",) if envpool is not None else ()) + (("native",) if mjbatch is not None else ())
 
 
 def build(backend: str, env_id: str, num_envs: int) -> tuple[Any, list[int]]:
@@ -90,6 +102,9 @@ def build(backend: str, env_id: str, num_envs: int) -> tuple[Any, list[int]]:
     if backend == "batchrl-process":
         env = BatchEnv([ExternalProcess(make) for _ in range(num_envs)], blocking=False)
         return env, [worker.pid for worker in env.workers]
+    if backend == "native":
+        return make_batch_env(env_id, num_envs, backend="vector", kwargs={"env_id": env_id},
+                              vector_id="batchrl.envs.mujoco_batch:make_vector"), []
     if backend == "envpool":
         return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs), []
     if backend == "SyncVectorEnv":
@@ -206,6 +221,12 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def measured(args: argparse.Namespace) -> list[str]:
+    """The backends asked for that can run ``args.env_id``."""
+    return [name for name in BACKENDS if name in args.backends
+            and (name != "native" or args.env_id in TASKS)]
+
+
 def main() -> int:
     """Run every round, print the table and the JSON summary; returns the exit code."""
     args = parse_args()
@@ -235,7 +256,7 @@ def main() -> int:
         # Rotate the order so no backend always runs first or last. batchrl comes
         # first in round 0 so the fork server starts with batchrl's preload
         # (numpy, gymnasium, torch), which speeds up both multi-process backends.
-        backends = [name for name in BACKENDS if name in args.backends]
+        backends = measured(args)
         shift = round_index % len(backends)
         order = backends[shift:] + backends[:shift]
         for num_envs in args.envs:
@@ -250,7 +271,7 @@ def main() -> int:
 
     results: dict[int, dict[str, dict[str, Any]]] = {}
     for num_envs in args.envs:
-        for backend in [name for name in BACKENDS if name in args.backends]:
+        for backend in measured(args):
             rates = [s["steps_per_s"] for s in samples[(num_envs, backend)]]
             median = statistics.median(rates)
             results.setdefault(num_envs, {})[backend] = {

@@ -52,7 +52,8 @@ def test_the_wheel_holds_the_package_its_configs_and_metadata(wheel):
     (metadata_name,) = [name for name in names if name.endswith("dist-info/METADATA")]
     metadata = email.parser.Parser().parsestr(
         zipfile.ZipFile(wheel).read(metadata_name).decode())
-    assert set(metadata.get_all("Provides-Extra")) == {"ray", "video", "test", "bench", "atari"}
+    assert set(metadata.get_all("Provides-Extra")) == {"ray", "video", "test", "bench", "atari",
+                                                          "native"}
     assert metadata["Requires-Python"] == ">=3.10"
     requires = metadata.get_all("Requires-Dist")
     assert "torch>=2.4" in requires and "mujoco<3.16,>=3.1" in requires

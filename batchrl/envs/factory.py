@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import os
 import traceback
 from typing import Any, Callable, Sequence
@@ -13,6 +14,7 @@ import numpy as np
 
 from batchrl.envs.batch import BatchEnv
 from batchrl.envs.errors import EnvRaisedError, EnvSpecError
+from batchrl.envs.mujoco_batch import TASKS as NATIVE_TASKS
 from batchrl.envs.process.external import ExternalProcess
 from batchrl.envs.process.shared_memory import EnvWorker
 from batchrl.envs.ray.cluster import check_resources
@@ -90,7 +92,9 @@ def build_in_process(constructor: Callable[[], gym.Env], label: str | None) -> g
                              "".join(traceback.format_exception(exc))) from exc
 
 
-BACKENDS = ("workers", "process", "inline", "ray", "vector")
+BACKENDS = ("workers", "process", "inline", "ray", "vector", "native")
+# Backend "native": the vector env of the MuJoCo tasks batchrl steps in batches itself.
+NATIVE_VECTOR_ID = "batchrl.envs.mujoco_batch:make_vector"
 # Seconds a worker may take to answer a step or reset (far above any real env's
 # step), and to build its envs (imports, model compilation; slower on few cores).
 DEFAULT_TIMEOUT = 10.0
@@ -278,8 +282,19 @@ def make_batch_env(env_id: str, num_envs: int, max_length: int | None = None,
     ``normalize_ranges``), action clipping and 32-bit floats. ``backend``,
     ``workers`` and ``options`` are ``batch_env_from``'s; backend ``"vector"``
     steps them in vector envs built by ``vector_id`` instead (``vector_members``;
-    of ``options`` only ``infos`` and ``max_restarts`` apply).
+    of ``options`` only ``infos`` and ``max_restarts`` apply); backend ``"native"``
+    steps the MuJoCo tasks of ``batchrl.envs.mujoco_batch`` in one such vector env.
     """
+    if backend == "native":
+        if env_id not in NATIVE_TASKS:
+            raise EnvSpecError(f"env backend 'native' steps {', '.join(NATIVE_TASKS)} in "
+                               f"batches, not {env_id!r}: use backend 'workers' for it")
+        if importlib.util.find_spec("mjbatch") is None:
+            raise EnvSpecError("env backend 'native' steps MuJoCo with mjbatch, which is not "
+                               "installed: pip install 'batchrl[native]' (or use backend "
+                               "'workers')")
+        backend, vector_id = "vector", NATIVE_VECTOR_ID
+        kwargs = {"env_id": env_id, **(kwargs or {})}
     if backend == "vector":
         if not vector_id:
             raise EnvSpecError("env backend 'vector' needs vector_id, the function building "

@@ -1,0 +1,95 @@
+"""MuJoCo tasks stepped natively in batches (env.backend = "native", batchrl.envs.mujoco_batch):
+the same trajectories as Gymnasium's v5 envs under batchrl's wrappers, bit for bit, through
+seeded resets, terminations and truncations; the same training run as backend "workers";
+bad input."""
+
+from __future__ import annotations
+
+import json
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from batchrl.envs.errors import EnvSpecError
+from batchrl.envs.factory import make_batch_env
+from batchrl.envs.wrappers import wrap_env
+from helpers import finish, sets, start_train_py
+
+pytest.importorskip("mjbatch")
+from batchrl.envs.mujoco_batch import MujocoBatch  # noqa: E402
+
+
+@pytest.mark.parametrize("env_id, kwargs, limit", [
+    ("HalfCheetah-v5", {}, 60),
+    ("Hopper-v5", {}, 25),
+    ("Walker2d-v5", {}, 25),
+    ("Hopper-v5", {"ctrl_cost_weight": 0.01, "healthy_angle_range": (-0.3, 0.3),
+                   "exclude_current_positions_from_observation": False}, 25),
+    ("HalfCheetah-v5", {"frame_skip": 2, "reset_noise_scale": 0.5}, 40),
+])
+def test_native_trajectories_are_gymnasiums(env_id, kwargs, limit):
+    count, seeds = 3, [11, 12, 13]
+    native = MujocoBatch(env_id, count, max_episode_steps=limit, **kwargs)
+    envs = [wrap_env(gym.make(env_id, max_episode_steps=limit, **kwargs)) for _ in seeds]
+    observ, _ = native.reset(seed=np.array(seeds))
+    expected = np.stack([env.reset(seed=seed)[0] for env, seed in zip(envs, seeds)])
+    np.testing.assert_array_equal(observ, expected)
+    assert native.single_observation_space == envs[0].observation_space
+    rng = np.random.default_rng(0)
+    ended = np.zeros(count, bool)
+    terminations = truncations = 0
+    for _ in range(300):
+        # (beyond the action bounds too: both clip)
+        actions = rng.uniform(-1.5, 1.5, (count, *native.single_action_space.shape))
+        observ, reward, terminated, truncated, _ = native.step(actions.astype(np.float32))
+        for index, env in enumerate(envs):
+            if ended[index]:  # next-step autoreset, from the env's own generator
+                want = (env.reset()[0], 0.0, False, False)
+            else:
+                want = env.step(actions[index].astype(np.float32))[:4]
+            got = (observ[index], reward[index], terminated[index], truncated[index])
+            np.testing.assert_array_equal(got[0], want[0])
+            assert got[1:] == want[1:], (index, got[1:], want[1:])
+        ended = terminated | truncated
+        terminations += int(terminated.sum())
+        truncations += int(truncated.sum())
+    assert truncations and (terminations or env_id.startswith("HalfCheetah"))
+    # A seeded reset of some envs, as BatchEnv resets them.
+    mask = np.array([False, True, True])
+    observ, _ = native.reset(seed=np.array([5, -1]), options={"reset_mask": mask})
+    np.testing.assert_array_equal(observ[1], envs[1].reset(seed=5)[0])
+    np.testing.assert_array_equal(observ[2], envs[2].reset()[0])
+    native.close()
+
+
+def test_bad_input_is_a_clear_error():
+    native = MujocoBatch("Hopper-v5", 2)
+    native.reset(seed=0)
+    with pytest.raises(ValueError, match=r"actions must have shape \(2, 3\), got \(2, 4\)"):
+        native.step(np.zeros((2, 4), np.float32))
+    with pytest.raises(ValueError, match=r"actions must be finite; envs \[1\] got NaN or inf"):
+        native.step(np.array([[0, 0, 0], [0, np.nan, 0]], np.float32))
+    with pytest.raises(TypeError, match="takes no keyword argument 'healthy_rewards'"):
+        MujocoBatch("Hopper-v5", 2, healthy_rewards=2.0)
+    with pytest.raises(EnvSpecError, match="env backend 'native' steps HalfCheetah-v5, "
+                                           "Hopper-v5, Walker2d-v5 in batches, not 'Ant-v5'"):
+        make_batch_env("Ant-v5", 2, backend="native")
+
+
+@pytest.mark.slow
+def test_native_backend_trains_exactly_as_the_workers(tmp_path):
+    records = {}
+    for backend in ("workers", "native"):
+        logdir = tmp_path / backend
+        process = start_train_py("--config", "hopper", "--logdir", str(logdir), "--no-progress",
+                                 *sets(f"env.backend={backend}", "env.num_agents=8",
+                                       "train.steps=8000", "train.eval_episodes=3",
+                                       "algorithm.minibatch_size=200"))
+        code, _, stderr = finish(process, 180)
+        assert code == 0, stderr
+        records[backend] = [json.loads(line)
+                            for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+    key = [[(r["step"], r["phase"], r["score"], r["episodes"]) for r in records[backend]]
+           for backend in ("workers", "native")]
+    assert key[0] == key[1] and any(r["phase"] == "eval" for r in records["native"])
