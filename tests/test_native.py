@@ -27,6 +27,8 @@ from batchrl.envs.mujoco_batch import MujocoBatch  # noqa: E402
     ("Hopper-v5", {"ctrl_cost_weight": 0.01, "healthy_angle_range": (-0.3, 0.3),
                    "exclude_current_positions_from_observation": False}, 25),
     ("HalfCheetah-v5", {"frame_skip": 2, "reset_noise_scale": 0.5}, 40),
+    ("Reacher-v5", {}, 30),
+    ("Reacher-v5", {"reward_dist_weight": 2.0, "frame_skip": 3}, None),
 ])
 def test_native_trajectories_are_gymnasiums(env_id, kwargs, limit):
     count, seeds = 3, [11, 12, 13]
@@ -54,7 +56,8 @@ def test_native_trajectories_are_gymnasiums(env_id, kwargs, limit):
         ended = terminated | truncated
         terminations += int(terminated.sum())
         truncations += int(truncated.sum())
-    assert truncations and (terminations or env_id.startswith("HalfCheetah"))
+    terminates = env_id in ("Hopper-v5", "Walker2d-v5")
+    assert truncations and (terminations > 0) == terminates
     # A seeded reset of some envs, as BatchEnv resets them.
     mask = np.array([False, True, True])
     observ, _ = native.reset(seed=np.array([5, -1]), options={"reset_mask": mask})
@@ -72,8 +75,8 @@ def test_bad_input_is_a_clear_error():
         native.step(np.array([[0, 0, 0], [0, np.nan, 0]], np.float32))
     with pytest.raises(TypeError, match="takes no keyword argument 'healthy_rewards'"):
         MujocoBatch("Hopper-v5", 2, healthy_rewards=2.0)
-    with pytest.raises(EnvSpecError, match="env backend 'native' steps HalfCheetah-v5, "
-                                           "Hopper-v5, Walker2d-v5 in batches, not 'Ant-v5'"):
+    with pytest.raises(EnvSpecError, match="env backend 'native' steps HalfCheetah-v5, Hopper-v5, "
+                                           "Walker2d-v5, Reacher-v5 in batches, not 'Ant-v5'"):
         make_batch_env("Ant-v5", 2, backend="native")
 
 
