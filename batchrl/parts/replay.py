@@ -1,0 +1,143 @@
+"""A replay buffer for off-policy learning: the last transitions of every agent, sampled
+uniformly, with n-step returns.
+
+Transitions arrive one batch step at a time (all ``N`` agents) and are kept time-major in
+preallocated tensors of ``capacity // N`` rows of ``N`` agents on one device, overwritten
+oldest first. Each transition keeps its own next observation, so that a truncated episode
+(a time limit) bootstraps from its last observation, while a terminated one does not.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+Fields = Mapping[str, tuple[Sequence[int], torch.dtype]]
+"""name -> ``(shape, dtype)`` of a value stored per transition (shape without N)."""
+
+
+class ReplayBuffer:
+    """The last ``capacity`` transitions of ``num_agents`` agents.
+
+    Args:
+      num_agents: ``N``, the transitions each ``add`` stores (one per agent).
+      capacity: transitions kept over all agents (rounded down to whole batch steps; at
+        least one batch step).
+      fields: name -> ``(shape, dtype)`` of the values stored per transition besides
+        ``reward``, ``terminated`` and ``done``: ``observ`` and ``next_observ`` (in the
+        observation's dtype: uint8 images stay uint8), ``action`` and anything else an
+        algorithm keeps.
+      discount: the discount of ``sample``'s n-step returns.
+      n_step: steps summed into a sampled return before it bootstraps (1: one-step).
+      device: where the tensors live.
+
+    ``sample(B)`` draws ``B`` stored transitions uniformly (torch's global generator, which
+    the trainer's checkpoints hold) and returns their fields ``(B, ...)`` with ``reward``
+    the n-step return, ``next_observ`` the observation to bootstrap from and ``discount``
+    ``discount ** m`` (``m`` steps summed), 0 where the episode terminated within them.
+    """
+
+    def __init__(self, num_agents: int, capacity: int, fields: Fields, discount: float = 0.99,
+                 n_step: int = 1, device: str | torch.device = "cpu"):
+        if num_agents < 1:
+            raise ValueError(f"num_agents must be >= 1, got {num_agents}")
+        if capacity < num_agents:
+            raise ValueError(f"capacity ({capacity}) must hold at least one transition per "
+                             f"agent ({num_agents} agents)")
+        if n_step < 1:
+            raise ValueError(f"n_step must be >= 1, got {n_step}")
+        if not 0.0 <= discount <= 1.0:
+            raise ValueError(f"discount must be in [0, 1], got {discount}")
+        if "next_observ" not in fields:
+            raise ValueError("fields must include 'next_observ', the observation after each "
+                             "step (a truncated episode's last one), to bootstrap from")
+        reserved = {"reward", "terminated", "done"} & set(fields)
+        if reserved:
+            raise ValueError(f"fields must not name {sorted(reserved)}: the buffer stores them")
+        self.num_agents, self.rows = num_agents, capacity // num_agents
+        self.discount, self.n_step = discount, n_step
+        self.device = torch.device(device)
+        shapes = {**{name: (tuple(shape), dtype) for name, (shape, dtype) in fields.items()},
+                  "reward": ((), torch.float32), "terminated": ((), torch.bool),
+                  "done": ((), torch.bool)}
+        self.tensors = {name: torch.zeros((self.rows, num_agents, *shape), dtype=dtype,
+                                          device=self.device)
+                        for name, (shape, dtype) in shapes.items()}
+        self.position = 0   # the row the next add writes
+        self.filled = 0     # rows written, up to self.rows
+        self._powers = discount ** torch.arange(n_step + 1, device=self.device,
+                                                dtype=torch.float32)
+
+    @property
+    def capacity(self) -> int:
+        """Transitions the buffer holds when full."""
+        return self.rows * self.num_agents
+
+    def __len__(self) -> int:
+        """Transitions stored."""
+        return self.filled * self.num_agents
+
+    def add(self, reward: torch.Tensor, terminated: torch.Tensor, done: torch.Tensor,
+            **values: torch.Tensor) -> None:
+        """Store one batch step: every field ``(N, *shape)``; ``reward`` ``(N,)``;
+        ``terminated`` and ``done`` ``(N,)`` (bool or 0/1): the step reached a terminal state,
+        or ended the episode in any way (terminated or truncated)."""
+        if values.keys() != self.tensors.keys() - {"reward", "terminated", "done"}:
+            expected = sorted(self.tensors.keys() - {"reward", "terminated", "done"})
+            raise KeyError(f"add needs the fields {expected}, got {sorted(values)}")
+        row = self.position
+        for name, value in (*values.items(), ("reward", reward), ("terminated", terminated),
+                            ("done", done)):
+            target = self.tensors[name][row]
+            if value.shape != target.shape:
+                raise ValueError(f"add: {name!r} must have shape {tuple(target.shape)}, got "
+                                 f"{tuple(value.shape)}")
+            target.copy_(value.detach())
+        self.position = (row + 1) % self.rows
+        self.filled = min(self.filled + 1, self.rows)
+
+    def sample(self, batch_size: int) -> dict[str, torch.Tensor]:
+        """``batch_size`` transitions drawn uniformly from those stored (see the class)."""
+        if not self.filled:
+            raise RuntimeError("sample() from an empty replay buffer: add() transitions first")
+        oldest = self.position if self.filled == self.rows else 0
+        age = torch.randint(self.filled, (batch_size,), device=self.device)  # 0: the oldest
+        agent = torch.randint(self.num_agents, (batch_size,), device=self.device)
+        row = (oldest + age) % self.rows
+        picked = {name: value[row, agent] for name, value in self.tensors.items()
+                  if name not in ("reward", "terminated", "done")}
+        if self.n_step == 1:
+            picked["reward"] = self.tensors["reward"][row, agent]
+            picked["discount"] = self.discount * (~self.tensors["terminated"][row, agent])
+            return picked
+        # The next n steps of each picked agent, up to the newest row and the episode's end.
+        offsets = torch.arange(self.n_step, device=self.device)
+        ahead = (self.filled - 1 - age)[:, None]          # rows stored after the picked one
+        rows = (row[:, None] + offsets) % self.rows       # (B, n)
+        reward = self.tensors["reward"][rows, agent[:, None]]
+        done = self.tensors["done"][rows, agent[:, None]]
+        ended_before = torch.cumsum(done.int(), 1) - done.int()  # episode ends before step k
+        counted = (offsets <= ahead) & (ended_before == 0)       # (B, n) steps summed
+        steps = counted.sum(1)                                   # m >= 1
+        picked["reward"] = (reward * self._powers[:self.n_step] * counted).sum(1)
+        last = (row + steps - 1) % self.rows
+        picked["next_observ"] = self.tensors["next_observ"][last, agent]
+        terminal = self.tensors["terminated"][last, agent]
+        picked["discount"] = self._powers[steps] * ~terminal
+        return picked
+
+    def state_dict(self) -> dict[str, object]:
+        """The stored transitions and where the next one goes, for exact resumption."""
+        return {"tensors": dict(self.tensors), "position": self.position,
+                "filled": self.filled}
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        tensors = state["tensors"]
+        for name, tensor in self.tensors.items():
+            if tensors[name].shape != tensor.shape:
+                raise ValueError(f"replay buffer {name!r}: saved {tuple(tensors[name].shape)}, "
+                                 f"this buffer {tuple(tensor.shape)} (another capacity or "
+                                 f"number of agents)")
+            tensor.copy_(tensors[name])
+        self.position, self.filled = int(state["position"]), int(state["filled"])

@@ -1,0 +1,141 @@
+"""The replay buffer (batchrl/parts/replay.py): wrap-around, uniform sampling of the stored
+part only, truncations that bootstrap and terminations that do not, n-step returns that stop at
+episode ends and at the newest step, uint8 observations, and an exact checkpoint round trip."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from batchrl.parts.replay import ReplayBuffer
+
+FIELDS = {"observ": ((), torch.float32), "next_observ": ((), torch.float32),
+          "action": ((2,), torch.float32)}
+
+
+def add_step(buffer: ReplayBuffer, value: float, terminated=None, done=None) -> None:
+    """One batch step whose observation and reward are ``value`` for every agent (the next
+    observation ``value + 0.5``)."""
+    n = buffer.num_agents
+    full = torch.full((n,), float(value))
+    buffer.add(reward=full, terminated=torch.zeros(n, dtype=torch.bool) if terminated is None
+               else terminated, done=torch.zeros(n, dtype=torch.bool) if done is None else done,
+               observ=full, next_observ=full + 0.5, action=torch.zeros(n, 2))
+
+
+def test_the_buffer_wraps_around_and_samples_only_what_it_holds():
+    buffer = ReplayBuffer(2, 7, FIELDS)  # 3 batch steps of 2 agents
+    assert buffer.capacity == 6 and len(buffer) == 0
+    add_step(buffer, 0)
+    add_step(buffer, 1)
+    assert len(buffer) == 4
+    torch.manual_seed(0)
+    seen = buffer.sample(2000)["observ"]
+    assert set(seen.tolist()) == {0.0, 1.0}
+    for value in range(2, 6):
+        add_step(buffer, value)
+    assert len(buffer) == 6 and buffer.position == 0
+    batch = buffer.sample(3000)
+    assert set(batch["observ"].tolist()) == {3.0, 4.0, 5.0}  # 0, 1 and 2 were overwritten
+    counts = torch.bincount(batch["observ"].long())[3:]
+    assert counts.min() > 850  # uniform over the three steps (1,000 each expected)
+    torch.testing.assert_close(batch["next_observ"], batch["observ"] + 0.5)
+    torch.testing.assert_close(batch["discount"], torch.full((3000,), 0.99))
+
+
+def test_truncations_bootstrap_and_terminations_do_not():
+    buffer = ReplayBuffer(2, 2, FIELDS, discount=0.9)
+    add_step(buffer, 1, terminated=torch.tensor([True, False]), done=torch.tensor([True, True]))
+    torch.manual_seed(0)
+    batch = buffer.sample(200)
+    agent0 = batch["discount"] == 0.0
+    assert 0 < int(agent0.sum()) < 200  # both agents drawn
+    # the truncated agent bootstraps from its episode's last observation
+    torch.testing.assert_close(batch["discount"][~agent0], torch.full((int((~agent0).sum()),), 0.9))
+    torch.testing.assert_close(batch["next_observ"], torch.full((200,), 1.5))
+
+
+def test_n_step_returns_stop_at_episode_ends_and_at_the_newest_step():
+    gamma = 0.5
+    buffer = ReplayBuffer(1, 10, FIELDS, discount=gamma, n_step=3)
+    no, yes = torch.tensor([False]), torch.tensor([True])
+    add_step(buffer, 1)
+    add_step(buffer, 2, terminated=yes, done=yes)   # the episode terminates here
+    add_step(buffer, 3)
+    add_step(buffer, 4, terminated=no, done=yes)    # this one is truncated
+    add_step(buffer, 5)
+    add_step(buffer, 6)                             # the newest step
+    torch.manual_seed(0)
+    batch = buffer.sample(600)
+    expected = {  # observ -> (return, bootstrap observation, discount)
+        1.0: (1 + gamma * 2, 2.5, 0.0),
+        2.0: (2.0, 2.5, 0.0),
+        3.0: (3 + gamma * 4, 4.5, gamma ** 2),
+        4.0: (4.0, 4.5, gamma),
+        5.0: (5 + gamma * 6, 6.5, gamma ** 2),
+        6.0: (6.0, 6.5, gamma),
+    }
+    assert set(batch["observ"].tolist()) == set(expected)
+    for value, (ret, bootstrap, discount) in expected.items():
+        rows = batch["observ"] == value
+        assert torch.allclose(batch["reward"][rows], torch.tensor(ret)), value
+        assert torch.all(batch["next_observ"][rows] == bootstrap), value
+        assert torch.allclose(batch["discount"][rows], torch.tensor(discount)), value
+
+
+def test_uint8_observations_stay_uint8():
+    fields = {"observ": ((4, 84, 84), torch.uint8), "next_observ": ((4, 84, 84), torch.uint8),
+              "action": ((), torch.int64)}
+    buffer = ReplayBuffer(3, 30, fields)
+    frames = torch.randint(0, 256, (3, 4, 84, 84), dtype=torch.uint8)
+    buffer.add(reward=torch.ones(3), terminated=torch.zeros(3, dtype=torch.bool),
+               done=torch.zeros(3, dtype=torch.bool), observ=frames, next_observ=frames,
+               action=torch.tensor([0, 1, 2]))
+    assert buffer.tensors["observ"].dtype == torch.uint8
+    assert buffer.tensors["observ"].element_size() * buffer.tensors["observ"][0, 0].numel() \
+        == 4 * 84 * 84  # a byte per pixel
+    batch = buffer.sample(5)
+    assert batch["observ"].dtype == torch.uint8 and batch["action"].dtype == torch.int64
+
+
+def test_a_checkpointed_buffer_samples_exactly_as_the_original():
+    original = ReplayBuffer(2, 8, FIELDS, n_step=2)
+    for value in range(7):
+        add_step(original, value, done=torch.tensor([value % 3 == 2, False]),
+                 terminated=torch.tensor([value % 3 == 2, False]))
+    saved = io.BytesIO()
+    torch.save(original.state_dict(), saved)
+    restored = ReplayBuffer(2, 8, FIELDS, n_step=2)
+    restored.load_state_dict(torch.load(io.BytesIO(saved.getvalue())))
+    torch.manual_seed(3)
+    first = original.sample(64)
+    torch.manual_seed(3)
+    second = restored.sample(64)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+    add_step(original, 9)
+    add_step(restored, 9)
+    assert original.position == restored.position and len(original) == len(restored)
+    with pytest.raises(ValueError, match=r"saved \(4, 2\), this buffer \(3, 2\)"):
+        ReplayBuffer(2, 6, FIELDS).load_state_dict(original.state_dict())
+
+
+def test_bad_input_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"capacity \(1\) must hold at least one transition per "
+                                         r"agent \(2 agents\)"):
+        ReplayBuffer(2, 1, FIELDS)
+    with pytest.raises(ValueError, match="must include 'next_observ'"):
+        ReplayBuffer(2, 4, {"observ": ((), torch.float32)})
+    with pytest.raises(ValueError, match=r"must not name \['reward'\]"):
+        ReplayBuffer(2, 4, {**FIELDS, "reward": ((), torch.float32)})
+    buffer = ReplayBuffer(2, 4, FIELDS)
+    with pytest.raises(RuntimeError, match="empty replay buffer"):
+        buffer.sample(1)
+    with pytest.raises(KeyError, match="add needs the fields"):
+        buffer.add(reward=torch.zeros(2), terminated=torch.zeros(2), done=torch.zeros(2),
+                   observ=torch.zeros(2))
+    with pytest.raises(ValueError, match=r"'action' must have shape \(2, 2\), got \(2, 3\)"):
+        buffer.add(reward=torch.zeros(2), terminated=torch.zeros(2), done=torch.zeros(2),
+                   observ=torch.zeros(2), next_observ=torch.zeros(2), action=torch.zeros(2, 3))
