@@ -97,6 +97,12 @@ class ReplayBuffer:
         self.position = (row + 1) % self.rows
         self.filled = min(self.filled + 1, self.rows)
 
+    def cut(self, agents: torch.Tensor) -> None:
+        """The episodes of ``agents`` ``(K,)`` were cut after their newest stored step (their
+        envs were reset): n-step returns stop there, bootstrapping from its next observation."""
+        if self.filled:
+            self.tensors["done"][(self.position - 1) % self.rows, agents] = True
+
     def sample(self, batch_size: int) -> dict[str, torch.Tensor]:
         """``batch_size`` transitions drawn uniformly from those stored (see the class)."""
         if not self.filled:

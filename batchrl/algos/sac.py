@@ -1,0 +1,283 @@
+"""Soft actor-critic (Haarnoja et al., 2018) on batched envs: twin Q-functions with Polyak-averaged
+targets, a tanh-squashed Gaussian policy and an automatically tuned entropy temperature, learning
+from a replay buffer (``batchrl.parts.replay``) at a set number of gradient steps per env step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import gymnasium as gym
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from batchrl.algos.base import Algorithm, Summary
+from batchrl.errors import UnsupportedSpaceError
+from batchrl.parts.replay import ReplayBuffer
+
+__all__ = ["SAC"]
+
+LOG_STD_RANGE = (-5.0, 2.0)  # the policy's log std is squashed into it
+
+
+class EnsembleMLP(nn.Module):
+    """``members`` ReLU MLPs ``inputs -> *hidden -> outputs`` of the same shape, computed in one
+    batched matrix product per layer: ``(B, inputs)`` -> ``(members, B, outputs)``. Each
+    member is initialised as ``nn.Linear`` initialises its layers."""
+
+    def __init__(self, members: int, inputs: int, hidden: Sequence[int], outputs: int):
+        super().__init__()
+        sizes = [inputs, *hidden, outputs]
+        self.weights = nn.ParameterList()
+        self.biases = nn.ParameterList()
+        for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+            bound = 1.0 / math.sqrt(fan_in)  # (nn.Linear's kaiming_uniform(a=sqrt(5)) bound)
+            self.weights.append(nn.Parameter(
+                torch.empty(members, fan_in, fan_out).uniform_(-bound, bound)))
+            self.biases.append(nn.Parameter(
+                torch.empty(members, 1, fan_out).uniform_(-bound, bound)))
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        x = inputs.unsqueeze(0).expand(len(self.weights[0]), *inputs.shape)
+        last = len(self.weights) - 1
+        for index, (weight, bias) in enumerate(zip(self.weights, self.biases)):
+            x = torch.baddbmm(bias, x, weight)
+            if index < last:
+                x = F.relu(x)
+        return x
+
+
+class SquashedGaussian(nn.Module):
+    """The policy: a ReLU MLP giving a Gaussian's mean and log std per action dimension, whose
+    samples are squashed by ``tanh`` into [-1, 1]."""
+
+    def __init__(self, inputs: int, hidden: Sequence[int], actions: int):
+        super().__init__()
+        self.body = EnsembleMLP(1, inputs, hidden, 2 * actions)
+
+    def forward(self, observ: torch.Tensor, deterministic: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Actions ``(B, A)`` in [-1, 1] and their log-probabilities ``(B,)``."""
+        mean, log_std = self.body(observ)[0].chunk(2, dim=-1)
+        low, high = LOG_STD_RANGE
+        log_std = low + 0.5 * (high - low) * (torch.tanh(log_std) + 1.0)
+        noise = torch.zeros_like(mean) if deterministic else torch.randn_like(mean)
+        raw = mean + noise * log_std.exp()
+        # log N(raw) - log |d tanh(raw) / d raw|, the latter in a stable form
+        log_prob = (-0.5 * noise.square() - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
+        log_prob = log_prob - (2.0 * (math.log(2.0) - raw - F.softplus(-2.0 * raw))).sum(-1)
+        return torch.tanh(raw), log_prob
+
+
+class SAC(Algorithm):
+    """Soft actor-critic for ``Box`` observations and actions.
+
+    Until ``learning_starts`` env steps (all agents') it acts uniformly at random; then it
+    samples its policy, and after every batch step takes ``updates_per_step`` gradient steps
+    per env step (the update-to-data ratio; fractions accumulate), each on ``batch_size``
+    transitions drawn from the replay buffer: both critics on the soft Bellman target, the
+    policy on ``alpha * log pi - min Q``, the temperature towards ``target_entropy``, and the
+    target critics ``tau`` of the way to the critics. Evaluation acts with ``tanh`` of the
+    mean (``eval_actions = "sample"``: sampled). Observations are not normalised.
+
+    Args:
+      observation_space, action_space: ``Box`` spaces (1-D actions). Actions are squashed
+        into the action space's bounds; an unbounded one is taken as [-1, 1], the range
+        batchrl's wrappers rescale bounded ones to (``env.normalize_ranges``, the default)
+        before they show it unbounded (the env clips).
+      num_agents: ``N``, the envs of the batch.
+      device: where the networks and the replay buffer live.
+      buffer_size: transitions the replay buffer keeps (all agents').
+      batch_size: transitions per gradient step.
+      learning_starts: env steps of random actions before learning starts.
+      updates_per_step: gradient steps per env step.
+      discount: ``gamma``.
+      n_step: steps summed into each target before it bootstraps.
+      tau: the Polyak step of the target critics.
+      learning_rate: Adam's for the policy, the critics and the temperature.
+      hidden: hidden layer sizes of the policy and of each critic.
+      init_alpha: the initial temperature.
+      target_entropy: the entropy the temperature aims at (``None``: minus the action size).
+      save_buffer: keep the replay buffer in ``state_dict()`` (checkpoints), so that a resumed
+        run continues exactly; ``False`` makes checkpoints small and a resumed run refills the
+        buffer (not exact).
+      eval_actions: ``"mean"`` or ``"sample"`` (``train.eval_actions``).
+    """
+
+    def __init__(self, observation_space: gym.Space, action_space: gym.Space, num_agents: int,
+                 device: str | torch.device = "cpu", buffer_size: int = 1_000_000,
+                 batch_size: int = 256, learning_starts: int = 5_000,
+                 updates_per_step: float = 1.0, discount: float = 0.99, n_step: int = 1,
+                 tau: float = 0.005, learning_rate: float = 3e-4,
+                 hidden: Sequence[int] = (256, 256), init_alpha: float = 1.0,
+                 target_entropy: float | None = None, save_buffer: bool = True,
+                 eval_actions: str = "mean"):
+        super().__init__(device, eval_actions)
+        if not isinstance(observation_space, gym.spaces.Box):
+            raise UnsupportedSpaceError(f"SAC needs a Box observation space, got "
+                                        f"{observation_space}")
+        if not isinstance(action_space, gym.spaces.Box) or len(action_space.shape) != 1:
+            raise UnsupportedSpaceError(f"SAC needs a 1-D Box action space, got {action_space} "
+                                        f"(DQN takes Discrete actions)")
+        for name, value, low in (("batch_size", batch_size, 1), ("buffer_size", buffer_size, 1),
+                                 ("learning_starts", learning_starts, 0)):
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value}")
+        if updates_per_step <= 0:
+            raise ValueError(f"updates_per_step must be > 0, got {updates_per_step}")
+        if not 0 < tau <= 1:
+            raise ValueError(f"tau must be in (0, 1], got {tau}")
+        if init_alpha <= 0:
+            raise ValueError(f"init_alpha must be > 0, got {init_alpha}")
+        self.num_agents = num_agents
+        self.batch_size, self.learning_starts = batch_size, learning_starts
+        self.updates_per_step, self.discount, self.tau = updates_per_step, discount, tau
+        self.save_buffer = save_buffer
+        self.obs_size = math.prod(observation_space.shape)
+        actions = action_space.shape[0]
+        self.target_entropy = -float(actions) if target_entropy is None else target_entropy
+        # batchrl's wrappers rescale a bounded range to [-1, 1] (env.normalize_ranges), then
+        # show it unbounded (the env clips): such a range is [-1, 1].
+        bounded = action_space.is_bounded()
+        low = action_space.low if bounded else -np.ones(actions, np.float32)
+        high = action_space.high if bounded else np.ones(actions, np.float32)
+        self._low = torch.as_tensor(low, dtype=torch.float32, device=self.device)
+        self._scale = torch.as_tensor(high - low, dtype=torch.float32, device=self.device) / 2
+        self.policy = SquashedGaussian(self.obs_size, hidden, actions).to(self.device)
+        self.critics = EnsembleMLP(2, self.obs_size + actions, hidden, 1).to(self.device)
+        self.target_critics = EnsembleMLP(2, self.obs_size + actions, hidden, 1).to(self.device)
+        self.target_critics.load_state_dict(self.critics.state_dict())
+        self.target_critics.requires_grad_(False)
+        self.log_alpha = torch.tensor(math.log(init_alpha), device=self.device,
+                                      requires_grad=True)
+        self.policy_optimizer = torch.optim.Adam(self.policy.parameters(), lr=learning_rate)
+        self.critic_optimizer = torch.optim.Adam(self.critics.parameters(), lr=learning_rate)
+        self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=learning_rate)
+        flat = ((self.obs_size,), torch.float32)
+        self.buffer = ReplayBuffer(num_agents, buffer_size, {
+            "observ": flat, "next_observ": flat, "action": ((actions,), torch.float32)},
+            discount, n_step, self.device)
+        self.env_steps = 0
+        self.updates = 0
+        self._owed = 0.0  # gradient steps due (fractions of one accumulate)
+        self._last_action: torch.Tensor | None = None
+
+    per_agent_state = ("buffer",)
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        return self.log_alpha.detach().exp()
+
+    def begin_episodes(self, agent_indices: torch.Tensor) -> Summary:
+        if self.training:  # (a reset may cut an episode: its n-step returns stop there)
+            self.buffer.cut(agent_indices)
+        return {}
+
+    def end_episodes(self, agent_indices: torch.Tensor) -> Summary:
+        return {}
+
+    @torch.no_grad()
+    def perform(self, agent_indices: torch.Tensor,
+                observ: torch.Tensor) -> tuple[torch.Tensor, Summary]:
+        observ = observ.reshape(len(agent_indices), -1)
+        if self.training and self.env_steps < self.learning_starts:
+            squashed = torch.rand(len(agent_indices), len(self._low), device=self.device) * 2 - 1
+        else:
+            squashed, _ = self.policy(observ, self.acting_deterministically)
+        if self.training:
+            self._last_action = squashed
+        return self._low + (squashed + 1.0) * self._scale, {}
+
+    def experience(self, agent_indices: torch.Tensor, observ: torch.Tensor,
+                   action: torch.Tensor, reward: torch.Tensor, done: torch.Tensor,
+                   next_observ: torch.Tensor, terminated: torch.Tensor) -> Summary:
+        if not self.training:
+            return {}
+        if len(agent_indices) != self.num_agents:
+            raise ValueError(f"SAC stores every agent's step at once: experience() for "
+                             f"{len(agent_indices)} of {self.num_agents} agents")
+        count = len(agent_indices)
+        self.buffer.add(reward=reward, terminated=terminated.bool(), done=done.bool(),
+                        observ=observ.reshape(count, -1), next_observ=next_observ.reshape(
+                            count, -1), action=self._last_action)
+        self.env_steps += count
+        # Gradient steps are owed for the env steps past learning_starts.
+        learned = self.env_steps - max(self.env_steps - count, self.learning_starts)
+        if learned <= 0:
+            return {}
+        self._owed += self.updates_per_step * learned
+        steps = int(self._owed)
+        self._owed -= steps
+        totals: dict[str, float] = {}
+        for _ in range(steps):
+            self.check_interrupt()
+            for name, value in self._gradient_step().items():
+                totals[name] = totals.get(name, 0.0) + value
+        return {name: total / steps for name, total in totals.items()} if steps else {}
+
+    def _gradient_step(self) -> dict[str, float]:
+        """One step of the critics, the policy and the temperature, and the targets' Polyak
+        step; returns their losses and the temperature."""
+        batch = self.buffer.sample(self.batch_size)
+        alpha = self.alpha
+        with torch.no_grad():
+            next_action, next_log_prob = self.policy(batch["next_observ"])
+            next_q = self.target_critics(torch.cat([batch["next_observ"], next_action], -1))
+            soft = next_q.min(0).values.squeeze(-1) - alpha * next_log_prob
+            target = batch["reward"] + batch["discount"] * soft
+        q = self.critics(torch.cat([batch["observ"], batch["action"]], -1)).squeeze(-1)
+        critic_loss = 0.5 * (q - target).square().mean(1).sum()
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        critic_loss.backward()
+        self.critic_optimizer.step()
+
+        action, log_prob = self.policy(batch["observ"])
+        self.critics.requires_grad_(False)  # (the policy's loss moves the policy only)
+        q_new = self.critics(torch.cat([batch["observ"], action], -1)).min(0).values.squeeze(-1)
+        self.critics.requires_grad_(True)
+        policy_loss = (alpha * log_prob - q_new).mean()
+        self.policy_optimizer.zero_grad(set_to_none=True)
+        policy_loss.backward()
+        self.policy_optimizer.step()
+
+        alpha_loss = -(self.log_alpha * (log_prob.detach() + self.target_entropy)).mean()
+        self.alpha_optimizer.zero_grad(set_to_none=True)
+        alpha_loss.backward()
+        self.alpha_optimizer.step()
+
+        with torch.no_grad():
+            for target, online in zip(self.target_critics.parameters(),
+                                      self.critics.parameters()):
+                target.lerp_(online, self.tau)
+        self.updates += 1
+        return {"sac/critic_loss": float(critic_loss.detach()),
+                "sac/policy_loss": float(policy_loss.detach()),
+                "sac/alpha": float(alpha), "sac/entropy": float(-log_prob.detach().mean())}
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"policy": self.policy.state_dict(), "critics": self.critics.state_dict(),
+                 "target_critics": self.target_critics.state_dict(),
+                 "log_alpha": self.log_alpha.detach().clone(),
+                 "policy_optimizer": self.policy_optimizer.state_dict(),
+                 "critic_optimizer": self.critic_optimizer.state_dict(),
+                 "alpha_optimizer": self.alpha_optimizer.state_dict(),
+                 "env_steps": self.env_steps, "updates": self.updates, "owed": self._owed}
+        state["buffer"] = self.buffer.state_dict() if self.save_buffer else None
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.policy.load_state_dict(state["policy"])
+        self.critics.load_state_dict(state["critics"])
+        self.target_critics.load_state_dict(state["target_critics"])
+        with torch.no_grad():
+            self.log_alpha.copy_(state["log_alpha"])
+        self.policy_optimizer.load_state_dict(state["policy_optimizer"])
+        self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        self.alpha_optimizer.load_state_dict(state["alpha_optimizer"])
+        self.env_steps, self.updates = int(state["env_steps"]), int(state["updates"])
+        self._owed = float(state["owed"])
+        if state["buffer"] is not None:
+            self.buffer.load_state_dict(state["buffer"])

@@ -1,0 +1,122 @@
+"""SAC (batchrl/algos/sac.py): the temperature and target updates, an exact state round trip,
+learning Pendulum (CI-sized), and train.py with a config that names only the class."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import gymnasium as gym
+import pytest
+import torch
+
+from batchrl.algos import SAC
+from batchrl.errors import UnsupportedSpaceError
+from batchrl.simulation import simulate
+from helpers import assert_same, finish, seeded_tensor_env, start_train_py
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SMALL = {"hidden": (32, 32), "batch_size": 32, "learning_starts": 40}
+
+
+def filled_sac(steps: int = 30, **options) -> tuple[SAC, object]:
+    torch.manual_seed(0)
+    env = seeded_tensor_env("Pendulum-v1", 2, seed=0)
+    algo = SAC(env.observation_space, env.action_space, 2, **{**SMALL, **options})
+    for _ in range(steps):
+        simulate(env, algo)
+    return algo, env
+
+
+def test_random_actions_until_learning_starts_then_the_policy_learns():
+    algo, env = filled_sac(20)  # 40 env steps: no gradient step yet
+    assert algo.updates == 0 and len(algo.buffer) == 40
+    policy = copy.deepcopy(algo.policy.state_dict())
+    simulate(env, algo)  # 42 steps: 2 gradient steps (one per env step past the first 40)
+    assert algo.updates == 2
+    assert any(not torch.equal(policy[k], v) for k, v in algo.policy.state_dict().items())
+    env.close()
+
+
+def test_targets_move_tau_of_the_way_and_the_temperature_follows_the_entropy():
+    algo, env = filled_sac(21, tau=0.25, target_entropy=50.0)  # an entropy it cannot reach
+    env.close()
+    critics = copy.deepcopy(algo.critics)
+    targets = [p.detach().clone() for p in algo.target_critics.parameters()]
+    alpha = float(algo.alpha)
+    algo._gradient_step()
+    for target, before, old_online, new_online in zip(
+            algo.target_critics.parameters(), targets, critics.parameters(),
+            algo.critics.parameters()):
+        assert not torch.equal(old_online, new_online)  # the critics took a step
+        torch.testing.assert_close(target, before + 0.25 * (new_online - before))
+    assert float(algo.alpha) > alpha  # entropy below the target: the temperature rises
+    algo, env = filled_sac(21, target_entropy=-50.0)  # far below the entropy: it falls
+    env.close()
+    alpha = float(algo.alpha)
+    algo._gradient_step()
+    assert float(algo.alpha) < alpha
+
+
+def test_a_loaded_state_continues_exactly():
+    algo, env = filled_sac(25, n_step=3)
+    twin = SAC(env.observation_space, env.action_space, 2, **SMALL, n_step=3)
+    twin.load_state_dict(copy.deepcopy(algo.state_dict()))
+    rng = torch.get_rng_state()
+    algo._gradient_step()
+    torch.set_rng_state(rng)
+    twin._gradient_step()
+    assert_same(algo.state_dict(), twin.state_dict(), "state")
+    small = SAC(env.observation_space, env.action_space, 2, **SMALL, save_buffer=False)
+    assert small.state_dict()["buffer"] is None
+    env.close()
+
+
+def test_bad_input_is_a_clear_error():
+    box = gym.spaces.Box(-1, 1, (3,))
+    with pytest.raises(UnsupportedSpaceError, match="SAC needs a 1-D Box action space, got "
+                                                    r"Discrete\(2\) \(DQN takes Discrete"):
+        SAC(box, gym.spaces.Discrete(2), 2)
+    with pytest.raises(ValueError, match="updates_per_step must be > 0, got 0"):
+        SAC(box, box, 2, updates_per_step=0)
+    with pytest.raises(ValueError, match=r"tau must be in \(0, 1\], got 2"):
+        SAC(box, box, 2, tau=2)
+
+
+@pytest.mark.slow
+def test_sac_learns_pendulum():
+    torch.manual_seed(0)
+    env = seeded_tensor_env("Pendulum-v1", 4, seed=0)
+    algo = SAC(env.observation_space, env.action_space, 4, hidden=(64, 64), batch_size=128,
+               learning_starts=1000)
+    for _ in range(3200):  # 12,800 env steps
+        simulate(env, algo)
+    algo.eval()
+    returns = torch.zeros(4)
+    simulate(env, algo, reset=True)
+    for _ in range(199):
+        _, score, _ = simulate(env, algo)
+    returns = score
+    env.close()
+    assert float(returns.mean()) > -400, returns  # random actions: about -1,200
+
+
+@pytest.mark.slow
+def test_train_py_runs_sac_from_a_config_that_names_only_the_class(tmp_path):
+    config = tmp_path / "sac_pendulum.toml"
+    config.write_text('[env]\nid = "Pendulum-v1"\nnum_agents = 2\nmax_length = 200\n'
+                      'backend = "inline"\n\n[train]\nsteps = 6000\nphase_steps = 3000\n'
+                      'eval_episodes = 2\n\n[algorithm]\nclass = "batchrl.algos:SAC"\n')
+    logdir = tmp_path / "run"
+    code, _, stderr = finish(start_train_py("--config", str(config), "--logdir", str(logdir),
+                                            "--no-progress", "--set", "train.steps=3000"), 120)
+    assert code == 0, stderr
+    code, _, stderr = finish(start_train_py("--config", str(config), "--logdir", str(logdir),
+                                            "--no-progress", "--steps", "6000"), 120)  # resumed
+    assert code == 0, stderr
+    records = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["phase"] == "eval"] == [3000, 6000]
+    checkpoint = torch.load(sorted(logdir.glob("ckpt-*.pt"))[-1], weights_only=False)
+    assert checkpoint["algorithm"]["env_steps"] == 6000
+    assert checkpoint["algorithm"]["updates"] == 6000 - 5000  # learning starts at 5,000
