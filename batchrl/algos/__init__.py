@@ -10,6 +10,7 @@ from batchrl.lazy import lazy_names
 _TORCH_NAMES = {"Algorithm": "batchrl.algos.base", "Summary": "batchrl.algos.base",
                 "BatchPPO": "batchrl.algos.ppo", "KLPenalty": "batchrl.algos.ppo",
                 "Reinforce": "batchrl.algos.reinforce", "IMPALA": "batchrl.algos.impala",
-                "RolloutAlgorithm": "batchrl.algos.rollout", "SAC": "batchrl.algos.sac"}
+                "RolloutAlgorithm": "batchrl.algos.rollout", "SAC": "batchrl.algos.sac",
+                "DQN": "batchrl.algos.dqn"}
 __all__ = ["PPOConfig", "IMPALAConfig", *_TORCH_NAMES]
 __getattr__, __dir__ = lazy_names(globals(), _TORCH_NAMES)

@@ -1,0 +1,110 @@
+"""Double DQN (batchrl/algos/dqn.py): the epsilon schedule, the target network's copies and the
+double-Q target, an exact state round trip, and learning CartPole (CI-sized)."""
+
+from __future__ import annotations
+
+import copy
+
+import gymnasium as gym
+import pytest
+import torch
+from torch.nn import functional as F
+
+from batchrl.algos import DQN
+from batchrl.errors import UnsupportedSpaceError
+from batchrl.simulation import simulate
+from helpers import assert_same, seeded_tensor_env
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def filled_dqn(steps: int, **options) -> tuple[DQN, object]:
+    torch.manual_seed(0)
+    env = seeded_tensor_env("CartPole-v1", 2, seed=0)
+    algo = DQN(env.observation_space, env.action_space, 2,
+               **{"hidden": (16,), "batch_size": 16, "learning_starts": 20, **options})
+    for _ in range(steps):
+        simulate(env, algo)
+    return algo, env
+
+
+def test_epsilon_falls_linearly_then_holds():
+    algo, env = filled_dqn(0, exploration_steps=100, final_epsilon=0.1)
+    assert algo.epsilon == 1.0
+    for _ in range(25):  # 50 env steps: half way
+        simulate(env, algo)
+    assert algo.epsilon == pytest.approx(0.55)
+    for _ in range(50):
+        simulate(env, algo)
+    assert algo.epsilon == pytest.approx(0.1)
+    env.close()
+
+
+def test_the_target_copies_the_q_network_every_few_gradient_steps_and_picks_by_it():
+    algo, env = filled_dqn(10, target_update_every=3, updates_per_step=1.0)
+    env.close()
+    assert algo.updates == 0
+    initial = copy.deepcopy(algo.target_q.state_dict())
+    algo._gradient_step()
+    algo._gradient_step()
+    assert_same(algo.target_q.state_dict(), initial, "target")  # not yet
+    algo._gradient_step()
+    assert_same(algo.target_q.state_dict(), algo.q.state_dict(), "target")  # copied
+    # The double-Q target: the online network picks the next action (here always action 0),
+    # the target network values it (though it values action 1 far higher).
+    with torch.no_grad():
+        algo.q[-1].bias += torch.tensor([100.0, 0.0])
+        algo.target_q[-1].bias += torch.tensor([0.0, 100.0])
+    torch.manual_seed(5)
+    batch = algo.buffer.sample(algo.batch_size)
+    with torch.no_grad():
+        next_q = algo.target_q(batch["next_observ"])
+        q = algo.q(batch["observ"]).gather(-1, batch["action"][:, None]).squeeze(-1)
+        double = F.smooth_l1_loss(q, batch["reward"] + batch["discount"] * next_q[:, 0])
+        plain = F.smooth_l1_loss(q, batch["reward"] + batch["discount"] * next_q.max(-1).values)
+    torch.manual_seed(5)
+    loss = algo._gradient_step()
+    assert loss == pytest.approx(float(double), rel=1e-5)
+    assert abs(float(plain) - float(double)) > 1.0
+
+
+def test_a_loaded_state_continues_exactly():
+    algo, env = filled_dqn(20, n_step=2)
+    twin = DQN(env.observation_space, env.action_space, 2, hidden=(16,), batch_size=16,
+               learning_starts=20, n_step=2)
+    twin.load_state_dict(copy.deepcopy(algo.state_dict()))
+    rng = torch.get_rng_state()
+    algo._gradient_step()
+    torch.set_rng_state(rng)
+    twin._gradient_step()
+    assert_same(algo.state_dict(), twin.state_dict(), "state")
+    env.close()
+
+
+def test_bad_input_is_a_clear_error():
+    box = gym.spaces.Box(-1, 1, (3,))
+    with pytest.raises(UnsupportedSpaceError, match=r"DQN needs a Discrete action space, got "
+                                                    r"Box.* \(SAC takes Box actions\)"):
+        DQN(box, box, 2)
+    with pytest.raises(ValueError, match="final_epsilon must be in"):
+        DQN(box, gym.spaces.Discrete(2), 2, final_epsilon=2)
+    with pytest.raises(ValueError, match="target_update_every must be >= 1, got 0"):
+        DQN(box, gym.spaces.Discrete(2), 2, target_update_every=0)
+
+
+@pytest.mark.slow
+def test_dqn_learns_cartpole():
+    torch.manual_seed(0)
+    env = seeded_tensor_env("CartPole-v1", 4, seed=0)
+    algo = DQN(env.observation_space, env.action_space, 4, updates_per_step=0.5,
+               exploration_steps=8000)
+    for _ in range(5000):  # 20,000 env steps
+        simulate(env, algo)
+    algo.eval()
+    simulate(env, algo, reset=True)
+    returns: list[float] = []
+    while len(returns) < 8:
+        done, score, _ = simulate(env, algo)
+        returns += score[done.bool()].tolist()
+    env.close()
+    assert sum(returns[:8]) / 8 > 100, returns  # random actions: about 22
