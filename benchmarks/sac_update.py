@@ -57,13 +57,13 @@ def main() -> None:
     env = gym.make(args.env_id)
     ours = batchrl_sac(env.observation_space, env.action_space, 10_000)
     theirs = sb3_sac(args.env_id, 10_000)
-    ours._gradient_step()
+    ours.gradient_step()
     theirs.train(gradient_steps=5, batch_size=256)  # warm-up
     times: dict[str, list[float]] = {"batchrl": [], "SB3": []}
     for _ in range(args.rounds):
         start = time.perf_counter()
         for _ in range(args.steps):
-            ours._gradient_step()
+            ours.gradient_step()
         times["batchrl"].append((time.perf_counter() - start) / args.steps)
         start = time.perf_counter()
         theirs.train(gradient_steps=args.steps, batch_size=256)

@@ -45,10 +45,10 @@ def test_the_target_copies_the_q_network_every_few_gradient_steps_and_picks_by_i
     env.close()
     assert algo.updates == 0
     initial = copy.deepcopy(algo.target_q.state_dict())
-    algo._gradient_step()
-    algo._gradient_step()
+    algo.gradient_step()
+    algo.gradient_step()
     assert_same(algo.target_q.state_dict(), initial, "target")  # not yet
-    algo._gradient_step()
+    algo.gradient_step()
     assert_same(algo.target_q.state_dict(), algo.q.state_dict(), "target")  # copied
     # The double-Q target: the online network picks the next action (here always action 0),
     # the target network values it (though it values action 1 far higher).
@@ -63,7 +63,7 @@ def test_the_target_copies_the_q_network_every_few_gradient_steps_and_picks_by_i
         double = F.smooth_l1_loss(q, batch["reward"] + batch["discount"] * next_q[:, 0])
         plain = F.smooth_l1_loss(q, batch["reward"] + batch["discount"] * next_q.max(-1).values)
     torch.manual_seed(5)
-    loss = algo._gradient_step()
+    loss = algo.gradient_step()["dqn/loss"]
     assert loss == pytest.approx(float(double), rel=1e-5)
     assert abs(float(plain) - float(double)) > 1.0
 
@@ -74,9 +74,9 @@ def test_a_loaded_state_continues_exactly():
                learning_starts=20, n_step=2)
     twin.load_state_dict(copy.deepcopy(algo.state_dict()))
     rng = torch.get_rng_state()
-    algo._gradient_step()
+    algo.gradient_step()
     torch.set_rng_state(rng)
-    twin._gradient_step()
+    twin.gradient_step()
     assert_same(algo.state_dict(), twin.state_dict(), "state")
     env.close()
 

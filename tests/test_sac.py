@@ -45,7 +45,7 @@ def test_targets_move_tau_of_the_way_and_the_temperature_follows_the_entropy():
     critics = copy.deepcopy(algo.critics)
     targets = [p.detach().clone() for p in algo.target_critics.parameters()]
     alpha = float(algo.alpha)
-    algo._gradient_step()
+    algo.gradient_step()
     for target, before, old_online, new_online in zip(
             algo.target_critics.parameters(), targets, critics.parameters(),
             algo.critics.parameters()):
@@ -55,7 +55,7 @@ def test_targets_move_tau_of_the_way_and_the_temperature_follows_the_entropy():
     algo, env = filled_sac(21, target_entropy=-50.0)  # far below the entropy: it falls
     env.close()
     alpha = float(algo.alpha)
-    algo._gradient_step()
+    algo.gradient_step()
     assert float(algo.alpha) < alpha
 
 
@@ -64,9 +64,9 @@ def test_a_loaded_state_continues_exactly():
     twin = SAC(env.observation_space, env.action_space, 2, **SMALL, n_step=3)
     twin.load_state_dict(copy.deepcopy(algo.state_dict()))
     rng = torch.get_rng_state()
-    algo._gradient_step()
+    algo.gradient_step()
     torch.set_rng_state(rng)
-    twin._gradient_step()
+    twin.gradient_step()
     assert_same(algo.state_dict(), twin.state_dict(), "state")
     small = SAC(env.observation_space, env.action_space, 2, **SMALL, save_buffer=False)
     assert small.state_dict()["buffer"] is None

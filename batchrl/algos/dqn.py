@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from batchrl.algos.base import Algorithm, Summary
+from batchrl.algos.base import Summary
+from batchrl.algos.replay import ReplayAlgorithm
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.parts.replay import ReplayBuffer
 
@@ -30,7 +31,7 @@ def _mlp(inputs: int, hidden: Sequence[int], outputs: int) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(inputs, outputs))
 
 
-class DQN(Algorithm):
+class DQN(ReplayAlgorithm):
     """Double DQN for ``Box`` observations and ``Discrete`` actions.
 
     Epsilon-greedy acting, epsilon falling linearly from 1 to ``final_epsilon`` over the first
@@ -55,8 +56,6 @@ class DQN(Algorithm):
       eval_actions: ``"mean"`` (greedy) or ``"sample"``.
     """
 
-    per_agent_state = ("buffer",)
-
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, num_agents: int,
                  device: str | torch.device = "cpu", buffer_size: int = 100_000,
                  batch_size: int = 64, learning_starts: int = 1_000,
@@ -65,7 +64,6 @@ class DQN(Algorithm):
                  target_update_every: int = 500, exploration_steps: int = 10_000,
                  final_epsilon: float = 0.05, max_grad_norm: float = 10.0,
                  save_buffer: bool = True, eval_actions: str = "mean"):
-        super().__init__(device, eval_actions)
         if not isinstance(observation_space, gym.spaces.Box):
             raise UnsupportedSpaceError(f"DQN needs a Box observation space, got "
                                         f"{observation_space}")
@@ -73,31 +71,25 @@ class DQN(Algorithm):
             raise UnsupportedSpaceError(f"DQN needs a Discrete action space, got {action_space} "
                                         f"(SAC takes Box actions)")
         for name, value, low in (("batch_size", batch_size, 1), ("buffer_size", buffer_size, 1),
-                                 ("learning_starts", learning_starts, 0),
                                  ("target_update_every", target_update_every, 1),
                                  ("exploration_steps", exploration_steps, 0)):
             if value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value}")
-        if updates_per_step <= 0:
-            raise ValueError(f"updates_per_step must be > 0, got {updates_per_step}")
         if not 0 <= final_epsilon <= 1:
             raise ValueError(f"final_epsilon must be in [0, 1], got {final_epsilon}")
-        self.num_agents, self.actions = num_agents, int(action_space.n)
-        self._start = int(action_space.start)
-        self.batch_size, self.learning_starts = batch_size, learning_starts
-        self.updates_per_step, self.target_update_every = updates_per_step, target_update_every
-        self.exploration_steps, self.final_epsilon = exploration_steps, final_epsilon
-        self.max_grad_norm, self.save_buffer = max_grad_norm, save_buffer
         obs_size = math.prod(observation_space.shape)
+        flat = ((obs_size,), torch.float32)
+        super().__init__(device, eval_actions, num_agents, ReplayBuffer(
+            num_agents, buffer_size, {"observ": flat, "next_observ": flat,
+                                      "action": ((), torch.int64)},
+            discount, n_step, device), learning_starts, updates_per_step, save_buffer)
+        self.actions, self._start = int(action_space.n), int(action_space.start)
+        self.batch_size, self.target_update_every = batch_size, target_update_every
+        self.exploration_steps, self.final_epsilon = exploration_steps, final_epsilon
+        self.max_grad_norm = max_grad_norm
         self.q = _mlp(obs_size, hidden, self.actions).to(self.device)
         self.target_q = copy.deepcopy(self.q).requires_grad_(False)
         self.optimizer = torch.optim.Adam(self.q.parameters(), lr=learning_rate)
-        flat = ((obs_size,), torch.float32)
-        self.buffer = ReplayBuffer(num_agents, buffer_size, {
-            "observ": flat, "next_observ": flat, "action": ((), torch.int64)},
-            discount, n_step, self.device)
-        self.env_steps = self.updates = 0
-        self._owed = 0.0  # gradient steps due (fractions of one accumulate)
 
     @property
     def epsilon(self) -> float:
@@ -106,14 +98,6 @@ class DQN(Algorithm):
             return self.final_epsilon
         done = min(1.0, self.env_steps / self.exploration_steps)
         return 1.0 + done * (self.final_epsilon - 1.0)
-
-    def begin_episodes(self, agent_indices: torch.Tensor) -> Summary:
-        if self.training:  # (a reset may cut an episode: its n-step returns stop there)
-            self.buffer.cut(agent_indices)
-        return {}
-
-    def end_episodes(self, agent_indices: torch.Tensor) -> Summary:
-        return {}
 
     @torch.no_grad()
     def perform(self, agent_indices: torch.Tensor,
@@ -127,36 +111,10 @@ class DQN(Algorithm):
         random = torch.randint(self.actions, (count,), device=self.device)
         return torch.where(explore, random, greedy) + self._start, {}
 
-    def experience(self, agent_indices: torch.Tensor, observ: torch.Tensor,
-                   action: torch.Tensor, reward: torch.Tensor, done: torch.Tensor,
-                   next_observ: torch.Tensor, terminated: torch.Tensor) -> Summary:
-        if not self.training:
-            return {}
-        count = len(agent_indices)
-        if count != self.num_agents:
-            raise ValueError(f"DQN stores every agent's step at once: experience() for "
-                             f"{count} of {self.num_agents} agents")
-        self.buffer.add(reward=reward, terminated=terminated.bool(), done=done.bool(),
-                        observ=observ.reshape(count, -1),
-                        next_observ=next_observ.reshape(count, -1),
-                        action=action.long() - self._start)
-        self.env_steps += count
-        # Gradient steps are owed for the env steps past learning_starts.
-        learned = self.env_steps - max(self.env_steps - count, self.learning_starts)
-        if learned <= 0:
-            return {}
-        self._owed += self.updates_per_step * learned
-        steps = int(self._owed)
-        self._owed -= steps
-        losses = []
-        for _ in range(steps):
-            self.check_interrupt()
-            losses.append(self._gradient_step())
-        if not steps:
-            return {}
-        return {"dqn/loss": sum(losses) / steps, "dqn/epsilon": self.epsilon}
+    def stored_action(self, action: torch.Tensor) -> torch.Tensor:
+        return action.long() - self._start  # (the Q-network's output index)
 
-    def _gradient_step(self) -> float:
+    def gradient_step(self) -> Summary:
         """One Huber-loss step of the Q-network (and the target's copy when due)."""
         batch = self.buffer.sample(self.batch_size)
         with torch.no_grad():
@@ -172,19 +130,14 @@ class DQN(Algorithm):
         self.updates += 1
         if self.updates % self.target_update_every == 0:
             self.target_q.load_state_dict(self.q.state_dict())
-        return float(loss.detach())
+        return {"dqn/loss": float(loss.detach()), "dqn/epsilon": self.epsilon}
 
     def state_dict(self) -> dict[str, Any]:
         return {"q": self.q.state_dict(), "target_q": self.target_q.state_dict(),
-                "optimizer": self.optimizer.state_dict(), "env_steps": self.env_steps,
-                "updates": self.updates, "owed": self._owed,
-                "buffer": self.buffer.state_dict() if self.save_buffer else None}
+                "optimizer": self.optimizer.state_dict(), **self.replay_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.q.load_state_dict(state["q"])
         self.target_q.load_state_dict(state["target_q"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.env_steps, self.updates = int(state["env_steps"]), int(state["updates"])
-        self._owed = float(state["owed"])
-        if state["buffer"] is not None:
-            self.buffer.load_state_dict(state["buffer"])
+        self.load_replay_state(state)

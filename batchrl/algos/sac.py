@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from batchrl.algos.base import Algorithm, Summary
+from batchrl.algos.base import Summary
+from batchrl.algos.replay import ReplayAlgorithm
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.parts.replay import ReplayBuffer
 
@@ -72,7 +73,7 @@ class SquashedGaussian(nn.Module):
         return torch.tanh(raw), log_prob
 
 
-class SAC(Algorithm):
+class SAC(ReplayAlgorithm):
     """Soft actor-critic for ``Box`` observations and actions.
 
     Until ``learning_starts`` env steps (all agents') it acts uniformly at random; then it
@@ -115,29 +116,26 @@ class SAC(Algorithm):
                  hidden: Sequence[int] = (256, 256), init_alpha: float = 1.0,
                  target_entropy: float | None = None, save_buffer: bool = True,
                  eval_actions: str = "mean"):
-        super().__init__(device, eval_actions)
         if not isinstance(observation_space, gym.spaces.Box):
             raise UnsupportedSpaceError(f"SAC needs a Box observation space, got "
                                         f"{observation_space}")
         if not isinstance(action_space, gym.spaces.Box) or len(action_space.shape) != 1:
             raise UnsupportedSpaceError(f"SAC needs a 1-D Box action space, got {action_space} "
                                         f"(DQN takes Discrete actions)")
-        for name, value, low in (("batch_size", batch_size, 1), ("buffer_size", buffer_size, 1),
-                                 ("learning_starts", learning_starts, 0)):
-            if value < low:
-                raise ValueError(f"{name} must be >= {low}, got {value}")
-        if updates_per_step <= 0:
-            raise ValueError(f"updates_per_step must be > 0, got {updates_per_step}")
+        for name, value in (("batch_size", batch_size), ("buffer_size", buffer_size)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if not 0 < tau <= 1:
             raise ValueError(f"tau must be in (0, 1], got {tau}")
         if init_alpha <= 0:
             raise ValueError(f"init_alpha must be > 0, got {init_alpha}")
-        self.num_agents = num_agents
-        self.batch_size, self.learning_starts = batch_size, learning_starts
-        self.updates_per_step, self.discount, self.tau = updates_per_step, discount, tau
-        self.save_buffer = save_buffer
-        self.obs_size = math.prod(observation_space.shape)
-        actions = action_space.shape[0]
+        actions, self.obs_size = action_space.shape[0], math.prod(observation_space.shape)
+        flat = ((self.obs_size,), torch.float32)
+        super().__init__(device, eval_actions, num_agents, ReplayBuffer(
+            num_agents, buffer_size, {"observ": flat, "next_observ": flat,
+                                      "action": ((actions,), torch.float32)},
+            discount, n_step, device), learning_starts, updates_per_step, save_buffer)
+        self.batch_size, self.discount, self.tau = batch_size, discount, tau
         self.target_entropy = -float(actions) if target_entropy is None else target_entropy
         # batchrl's wrappers rescale a bounded range to [-1, 1] (env.normalize_ranges), then
         # show it unbounded (the env clips): such a range is [-1, 1].
@@ -156,28 +154,11 @@ class SAC(Algorithm):
         self.policy_optimizer = torch.optim.Adam(self.policy.parameters(), lr=learning_rate)
         self.critic_optimizer = torch.optim.Adam(self.critics.parameters(), lr=learning_rate)
         self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=learning_rate)
-        flat = ((self.obs_size,), torch.float32)
-        self.buffer = ReplayBuffer(num_agents, buffer_size, {
-            "observ": flat, "next_observ": flat, "action": ((actions,), torch.float32)},
-            discount, n_step, self.device)
-        self.env_steps = 0
-        self.updates = 0
-        self._owed = 0.0  # gradient steps due (fractions of one accumulate)
         self._last_action: torch.Tensor | None = None
-
-    per_agent_state = ("buffer",)
 
     @property
     def alpha(self) -> torch.Tensor:
         return self.log_alpha.detach().exp()
-
-    def begin_episodes(self, agent_indices: torch.Tensor) -> Summary:
-        if self.training:  # (a reset may cut an episode: its n-step returns stop there)
-            self.buffer.cut(agent_indices)
-        return {}
-
-    def end_episodes(self, agent_indices: torch.Tensor) -> Summary:
-        return {}
 
     @torch.no_grad()
     def perform(self, agent_indices: torch.Tensor,
@@ -191,34 +172,10 @@ class SAC(Algorithm):
             self._last_action = squashed
         return self._low + (squashed + 1.0) * self._scale, {}
 
-    def experience(self, agent_indices: torch.Tensor, observ: torch.Tensor,
-                   action: torch.Tensor, reward: torch.Tensor, done: torch.Tensor,
-                   next_observ: torch.Tensor, terminated: torch.Tensor) -> Summary:
-        if not self.training:
-            return {}
-        if len(agent_indices) != self.num_agents:
-            raise ValueError(f"SAC stores every agent's step at once: experience() for "
-                             f"{len(agent_indices)} of {self.num_agents} agents")
-        count = len(agent_indices)
-        self.buffer.add(reward=reward, terminated=terminated.bool(), done=done.bool(),
-                        observ=observ.reshape(count, -1), next_observ=next_observ.reshape(
-                            count, -1), action=self._last_action)
-        self.env_steps += count
-        # Gradient steps are owed for the env steps past learning_starts.
-        learned = self.env_steps - max(self.env_steps - count, self.learning_starts)
-        if learned <= 0:
-            return {}
-        self._owed += self.updates_per_step * learned
-        steps = int(self._owed)
-        self._owed -= steps
-        totals: dict[str, float] = {}
-        for _ in range(steps):
-            self.check_interrupt()
-            for name, value in self._gradient_step().items():
-                totals[name] = totals.get(name, 0.0) + value
-        return {name: total / steps for name, total in totals.items()} if steps else {}
+    def stored_action(self, action: torch.Tensor) -> torch.Tensor:
+        return self._last_action  # (the squashed one, in [-1, 1])
 
-    def _gradient_step(self) -> dict[str, float]:
+    def gradient_step(self) -> Summary:
         """One step of the critics, the policy and the temperature, and the targets' Polyak
         step; returns their losses and the temperature."""
         batch = self.buffer.sample(self.batch_size)
@@ -258,15 +215,13 @@ class SAC(Algorithm):
                 "sac/alpha": float(alpha), "sac/entropy": float(-log_prob.detach().mean())}
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"policy": self.policy.state_dict(), "critics": self.critics.state_dict(),
-                 "target_critics": self.target_critics.state_dict(),
-                 "log_alpha": self.log_alpha.detach().clone(),
-                 "policy_optimizer": self.policy_optimizer.state_dict(),
-                 "critic_optimizer": self.critic_optimizer.state_dict(),
-                 "alpha_optimizer": self.alpha_optimizer.state_dict(),
-                 "env_steps": self.env_steps, "updates": self.updates, "owed": self._owed}
-        state["buffer"] = self.buffer.state_dict() if self.save_buffer else None
-        return state
+        return {"policy": self.policy.state_dict(), "critics": self.critics.state_dict(),
+                "target_critics": self.target_critics.state_dict(),
+                "log_alpha": self.log_alpha.detach().clone(),
+                "policy_optimizer": self.policy_optimizer.state_dict(),
+                "critic_optimizer": self.critic_optimizer.state_dict(),
+                "alpha_optimizer": self.alpha_optimizer.state_dict(),
+                **self.replay_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.policy.load_state_dict(state["policy"])
@@ -277,7 +232,4 @@ class SAC(Algorithm):
         self.policy_optimizer.load_state_dict(state["policy_optimizer"])
         self.critic_optimizer.load_state_dict(state["critic_optimizer"])
         self.alpha_optimizer.load_state_dict(state["alpha_optimizer"])
-        self.env_steps, self.updates = int(state["env_steps"]), int(state["updates"])
-        self._owed = float(state["owed"])
-        if state["buffer"] is not None:
-            self.buffer.load_state_dict(state["buffer"])
+        self.load_replay_state(state)

@@ -1,0 +1,103 @@
+"""``ReplayAlgorithm``: what every off-policy algorithm does around its gradient step (SAC,
+DQN): store each batch step in a replay buffer and learn at a set update-to-data ratio."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from batchrl.algos.base import Algorithm, Summary
+from batchrl.parts.replay import ReplayBuffer
+
+
+class ReplayAlgorithm(Algorithm):
+    """The four methods of an off-policy algorithm on a ``ReplayBuffer``: a subclass acts
+    (``perform``) and learns (``gradient_step``).
+
+    Every batch step, all agents' transitions go to ``buffer`` (the action as
+    ``stored_action`` makes it); from ``learning_starts`` env steps (all agents') on, the
+    algorithm owes ``updates_per_step`` gradient steps per env step (fractions accumulate) and
+    takes them after the batch step. A reset cuts the agents' n-step returns. ``replay_state``
+    and ``load_replay_state`` cover the counters and (with ``save_buffer``) the buffer.
+
+    Args:
+      device, eval_actions: ``Algorithm``'s.
+      num_agents: ``N``; every ``experience`` holds all of them.
+      buffer: the replay buffer, ``N`` agents wide.
+      learning_starts: env steps before the first gradient step.
+      updates_per_step: gradient steps per env step.
+      save_buffer: keep the buffer in ``replay_state`` (checkpoints: exact resume).
+    """
+
+    per_agent_state = ("buffer",)
+
+    def __init__(self, device: str | torch.device, eval_actions: str, num_agents: int,
+                 buffer: ReplayBuffer, learning_starts: int, updates_per_step: float,
+                 save_buffer: bool):
+        super().__init__(device, eval_actions)
+        if learning_starts < 0:
+            raise ValueError(f"learning_starts must be >= 0, got {learning_starts}")
+        if updates_per_step <= 0:
+            raise ValueError(f"updates_per_step must be > 0, got {updates_per_step}")
+        self.num_agents, self.buffer = num_agents, buffer
+        self.learning_starts, self.updates_per_step = learning_starts, updates_per_step
+        self.save_buffer = save_buffer
+        self.env_steps = 0  # training env steps, all agents'
+        self.updates = 0    # gradient steps taken
+        self._owed = 0.0    # gradient steps due (fractions of one accumulate)
+
+    def gradient_step(self) -> Summary:
+        """One gradient step from ``buffer``; its scalars (averaged over a batch step's)."""
+        raise NotImplementedError
+
+    def stored_action(self, action: torch.Tensor) -> torch.Tensor:
+        """The action ``experience`` stores for ``action`` (the env's), ``(N, ...)``."""
+        return action
+
+    def begin_episodes(self, agent_indices: torch.Tensor) -> Summary:
+        if self.training:  # (a reset may cut an episode: its n-step returns stop there)
+            self.buffer.cut(agent_indices)
+        return {}
+
+    def end_episodes(self, agent_indices: torch.Tensor) -> Summary:
+        return {}
+
+    def experience(self, agent_indices: torch.Tensor, observ: torch.Tensor,
+                   action: torch.Tensor, reward: torch.Tensor, done: torch.Tensor,
+                   next_observ: torch.Tensor, terminated: torch.Tensor) -> Summary:
+        if not self.training:
+            return {}
+        count = len(agent_indices)
+        if count != self.num_agents:
+            raise ValueError(f"{type(self).__name__} stores every agent's step at once: "
+                             f"experience() for {count} of {self.num_agents} agents")
+        self.buffer.add(reward=reward, terminated=terminated.bool(), done=done.bool(),
+                        observ=observ.reshape(count, -1),
+                        next_observ=next_observ.reshape(count, -1),
+                        action=self.stored_action(action))
+        self.env_steps += count
+        # Gradient steps are owed for the env steps past learning_starts.
+        learned = self.env_steps - max(self.env_steps - count, self.learning_starts)
+        if learned <= 0:
+            return {}
+        self._owed += self.updates_per_step * learned
+        steps = int(self._owed)
+        self._owed -= steps
+        totals: dict[str, float] = {}
+        for _ in range(steps):
+            self.check_interrupt()
+            for name, value in self.gradient_step().items():
+                totals[name] = totals.get(name, 0.0) + value
+        return {name: total / steps for name, total in totals.items()}
+
+    def replay_state(self) -> dict[str, Any]:
+        """The counters and (with ``save_buffer``) the buffer, for ``state_dict``."""
+        return {"env_steps": self.env_steps, "updates": self.updates, "owed": self._owed,
+                "buffer": self.buffer.state_dict() if self.save_buffer else None}
+
+    def load_replay_state(self, state: dict[str, Any]) -> None:
+        self.env_steps, self.updates = int(state["env_steps"]), int(state["updates"])
+        self._owed = float(state["owed"])
+        if state["buffer"] is not None:
+            self.buffer.load_state_dict(state["buffer"])
