@@ -7,6 +7,7 @@ actors by value (cloudpickle), so that they need not be importable there.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import os
@@ -314,3 +315,16 @@ def seeded_tensor_env(name: str, num_envs: int, seed: int):
     env = TensorBatchEnv(BatchEnv([wrap_env(gym.make(name)) for _ in range(num_envs)]))
     env.reset(seed=seed)
     return env
+
+
+def assert_continues_alike(algo, twin) -> None:
+    """``twin`` (loaded from ``algo``'s state) takes the same gradient step as ``algo`` from the
+    same random state, to the same state bit for bit (off-policy algorithms)."""
+    import torch
+
+    twin.load_state_dict(copy.deepcopy(algo.state_dict()))
+    rng = torch.get_rng_state()
+    algo.gradient_step()
+    torch.set_rng_state(rng)
+    twin.gradient_step()
+    assert_same(algo.state_dict(), twin.state_dict(), "state")

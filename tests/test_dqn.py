@@ -13,7 +13,7 @@ from torch.nn import functional as F
 from batchrl.algos import DQN
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.simulation import simulate
-from helpers import assert_same, seeded_tensor_env
+from helpers import assert_continues_alike, assert_same, seeded_tensor_env
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -72,12 +72,7 @@ def test_a_loaded_state_continues_exactly():
     algo, env = filled_dqn(20, n_step=2)
     twin = DQN(env.observation_space, env.action_space, 2, hidden=(16,), batch_size=16,
                learning_starts=20, n_step=2)
-    twin.load_state_dict(copy.deepcopy(algo.state_dict()))
-    rng = torch.get_rng_state()
-    algo.gradient_step()
-    torch.set_rng_state(rng)
-    twin.gradient_step()
-    assert_same(algo.state_dict(), twin.state_dict(), "state")
+    assert_continues_alike(algo, twin)
     env.close()
 
 

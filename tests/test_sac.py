@@ -13,7 +13,7 @@ import torch
 from batchrl.algos import SAC
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.simulation import simulate
-from helpers import assert_same, finish, seeded_tensor_env, start_train_py
+from helpers import assert_continues_alike, finish, seeded_tensor_env, start_train_py
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -62,12 +62,7 @@ def test_targets_move_tau_of_the_way_and_the_temperature_follows_the_entropy():
 def test_a_loaded_state_continues_exactly():
     algo, env = filled_sac(25, n_step=3)
     twin = SAC(env.observation_space, env.action_space, 2, **SMALL, n_step=3)
-    twin.load_state_dict(copy.deepcopy(algo.state_dict()))
-    rng = torch.get_rng_state()
-    algo.gradient_step()
-    torch.set_rng_state(rng)
-    twin.gradient_step()
-    assert_same(algo.state_dict(), twin.state_dict(), "state")
+    assert_continues_alike(algo, twin)
     small = SAC(env.observation_space, env.action_space, 2, **SMALL, save_buffer=False)
     assert small.state_dict()["buffer"] is None
     env.close()
