@@ -15,20 +15,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from batchrl.algos.base import Summary
+from batchrl.algos.networks import mlp
 from batchrl.algos.replay import ReplayAlgorithm
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.parts.replay import ReplayBuffer
 
 __all__ = ["DQN"]
-
-
-def _mlp(inputs: int, hidden: Sequence[int], outputs: int) -> nn.Sequential:
-    """A ReLU MLP ``inputs -> *hidden -> outputs`` with a linear output layer."""
-    layers: list[nn.Module] = []
-    for size in hidden:
-        layers += [nn.Linear(inputs, size), nn.ReLU()]
-        inputs = size
-    return nn.Sequential(*layers, nn.Linear(inputs, outputs))
 
 
 class DQN(ReplayAlgorithm):
@@ -87,7 +79,8 @@ class DQN(ReplayAlgorithm):
         self.batch_size, self.target_update_every = batch_size, target_update_every
         self.exploration_steps, self.final_epsilon = exploration_steps, final_epsilon
         self.max_grad_norm = max_grad_norm
-        self.q = _mlp(obs_size, hidden, self.actions).to(self.device)
+        self.q = nn.Sequential(*mlp(obs_size, hidden), nn.Linear(
+            hidden[-1] if hidden else obs_size, self.actions)).to(self.device)
         self.target_q = copy.deepcopy(self.q).requires_grad_(False)
         self.optimizer = torch.optim.Adam(self.q.parameters(), lr=learning_rate)
 
