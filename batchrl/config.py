@@ -59,9 +59,10 @@ class EnvConfig:
     eval_kwargs: dict = field(default_factory=dict)
     num_agents: int = 30          # envs stepped in lockstep (the paper's batch of agents)
     max_length: int = 1000        # time limit of an episode, in env steps
-    # "workers", "process" (one per env), "inline", "ray", "vector", "native" (MuJoCo tasks
-    # stepped in batches: batchrl.envs.mujoco_batch)
-    backend: str = "workers"
+    # "auto" ("native" where it steps env.id, else "workers"), "workers", "process" (one per
+    # env), "inline", "ray", "vector", "native" (MuJoCo tasks stepped in batches:
+    # batchrl.envs.mujoco_batch)
+    backend: str = "auto"
     vector_id: str = ""           # "vector": "package.module:function" building the vector env
     workers: int = 0              # processes / Ray actors (0: one per usable core / cluster CPU)
     share_main: bool = False      # "workers": the main process steps a share of the envs too
@@ -126,8 +127,8 @@ class TrainConfig:
     preemption_threshold: float = 0.0
     max_policy_lag: int | None = None  # collectors wait rather than exceed it ("none": no limit)
     queue_size: int = 2           # finished rollouts per collector that may wait for the learner
-    # "bfloat16": the algorithm's updates under torch.autocast (CPUs with AVX-512 BF16 or AMX,
-    # CUDA GPUs), for algorithms that take a precision argument (BatchPPO).
+    # "bfloat16": the algorithm's networks compute in bfloat16 (CPUs with AVX-512 BF16 or AMX,
+    # CUDA GPUs), for algorithms that take a precision argument (BatchPPO, SAC).
     precision: str = "float32"
     # "sample": evaluations act with sampled actions rather than the mean (most likely) ones, as
     # the Atari papers report; for algorithms that take an eval_actions argument (all shipped).

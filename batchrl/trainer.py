@@ -37,7 +37,7 @@ from batchrl.collectors import CollectorError, CollectorSpec, LocalCollectors
 from batchrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, serialize
 from batchrl.config import Config, ConfigError, save_config
 from batchrl.envs.errors import EnvError
-from batchrl.envs.factory import make_batch_env
+from batchrl.envs.factory import choose_backend, make_batch_env
 from batchrl.hardware import usable_cores
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.interrupt import Interrupted, StopSignals
@@ -108,9 +108,10 @@ def _collector_env(config: Config, index: int, num_envs: int, seed: int) -> Any:
     worker processes of the collector's node."""
     env = config.env
     on_ray = on_a_cluster(config)
-    workers = env.workers or (1 if env.backend in ("vector", "native") else max(
+    backend = "workers" if env.backend == "ray" else choose_backend(
+        env.id, env.backend, env.kwargs, env.restart_crashed_envs or env.share_main)
+    workers = env.workers or (1 if backend in ("vector", "native") else max(
         1, usable_cores() // (1 if on_ray else config.train.collectors)))
-    backend = "workers" if env.backend == "ray" else env.backend
     return make_batch_env(
         env.id, num_envs, env.max_length, env.kwargs, backend, workers,
         env.normalize_ranges, share_main=env.share_main, infos=False,

@@ -1,8 +1,8 @@
 """Memory stability: RSS, file descriptors and processes over a long sampling run.
 
-Builds the trainer's env, ``make_batch_env(ENV_ID, N, 1000)`` with its
-defaults (``EnvWorker`` processes, one per usable core but one, plus a share
-of the envs stepped in this process; batchrl's wrappers), wraps it in
+Builds the trainer's env in its worker layout, ``make_batch_env(ENV_ID, N, 1000,
+backend="workers")`` (``EnvWorker`` processes, one per usable core; batchrl's
+wrappers), wraps it in
 ``TensorBatchEnv`` and lets a ``BatchPPO`` in training mode act through
 ``simulate()``, the loop of ``train.py``: normalisers updated, every
 transition stored, and a real PPO update (25 full-batch epochs) every
@@ -181,7 +181,7 @@ def main() -> int:
     before = {"fds": parent.num_fds(), "shm": shm_mappings(parent),
               "children": {p.pid for p in parent.children(recursive=True)}}
 
-    batch_env = make_batch_env(args.env_id, args.envs, MAX_LENGTH)
+    batch_env = make_batch_env(args.env_id, args.envs, MAX_LENGTH, backend="workers")
     workers = batch_env.workers
     pids = [worker.pid for worker in workers]
     sizes = [len(worker) for worker in workers]

@@ -1,7 +1,8 @@
 """Sampling speed: ``simulate()`` with BatchPPO acting, against the raw batch env.
 
-For each batch size, builds the trainer's env (``make_batch_env`` with its
-defaults: every env in an ``EnvWorker`` process, batchrl's wrappers) and measures, round by round and interleaved:
+For each batch size, builds the trainer's env in its worker layout (``make_batch_env`` with
+``backend="workers"``: every env in an ``EnvWorker`` process, batchrl's wrappers) and
+measures, round by round and interleaved:
 
   * ``raw``: ``BatchEnv.step`` with pre-generated random actions, finished envs
     reset with ``reset(indices)``: the env layer alone;
@@ -82,7 +83,8 @@ def main() -> None:
           "steps/s | / raw |")
     print("|---:|---:|---:|---:|---:|---:|")
     for num_envs in args.envs:
-        batch_env = make_batch_env(args.env_id, num_envs, 1000, workers=args.workers,
+        batch_env = make_batch_env(args.env_id, num_envs, 1000, backend="workers",
+                                   workers=args.workers,
                                    share_main=args.share_main)
         try:
             env = TensorBatchEnv(batch_env)

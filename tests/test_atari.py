@@ -17,7 +17,7 @@ import gymnasium as gym  # noqa: E402
 from batchrl.config import available_configs, load_config  # noqa: E402
 from batchrl.envs.atari import make  # noqa: E402
 from batchrl.envs.errors import EnvSpecError  # noqa: E402
-from batchrl.envs.factory import make_batch_env  # noqa: E402
+from batchrl.envs.factory import choose_backend, make_batch_env  # noqa: E402
 from helpers import finish, start_train_py  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -67,8 +67,8 @@ def test_every_atari_config_plays_a_game_with_pixels():
         config = load_config(name)
         assert config.env.id == "batchrl.envs.atari:make"
         assert config.env.eval_kwargs == {"training": False}
-        assert (config.env.backend, config.env.vector_id) == (
-            "workers", "batchrl.envs.atari:make_vector")
+        backend = choose_backend(config.env.id, config.env.backend, config.env.kwargs)
+        assert (backend, config.env.vector_id) == ("workers", "batchrl.envs.atari:make_vector")
         assert config.algorithm.keys["torso"] == "nature_cnn"
         assert config.algorithm.keys["objective"] == "clip"
         env = make(**config.env.kwargs)

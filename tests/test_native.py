@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from batchrl.envs.errors import EnvSpecError
-from batchrl.envs.factory import make_batch_env
+from batchrl.envs.factory import batch_env_from, choose_backend, make_batch_env
 from batchrl.envs.wrappers import wrap_env
 from helpers import finish, sets, start_train_py
 
@@ -78,6 +78,28 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(EnvSpecError, match="env backend 'native' steps HalfCheetah-v5, Hopper-v5, "
                                            "Walker2d-v5, Reacher-v5 in batches, not 'Ant-v5'"):
         make_batch_env("Ant-v5", 2, backend="native")
+
+
+def test_auto_backend_is_native_where_it_steps_the_env():
+    assert choose_backend("Hopper-v5", "auto", {"healthy_reward": 2.0}) == "native"
+    assert choose_backend("Hopper-v5", "auto", {"xml_file": "hopper.xml"}) == "native"
+    # A keyword argument the native task does not compute, an env it lacks, an option only
+    # worker processes have: workers. Other backends stay what they are.
+    assert choose_backend("Hopper-v5", "auto", {"render_mode": "rgb_array"}) == "workers"
+    assert choose_backend("Ant-v5", "auto") == "workers"
+    assert choose_backend("Hopper-v5", "auto", worker_layout=True) == "workers"
+    assert choose_backend("Hopper-v5", "inline") == "inline"
+    native = make_batch_env("HalfCheetah-v5", 2)  # (the default backend: "auto")
+    workers = make_batch_env("HalfCheetah-v5", 2, max_restarts=1)
+    try:
+        assert not native.workers and workers.workers  # (in this process; worker processes)
+        np.testing.assert_array_equal(native.reset(seed=3), workers.reset(seed=3))
+    finally:
+        native.close()
+        workers.close()
+    with pytest.raises(EnvSpecError, match="backend 'native' steps the env ids it knows, not "
+                                           "constructors"):
+        batch_env_from(lambda: gym.make("Hopper-v5"), 2, backend="native")
 
 
 @pytest.mark.slow

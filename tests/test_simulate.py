@@ -438,7 +438,8 @@ def test_overlap_trains_batchppo_exactly_as_without_it():
 
     results = {}
     for overlap in (False, True):
-        batch_env = make_batch_env("HalfCheetah-v5", 4, max_length=20, workers=1)
+        batch_env = make_batch_env("HalfCheetah-v5", 4, max_length=20, backend="workers",
+                                   workers=1)
         try:
             assert batch_env.workers, "the test needs envs in a worker process"
             env = TensorBatchEnv(batch_env)

@@ -544,7 +544,7 @@ def test_train_py_help_lists_the_config_keys():
         assert f"algorithm.{fact} =" not in text
     # Defaults are shown as --set takes them (TOML).
     assert 'env.id = "CartPole-v1"' in text
-    assert "env.backend = \"workers\"" in text
+    assert "env.backend = \"auto\"" in text
     assert "algorithm.policy_layers = [200, 100]" in text
     assert "algorithm.hidden = [64, 64]" in text  # Reinforce's
 

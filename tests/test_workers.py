@@ -658,9 +658,10 @@ def test_factory_process_and_inline_backends(closing):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"backend": "threads"},
-     r"^unknown env backend 'threads'; valid: workers, process, inline, ray, vector, native$"),
+     r"^unknown env backend 'threads'; valid: auto, workers, process, inline, ray, vector, "
+     r"native$"),
     ({"backend": "Workers"},
-     r"unknown env backend 'Workers'; valid: workers, process, inline, ray, vector, native"),
+     r"unknown env backend 'Workers'; valid: auto, workers, process, inline, ray, vector, native"),
     ({"workers": -1}, r"^workers must be >= 0 \(0: one per usable core\), got -1$"),
 ], ids=["threads", "case", "negative-workers"])
 def test_factory_rejects_bad_arguments(kwargs, message):

@@ -15,6 +15,7 @@ import numpy as np
 from batchrl.envs.batch import BatchEnv
 from batchrl.envs.errors import EnvRaisedError, EnvSpecError
 from batchrl.envs.mujoco_batch import TASKS as NATIVE_TASKS
+from batchrl.envs.mujoco_batch import steps_natively
 from batchrl.envs.process.external import ExternalProcess
 from batchrl.envs.process.shared_memory import EnvWorker
 from batchrl.envs.ray.cluster import check_resources
@@ -92,7 +93,7 @@ def build_in_process(constructor: Callable[[], gym.Env], label: str | None) -> g
                              "".join(traceback.format_exception(exc))) from exc
 
 
-BACKENDS = ("workers", "process", "inline", "ray", "vector", "native")
+BACKENDS = ("auto", "workers", "process", "inline", "ray", "vector", "native")
 # Backend "native": the vector env of the MuJoCo tasks batchrl steps in batches itself.
 NATIVE_VECTOR_ID = "batchrl.envs.mujoco_batch:make_vector"
 # Seconds a worker may take to answer a step or reset (far above any real env's
@@ -120,7 +121,7 @@ def batch_env_from(constructor: Callable[[], gym.Env] | Sequence[Callable[[], gy
     list of constructors, one env built by each, in that order.
 
     Args:
-      backend: where the envs run: ``"workers"``, spread over ``EnvWorker``
+      backend: where the envs run: ``"workers"`` (also ``"auto"``), spread over ``EnvWorker``
         child processes; ``"process"``, one ``ExternalProcess`` per env;
         ``"inline"``, all in this process; ``"ray"``, spread over
         ``RayEnvWorker`` actors of a Ray cluster (``pip install 'batchrl[ray]'``),
@@ -165,6 +166,11 @@ def batch_env_from(constructor: Callable[[], gym.Env] | Sequence[Callable[[], gy
     if backend == "vector":
         raise EnvSpecError("backend 'vector' builds vector envs, not single ones: use "
                            "make_batch_env(..., backend='vector', vector_id=...)")
+    if backend == "native":
+        raise EnvSpecError("backend 'native' steps the env ids it knows, not constructors: "
+                           "use make_batch_env(env_id, ..., backend='native')")
+    if backend == "auto":  # (constructors have no native version)
+        backend = "workers"
     if workers < 0:
         raise EnvSpecError(f"workers must be >= 0 (0: one per usable core), got {workers}")
     if max_restarts and backend == "inline":
@@ -271,8 +277,20 @@ def vector_members(vector_id: str, num_envs: int, max_length: int | None = None,
     return members
 
 
+def choose_backend(env_id: str, backend: str, kwargs: dict[str, Any] | None = None,
+                   worker_layout: bool = False) -> str:
+    """The backend that ``backend`` stands for: ``"auto"`` is ``"native"`` where batchrl steps
+    ``env_id`` with ``kwargs`` natively (``mujoco_batch.steps_natively``: the same
+    trajectories, faster) unless ``worker_layout`` (an option only worker processes have:
+    restarting crashed envs, the main process's share), else ``"workers"``; any other
+    backend is itself."""
+    if backend != "auto":
+        return backend
+    return "native" if not worker_layout and steps_natively(env_id, kwargs) else "workers"
+
+
 def make_batch_env(env_id: str, num_envs: int, max_length: int | None = None,
-                   kwargs: dict[str, Any] | None = None, backend: str = "workers",
+                   kwargs: dict[str, Any] | None = None, backend: str = "auto",
                    workers: int = 0, normalize_ranges: bool = True,
                    vector_id: str = "", **options: Any) -> BatchEnv:
     """``num_envs`` wrapped copies of the env named ``env_id`` as one ``BatchEnv``.
@@ -283,8 +301,12 @@ def make_batch_env(env_id: str, num_envs: int, max_length: int | None = None,
     ``workers`` and ``options`` are ``batch_env_from``'s; backend ``"vector"``
     steps them in vector envs built by ``vector_id`` instead (``vector_members``;
     of ``options`` only ``infos`` and ``max_restarts`` apply); backend ``"native"``
-    steps the MuJoCo tasks of ``batchrl.envs.mujoco_batch`` in one such vector env.
+    steps the MuJoCo tasks of ``batchrl.envs.mujoco_batch`` in one such vector env;
+    ``"auto"`` is ``"native"`` where that can step ``env_id``, else ``"workers"``
+    (``choose_backend``).
     """
+    backend = choose_backend(env_id, backend, kwargs, bool(options.get("max_restarts"))
+                             or bool(options.get("share_main")))
     if backend == "native":
         if env_id not in NATIVE_TASKS:
             raise EnvSpecError(f"env backend 'native' steps {', '.join(NATIVE_TASKS)} in "

@@ -13,6 +13,7 @@ terminations are computed for the whole batch in numpy.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import Any
 
 import gymnasium as gym
@@ -162,6 +163,21 @@ TASKS: dict[str, Task] = {
 MODEL_ARGUMENTS = ("xml_file", "frame_skip")
 
 
+def task_arguments(env_id: str) -> set[str]:
+    """The v5 keyword arguments ``TASKS[env_id]`` computes with (besides
+    ``MODEL_ARGUMENTS``)."""
+    return {field.name for field in dataclasses.fields(TASKS[env_id])
+            if not field.metadata.get("fixed")}
+
+
+def steps_natively(env_id: str, kwargs: dict[str, Any] | None = None) -> bool:
+    """Whether ``MujocoBatch`` steps ``env_id`` with ``kwargs``: a task of ``TASKS``, keyword
+    arguments it knows, and mjbatch (the ``native`` extra) installed."""
+    if env_id not in TASKS or importlib.util.find_spec("mjbatch") is None:
+        return False
+    return set(kwargs or {}) <= task_arguments(env_id) | set(MODEL_ARGUMENTS)
+
+
 class MujocoBatch(gym.vector.VectorEnv):
     """``num_envs`` copies of the MuJoCo task ``env_id`` (one of ``TASKS``) stepped together,
     the simulations by mjbatch, the rest by the env's ``Task``.
@@ -192,8 +208,7 @@ class MujocoBatch(gym.vector.VectorEnv):
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
         task = TASKS[env_id]
-        fields = {field.name for field in dataclasses.fields(task)
-                  if not field.metadata.get("fixed")}
+        fields = task_arguments(env_id)
         unknown = sorted(set(kwargs) - fields - set(MODEL_ARGUMENTS))
         if unknown:
             raise TypeError(f"{env_id} takes no keyword argument {unknown[0]!r} natively; "
