@@ -3,7 +3,8 @@
 Measures how many env steps per second (batch steps x envs) HalfCheetah-v5 reaches
 with random actions, for several batch sizes, with
 
-  * ``batchrl``: ``make_batch_env``'s default layout: ``EnvWorker`` processes,
+  * ``batchrl``: ``make_batch_env``'s worker layout (backend ``"workers"``, what
+    ``"auto"`` gives envs without a native version): ``EnvWorker`` processes,
     one per usable core, each pinned to its core and hosting its share of the
     envs, with observations and actions in shared memory; finished envs are
     reset with ``batch_env.reset(indices)``;
@@ -16,7 +17,8 @@ with random actions, for several batch sizes, with
   * ``AsyncVectorEnv``: ``gymnasium.vector.AsyncVectorEnv(shared_memory=True)``;
     the Gymnasium vector envs reset finished envs themselves (their default
     next-step autoreset);
-  * ``native``: ``make_batch_env(..., backend="vector")`` over
+  * ``native``: ``make_batch_env(..., backend="vector")`` (what ``"auto"`` gives
+    these tasks) over
     ``batchrl.envs.mujoco_batch`` (the tasks it has, with ``mjbatch`` installed:
     ``pip install -e .[native]``): the simulations stepped in mjbatch's C++
     threads, observations, rewards and resets computed in numpy for the batch;
@@ -37,8 +39,12 @@ method for both multi-process backends. The whole round (every backend at
 every batch size, backend order rotated each round) is repeated ``--repeats``
 times; the table gives each backend's median rate and, as ratios, the median
 of the per-round ratios, so that machine noise hits both sides of a ratio
-alike. As a reference, the "physical limit" is one in-process env's raw step
-rate times the number of usable cores, an upper bound no backend can beat.
+alike. As a reference, the "physical limit" of a MuJoCo env is its bare
+simulation's rate on one core (``mj_step`` with the env's frame skip on its
+``MjData``, none of the env's Python) times the number of usable cores, an
+upper bound no backend can beat; the table gives each backend's fraction of it.
+One in-process Gymnasium env's rate times the cores is printed beside it (for
+other envs it is the limit).
 Other programs' CPU load is sampled before each round and reported, with a
 warning when the machine was busy (the rates are then noisy).
 
@@ -164,25 +170,55 @@ def measure(backend: str, env_id: str, actions: np.ndarray, warmup: int,
             "build_s": build_s, "pids": pids}
 
 
+def raw_step_rate(env_id: str, actions: np.ndarray, warmup: int, seed: int) -> float | None:
+    """Steps per second of ``env_id``'s bare simulation on one core: ``mj_step`` called
+    ``frame_skip`` times per step on its ``MjData`` with the actions of ``actions[:, 0]``,
+    none of the env's Python (observations, rewards, resets); ``None`` for an env that is
+    not a Gymnasium MuJoCo env."""
+    env = gym.make(env_id)
+    try:
+        sim = env.unwrapped
+        if not hasattr(sim, "model") or not hasattr(sim, "frame_skip"):
+            return None
+        import mujoco
+
+        env.reset(seed=seed)
+        model, data, substeps = sim.model, sim.data, sim.frame_skip
+        for action in actions[:warmup, 0]:
+            data.ctrl[:] = action
+            mujoco.mj_step(model, data, nstep=substeps)
+        start = time.perf_counter()
+        for action in actions[warmup:, 0]:
+            data.ctrl[:] = action
+            mujoco.mj_step(model, data, nstep=substeps)
+        return (len(actions) - warmup) / (time.perf_counter() - start)
+    finally:
+        env.close()
+
+
 def _ratio(row: dict[str, Any], reference: dict[str, Any]) -> float:
     """The median over rounds of ``row``'s rate over ``reference``'s in the same round."""
     return statistics.median(a / b for a, b in zip(row["samples"], reference["samples"]))
 
 
-def markdown_table(results: dict[int, dict[str, dict[str, Any]]]) -> str:
+def markdown_table(results: dict[int, dict[str, dict[str, Any]]],
+                   limits: list[float] | None = None) -> str:
     """Format median rates as a markdown table; a ratio column is the median of the
     per-round ratios (every round measures every backend, so noise that hits one round
-    hits both sides of its ratio)."""
+    hits both sides of its ratio). ``limits``: each round's physical limit, for a column
+    of the fraction of it reached."""
     references = [name for name in ("batchrl", "SyncVectorEnv", "AsyncVectorEnv", "envpool")
                   if name in next(iter(results.values()))]
+    limit_header, limit_rule = (" of the limit |", "---:|") if limits else ("", "")
     lines = ["| envs | backend | steps/s | " + " | ".join(f"vs {name}" for name in references)
-             + " | spread | build s |",
-             "|---:|---|---:|" + "---:|" * len(references) + "---:|---:|"]
+             + f" |{limit_header} spread | build s |",
+             "|---:|---|---:|" + "---:|" * len(references) + limit_rule + "---:|---:|"]
     for num_envs, rows in results.items():
         for backend, row in rows.items():
             ratios = " | ".join(f"{_ratio(row, rows[name]):.2f}x" for name in references)
-            lines.append(f"| {num_envs} | {backend} | {row['steps_per_s']:,.0f} | {ratios} "
-                         f"| ±{row['spread'] / 2:.0%} | {row['build_s']:.2f} |")
+            of_limit = (f" {_ratio(row, {'samples': limits}):.2f} |" if limits else "")
+            lines.append(f"| {num_envs} | {backend} | {row['steps_per_s']:,.0f} | {ratios} |"
+                         f"{of_limit} ±{row['spread'] / 2:.0%} | {row['build_s']:.2f} |")
     return "\n".join(lines)
 
 
@@ -246,6 +282,7 @@ def main() -> int:
 
     samples: dict[tuple[int, str], list[dict[str, Any]]] = {}
     single: list[float] = []
+    raws: list[float] = []  # the bare simulation's rate on one core, per round
     worker_pids: set[int] = set()
     background: list[float] = []
     for round_index in range(args.repeats):
@@ -253,6 +290,9 @@ def main() -> int:
         background.append(psutil.cpu_percent(interval=0.5))
         single.append(measure("single", args.env_id, actions[:, :1], args.warmup,
                               args.seed)["steps_per_s"])
+        raw = raw_step_rate(args.env_id, actions, args.warmup, args.seed)
+        if raw is not None:
+            raws.append(raw)
         # Rotate the order so no backend always runs first or last. batchrl comes
         # first in round 0 so the fork server starts with batchrl's preload
         # (numpy, gymnasium, torch), which speeds up both multi-process backends.
@@ -281,13 +321,19 @@ def main() -> int:
                 "samples": rates,
             }
     single_rate = statistics.median(single)
-    limit = single_rate * cores
+    limits = [raw * cores for raw in raws]
+    limit = statistics.median(limits) if limits else single_rate * cores
 
     print()
-    print(markdown_table(results))
+    print(markdown_table(results, limits or None))
     print()
-    print(f"Physical limit: one in-process env steps {single_rate:,.0f} steps/s x {cores} "
-          f"usable cores = {limit:,.0f} steps/s (upper bound; ignores the main process).")
+    if limits:
+        print(f"Physical limit: the bare simulation (mj_step x frame_skip, no Python env) steps "
+              f"{statistics.median(raws):,.0f} steps/s on one core x {cores} usable cores = "
+              f"{limit:,.0f} steps/s; \"of the limit\" is the median of the rounds' fractions "
+              f"of it.")
+    print(f"One in-process Gymnasium env steps {single_rate:,.0f} steps/s x {cores} usable "
+          f"cores = {single_rate * cores:,.0f} steps/s.")
     print("steps/s: median of the rounds; vs X: median of the per-round ratios; spread: half "
           "the min-max range of the rounds, relative to the median; build s: median "
           "construction time, not part of steps/s.")
@@ -306,6 +352,7 @@ def main() -> int:
     summary = {
         "env_id": args.env_id, "steps": args.steps, "repeats": args.repeats, "cores": cores,
         "physical_limit": round(limit),
+        "gymnasium_env_limit": round(single_rate * cores),
         "max_background_cpu_percent": max(background),
         "steps_per_s": {str(n): {b: round(r["steps_per_s"]) for b, r in rows.items()}
                         for n, rows in results.items()},
@@ -315,7 +362,7 @@ def main() -> int:
     print(json.dumps(summary))
     if args.json:
         full = dict(summary, warmup=args.warmup, seed=args.seed,
-                    single_env_steps_per_s=single, results=results)
+                    single_env_steps_per_s=single, raw_steps_per_s=raws, results=results)
         with open(args.json, "w") as file:
             json.dump(full, file, indent=2)
     return 1 if leftover else 0
