@@ -1,8 +1,9 @@
 """The cost of one SAC gradient step: batchrl's ``SAC`` against Stable-Baselines3's, side by side.
 
-Both with 256-256 networks, a batch of 256 transitions drawn from a filled replay buffer, Adam,
+batchrl in float32 and with ``precision="bfloat16"`` (its layers computed in bfloat16). All
+with 256-256 networks, a batch of 256 transitions drawn from a filled replay buffer, Adam,
 automatic entropy tuning, on HalfCheetah-v5's sizes (17 observations, 6 actions), one torch
-thread, on the CPU. Rounds alternate between the two; the table gives each one's median time per
+thread, on the CPU. Rounds alternate between them; the table gives each one's median time per
 gradient step and their ratio. SB3 is a benchmark-only dependency (the ``bench`` extra does not
 install it: ``pip install stable-baselines3``).
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Callable
 
 import gymnasium as gym
 import numpy as np
@@ -22,8 +24,9 @@ import torch
 from batchrl.algos.sac import SAC
 
 
-def batchrl_sac(observation: gym.spaces.Box, action: gym.spaces.Box, fill: int) -> SAC:
-    algo = SAC(observation, action, 1, buffer_size=fill, learning_starts=0)
+def batchrl_sac(observation: gym.spaces.Box, action: gym.spaces.Box, fill: int,
+                precision: str = "float32") -> SAC:
+    algo = SAC(observation, action, 1, buffer_size=fill, learning_starts=0, precision=precision)
     for _ in range(fill):
         obs = torch.randn(1, observation.shape[0])
         algo.buffer.add(reward=torch.randn(1), terminated=torch.zeros(1, dtype=torch.bool),
@@ -55,19 +58,23 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     env = gym.make(args.env_id)
-    ours = batchrl_sac(env.observation_space, env.action_space, 10_000)
+    ours = {precision: batchrl_sac(env.observation_space, env.action_space, 10_000, precision)
+            for precision in ("float32", "bfloat16")}
     theirs = sb3_sac(args.env_id, 10_000)
-    ours.gradient_step()
+    steps: dict[str, Callable[[], None]] = {
+        "batchrl": lambda: [ours["float32"].gradient_step() for _ in range(args.steps)],
+        "batchrl, train.precision = bfloat16":
+            lambda: [ours["bfloat16"].gradient_step() for _ in range(args.steps)],
+        "SB3": lambda: theirs.train(gradient_steps=args.steps, batch_size=256)}
+    for algo in ours.values():
+        algo.gradient_step()
     theirs.train(gradient_steps=5, batch_size=256)  # warm-up
-    times: dict[str, list[float]] = {"batchrl": [], "SB3": []}
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.rounds):
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            ours.gradient_step()
-        times["batchrl"].append((time.perf_counter() - start) / args.steps)
-        start = time.perf_counter()
-        theirs.train(gradient_steps=args.steps, batch_size=256)
-        times["SB3"].append((time.perf_counter() - start) / args.steps)
+        for name, run in steps.items():
+            start = time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - start) / args.steps)
     medians = {name: statistics.median(values) for name, values in times.items()}
     print(f"SAC gradient step, {args.env_id} sizes, 256-256 networks, batch 256, 1 thread, "
           f"median of {args.rounds} rounds of {args.steps}:\n")

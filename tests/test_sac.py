@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import gymnasium as gym
 import pytest
@@ -68,6 +69,25 @@ def test_a_loaded_state_continues_exactly():
     env.close()
 
 
+def test_bfloat16_layers_keep_float32_parameters_and_outputs():
+    algo, env = filled_sac(25)
+    algo.critics.compute_dtype = torch.bfloat16
+    inputs = torch.randn(5, algo.obs_size + env.action_space.shape[0])
+    out = algo.critics(inputs)
+    assert out.dtype == torch.float32 and out.shape == (2, 5, 1)
+    algo.critics.compute_dtype = torch.float32
+    exact = algo.critics(inputs)
+    assert not torch.equal(out, exact) and torch.allclose(out, exact, atol=0.05)
+    half = SAC(env.observation_space, env.action_space, 2, **SMALL, precision="bfloat16")
+    half.load_state_dict(algo.state_dict())
+    before = [p.clone() for p in half.critics.parameters()]
+    summary = half.gradient_step()
+    assert all(p.dtype == torch.float32 for p in half.critics.parameters())
+    assert all(not torch.equal(a, b) for a, b in zip(before, half.critics.parameters()))
+    assert all(math.isfinite(value) for value in summary.values())
+    env.close()
+
+
 def test_bad_input_is_a_clear_error():
     box = gym.spaces.Box(-1, 1, (3,))
     with pytest.raises(UnsupportedSpaceError, match="SAC needs a 1-D Box action space, got "
@@ -77,14 +97,18 @@ def test_bad_input_is_a_clear_error():
         SAC(box, box, 2, updates_per_step=0)
     with pytest.raises(ValueError, match=r"tau must be in \(0, 1\], got 2"):
         SAC(box, box, 2, tau=2)
+    with pytest.raises(ValueError, match="precision must be one of float32, bfloat16, got "
+                                         "'float16'"):
+        SAC(box, box, 2, precision="float16")
 
 
 @pytest.mark.slow
-def test_sac_learns_pendulum():
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_sac_learns_pendulum(precision):
     torch.manual_seed(0)
     env = seeded_tensor_env("Pendulum-v1", 4, seed=0)
     algo = SAC(env.observation_space, env.action_space, 4, hidden=(64, 64), batch_size=128,
-               learning_starts=1000)
+               learning_starts=1000, precision=precision)
     for _ in range(3200):  # 12,800 env steps
         simulate(env, algo)
     algo.eval()

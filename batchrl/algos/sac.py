@@ -5,6 +5,7 @@ from a replay buffer (``batchrl.parts.replay``) at a set number of gradient step
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Sequence
 
@@ -15,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from batchrl.algos.base import Summary
+from batchrl.algos.ppo_config import PRECISIONS
 from batchrl.algos.replay import ReplayAlgorithm
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.parts.replay import ReplayBuffer
@@ -26,8 +28,12 @@ LOG_STD_RANGE = (-5.0, 2.0)  # the policy's log std is squashed into it
 
 class EnsembleMLP(nn.Module):
     """``members`` ReLU MLPs ``inputs -> *hidden -> outputs`` of the same shape, computed in one
-    batched matrix product per layer: ``(B, inputs)`` -> ``(members, B, outputs)``. Each
-    member is initialised as ``nn.Linear`` initialises its layers."""
+    batched matrix product per layer: ``(B, inputs)`` -> ``(members, B, outputs)``, float32.
+    Each member is initialised as ``nn.Linear`` initialises its layers. ``compute_dtype``
+    (``torch.bfloat16``: cheaper matrix products on CPUs and GPUs that have them) is the
+    dtype the layers compute in; the parameters and the output stay float32."""
+
+    compute_dtype = torch.float32
 
     def __init__(self, members: int, inputs: int, hidden: Sequence[int], outputs: int):
         super().__init__()
@@ -42,13 +48,14 @@ class EnsembleMLP(nn.Module):
                 torch.empty(members, 1, fan_out).uniform_(-bound, bound)))
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        x = inputs.unsqueeze(0).expand(len(self.weights[0]), *inputs.shape)
+        dtype = self.compute_dtype
+        x = inputs.to(dtype).unsqueeze(0).expand(len(self.weights[0]), *inputs.shape)
         last = len(self.weights) - 1
         for index, (weight, bias) in enumerate(zip(self.weights, self.biases)):
-            x = torch.baddbmm(bias, x, weight)
+            x = torch.baddbmm(bias.to(dtype), x, weight.to(dtype))
             if index < last:
                 x = F.relu(x)
-        return x
+        return x.float()
 
 
 class SquashedGaussian(nn.Module):
@@ -106,6 +113,9 @@ class SAC(ReplayAlgorithm):
         run continues exactly; ``False`` makes checkpoints small and a resumed run refills the
         buffer (not exact).
       eval_actions: ``"mean"`` or ``"sample"`` (``train.eval_actions``).
+      precision: ``"float32"``, or ``"bfloat16"``: the networks' layers compute in bfloat16
+        (``EnsembleMLP.compute_dtype``), in acting and in updates; parameters, optimiser
+        states and losses stay float32 (``train.precision``).
     """
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, num_agents: int,
@@ -115,7 +125,7 @@ class SAC(ReplayAlgorithm):
                  tau: float = 0.005, learning_rate: float = 3e-4,
                  hidden: Sequence[int] = (256, 256), init_alpha: float = 1.0,
                  target_entropy: float | None = None, save_buffer: bool = True,
-                 eval_actions: str = "mean"):
+                 eval_actions: str = "mean", precision: str = "float32"):
         if not isinstance(observation_space, gym.spaces.Box):
             raise UnsupportedSpaceError(f"SAC needs a Box observation space, got "
                                         f"{observation_space}")
@@ -129,6 +139,9 @@ class SAC(ReplayAlgorithm):
             raise ValueError(f"tau must be in (0, 1], got {tau}")
         if init_alpha <= 0:
             raise ValueError(f"init_alpha must be > 0, got {init_alpha}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got "
+                             f"{precision!r}")
         actions, self.obs_size = action_space.shape[0], math.prod(observation_space.shape)
         flat = ((self.obs_size,), torch.float32)
         super().__init__(device, eval_actions, num_agents, ReplayBuffer(
@@ -149,11 +162,15 @@ class SAC(ReplayAlgorithm):
         self.target_critics = EnsembleMLP(2, self.obs_size + actions, hidden, 1).to(self.device)
         self.target_critics.load_state_dict(self.critics.state_dict())
         self.target_critics.requires_grad_(False)
+        for network in (self.policy.body, self.critics, self.target_critics):
+            network.compute_dtype = getattr(torch, precision)
         self.log_alpha = torch.tensor(math.log(init_alpha), device=self.device,
                                       requires_grad=True)
-        self.policy_optimizer = torch.optim.Adam(self.policy.parameters(), lr=learning_rate)
-        self.critic_optimizer = torch.optim.Adam(self.critics.parameters(), lr=learning_rate)
-        self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=learning_rate)
+        # (fused: one kernel per step instead of several per parameter)
+        adam = functools.partial(torch.optim.Adam, lr=learning_rate, fused=True)
+        self.policy_optimizer = adam(self.policy.parameters())
+        self.critic_optimizer = adam(self.critics.parameters())
+        self.alpha_optimizer = adam([self.log_alpha])
         self._last_action: torch.Tensor | None = None
 
     @property
