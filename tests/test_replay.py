@@ -120,6 +120,17 @@ def test_a_checkpointed_buffer_samples_exactly_as_the_original():
     assert original.position == restored.position and len(original) == len(restored)
     with pytest.raises(ValueError, match=r"saved \(4, 2\), this buffer \(3, 2\)"):
         ReplayBuffer(2, 6, FIELDS).load_state_dict(original.state_dict())
+    # A buffer still filling saves the rows written so far, and nothing more.
+    filling = ReplayBuffer(2, 20, FIELDS)
+    for value in range(3):
+        add_step(filling, value)
+    saved = io.BytesIO()
+    torch.save(filling.state_dict(), saved)
+    assert torch.load(io.BytesIO(saved.getvalue()))["tensors"]["observ"].shape[0] == 3
+    restored = ReplayBuffer(2, 20, FIELDS)
+    restored.load_state_dict(torch.load(io.BytesIO(saved.getvalue())))
+    for name, tensor in filling.tensors.items():
+        assert torch.equal(tensor, restored.tensors[name]), name
 
 
 def test_bad_input_is_a_clear_error():

@@ -134,16 +134,24 @@ class ReplayBuffer:
         return picked
 
     def state_dict(self) -> dict[str, object]:
-        """The stored transitions and where the next one goes, for exact resumption."""
-        return {"tensors": dict(self.tensors), "position": self.position,
+        """The stored transitions (the rows written so far only: a checkpoint of a buffer
+        still filling is that much smaller) and where the next one goes, for exact
+        resumption."""
+        tensors = (dict(self.tensors) if self.filled == self.rows else  # (a copy, not a view:
+                   {name: value[:self.filled].clone()                   # torch.save would
+                    for name, value in self.tensors.items()})           # write all rows)
+        return {"tensors": tensors, "rows": self.rows, "position": self.position,
                 "filled": self.filled}
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
-        tensors = state["tensors"]
+        tensors, filled = state["tensors"], int(state["filled"])
         for name, tensor in self.tensors.items():
-            if tensors[name].shape != tensor.shape:
-                raise ValueError(f"replay buffer {name!r}: saved {tuple(tensors[name].shape)}, "
-                                 f"this buffer {tuple(tensor.shape)} (another capacity or "
-                                 f"number of agents)")
-            tensor.copy_(tensors[name])
-        self.position, self.filled = int(state["position"]), int(state["filled"])
+            rows = state.get("rows", len(tensors[name]))  # (older checkpoints: every row)
+            saved = (int(rows), *tensors[name].shape[1:])
+            if saved != tensor.shape:
+                raise ValueError(f"replay buffer {name!r}: saved {saved}, this buffer "
+                                 f"{tuple(tensor.shape)} (another capacity or number of "
+                                 f"agents)")
+        for name, tensor in self.tensors.items():
+            tensor[:filled] = tensors[name]
+        self.position, self.filled = int(state["position"]), filled
