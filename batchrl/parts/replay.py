@@ -153,5 +153,5 @@ class ReplayBuffer:
                                  f"{tuple(tensor.shape)} (another capacity or number of "
                                  f"agents)")
         for name, tensor in self.tensors.items():
-            tensor[:filled] = tensors[name]
+            tensor[:filled] = tensors[name][:filled]
         self.position, self.filled = int(state["position"]), filled
