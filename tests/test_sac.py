@@ -60,6 +60,16 @@ def test_targets_move_tau_of_the_way_and_the_temperature_follows_the_entropy():
     assert float(algo.alpha) < alpha
 
 
+def test_the_gradient_steps_scalars_are_averaged_over_summary_every_env_steps():
+    algo, env = filled_sac(25)  # 50 env steps (2 agents), learning from 40 on
+    algo.summary_every = 8
+    summaries = [simulate(env, algo)[2] for _ in range(12)]
+    assert [i for i, summary in enumerate(summaries) if "sac/critic_loss" in summary] == [
+        0, 4, 8]  # at 52, 60 and 68 env steps
+    assert all(math.isfinite(summaries[4][name]) for name in ("sac/critic_loss", "sac/alpha"))
+    env.close()
+
+
 def test_a_loaded_state_continues_exactly():
     algo, env = filled_sac(25, n_step=3)
     twin = SAC(env.observation_space, env.action_space, 2, **SMALL, n_step=3)

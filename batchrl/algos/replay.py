@@ -19,7 +19,10 @@ class ReplayAlgorithm(Algorithm):
     ``stored_action`` makes it); from ``learning_starts`` env steps (all agents') on, the
     algorithm owes ``updates_per_step`` gradient steps per env step (fractions accumulate) and
     takes them after the batch step. A reset cuts the agents' n-step returns. ``replay_state``
-    and ``load_replay_state`` cover the counters and (with ``save_buffer``) the buffer.
+    and ``load_replay_state`` cover the counters and (with ``save_buffer``) the buffer. The
+    gradient steps' scalars are averaged and returned once per ``summary_every`` env steps
+    (not every batch step: at one gradient step per env step that would be a log record per
+    step).
 
     Args:
       device, eval_actions: ``Algorithm``'s.
@@ -31,6 +34,7 @@ class ReplayAlgorithm(Algorithm):
     """
 
     per_agent_state = ("buffer",)
+    summary_every = 1000  # env steps (all agents') between summaries of the gradient steps
 
     def __init__(self, device: str | torch.device, eval_actions: str, num_agents: int,
                  buffer: ReplayBuffer, learning_starts: int, updates_per_step: float,
@@ -46,9 +50,13 @@ class ReplayAlgorithm(Algorithm):
         self.env_steps = 0  # training env steps, all agents'
         self.updates = 0    # gradient steps taken
         self._owed = 0.0    # gradient steps due (fractions of one accumulate)
+        self._totals: dict[str, float] = {}  # the gradient steps' scalars since the last summary
+        self._counted = 0
+        self._summarized = 0  # env_steps at the last summary
 
     def gradient_step(self) -> Summary:
-        """One gradient step from ``buffer``; its scalars (averaged over a batch step's)."""
+        """One gradient step from ``buffer``; its scalars (averaged into a summary every
+        ``summary_every`` env steps)."""
         raise NotImplementedError
 
     def stored_action(self, action: torch.Tensor) -> torch.Tensor:
@@ -84,12 +92,16 @@ class ReplayAlgorithm(Algorithm):
         self._owed += self.updates_per_step * learned
         steps = int(self._owed)
         self._owed -= steps
-        totals: dict[str, float] = {}
         for _ in range(steps):
             self.check_interrupt()
             for name, value in self.gradient_step().items():
-                totals[name] = totals.get(name, 0.0) + value
-        return {name: total / steps for name, total in totals.items()}
+                self._totals[name] = self._totals.get(name, 0.0) + value
+            self._counted += 1
+        if not self._counted or self.env_steps - self._summarized < self.summary_every:
+            return {}
+        summary = {name: total / self._counted for name, total in self._totals.items()}
+        self._totals, self._counted, self._summarized = {}, 0, self.env_steps
+        return summary
 
     def replay_state(self) -> dict[str, Any]:
         """The counters and (with ``save_buffer``) the buffer, for ``state_dict``."""
