@@ -27,7 +27,7 @@ else:  # pragma: no cover - Python 3.10
 from batchrl.algos.impala_config import IMPALAConfig
 from batchrl.algos.ppo_config import EVAL_ACTIONS, PRECISIONS, PPOConfig
 from batchrl.envs.errors import EnvSpecError
-from batchrl.envs.factory import BACKENDS, check_resources, import_from
+from batchrl.envs.factory import BACKENDS, check_resources, choose_backend, import_from
 from batchrl.errors import UnsupportedSpaceError
 
 
@@ -72,6 +72,13 @@ class EnvConfig:
     max_restarts: int = 10        # with restart_crashed_envs: restarts allowed in the run
     ray_address: str = ""         # "ray": "" private Ray here, "auto" (ray start), "HOST:PORT"
     ray_resources: dict = field(default_factory=lambda: {"CPU": 1})  # "ray": per actor
+
+    @property
+    def chosen_backend(self) -> str:
+        """The backend the envs step in: ``backend``, with ``"auto"`` resolved
+        (``choose_backend``; the worker-only options ask for worker processes)."""
+        return choose_backend(self.id, self.backend, self.kwargs,
+                              self.restart_crashed_envs or self.share_main)
 
     @property
     def evaluation_kwargs(self) -> dict:

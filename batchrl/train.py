@@ -134,7 +134,6 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
     from batchrl.config import ConfigError
     from batchrl.envs.errors import (EnvError, EnvRaisedError, EnvSpecError,
                                      SpaceMismatchError, UnsupportedSpaceError)
-    from batchrl.envs.factory import choose_backend
 
     # Checked before torch is imported (seconds), so that a typo is reported at once.
     try:
@@ -156,11 +155,10 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
             learners = (f" ({config.train.learners} learners)" if config.train.learners > 1
                         else "")
             env = config.env
-            backend = choose_backend(env.id, env.backend, env.kwargs,
-                                     env.restart_crashed_envs or env.share_main)
             agents = f"{env.num_agents} agent{'s' if env.num_agents > 1 else ''}"
             print(f"Training {env.id} with {agents}{learners} for {config.train.steps:,} "
-                  f"steps (env backend {backend}); writing to {logdir}", flush=True)
+                  f"steps (env backend {env.chosen_backend}); writing to {logdir}",
+                  flush=True)
         result = run(config, logdir, progress=not args.no_progress, handle_signals=True)
     except TrainingInterrupted as stop:
         print(_interrupted_message(stop, command, args.config, logdir), flush=True)

@@ -37,7 +37,7 @@ from batchrl.collectors import CollectorError, CollectorSpec, LocalCollectors
 from batchrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, serialize
 from batchrl.config import Config, ConfigError, save_config
 from batchrl.envs.errors import EnvError
-from batchrl.envs.factory import choose_backend, make_batch_env
+from batchrl.envs.factory import make_batch_env
 from batchrl.hardware import usable_cores
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.interrupt import Interrupted, StopSignals
@@ -108,8 +108,7 @@ def _collector_env(config: Config, index: int, num_envs: int, seed: int) -> Any:
     worker processes of the collector's node."""
     env = config.env
     on_ray = on_a_cluster(config)
-    backend = "workers" if env.backend == "ray" else choose_backend(
-        env.id, env.backend, env.kwargs, env.restart_crashed_envs or env.share_main)
+    backend = "workers" if env.backend == "ray" else env.chosen_backend
     workers = env.workers or (1 if backend in ("vector", "native") else max(
         1, usable_cores() // (1 if on_ray else config.train.collectors)))
     return make_batch_env(
