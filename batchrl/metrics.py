@@ -11,6 +11,11 @@ METRICS_FILE = "metrics.jsonl"
 CURVE_FILE = "learning_curve.png"
 
 
+def actions_words(eval_actions: str) -> str:
+    """How evaluations with ``train.eval_actions`` act, in words for a legend or a line."""
+    return "mean action" if eval_actions == "mean" else "sampled actions"
+
+
 def read_metrics(logdir: Path) -> list[dict[str, Any]]:
     """The records of ``metrics.jsonl`` (one per phase, and with collectors one per update,
     ``"phase": "update"``), oldest first."""
@@ -31,10 +36,11 @@ class RunLog:
     records after ``step``: a run resumed from the checkpoint at ``step`` neither repeats nor
     loses a phase."""
 
-    def __init__(self, logdir: Path, purge_step: int | None = None):
+    def __init__(self, logdir: Path, purge_step: int | None = None, eval_actions: str = "mean"):
         from torch.utils.tensorboard import SummaryWriter
 
         self.logdir = Path(logdir)
+        self.eval_actions = eval_actions  # what the evaluations act with, for the plot's legend
         self.writer = SummaryWriter(str(self.logdir), purge_step=purge_step)
 
     def truncate(self, step: int) -> None:
@@ -74,7 +80,8 @@ class RunLog:
         records = read_metrics(self.logdir)
         figure, axis = plt.subplots(figsize=(7, 4), dpi=100)
         for phase, label, color in (("train", "training (sampled actions)", "tab:red"),
-                                    ("eval", "evaluation (mean action)", "tab:blue")):
+                                    ("eval", f"evaluation ({actions_words(self.eval_actions)})",
+                                     "tab:blue")):
             points = [(r["step"], r["score"]) for r in records
                       if r["phase"] == phase and r.get("score") is not None]
             if points:

@@ -550,7 +550,8 @@ class Trainer:
                           f"nothing to train (train.py --steps N extends its budget)")
             # Drop what earlier sessions logged after the checkpoint (metrics.jsonl
             # records; TensorBoard hides their events from purge_step on).
-            self.log = (RunLog(self.logdir, purge_step=self.counters.steps + 1) if self.writer
+            self.log = (RunLog(self.logdir, purge_step=self.counters.steps + 1,
+                               eval_actions=config.train.eval_actions) if self.writer
                         else _NoLog())
             self.log.truncate(self.counters.steps)
             # A bar on a terminal; one plain line per phase in a log file.

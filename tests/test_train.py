@@ -167,7 +167,7 @@ def test_train_py_writes_the_log_directory(cartpole_run):
     logdir, config, process = cartpole_run
     assert "Traceback" not in process.stderr
     assert f"Training CartPole-v1 with 4 agents for {CARTPOLE_STEPS:,} steps" in process.stdout
-    assert "Final evaluation:" in process.stdout
+    assert "Final evaluation:" in process.stdout and "episodes (mean action)" in process.stdout
     records = check_logdir(logdir, config, [CARTPOLE_STEPS])
     # eval_every=2: evaluations after the even training phases (and the last one).
     assert records[:3] and [r["phase"] for r in records[:3]] == ["train", "train", "eval"]
