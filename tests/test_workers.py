@@ -385,6 +385,53 @@ def test_timed_out_step_keeps_its_actions(closing):
     assert worker.get_attr("actions", index=1) == [1, 0]  # got [0, 0]
 
 
+SUSPEND_SCRIPT = textwrap.dedent("""
+    import time
+    import gymnasium as gym
+    import numpy as np
+    from batchrl.envs import EnvWorker
+
+    class Slow(gym.Env):
+        observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+        action_space = gym.spaces.Discrete(2)
+
+        def reset(self, seed=None, options=None):
+            return np.zeros(1, np.float32), {}
+
+        def step(self, action):
+            time.sleep(1.0)
+            return np.zeros(1, np.float32), 0.0, False, False, {}
+
+    worker = EnvWorker([Slow], timeout=1.5)
+    worker.reset()
+    print("stepping", flush=True)
+    worker.step(np.zeros(1, np.int64))
+    print("done", flush=True)
+    worker.close()
+""")
+
+
+@pytest.mark.timeout(60)
+def test_a_suspended_run_is_not_a_hung_worker():
+    """Ctrl-Z then fg (SIGSTOP then SIGCONT of the process group, workers included) in the
+    middle of a step: the time spent stopped does not count against the step's timeout."""
+    process = subprocess.Popen([sys.executable, "-c", SUSPEND_SCRIPT], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               stdin=subprocess.DEVNULL)
+    try:
+        assert process.stdout.readline() == "stepping\n"
+        time.sleep(0.3)
+        os.killpg(process.pid, signal.SIGSTOP)
+        time.sleep(2.5)  # longer than the timeout (1.5 s) and the step (1 s)
+        os.killpg(process.pid, signal.SIGCONT)
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, err
+    assert out == "done\n"
+
+
 # -- attribute access -------------------------------------------------------------------
 
 

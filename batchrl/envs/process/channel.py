@@ -173,7 +173,11 @@ class Channel:
         """Wait for the answer to ``operation``: ``(kind, value)``, or the worker's error."""
         if self.pending != operation:
             raise RuntimeError(f"{self.label}: no {operation}() result is pending")
-        start = time.monotonic()
+        # The time waited, counting at most two poll intervals per interval: a wait this
+        # process spent suspended (Ctrl-Z then fg, SIGSTOP then SIGCONT, workers with it) is
+        # no delay of the worker's, which resumes with it and must not be declared hung.
+        waited = 0.0
+        last = time.monotonic()
         frames = self._frames
         while True:
             message = frames.pop()
@@ -185,9 +189,12 @@ class Channel:
             while not self._poller.poll(_POLL_SECONDS * 1000):
                 if not self.process.is_alive():
                     raise self.crashed(operation)
+                now = time.monotonic()
+                waited += min(now - last, 2 * _POLL_SECONDS)
+                last = now
                 limit = (self.construct_timeout if operation == "construct"
                          and self.construct_timeout is not None else self.timeout)
-                if limit is not None and time.monotonic() - start > limit:
+                if limit is not None and waited > limit:
                     if operation != "construct":  # construct stays pending: wait again later
                         # Drop the late answer when it comes, not hand it to the next request.
                         self.pending = None
