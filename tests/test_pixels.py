@@ -15,7 +15,7 @@ from torch.distributions import Categorical
 
 from batchrl import TensorBatchEnv
 from batchrl.algos import BatchPPO
-from batchrl.algos.networks import build_torso, image_layout
+from batchrl.algos.networks import Actor, build_torso, image_layout
 from batchrl.config import ConfigError, load_config
 from batchrl import BatchEnv, make_batch_env, wrap_env
 from batchrl.errors import UnsupportedSpaceError
@@ -238,6 +238,55 @@ def test_bfloat16_updates_learn_close_to_float32_ones():
     assert float(moved[1].norm() / moved[0].norm()) == pytest.approx(1.0, abs=0.1)
     with pytest.raises(ValueError, match="precision must be one of"):
         pixel_ppo(precision="float16")
+
+
+def autocast_actor(algo: BatchPPO, observ: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The deterministic actor over ``algo.policy`` itself under autocast (its float32
+    weights cast at the call), on observations the policy takes as they are."""
+    state = torch.zeros(observ.shape[0], 0)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        _, mean_or_logits, log_std, _ = Actor(algo.policy)(observ.reshape(len(observ), -1),
+                                                           state, True)
+    return mean_or_logits.float(), log_std.float()
+
+
+@pytest.mark.parametrize("pixels", [True, False])
+def test_bfloat16_acting_keeps_weights_cast_only_when_they_change(pixels):
+    """Acting in bfloat16 runs a copy of the policy with weights cast once per change: the
+    same numbers as autocast over the policy, after updates and loads too."""
+    if pixels:
+        algo, other = pixel_ppo(2, precision="bfloat16"), pixel_ppo(3, precision="bfloat16")
+        observ = torch.randint(0, 256, (4, *PIXELS.shape), dtype=torch.uint8)
+    else:  # a Gaussian policy over vectors (its log std is not cast)
+        space = gym.spaces.Box(-1.0, 1.0, (5,), np.float32)
+        algo, other = (BatchPPO(space, gym.spaces.Box(-1.0, 1.0, (2,), np.float32), 4,
+                                rollout_length=4, normalize_observ=False, init_std=0.7,
+                                precision="bfloat16", inference=mode)
+                       for mode in ("eager", "script"))
+        observ = torch.randn(4, 5)
+
+    def check(algo: BatchPPO) -> torch.Tensor:
+        _, record = algo.act(observ, deterministic=True)
+        expected = autocast_actor(algo, observ)
+        assert torch.equal(record["mean_or_logits"], expected[0])
+        assert torch.equal(record["log_std"], expected[1])
+        return record["mean_or_logits"]
+
+    before = check(algo)
+    with torch.no_grad():  # an in-place change of the policy's weights, as Adam makes
+        for p in algo.policy.parameters():
+            p.mul_(1.5)
+    assert not torch.equal(check(algo), before)
+    other.load_state_dict(algo.state_dict())
+    assert torch.equal(check(other), check(algo))
+    if pixels:
+        drive(algo, 12)  # two updates
+        check(algo)
+        other.load_acting_state(algo.acting_state())
+        assert torch.equal(check(other), check(algo))
+    assert all(p.dtype == torch.float32 for p in algo.policy.parameters())
+    assert "policy" in algo.state_dict() and all(
+        v.dtype == torch.float32 for v in algo.state_dict()["policy"].values())
 
 
 def test_learning_rollouts_of_pixels_in_bfloat16():

@@ -13,6 +13,7 @@ std ``(B, T, A)`` (Gaussian) or the logits ``(B, T, n)`` and an empty ``log_std`
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import List, Sequence
 
@@ -327,6 +328,44 @@ class Policy(nn.Module):
         features, state = self.body.from_features(features, state)
         mean_or_logits, log_std = self.head(features)
         return mean_or_logits, log_std, state
+
+
+class CastWeights:
+    """A copy of ``module`` for inference under ``torch.autocast`` whose ``nn.Linear`` and
+    ``nn.Conv2d`` weights and biases are kept in ``dtype``, the precision autocast casts them
+    to at every call; its other parameters and buffers are ``module``'s own.
+
+    Autocast gives the same results with either module, but casts the weights of ``module``
+    again at every call (for the Nature CNN, a third of an 8-frame inference step). The copy
+    casts them only after they changed: ``current()`` copies them anew when an in-place
+    change (an optimiser step, a loaded state dict) bumped a weight's version counter.
+    """
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype):
+        # (a deep copy that shares every tensor, then new tensors for the cast weights)
+        shared = {id(t): t for t in (*module.parameters(), *module.buffers())}
+        self.module = copy.deepcopy(module, shared)
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for source, target in zip(module.modules(), self.module.modules()):
+            if isinstance(source, (nn.Linear, nn.Conv2d)):
+                for name in ("weight", "bias"):
+                    weight = getattr(source, name)
+                    if weight is not None:
+                        cast = nn.Parameter(torch.empty_like(weight, dtype=dtype),
+                                            requires_grad=False)
+                        setattr(target, name, cast)
+                        self._pairs.append((weight, cast))
+        self._versions: list[int] = []
+
+    def current(self) -> nn.Module:
+        """The copy, its cast weights those of ``module`` now."""
+        versions = [weight._version for weight, _ in self._pairs]
+        if versions != self._versions:
+            with torch.no_grad():
+                for weight, cast in self._pairs:
+                    cast.copy_(weight)
+            self._versions = versions
+        return self.module
 
 
 class Actor(nn.Module):

@@ -29,8 +29,8 @@ from torch import nn
 from torch.distributions import Distribution
 
 from batchrl.algos.base import Algorithm, Summary
-from batchrl.algos.networks import (Actor, ConvTorso, FeedForwardBody, Policy, RecurrentBody,
-                                    actor_critic, build_torsos, torso_shared_by)
+from batchrl.algos.networks import (Actor, CastWeights, ConvTorso, FeedForwardBody, Policy,
+                                    RecurrentBody, actor_critic, build_torsos, torso_shared_by)
 from batchrl.algos.ppo_config import PRECISIONS, PPOConfig
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.hardware import usable_cores
@@ -171,7 +171,12 @@ class BatchPPO(Algorithm):
         # those run eager.
         inference = ("eager" if self.packing is not None and config.inference == "script"
                      else config.inference)
-        self.actor = compile_actor(Actor(self.policy), inference)
+        # In bfloat16, acting runs a copy of the policy whose weights are cast once per change
+        # instead of at every step (the same actions).
+        self._cast_policy = (CastWeights(self.policy, torch.bfloat16)
+                             if precision == "bfloat16" else None)
+        self.actor = compile_actor(Actor(self.policy if self._cast_policy is None
+                                         else self._cast_policy.module), inference)
         # A TorchScript module's forward, called directly, skips nn.Module's hook handling.
         self._act = self.actor.forward if inference == "script" else self.actor
         self.policy_optimizer = torch.optim.Adam(policy_params, lr=config.policy_lr)
@@ -556,8 +561,9 @@ class BatchPPO(Algorithm):
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The actor at ``precision``: ``(action, mean_or_logits, log_std, state)``, the
         floating ones float32 whatever the precision."""
-        if self.precision == "float32":
+        if self._cast_policy is None:
             return self._act(observ, state, deterministic)
+        self._cast_policy.current()  # (the policy's weights, cast when they changed)
         with self._autocast():
             action, mean_or_logits, log_std, state = self._act(observ, state, deterministic)
         if action.is_floating_point():
