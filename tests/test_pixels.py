@@ -185,9 +185,10 @@ def test_a_shared_torso_runs_once_per_step_with_the_same_result():
     calls_during = dict(calls)
     for a, b in zip(first, drive(full, 12)):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
-    # Per update: 2 epochs x 3 minibatches, then the values and the summary's passes.
-    steps = 2 * 2 * 3
-    assert calls["full"] - calls_during["full"] == calls_during["fast"] + steps
+    # Two updates of 2 epochs x 3 minibatches, one torso pass per step saved; and one saved
+    # in each update's summary (the updated networks on the whole rollout).
+    steps, updates = 2 * 2 * 3, 2
+    assert calls["full"] - calls_during["full"] == calls_during["fast"] + steps + updates
     for (name, p), q in zip(fast.policy.named_parameters(), full.policy.parameters()):
         assert torch.allclose(p, q, atol=1e-5), (name, float((p - q).abs().max()))
 

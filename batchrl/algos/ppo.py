@@ -789,14 +789,21 @@ class BatchPPO(Algorithm):
 
         summary.update({f"ppo/{name}": total / steps for name, total in totals.items()})
         summary["ppo/total_loss"] = summary["ppo/policy_loss"] + summary["ppo/value_loss"]
-        with torch.no_grad():
-            new, old = self._distributions(batches)
-        summary.update({f"ppo/{name}": value for name, value in self.objective.end_update(
-            new, old, batches["action"], batches["advantage"], mask,
-            None if self.learners is None else self.learners.mean).items()})
-        with torch.no_grad(), self._autocast():
-            returns = data["returns"][valid]
-            residual = returns - self.value(data["observ"])[valid].float()
+        with torch.no_grad():  # the updated networks on every row (a shared torso runs once)
+            features = None
+            if self._torso is not None:
+                with self._autocast():
+                    features = self._torso(batches["observ"])
+            new, old = self._distributions(batches, features)
+            summary.update({f"ppo/{name}": value for name, value in self.objective.end_update(
+                new, old, batches["action"], batches["advantage"], mask,
+                None if self.learners is None else self.learners.mean).items()})
+            with self._autocast():
+                value = (self.value(batches["observ"]) if features is None
+                         else self.value.from_features(features))
+            rows = mask.bool()
+            returns = batches["returns"][rows]
+            residual = returns - value.float()[rows]
             summary["ppo/explained_variance"] = 1.0 - float(residual.var() / (returns.var() + 1e-8))
         self.updates += 1
         self.updated_steps = self.env_steps
