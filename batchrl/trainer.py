@@ -269,9 +269,19 @@ class Trainer:
         start, steps, calls, start_steps = time.perf_counter(), 0, 0, counters.steps
         last_update = first_update = algo.updates if updates is not None else 0
 
+        # An evaluation takes each agent's first episodes, an equal share of ``episodes``:
+        # the first ones to end anywhere would favour short episodes (a fall, a lost game).
+        quota = taken = None
+        if not training and batch_steps is None and episodes is not None:
+            quota = np.array([episodes // num_agents + (i < episodes % num_agents)
+                              for i in range(num_agents)])
+            taken = np.zeros(num_agents, np.int64)
+
         def more() -> bool:
             if updates is not None:
                 return algo.updates < first_update + updates
+            if taken is not None:
+                return bool((taken < quota).any())
             return len(scores) < episodes if batch_steps is None else calls < batch_steps
 
         # Evaluations that sample actions draw from generators of their own.
@@ -303,6 +313,11 @@ class Trainer:
                     self._report_restarts(bar, env.batch_env)
                 if bool(done.any()):
                     ended = done.nonzero().squeeze(1)
+                    if taken is not None:  # (an agent's episodes past its share do not count)
+                        agents = ended.cpu().numpy()
+                        agents = agents[taken[agents] < quota[agents]]
+                        taken[agents] += 1
+                        ended = torch.as_tensor(agents, device=ended.device)
                     scores += score[ended].tolist()
                     lengths += simulation.episode_length[ended].tolist()
                 if summary and training:

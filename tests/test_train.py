@@ -585,6 +585,23 @@ def test_run_without_evaluations_still_plots_and_checkpoints(tmp_path):
     assert list_checkpoints(tmp_path / "run")[-1].name == f"ckpt-{records[-1]['step']:012d}.pt"
 
 
+def test_evaluations_count_every_agents_episodes_alike(tmp_path):
+    """An agent whose episodes end sooner does not fill an evaluation with them: each agent
+    counts its first episodes, an equal share. One of the two agents plays episodes of 2 steps
+    and return 0, the other of 20 steps and return 20 (the first four episodes to end are
+    all short ones)."""
+    config = load_config("cartpole", [
+        'env.id="batchrl.testing.envs:uneven_episodes"', "env.num_agents=2",
+        'env.backend="inline"', "algorithm.update_every=2", "train.eval_episodes=4",
+        "train.steps=100", "train.device=cpu"])
+    result = Trainer(config, tmp_path / "run", progress=False).run()
+    evals = [r for r in read_metrics(tmp_path / "run") if r["phase"] == "eval"]
+    assert evals and result["episodes"] == 4
+    for record in evals:
+        assert record["episodes"] == 4
+        assert record["score"] == 10.0 and record["length"] == 11.0, record
+
+
 def test_progress_in_a_log_file_is_one_plain_line_per_phase(tmp_path):
     process = train_py("--config", "cartpole", "--logdir", str(tmp_path / "run"),
                        *sets(*CARTPOLE, "train.steps=300"))  # stdout is a pipe, not a terminal

@@ -109,3 +109,35 @@ class ImageAndFlag(PixelSide):
 def image_and_flag(**kwargs: Any) -> gym.Env:
     """``env.id = "batchrl.testing.envs:image_and_flag"``: see ``ImageAndFlag``."""
     return ImageAndFlag(**kwargs)
+
+
+class UnevenEpisodes(gym.Env):
+    """Episodes whose length depends on the env: one seeded with an even seed plays episodes of
+    ``short`` steps with reward 0, one seeded with an odd seed episodes of ``long`` steps with
+    reward 1 per step (it keeps its kind over unseeded resets). For checking that evaluations
+    count each env's episodes alike, however long they are."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, short: int = 2, long: int = 20):
+        self.lengths = (short, long)
+        self.odd = False
+        self.t = 0
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        if seed is not None:
+            self.odd = bool(seed % 2)
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action: Any):
+        self.t += 1
+        done = self.t >= self.lengths[self.odd]
+        return np.zeros(1, np.float32), float(self.odd), done, False, {}
+
+
+def uneven_episodes(**kwargs: Any) -> gym.Env:
+    """``env.id = "batchrl.testing.envs:uneven_episodes"``: see ``UnevenEpisodes``."""
+    return UnevenEpisodes(**kwargs)
