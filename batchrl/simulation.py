@@ -246,9 +246,7 @@ class Simulation:
         same episodes, and the training run's random stream goes on as if no evaluation ran."""
         if episodes < 1:
             raise ValueError(f"episodes must be >= 1, got {episodes}")
-        num_agents = len(self.env)
-        quota = [episodes // num_agents + (i < episodes % num_agents)
-                 for i in range(num_agents)]
+        quota = episode_quota(episodes, len(self.env))
         training = algo.training
         algo.eval()
         with evaluation_rng(seed, algo.device):
@@ -274,6 +272,13 @@ class Simulation:
         ordered = [results[i][k] for k in range(max(quota)) for i in range(num_agents)
                    if k < len(results[i])]
         return [s for s, _ in ordered], [n for _, n in ordered]
+
+
+def episode_quota(episodes: int, num_agents: int) -> list[int]:
+    """How many of ``episodes`` evaluation episodes each of ``num_agents`` agents plays: its
+    first ones, an equal share (the first ``episodes % num_agents`` agents one more). The first
+    episodes to end anywhere would favour short ones (a fall, a lost game)."""
+    return [episodes // num_agents + (i < episodes % num_agents) for i in range(num_agents)]
 
 
 @contextlib.contextmanager

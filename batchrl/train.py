@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
                   f"{_resume_command(command, args.config, logdir)}", file=sys.stderr)
         return 1
     if result:
-        from batchrl.metrics import actions_words
+        from batchrl.metrics import actions_words  # (imports stay lazy: a quick --help)
         print(f"Final evaluation: {result['score']:.1f} ± {result['score_std']:.1f} "
               f"over {result['episodes']} episodes "
               f"({actions_words(config.train.eval_actions)})")

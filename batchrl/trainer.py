@@ -43,7 +43,7 @@ from batchrl.tensor_env import TensorBatchEnv
 from batchrl.interrupt import Interrupted, StopSignals
 from batchrl.metrics import RunLog
 from batchrl.parts.distributed import LearnerGroup
-from batchrl.simulation import Simulation, evaluation_rng
+from batchrl.simulation import Simulation, episode_quota, evaluation_rng
 
 
 def resolve_device(name: str, key: str = "train.device") -> torch.device:
@@ -247,7 +247,8 @@ class Trainer:
     def _phase(self, simulation: Simulation, algo: Algorithm, phase: str, episodes: int | None,
                bar: Any, batch_steps: int | None = None,
                updates: int | None = None) -> dict[str, Any]:
-        """Run one phase until ``episodes`` episodes finished, or for
+        """Run one phase until ``episodes`` episodes finished (in evaluation, each agent's
+        first ones, an equal share: ``episode_quota``), or for
         ``batch_steps`` steps of the whole batch when given, or for ``updates`` updates of
         ``algo`` (with preemption, whose learners' rollouts differ in length: the budget is
         checked between updates, and steps are the algorithm's count of all learners'); a
@@ -269,12 +270,11 @@ class Trainer:
         start, steps, calls, start_steps = time.perf_counter(), 0, 0, counters.steps
         last_update = first_update = algo.updates if updates is not None else 0
 
-        # An evaluation takes each agent's first episodes, an equal share of ``episodes``:
-        # the first ones to end anywhere would favour short episodes (a fall, a lost game).
-        quota = taken = None
+        # An evaluation takes each agent's first episodes, an equal share of ``episodes``.
+        quota: np.ndarray | None = None
+        taken: np.ndarray | None = None
         if not training and batch_steps is None and episodes is not None:
-            quota = np.array([episodes // num_agents + (i < episodes % num_agents)
-                              for i in range(num_agents)])
+            quota = np.array(episode_quota(episodes, num_agents))
             taken = np.zeros(num_agents, np.int64)
 
         def more() -> bool:

@@ -15,7 +15,7 @@ from torch.distributions import Categorical
 
 from batchrl import TensorBatchEnv
 from batchrl.algos import BatchPPO
-from batchrl.algos.networks import Actor, build_torso, image_layout
+from batchrl.algos.networks import Actor, CastWeights, build_torso, image_layout
 from batchrl.config import ConfigError, load_config
 from batchrl import BatchEnv, make_batch_env, wrap_env
 from batchrl.errors import UnsupportedSpaceError
@@ -249,6 +249,25 @@ def autocast_actor(algo: BatchPPO, observ: torch.Tensor) -> tuple[torch.Tensor, 
         _, mean_or_logits, log_std, _ = Actor(algo.policy)(observ.reshape(len(observ), -1),
                                                            state, True)
     return mean_or_logits.float(), log_std.float()
+
+
+def test_cast_weights_are_copied_only_after_they_change():
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    module.register_parameter("log_std", torch.nn.Parameter(torch.zeros(2)))
+    cast = CastWeights(module, torch.bfloat16)
+    copy = cast.module
+    assert copy.log_std is module.log_std  # (not cast: shared)
+    assert copy[0].weight.dtype == torch.bfloat16 and module[0].weight.dtype == torch.float32
+    assert torch.equal(copy[0].weight, module[0].weight.to(torch.bfloat16))  # (from the start)
+    version = copy[0].weight._version
+    cast.current()
+    cast.current()
+    assert copy[0].weight._version == version  # nothing changed: nothing copied
+    with torch.no_grad():
+        module[2].bias.add_(1.0)
+    assert cast.current() is copy and copy[0].weight._version > version
+    assert torch.equal(copy[2].bias, module[2].bias.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("pixels", [True, False])

@@ -399,10 +399,11 @@ SUSPEND_SCRIPT = textwrap.dedent("""
             return np.zeros(1, np.float32), {}
 
         def step(self, action):
-            time.sleep(1.0)
+            for _ in range(20):  # (work left after the resume, unlike one sleep's)
+                time.sleep(0.05)
             return np.zeros(1, np.float32), 0.0, False, False, {}
 
-    worker = EnvWorker([Slow], timeout=1.5)
+    worker = EnvWorker([Slow], timeout=2.0)
     worker.reset()
     print("stepping", flush=True)
     worker.step(np.zeros(1, np.int64))
@@ -422,7 +423,7 @@ def test_a_suspended_run_is_not_a_hung_worker():
         assert process.stdout.readline() == "stepping\n"
         time.sleep(0.3)
         os.killpg(process.pid, signal.SIGSTOP)
-        time.sleep(2.5)  # longer than the timeout (1.5 s) and the step (1 s)
+        time.sleep(2.5)  # longer than the timeout (2 s) and the step (1 s)
         os.killpg(process.pid, signal.SIGCONT)
         out, err = process.communicate(timeout=30)
     finally:

@@ -336,9 +336,11 @@ class CastWeights:
     to at every call; its other parameters and buffers are ``module``'s own.
 
     Autocast gives the same results with either module, but casts the weights of ``module``
-    again at every call (for the Nature CNN, a third of an 8-frame inference step). The copy
-    casts them only after they changed: ``current()`` copies them anew when an in-place
-    change (an optimiser step, a loaded state dict) bumped a weight's version counter.
+    again at every call. The copy casts them only after they changed: ``current()`` copies
+    them anew when an in-place change (an optimiser step, ``load_state_dict``) bumped a
+    weight's version counter. It does not see writes through ``.data`` or ``set_()``, nor
+    weights that ``module`` replaced (``module.to(...)``, ``load_state_dict(assign=True)``):
+    build a new copy after those. Run the copy under autocast (its inputs stay float32).
     """
 
     def __init__(self, module: nn.Module, dtype: torch.dtype):
@@ -356,6 +358,7 @@ class CastWeights:
                         setattr(target, name, cast)
                         self._pairs.append((weight, cast))
         self._versions: list[int] = []
+        self.current()
 
     def current(self) -> nn.Module:
         """The copy, its cast weights those of ``module`` now."""

@@ -171,8 +171,8 @@ class BatchPPO(Algorithm):
         # those run eager.
         inference = ("eager" if self.packing is not None and config.inference == "script"
                      else config.inference)
-        # In bfloat16, acting runs a copy of the policy whose weights are cast once per change
-        # instead of at every step (the same actions).
+        # In bfloat16, acting runs (under autocast) a copy of the policy whose weights are
+        # cast when they change, not at every call (see CastWeights): the same actions.
         self._cast_policy = (CastWeights(self.policy, torch.bfloat16)
                              if precision == "bfloat16" else None)
         self.actor = compile_actor(Actor(self.policy if self._cast_policy is None
@@ -801,9 +801,9 @@ class BatchPPO(Algorithm):
             with self._autocast():
                 value = (self.value(batches["observ"]) if features is None
                          else self.value.from_features(features))
-            rows = mask.bool()
-            returns = batches["returns"][rows]
-            residual = returns - value.float()[rows]
+            valid_rows = mask.bool()
+            returns = batches["returns"][valid_rows]
+            residual = returns - value.float()[valid_rows]
             summary["ppo/explained_variance"] = 1.0 - float(residual.var() / (returns.var() + 1e-8))
         self.updates += 1
         self.updated_steps = self.env_steps

@@ -125,14 +125,15 @@ class UnevenEpisodes(gym.Env):
         self.odd = False
         self.t = 0
 
-    def reset(self, *, seed: int | None = None, options: dict | None = None):
+    def reset(self, *, seed: int | None = None, options: dict | None = None
+              ) -> tuple[np.ndarray, dict]:
         super().reset(seed=seed)
         if seed is not None:
             self.odd = bool(seed % 2)
         self.t = 0
         return np.zeros(1, np.float32), {}
 
-    def step(self, action: Any):
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict]:
         self.t += 1
         done = self.t >= self.lengths[self.odd]
         return np.zeros(1, np.float32), float(self.odd), done, False, {}
