@@ -107,7 +107,7 @@ class DQN(ReplayAlgorithm):
     def stored_action(self, action: torch.Tensor) -> torch.Tensor:
         return action.long() - self._start  # (the Q-network's output index)
 
-    def gradient_step(self) -> Summary:
+    def gradient_step(self) -> dict[str, float | torch.Tensor]:
         """One Huber-loss step of the Q-network (and the target's copy when due)."""
         batch = self.buffer.sample(self.batch_size)
         with torch.no_grad():
@@ -123,7 +123,7 @@ class DQN(ReplayAlgorithm):
         self.updates += 1
         if self.updates % self.target_update_every == 0:
             self.target_q.load_state_dict(self.q.state_dict())
-        return {"dqn/loss": float(loss.detach()), "dqn/epsilon": self.epsilon}
+        return {"dqn/loss": loss.detach(), "dqn/epsilon": self.epsilon}
 
     def state_dict(self) -> dict[str, Any]:
         return {"q": self.q.state_dict(), "target_q": self.target_q.state_dict(),

@@ -50,13 +50,15 @@ class ReplayAlgorithm(Algorithm):
         self.env_steps = 0  # training env steps, all agents'
         self.updates = 0    # gradient steps taken
         self._owed = 0.0    # gradient steps due (fractions of one accumulate)
-        self._totals: dict[str, float] = {}  # the gradient steps' scalars since the last summary
+        # The gradient steps' scalars since the last summary (tensors stay on the device).
+        self._totals: dict[str, float | torch.Tensor] = {}
         self._counted = 0
         self._summarized = 0  # env_steps at the last summary
 
-    def gradient_step(self) -> Summary:
-        """One gradient step from ``buffer``; its scalars (averaged into a summary every
-        ``summary_every`` env steps)."""
+    def gradient_step(self) -> dict[str, float | torch.Tensor]:
+        """One gradient step from ``buffer``; its scalars, averaged into a summary every
+        ``summary_every`` env steps: floats, or 0-dim tensors, which are summed where they are
+        and read once per summary (a step on a GPU then never waits to read them)."""
         raise NotImplementedError
 
     def stored_action(self, action: torch.Tensor) -> torch.Tensor:
@@ -95,11 +97,13 @@ class ReplayAlgorithm(Algorithm):
         for _ in range(steps):
             self.check_interrupt()
             for name, value in self.gradient_step().items():
+                if isinstance(value, torch.Tensor):
+                    value = value.detach()
                 self._totals[name] = self._totals.get(name, 0.0) + value
             self._counted += 1
         if not self._counted or self.env_steps - self._summarized < self.summary_every:
             return {}
-        summary = {name: total / self._counted for name, total in self._totals.items()}
+        summary = {name: float(total) / self._counted for name, total in self._totals.items()}
         self._totals, self._counted, self._summarized = {}, 0, self.env_steps
         return summary
 

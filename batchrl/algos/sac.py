@@ -192,9 +192,9 @@ class SAC(ReplayAlgorithm):
     def stored_action(self, action: torch.Tensor) -> torch.Tensor:
         return self._last_action  # (the squashed one, in [-1, 1])
 
-    def gradient_step(self) -> Summary:
+    def gradient_step(self) -> dict[str, torch.Tensor]:
         """One step of the critics, the policy and the temperature, and the targets' Polyak
-        step; returns their losses and the temperature."""
+        step; returns their losses and the temperature (0-dim tensors on ``device``)."""
         batch = self.buffer.sample(self.batch_size)
         alpha = self.alpha
         with torch.no_grad():
@@ -227,9 +227,8 @@ class SAC(ReplayAlgorithm):
                                       self.critics.parameters()):
                 target.lerp_(online, self.tau)
         self.updates += 1
-        return {"sac/critic_loss": float(critic_loss.detach()),
-                "sac/policy_loss": float(policy_loss.detach()),
-                "sac/alpha": float(alpha), "sac/entropy": float(-log_prob.detach().mean())}
+        return {"sac/critic_loss": critic_loss.detach(), "sac/policy_loss": policy_loss.detach(),
+                "sac/alpha": alpha.detach(), "sac/entropy": -log_prob.detach().mean()}
 
     def state_dict(self) -> dict[str, Any]:
         return {"policy": self.policy.state_dict(), "critics": self.critics.state_dict(),
