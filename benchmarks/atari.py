@@ -96,12 +96,12 @@ def update_cost(precision: str, repeats: int = 3) -> float:
     from batchrl.config import load_config
 
     keys = dict(load_config("atari/pong").algorithm.keys)
-    space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+    space = gym.spaces.Box(0, 255, (84, 84, 4), np.uint8)  # (the envs' layout)
     algo = BatchPPO(space, gym.spaces.Discrete(6), 8, total_steps=10 ** 7, precision=precision,
                     **keys)
     algo.train()
     agents = torch.arange(8)
-    frames = torch.randint(0, 256, (8, 4, 84, 84), dtype=torch.uint8)
+    frames = torch.randint(0, 256, (8, 84, 84, 4), dtype=torch.uint8)
     zeros = torch.zeros(8)
     times = []
     for _ in range(repeats + 1):

@@ -151,7 +151,7 @@ def pixel_memory() -> None:
     from batchrl.config import load_config
 
     config = load_config("atari/pong")
-    space = gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)
+    space = gym.spaces.Box(0, 255, (84, 84, 4), np.uint8)  # (the envs' layout)
     algo = BatchPPO(space, gym.spaces.Discrete(6), config.env.num_agents, total_steps=1,
                     **config.algorithm.keys)
     memory = algo.memory

@@ -34,7 +34,7 @@ def wrappers(env) -> list[str]:
 def test_training_envs_clip_rewards_and_end_with_a_life_evaluation_envs_do_not():
     train, evaluate = make("ALE/Breakout-v5"), make("ALE/Breakout-v5", training=False)
     try:
-        assert train.observation_space.shape == (4, 84, 84)
+        assert train.observation_space.shape == (84, 84, 4)  # (frames on the last axis)
         assert train.observation_space.dtype == np.uint8
         assert "ClipReward" in wrappers(train) and "ClipReward" not in wrappers(evaluate)
         assert train.get_wrapper_attr("terminal_on_life_loss") is True
@@ -73,7 +73,7 @@ def test_every_atari_config_plays_a_game_with_pixels():
         assert config.algorithm.keys["objective"] == "clip"
         env = make(**config.env.kwargs)
         try:
-            assert env.observation_space.shape == (4, 84, 84)
+            assert env.observation_space.shape == (84, 84, 4)
         finally:
             env.close()
 
@@ -93,7 +93,7 @@ def test_ale_vector_env_is_a_batch_member_with_the_worker_protocol():
         assert first.observation_space == single.observation_space
         assert first.action_space == single.action_space
         observ = first.reset(seed=5)
-        assert observ.shape == (3, 4, 84, 84) and observ.dtype == np.uint8
+        assert observ.shape == (3, 84, 84, 4) and observ.dtype == np.uint8
         np.testing.assert_array_equal(second.reset(seed=5), observ)
         actions = np.array([2, 3, 0])
         for step in range(12):

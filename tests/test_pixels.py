@@ -130,14 +130,14 @@ def test_shared_torso_needs_a_torso_with_layers():
 
 # --- BatchPPO on pixels --------------------------------------------------------------------
 
-def pixel_ppo(seed: int = 0, agents: int = 4, **options) -> BatchPPO:
+def pixel_ppo(seed: int = 0, agents: int = 4, space: gym.Space = PIXELS, **options) -> BatchPPO:
     torch.manual_seed(seed)
     keys = dict(torso="nature_cnn", shared_torso=True, policy_layers=(), value_layers=(),
                 objective="clip", entropy_coef=0.01, value_clip=0.2, value_coef=0.5,
                 advantage_normalization="minibatch", rollout_length=6, update_epochs=2,
                 minibatch_size=8, inference="eager", init="orthogonal")
     keys.update(options)
-    return BatchPPO(PIXELS, gym.spaces.Discrete(3), agents, **keys)
+    return BatchPPO(space, gym.spaces.Discrete(3), agents, **keys)
 
 
 def drive(algo: BatchPPO, steps: int, seed: int = 0) -> list[dict]:
@@ -201,6 +201,32 @@ def test_the_same_seed_gives_the_same_pixel_run(precision):
     torch.manual_seed(1)
     assert drive(second, 12, seed=1) == summaries
     for p, q in zip(first.policy.parameters(), second.policy.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_frames_on_the_last_axis_learn_exactly_as_frames_on_the_first(precision):
+    """A frame stack ``(C, H, W)`` and the same frames as ``(H, W, C)`` (the Atari envs' layout,
+    which the torso reads without rearranging) give the same networks, actions and updates."""
+    hwc = gym.spaces.Box(0, 255, (*PIXELS.shape[1:], PIXELS.shape[0]), np.uint8)
+    first = pixel_ppo(6, precision=precision)
+    last = pixel_ppo(6, space=hwc, precision=precision)
+    generator = torch.Generator().manual_seed(3)
+    agents = torch.arange(first.num_agents)
+    summaries: dict[str, list] = {"first": [], "last": []}
+    for _ in range(12):
+        frames = torch.randint(0, 256, (first.num_agents, *PIXELS.shape), dtype=torch.uint8,
+                               generator=generator)
+        reward = torch.randn(first.num_agents, generator=generator)
+        done = torch.zeros(first.num_agents)
+        for name, algo, observ in (("first", first, frames),
+                                   ("last", last, frames.permute(0, 2, 3, 1).contiguous())):
+            torch.manual_seed(7)
+            action, _ = algo.perform(agents, observ)
+            summaries[name].append(algo.experience(agents, observ, action, reward, done,
+                                                   observ, done))
+    assert summaries["first"] == summaries["last"] and any(summaries["first"])
+    for p, q in zip(first.policy.parameters(), last.policy.parameters()):
         assert torch.equal(p, q)
 
 

@@ -3,9 +3,11 @@
 ale-py's own ``AtariVectorEnv`` (the same preprocessing in C++, a batch stepped in native threads)
 for ``env.backend = "vector"``.
 
-The observation is a stack of the last ``frame_stack`` 84x84 grayscale frames,
-``Box(0, 255, (4, 84, 84), uint8)``: bytes through every transport and into the rollout memory,
-scaled to ``[0, 1]`` by the network (``algorithm.torso = "nature_cnn"``). Training envs end an
+The observation is a stack of the last ``frame_stack`` 84x84 grayscale frames on the last axis,
+``Box(0, 255, (84, 84, 4), uint8)`` (the channels-last layout the convolutions read fastest,
+which the envs write once per step instead of the network rearranging every frame in every pass
+of an update): bytes through every transport and into the rollout memory, scaled to ``[0, 1]``
+by the network (``algorithm.torso = "nature_cnn"``). Training envs end an
 episode when a life is lost and clip rewards to ``[-1, 1]``; evaluation envs (``training=False``,
 the configs' ``env.eval_kwargs``) play whole games and report raw scores, as the papers' tables
 do. Gymnasium's ``AtariPreprocessing`` starts a new game at the reset after a lost life, where
@@ -19,7 +21,10 @@ import re
 from typing import Any
 
 import gymnasium as gym
-from gymnasium.wrappers import AtariPreprocessing, ClipReward, FrameStackObservation
+import numpy as np
+from gymnasium.wrappers import (AtariPreprocessing, ClipReward, FrameStackObservation,
+                                TransformObservation)
+from gymnasium.wrappers import vector as vector_wrappers
 
 try:
     import ale_py
@@ -30,6 +35,15 @@ except ImportError as exc:  # (named in the config error train.py prints)
 gym.register_envs(ale_py)
 
 __all__ = ["make", "make_vector"]
+
+
+def _channels_last(frames: np.ndarray) -> np.ndarray:
+    """``(..., C, H, W)`` frame stacks as ``(..., H, W, C)`` (a contiguous copy)."""
+    return np.ascontiguousarray(np.moveaxis(frames, -3, -1))
+
+
+def _stack_space(screen_size: int, frame_stack: int) -> gym.spaces.Box:
+    return gym.spaces.Box(0, 255, (screen_size, screen_size, frame_stack), np.uint8)
 
 
 def make(env_id: str = "ALE/Pong-v5", training: bool = True, sticky_actions: float = 0.25,
@@ -61,7 +75,8 @@ def make(env_id: str = "ALE/Pong-v5", training: bool = True, sticky_actions: flo
                              terminal_on_life_loss=training and terminal_on_life_loss)
     if training and clip_rewards:
         env = ClipReward(env, -1.0, 1.0)
-    return FrameStackObservation(env, frame_stack)
+    env = FrameStackObservation(env, frame_stack)
+    return TransformObservation(env, _channels_last, _stack_space(screen_size, frame_stack))
 
 
 def make_vector(num_envs: int, env_id: str = "ALE/Pong-v5", training: bool = True,
@@ -71,7 +86,7 @@ def make_vector(num_envs: int, env_id: str = "ALE/Pong-v5", training: bool = Tru
                 max_episode_steps: int | None = None,
                 num_threads: int = 0) -> gym.vector.VectorEnv:
     """``num_envs`` copies of the game ``env_id`` as ale-py's ``AtariVectorEnv``, with
-    ``make``'s arguments and observations (``(frame_stack, screen_size, screen_size)`` uint8),
+    ``make``'s arguments and observations (``(screen_size, screen_size, frame_stack)`` uint8),
     for ``env.vector_id = "batchrl.envs.atari:make_vector"``. Its preprocessing is ale-py's
     native one: the same steps as Gymnasium's wrappers, not the same pixels (another resize), so
     runs on it do not repeat runs on ``make``'s envs. A lost life ends a training episode and the
@@ -87,10 +102,13 @@ def make_vector(num_envs: int, env_id: str = "ALE/Pong-v5", training: bool = Tru
     game = env_id.removeprefix("ALE/").split("-v")[0]
     rom = re.sub(r"(?<!^)(?=[A-Z])", "_", game).lower()  # MsPacman -> ms_pacman
     frames = 108_000 if max_episode_steps is None else max_episode_steps * frame_skip
-    return AtariVectorEnv(
+    env = AtariVectorEnv(
         rom, num_envs, num_threads=num_threads,
         max_num_frames_per_episode=frames, repeat_action_probability=sticky_actions,
         full_action_space=full_action_space, img_height=screen_size, img_width=screen_size,
         stack_num=frame_stack, frameskip=frame_skip, noop_max=noop_max,
         episodic_life=training and terminal_on_life_loss,
         reward_clipping=training and clip_rewards, use_fire_reset=False)
+    single = _stack_space(screen_size, frame_stack)
+    return vector_wrappers.TransformObservation(
+        env, _channels_last, gym.vector.utils.batch_space(single, num_envs), single)
