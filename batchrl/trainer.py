@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from batchrl.algos.base import Algorithm
-from batchrl.collectors import CollectorError, CollectorSpec, LocalCollectors
+from batchrl.collectors import CollectorSpec, LocalCollectors
 from batchrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, serialize
 from batchrl.config import Config, ConfigError, save_config
 from batchrl.envs.errors import EnvError

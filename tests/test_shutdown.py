@@ -15,7 +15,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
@@ -26,7 +25,7 @@ from batchrl.algos.ppo import BatchPPO, PPOConfig
 from batchrl.checkpoint import list_checkpoints, load_checkpoint
 from batchrl.interrupt import Interrupted
 from batchrl.metrics import read_metrics
-from helpers import (REPO, TRAIN_PY, assert_same, descendants, finish, sets, start_train_py,
+from helpers import (REPO, assert_same, descendants, finish, sets, start_train_py,
                      wait_for, wait_gone)
 
 # CartPole with 4 agents and an update every 4 episodes: a phase takes ~0.1 s.
