@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,11 +235,14 @@ class Simulation:
                 total.zero_()
         return finished, score, summary
 
-    def evaluate(self, algo: Algorithm, episodes: int, seed: int = 0
+    def evaluate(self, algo: Algorithm, episodes: int, seed: int = 0,
+                 after_step: Callable[[], None] | None = None
                  ) -> tuple[list[float], list[int]]:
         """Returns and lengths of exactly ``episodes`` whole mean-action episodes (eval mode,
         resets seeded ``seed + i`` for env ``i``). Each agent counts its first episodes, an
         equal share, so short ones bias nothing; the lists hold all first episodes first.
+        ``after_step()``, if given, runs after every step (a trainer checks for stop signals and
+        reports env restarts there; what it raises ends the evaluation).
 
         An algorithm that samples in evaluation (``eval_actions="sample"``) draws from torch's
         global generators seeded with ``seed`` inside a fork of them: the same seed gives the
@@ -251,12 +254,12 @@ class Simulation:
         algo.eval()
         with evaluation_rng(seed, algo.device):
             try:
-                return self._evaluate(algo, quota, seed)
+                return self._evaluate(algo, quota, seed, after_step)
             finally:
                 algo.train(training)
 
-    def _evaluate(self, algo: Algorithm, quota: list[int], seed: int
-                  ) -> tuple[list[float], list[int]]:
+    def _evaluate(self, algo: Algorithm, quota: list[int], seed: int,
+                  after_step: Callable[[], None] | None) -> tuple[list[float], list[int]]:
         """``evaluate``'s loop: the first ``quota[i]`` episodes of agent ``i``."""
         num_agents = len(self.env)
         results: list[list[tuple[float, int]]] = [[] for _ in range(num_agents)]
@@ -264,6 +267,8 @@ class Simulation:
         while any(len(results[i]) < quota[i] for i in range(num_agents)):
             done, score, _ = self.step(algo, reset=reset, seed=seed if reset else None)
             reset = False
+            if after_step is not None:
+                after_step()
             if bool(done.any()):
                 lengths = self.episode_length
                 for i in done.nonzero().squeeze(1).tolist():

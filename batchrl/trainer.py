@@ -43,7 +43,7 @@ from batchrl.tensor_env import TensorBatchEnv
 from batchrl.interrupt import Interrupted, StopSignals
 from batchrl.metrics import RunLog
 from batchrl.parts.distributed import LearnerGroup
-from batchrl.simulation import Simulation, episode_quota, evaluation_rng
+from batchrl.simulation import Simulation
 
 
 def resolve_device(name: str, key: str = "train.device") -> torch.device:
@@ -244,107 +244,117 @@ class Trainer:
         self._batch_env: Any = None  # the run's BatchEnv, for its restart events
         self._lines = False  # progress as plain lines (not a terminal)
 
-    def _phase(self, simulation: Simulation, algo: Algorithm, phase: str, episodes: int | None,
-               bar: Any, batch_steps: int | None = None,
-               updates: int | None = None) -> dict[str, Any]:
-        """Run one phase until ``episodes`` episodes finished (in evaluation, each agent's
-        first ones, an equal share: ``episode_quota``), or for
-        ``batch_steps`` steps of the whole batch when given, or for ``updates`` updates of
-        ``algo`` (with preemption, whose learners' rollouts differ in length: the budget is
-        checked between updates, and steps are the algorithm's count of all learners'); a
-        training phase also ends at the run's budget (``train.steps``). Returns its record."""
-        config, counters = self.config, self.counters
-        training = phase == "train"
-        algo.train(training)
-        env = simulation.env
-        num_agents = len(env)
-        # Seeded resets make phases reproducible across resumes. Learner r's envs are agents
-        # r * N/M ... of the run's N, seeded as one learner's would be.
+    def _phase_seed(self, num_agents: int) -> int:
+        """The seed of the next phase's resets (and of its evaluation's samples): seeded resets
+        make phases reproducible across resumes. Learner r's envs are agents r * N/M ... of the
+        run's N, seeded as one learner's would be. Counts the phase."""
         size, rank = (1, 0) if self.learners is None else (self.learners.size,
                                                           self.learners.rank)
-        seed = (config.train.seed * 1_000_003 + counters.phases * num_agents * size
+        seed = (self.config.train.seed * 1_000_003 + self.counters.phases * num_agents * size
                 + rank * num_agents)
-        counters.phases += 1
+        self.counters.phases += 1
+        return seed
+
+    def _phase(self, simulation: Simulation, algo: Algorithm, episodes: int | None,
+               bar: Any, batch_steps: int | None = None,
+               updates: int | None = None) -> dict[str, Any]:
+        """Run one training phase until ``episodes`` episodes finished, or for ``batch_steps``
+        steps of the whole batch when given, or for ``updates`` updates of ``algo`` (with
+        preemption, whose learners' rollouts differ in length: the budget is checked between
+        updates, and steps are the algorithm's count of all learners'); it also ends at the
+        run's budget (``train.steps``). Returns its record."""
+        config, counters = self.config, self.counters
+        algo.train(True)
+        env = simulation.env
+        num_agents = len(env)
+        size = 1 if self.learners is None else self.learners.size
+        seed = self._phase_seed(num_agents)
         scores: list[float] = []
         lengths: list[float] = []
-        start, steps, calls, start_steps = time.perf_counter(), 0, 0, counters.steps
+        start, calls, start_steps = time.perf_counter(), 0, counters.steps
         last_update = first_update = algo.updates if updates is not None else 0
-
-        # An evaluation takes each agent's first episodes, an equal share of ``episodes``.
-        quota: np.ndarray | None = None
-        taken: np.ndarray | None = None
-        if not training and batch_steps is None and episodes is not None:
-            quota = np.array(episode_quota(episodes, num_agents))
-            taken = np.zeros(num_agents, np.int64)
 
         def more() -> bool:
             if updates is not None:
                 return algo.updates < first_update + updates
-            if taken is not None:
-                return bool((taken < quota).any())
             return len(scores) < episodes if batch_steps is None else calls < batch_steps
 
-        # Evaluations that sample actions draw from generators of their own.
-        rng = contextlib.nullcontext() if training else evaluation_rng(seed, algo.device)
-        with rng:
-            while more():
-                between = updates is None or calls == 0 or algo.updates != last_update
-                if training and between and counters.steps >= config.train.steps:
-                    break  # the budget is spent: the last phase stops at it
-                if updates is not None:
-                    last_update, counted = algo.updates, algo.env_steps
-                reset = calls == 0
-                done, score, summary = simulation.step(algo, reset=reset,
-                                                       seed=seed if reset else None,
-                                                       overlap=training and config.train.overlap)
-                calls += 1
-                self._stop.check()
-                # Envs restarted in this step did not step (they were reset); several learners
-                # count every env, so that their step counters (and budgets) stay in lockstep.
-                stepped = (num_agents if env.restarted is None or self.learners is not None
-                           else num_agents - len(env.restarted))
-                steps += stepped
-                if training:  # (without preemption the learners step alike)
-                    stepped = algo.env_steps - counted if updates is not None else stepped * size
-                    counters.steps += stepped
-                    if bar is not None:  # (the last batch step may end past the budget)
-                        bar.update(max(0, min(stepped, bar.total - bar.n)))
-                if env.batch_env.restarts != self._restarts_seen.get(id(env.batch_env), 0):
-                    self._report_restarts(bar, env.batch_env)
-                if bool(done.any()):
-                    ended = done.nonzero().squeeze(1)
-                    if taken is not None:  # (an agent's episodes past its share do not count)
-                        agents = ended.cpu().numpy()
-                        agents = agents[taken[agents] < quota[agents]]
-                        taken[agents] += 1
-                        ended = torch.as_tensor(agents, device=ended.device)
-                    scores += score[ended].tolist()
-                    lengths += simulation.episode_length[ended].tolist()
-                if summary and training:
-                    self.log.scalars(summary, counters.steps)
+        while more():
+            if ((updates is None or calls == 0 or algo.updates != last_update)
+                    and counters.steps >= config.train.steps):
+                break  # the budget is spent: the last phase stops at it
+            if updates is not None:
+                last_update, counted = algo.updates, algo.env_steps
+            reset = calls == 0
+            done, score, summary = simulation.step(algo, reset=reset,
+                                                   seed=seed if reset else None,
+                                                   overlap=config.train.overlap)
+            calls += 1
+            self._stop.check()
+            # Envs restarted in this step did not step (they were reset); several learners
+            # count every env, so that their step counters (and budgets) stay in lockstep.
+            # Without preemption the learners step alike.
+            if updates is not None:
+                stepped = algo.env_steps - counted
+            elif env.restarted is None or self.learners is not None:
+                stepped = num_agents * size
+            else:
+                stepped = num_agents - len(env.restarted)
+            counters.steps += stepped
+            if bar is not None:  # (the last batch step may end past the budget)
+                bar.update(max(0, min(stepped, bar.total - bar.n)))
+            self._check_restarts(bar, env)
+            if bool(done.any()):
+                ended = done.nonzero().squeeze(1)
+                scores += score[ended].tolist()
+                lengths += simulation.episode_length[ended].tolist()
+            if summary:
+                self.log.scalars(summary, counters.steps)
         summary = simulation.flush()  # a checkpoint must hold every step's experience
-        if summary and training:
+        if summary:
             self.log.scalars(summary, counters.steps)
         elapsed = time.perf_counter() - start
         counters.wall_time += elapsed
-        if self.learners is not None and training:  # the phase's episodes of all learners
+        if self.learners is not None:  # the phase's episodes of all learners
             everyone = self.learners.gather_to_writer((scores, lengths))
             if everyone is not None:
                 scores = [score for each, _ in everyone for score in each]
                 lengths = [length for _, each in everyone for length in each]
-            steps = counters.steps - start_steps
-        if training:
-            counters.train_phases += 1
-        else:
-            counters.eval_steps += steps
-        if batch_steps is None:
+        counters.train_phases += 1
+        if batch_steps is None and updates is None:  # (one step may end several episodes)
             scores, lengths = scores[:episodes], lengths[:episodes]
-        return {"step": counters.steps, "phase": phase,
+        return self._record("train", scores, lengths, counters.steps - start_steps, elapsed)
+
+    def _evaluation(self, simulation: Simulation, algo: Algorithm, episodes: int, bar: Any
+                    ) -> dict[str, Any]:
+        """Run one evaluation phase: ``episodes`` whole episodes, each agent's first ones
+        (``Simulation.evaluate``), with ``train.eval_actions``. Returns its record."""
+        env = simulation.env
+        seed = self._phase_seed(len(env))
+        start, steps = time.perf_counter(), 0
+
+        def after_step() -> None:
+            nonlocal steps
+            self._stop.check()
+            # (envs restarted in this step did not step: they were reset)
+            steps += len(env) - (0 if env.restarted is None else len(env.restarted))
+            self._check_restarts(bar, env)
+
+        scores, lengths = simulation.evaluate(algo, episodes, seed, after_step)
+        elapsed = time.perf_counter() - start
+        self.counters.wall_time += elapsed
+        self.counters.eval_steps += steps
+        return self._record("eval", scores, lengths, steps, elapsed)
+
+    def _record(self, phase: str, scores: list[float], lengths: list[float], steps: int,
+                elapsed: float) -> dict[str, Any]:
+        """A phase's record: its episodes' mean score and length, its speed, the run's time."""
+        return {"step": self.counters.steps, "phase": phase,
                 "score": float(np.mean(scores)) if scores else None,
                 "score_std": float(np.std(scores)) if scores else None,
                 "length": float(np.mean(lengths)) if lengths else None,
                 "episodes": len(scores),
-                "wall_time": round(counters.wall_time, 3),
+                "wall_time": round(self.counters.wall_time, 3),
                 "steps_per_s": round(steps / elapsed, 1)}
 
     def _collect_phase(self, pool: Any, algo: Algorithm, updates: int,
@@ -445,10 +455,13 @@ class Trainer:
         return LocalCollectors(spec, env.observation_space, env.action_space,
                                algo.behaviour_fields(), algo.acting_state(), **options)
 
-    def _report_restarts(self, bar: Any, batch_env: Any) -> None:
-        """Print the new restarts of ``batch_env`` (the training or the evaluation envs), log
-        the run's count (``env/restarts``) and leave both envs what is left of the run's
+    def _check_restarts(self, bar: Any, env: TensorBatchEnv) -> None:
+        """Print the new restarts of ``env``'s batch env (the training or the evaluation envs),
+        log the run's count (``env/restarts``) and leave both envs what is left of the run's
         ``env.max_restarts``."""
+        batch_env = env.batch_env
+        if batch_env.restarts == self._restarts_seen.get(id(batch_env), 0):
+            return
         for event in batch_env.restart_events[self._restarts_seen.get(id(batch_env), 0):]:
             self.counters.env_restarts += 1
             message = (f"step {self.counters.steps:,}: {event} [{self.counters.env_restarts} "
@@ -590,15 +603,15 @@ class Trainer:
                 if pool is not None:
                     record = self._collect_phase(pool, algo, updates, bar)
                 else:
-                    record = self._phase(simulation, algo, "train", episodes, bar, phase_steps,
+                    record = self._phase(simulation, algo, episodes, bar, phase_steps,
                                          phase_updates)
                 self._report(record, bar)
                 due = self.counters.train_phases % eval_every == 0
                 final = self.counters.steps >= config.train.steps
                 if config.train.eval_episodes and (due or final):
                     if self.writer:
-                        last_eval = self._phase(eval_simulation, algo, "eval",
-                                                config.train.eval_episodes, None)
+                        last_eval = self._evaluation(eval_simulation, algo,
+                                                     config.train.eval_episodes, bar)
                         self._report(last_eval, bar)
                         self.log.plot()
                     else:  # (the writer evaluates; the phase count seeds the next resets)
