@@ -382,6 +382,27 @@ def test_evaluate_episodes_counts_equal_shares_in_episode_order():
         evaluate_episodes(env, algo, 0)
 
 
+def test_evaluate_calls_after_step_every_step_and_stops_at_what_it_raises():
+    steps: list[int] = []
+    Simulation(make_env()).evaluate(Recorder(), 6, after_step=lambda: steps.append(1))
+    assert len(steps) == 4  # agent 1's two episodes of 2 steps end last
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_the_second_step() -> None:
+        steps.append(2)
+        if steps.count(2) == 2:
+            raise Stop
+
+    algo = Recorder()
+    before = torch.random.get_rng_state()
+    with pytest.raises(Stop):
+        Simulation(make_env()).evaluate(algo, 6, seed=3, after_step=stop_at_the_second_step)
+    assert steps.count(2) == 2
+    assert algo.training and torch.equal(torch.random.get_rng_state(), before)
+
+
 class LaggingRecorder(Recorder):
     experience_may_lag = True
 
