@@ -103,6 +103,11 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
     ran it (``batchrl-train``, ``python train.py``): the resume commands
     printed after a stop or a failure start with it."""
     argv = sys.argv[1:] if argv is None else argv
+    # "package.module:Name" env ids and algorithm classes may name a module in the current
+    # directory, as with `python -m` (a script only gets its own directory); --help imports
+    # the class too.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(1, os.getcwd())
     # --help lists the [algorithm] keys of the class that --config names, when given.
     named = argparse.ArgumentParser(add_help=False)
     named.add_argument("--config")
@@ -126,10 +131,6 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
                              "allowed when resuming, to train a run further")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    # "package.module:function" env ids may name a module in the current
-    # directory, as with `python -m` (a script only gets its own directory).
-    if os.getcwd() not in sys.path:
-        sys.path.insert(1, os.getcwd())
 
     from batchrl.config import ConfigError
     from batchrl.envs.errors import (EnvError, EnvRaisedError, EnvSpecError,

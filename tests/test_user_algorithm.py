@@ -174,6 +174,15 @@ def test_an_algorithm_naming_no_update_length_trains_in_default_phases(project):
     assert int(final_state(project / "defaults")["episodes"]) > 1000  # it learned from them
 
 
+def test_help_lists_the_keys_of_a_user_algorithm_in_the_working_directory(project):
+    shown = subprocess.run([sys.executable, str(TRAIN_PY), "--help", "--config", "hill.toml"],
+                           cwd=project, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "[algorithm] keys of Hill (algorithm.class = \"user_algos:Hill\"):" in shown.stdout
+    assert "  algorithm.step_size = 0.1" in shown.stdout
+    assert "cannot import" not in shown.stdout
+
+
 def test_the_reinforce_config_trains_the_example_algorithm(tmp_path):
     done = train_py(REPO, "--config", "cartpole_reinforce", "--logdir", str(tmp_path / "run"),
                     "--steps", "16000")
