@@ -13,6 +13,7 @@
     python benchmarks/learners.py                        # halfcheetah, ~3 minutes; idle machine
     python benchmarks/learners.py --config ant --steps 100000
     python benchmarks/learners.py --steps 100000 --straggler   # preemption against a slow core
+    python benchmarks/learners.py --set env.backend=workers    # the env layout of the runs
 
 ``docs/learners.md`` turns these figures into a model of when more learners pay.
 """
@@ -120,14 +121,16 @@ def update_seconds(config_name: str, updates: int) -> tuple[float, int]:
     return (time.perf_counter() - start) / updates, steps
 
 
-def training(config_name: str, learners: int, steps: int, preemption: float = 0.0) -> float:
-    """steps/s of the training phases of a ``train.py`` run."""
+def training(config_name: str, learners: int, steps: int, preemption: float = 0.0,
+             overrides: tuple[str, ...] = ()) -> float:
+    """steps/s of the training phases of a ``train.py`` run (``overrides``: ``--set`` pairs)."""
     with tempfile.TemporaryDirectory() as logdir:
         command = [sys.executable, str(ROOT / "train.py"), "--config", config_name,
                    "--logdir", logdir, "--no-progress", "--set", "train.eval_episodes=0",
                    "--set", f"train.steps={steps}", "--set", f"train.learners={learners}",
                    "--set", "train.device=cpu",
-                   "--set", f"train.preemption_threshold={preemption}"]
+                   "--set", f"train.preemption_threshold={preemption}",
+                   *[arg for pair in overrides for arg in ("--set", pair)]]
         subprocess.run(command, check=True, cwd=ROOT, capture_output=True, text=True)
         records = [json.loads(line) for line in
                    (Path(logdir) / "metrics.jsonl").read_text().splitlines()]
@@ -156,6 +159,9 @@ def main() -> None:
                         help="train.preemption_threshold of the third run (0: no third run)")
     parser.add_argument("--straggler", action="store_true",
                         help="also run them with a busy loop on the last core")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE",
+                        help="a config override for the training runs, e.g. env.backend=workers")
     args = parser.parse_args()
 
     reduce = allreduce(args.config, args.calls)
@@ -176,7 +182,8 @@ def main() -> None:
     print("\n| learners | steps/s | ratio |\n|---|---:|---:|")
     for suffix, setting in settings:
         with setting():
-            rates = {name: training(args.config, learners, args.steps, preemption)
+            rates = {name: training(args.config, learners, args.steps, preemption,
+                                    tuple(args.overrides))
                      for name, learners, preemption in runs}
         for name, rate in rates.items():
             print(f"| {name}{suffix} | {rate:,.0f} | {rate / rates['1']:.2f} |", flush=True)
