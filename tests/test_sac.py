@@ -79,6 +79,42 @@ def test_a_loaded_state_continues_exactly():
     env.close()
 
 
+def test_a_loaded_state_summarizes_as_the_run_would_have(monkeypatch):
+    monkeypatch.setattr(SAC, "summary_every", 8)
+    algo, env = filled_sac(24)  # 48 env steps: a summary at 42, 6 gradient steps since
+    env.close()
+    twin = SAC(env.observation_space, env.action_space, 2, **SMALL)
+    twin.load_state_dict(copy.deepcopy(algo.state_dict()))
+    agents, observ = torch.arange(2), torch.zeros(2, 3)
+
+    def step(each: SAC) -> dict:
+        action, _ = each.perform(agents, observ)
+        return each.experience(agents, observ, action, torch.ones(2), torch.zeros(2), observ,
+                               torch.zeros(2))
+
+    rng = torch.get_rng_state()
+    summaries = []
+    for each in (algo, twin):
+        torch.set_rng_state(rng)
+        summaries.append([step(each) for _ in range(6)])
+    assert [bool(summary) for summary in summaries[0]] == [True, False, False, False, True,
+                                                           False]  # at 50 and 58 env steps
+    assert summaries[1] == summaries[0]
+
+
+def test_resumed_without_its_buffer_it_learns_once_the_buffer_is_refilled():
+    algo, env = filled_sac(25, save_buffer=False)  # 50 env steps, 10 gradient steps
+    resumed = SAC(env.observation_space, env.action_space, 2, **SMALL, save_buffer=False)
+    resumed.load_state_dict(algo.state_dict())
+    assert (len(resumed.buffer), resumed.env_steps, resumed.updates) == (0, 50, 10)
+    for _ in range(19):  # 38 transitions, fewer than learning_starts: no gradient step
+        simulate(env, resumed)
+    assert (len(resumed.buffer), resumed.updates) == (38, 10)
+    simulate(env, resumed)  # 40: learning goes on, one gradient step per env step
+    assert resumed.updates == 12
+    env.close()
+
+
 def test_bfloat16_layers_keep_float32_parameters_and_outputs():
     algo, env = filled_sac(25)
     algo.critics.compute_dtype = torch.bfloat16

@@ -19,7 +19,9 @@ class ReplayAlgorithm(Algorithm):
     ``stored_action`` makes it); from ``learning_starts`` env steps (all agents') on, the
     algorithm owes ``updates_per_step`` gradient steps per env step (fractions accumulate) and
     takes them after the batch step. A reset cuts the agents' n-step returns. ``replay_state``
-    and ``load_replay_state`` cover the counters and (with ``save_buffer``) the buffer. The
+    and ``load_replay_state`` cover the counters, the summary's running sums and (with
+    ``save_buffer``) the buffer; resumed without its buffer, the algorithm acts on but takes no
+    gradient step until the buffer holds ``learning_starts`` transitions again. The
     gradient steps' scalars are averaged and returned once per ``summary_every`` env steps
     (not every batch step: at one gradient step per env step that would be a log record per
     step).
@@ -54,6 +56,7 @@ class ReplayAlgorithm(Algorithm):
         self._totals: dict[str, float | torch.Tensor] = {}
         self._counted = 0
         self._summarized = 0  # env_steps at the last summary
+        self._refill = 0  # transitions the buffer must hold before learning (after a resume)
 
     def gradient_step(self) -> dict[str, float | torch.Tensor]:
         """One gradient step from ``buffer``; its scalars, averaged into a summary every
@@ -87,6 +90,10 @@ class ReplayAlgorithm(Algorithm):
                         next_observ=next_observ.reshape(count, -1),
                         action=self.stored_action(action))
         self.env_steps += count
+        if self._refill:  # resumed without the buffer: no gradient step on a near-empty one
+            if len(self.buffer) < self._refill:
+                return {}
+            self._refill = 0
         # Gradient steps are owed for the env steps past learning_starts.
         learned = self.env_steps - max(self.env_steps - count, self.learning_starts)
         if learned <= 0:
@@ -108,12 +115,23 @@ class ReplayAlgorithm(Algorithm):
         return summary
 
     def replay_state(self) -> dict[str, Any]:
-        """The counters and (with ``save_buffer``) the buffer, for ``state_dict``."""
+        """The counters, the summary's running sums and (with ``save_buffer``) the buffer, for
+        ``state_dict``."""
         return {"env_steps": self.env_steps, "updates": self.updates, "owed": self._owed,
+                "summary": {"totals": dict(self._totals), "counted": self._counted,
+                            "summarized": self._summarized},
                 "buffer": self.buffer.state_dict() if self.save_buffer else None}
 
     def load_replay_state(self, state: dict[str, Any]) -> None:
         self.env_steps, self.updates = int(state["env_steps"]), int(state["updates"])
         self._owed = float(state["owed"])
+        summary = state.get("summary")  # (checkpoints before it: a summary from here on)
+        self._totals = {} if summary is None else dict(summary["totals"])
+        self._counted = 0 if summary is None else int(summary["counted"])
+        self._summarized = self.env_steps if summary is None else int(summary["summarized"])
         if state["buffer"] is not None:
             self.buffer.load_state_dict(state["buffer"])
+            self._refill = 0
+        else:  # the buffer starts empty: learning waits until it is refilled
+            self.buffer.clear()
+            self._refill = self.learning_starts

@@ -110,8 +110,9 @@ class SAC(ReplayAlgorithm):
       init_alpha: the initial temperature.
       target_entropy: the entropy the temperature aims at (``None``: minus the action size).
       save_buffer: keep the replay buffer in ``state_dict()`` (checkpoints), so that a resumed
-        run continues exactly; ``False`` makes checkpoints small and a resumed run refills the
-        buffer (not exact).
+        run continues exactly; ``False`` makes checkpoints small, and a resumed run acts with
+        its policy but takes no gradient step until the buffer holds ``learning_starts``
+        transitions again (not exact).
       eval_actions: ``"mean"`` or ``"sample"`` (``train.eval_actions``).
       precision: ``"float32"``, or ``"bfloat16"``: the networks' layers compute in bfloat16
         (``EnsembleMLP.compute_dtype``), in acting and in updates; parameters, optimiser

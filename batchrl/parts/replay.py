@@ -97,6 +97,10 @@ class ReplayBuffer:
         self.position = (row + 1) % self.rows
         self.filled = min(self.filled + 1, self.rows)
 
+    def clear(self) -> None:
+        """Forget every stored transition (the memory stays allocated)."""
+        self.position = self.filled = 0
+
     def cut(self, agents: torch.Tensor) -> None:
         """The episodes of ``agents`` ``(K,)`` were cut after their newest stored step (their
         envs were reset): n-step returns stop there, bootstrapping from its next observation."""
