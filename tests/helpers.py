@@ -167,6 +167,20 @@ def descendants(pid: int) -> list[int]:
         return []
 
 
+def in_session(session: int) -> list[int]:
+    """The pids of the processes of session ``session`` (``start_new_session=True`` makes a
+    child's pid its session's id): its descendants even after it was reaped, when their
+    parent is init."""
+    members = []
+    for process in psutil.process_iter():
+        try:
+            if os.getsid(process.pid) == session:
+                members.append(process.pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return members
+
+
 def running(pids: list[int]) -> list[int]:
     """The pids of ``pids`` that still run (zombies count as gone)."""
     alive = []

@@ -28,8 +28,8 @@ from batchrl.learners import run
 from batchrl.parts.distributed import LearnerGroup
 from batchrl.parts.normalize import StreamingNormalizer
 from batchrl.simulation import simulate
-from helpers import (REPO, assert_same, descendants, finish, seeded_tensor_env, sets,
-                     start_train_py, wait_for, wait_gone)
+from helpers import (REPO, assert_same, descendants, finish, in_session, seeded_tensor_env,
+                     sets, start_train_py, wait_for, wait_gone)
 
 # HalfCheetah with 4 agents in 50-step rollouts: a training phase of 2,000 steps in a second
 # or two; minibatches of 100 steps over both learners.
@@ -344,4 +344,4 @@ def test_an_algorithm_that_cannot_be_one_of_several_learners_is_named(tmp_path):
     assert code == 2, (stdout, stderr)
     assert ("error: train.learners = 2: several learners need fixed-length rollouts"
             in stderr), stderr
-    assert wait_gone(descendants(process.pid), 10) == []
+    assert wait_gone(in_session(process.pid), 10) == []  # no learner left behind
