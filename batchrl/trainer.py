@@ -431,7 +431,8 @@ class Trainer:
                              make_algorithm=functools.partial(_collector_algorithm, config),
                              num_agents=config.env.num_agents,
                              collectors=config.train.collectors,
-                             rollout_length=algo.rollout_length, seed=config.train.seed)
+                             rollout_length=algo.rollout_length, seed=config.train.seed,
+                             session=self.counters.phases)
 
         def report(line: str) -> None:
             line = f"step {self.counters.steps:,}: {line}"

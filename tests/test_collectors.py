@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from batchrl.algos.ppo import BatchPPO
-from batchrl.collectors import CollectorError, CollectorSpec, LocalCollectors
+from batchrl.collectors import CollectorError, CollectorSpec, LocalCollectors, collector_seed
 from batchrl.checkpoint import list_checkpoints, load_checkpoint
 from batchrl.config import ConfigError, available_configs, build_config, load_config
 from batchrl.envs import BatchEnv
@@ -383,3 +383,20 @@ def test_every_shipped_config_can_run_with_collectors(name):
     check_collectors(config, algo)
     updates, eval_every = collector_plan(config, algo, config.env.num_agents)
     assert updates >= 1 and eval_every >= 1 and algo.rollout_length >= 1
+
+
+@pytest.mark.parametrize("num_agents", [8, 16_384])
+def test_collectors_restarts_and_sessions_never_share_an_env_seed(num_agents):
+    spec = CollectorSpec(make_env=None, make_algorithm=None, num_agents=num_agents,
+                         collectors=2, rollout_length=8, seed=3)
+    seeds = []  # (each env j of a collector resets first with its seed + j)
+    for session in (0, 7):  # a fresh run, and one resumed after 7 phases
+        spec.session = session
+        for incarnation in range(3):
+            for index in range(2):
+                start = collector_seed(spec, index, incarnation)
+                seeds += range(start, start + len(spec.agents(index)))
+    assert len(set(seeds)) == len(seeds)
+    spec.session = 0
+    # A fresh run's second collector: 7919 on (as before), or as many as the first has envs.
+    assert collector_seed(spec, 1, 0) == 3 * 1_000_003 + max(7919, num_agents // 2)

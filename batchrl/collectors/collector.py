@@ -70,7 +70,10 @@ class CollectorSpec:
         (``agents``).
       collectors: how many.
       rollout_length: ``T``, steps per agent of a rollout.
-      seed: the run's seed; collector ``i`` seeds its env and torch from it and ``i``.
+      seed: the run's seed; collector ``i`` seeds its env and torch from it, ``session``,
+        ``i`` and its restarts (``collector_seed``).
+      session: where the run stands when the collectors start (the trainer's phase count), so
+        that a resumed run's collectors do not replay the first session's seeds.
     """
 
     make_env: Callable[[int, int, int], BatchEnv]
@@ -79,6 +82,7 @@ class CollectorSpec:
     collectors: int
     rollout_length: int
     seed: int = 0
+    session: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.collectors <= self.num_agents:
@@ -91,6 +95,16 @@ class CollectorSpec:
         sizes = split_evenly(self.num_agents, self.collectors)
         start = sum(sizes[:index])
         return torch.arange(start, start + sizes[index])
+
+
+def collector_seed(spec: CollectorSpec, index: int, incarnation: int) -> int:
+    """The seed of collector ``index``'s ``incarnation``-th start: its torch generator's, and
+    its env ``j``'s first reset's plus ``j``. Every collector and restart of a session gets
+    seeds of its own, at least as far apart as a collector has envs, and every session (the
+    phases done before it) another range of them."""
+    stride = max(7919, -(-spec.num_agents // spec.collectors))
+    return (spec.seed * 1_000_003 + spec.session * 1_000_000_007
+            + (incarnation * spec.collectors + index) * stride)
 
 
 class Link(abc.ABC):
@@ -150,7 +164,7 @@ class Recorder(Algorithm):
 def collect(spec: CollectorSpec, index: int, link: Link, incarnation: int = 0) -> None:
     """Collector ``index``'s life: build its env and acting algorithm, then send rollouts
     until ``link.begin()`` says stop. ``incarnation`` counts its restarts (new seeds)."""
-    seed = spec.seed * 1_000_003 + index * 7919 + incarnation * 104_729
+    seed = collector_seed(spec, index, incarnation)
     torch.manual_seed(seed)
     torch.set_num_threads(1)
     agents = spec.agents(index)

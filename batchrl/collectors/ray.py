@@ -258,6 +258,9 @@ class RayCollectors:
                 why = f"{type(cause).__name__}: {cause}".splitlines()[0]
             except ray.exceptions.RayError as exc:
                 why = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            if not self.replacements.delivered[index]:  # (the hub knows rounds not yet taken)
+                self.replacements.delivered[index] = ray.get(
+                    self.hub.next_round.remote(index)) > 0
             self.replacements.failed(index, why)
             ray.kill(self._actors[index], no_restart=True)
             self._start(index)
