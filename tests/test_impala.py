@@ -147,6 +147,22 @@ def test_box_and_discrete_actions_act_and_learn_on_policy(name):
     env.close()
 
 
+def test_a_reset_between_rollouts_ends_the_running_return_of_the_reward_scale():
+    env = seeded_tensor_env("CartPole-v1", 4, seed=1)
+    torch.manual_seed(1)
+    algo = IMPALA(env.observation_space, env.action_space, len(env), rollout_length=8)
+    train(env, algo, 8)  # one rollout: CartPole's episodes run on past it
+    carried = algo.state_dict()["running_return"].clone()
+    assert (carried > 5).all()
+    train(env, algo, 1, reset=False)  # one step into the next rollout
+    algo.begin_episodes(torch.tensor([0]))  # a cut inside it: marked on its last step
+    assert torch.equal(algo.state_dict()["running_return"], carried)
+    train(env, algo, 7, reset=False)
+    algo.begin_episodes(torch.tensor([0, 1, 2, 3]))  # a reset between rollouts
+    assert not algo.state_dict()["running_return"].any()
+    env.close()
+
+
 # -- acting state -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["CartPole-v1", "Pendulum-v1"])

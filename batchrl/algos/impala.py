@@ -202,6 +202,14 @@ class IMPALA(RolloutAlgorithm):
             module.load_state_dict({name[len(prefix):]: tensor for name, tensor in state.items()
                                     if name.startswith(prefix)})
 
+    def begin_episodes(self, agent_indices: torch.Tensor) -> Summary:
+        # A reset between rollouts leaves no step to mark the cut on: the running return of
+        # the agents' old episodes must not carry into their new ones. (Inside a rollout the
+        # cut marks the last step, where _scale_reward restarts the return.)
+        if self.training and not self.buffer.step:
+            self.running_return[agent_indices] = 0.0
+        return super().begin_episodes(agent_indices)
+
     # -- learning -------------------------------------------------------------------------
 
     def _scale_reward(self, rollout: Rollout) -> torch.Tensor:
