@@ -217,6 +217,7 @@ def test_train_py_read_only_logdir(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_evaluate_cli_bad_logdirs(tmp_path):
     """``python -m batchrl.evaluate`` on a log directory without checkpoints,
     on one whose checkpoint is damaged, and naming a checkpoint that is not there."""

@@ -140,6 +140,7 @@ def test_weights_reach_the_collectors_with_their_version():
                           rollout.behaviour["mean_or_logits"].reshape(-1, 2), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_collector_killed_while_it_waits_for_a_slot_is_replaced():
     """SIGKILL where a collector spends its time when the learner is behind: waiting on its
     queue of free slots (whose lock it then takes to its grave)."""
@@ -192,6 +193,7 @@ def config(**train):
     return values
 
 
+@pytest.mark.slow
 def test_training_with_collectors_logs_the_lag_and_resumes(tmp_path):
     values = config()
     record = Trainer(build_config(values), tmp_path, progress=False).run()
@@ -214,6 +216,7 @@ def test_training_with_collectors_logs_the_lag_and_resumes(tmp_path):
 @pytest.mark.parametrize("fault, why", [("exit", "exited with code 3"),
                                         ("raise", "EnvRaisedError: env 0 (Pendulum-v1) failed "
                                                   "in step(): RuntimeError: injected fault")])
+@pytest.mark.slow
 def test_a_collector_that_fails_is_replaced(tmp_path, capsys, fault, why):
     once = tmp_path / "fired"
     values = config(steps=4800)
@@ -279,6 +282,7 @@ def test_a_learner_error_stops_the_collectors_and_keeps_the_checkpoint(tmp_path,
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.slow
 def test_a_signal_checkpoints_and_stops_every_collector(tmp_path, signum):
     logdir = tmp_path / "run"
     process = start_train_py(

@@ -277,6 +277,7 @@ def pushed_cheetah_run(tmp_path_factory) -> Path:
     return logdir
 
 
+@pytest.mark.slow
 def test_the_video_keeps_a_running_agent_in_view(pushed_cheetah_run, tmp_path):
     import imageio.v2 as imageio
 
@@ -309,6 +310,7 @@ def test_video_camera_errors_exit_2(pushed_cheetah_run, tmp_path, capsys):
     assert not video.exists()
 
 
+@pytest.mark.slow
 def test_a_model_without_a_tracking_camera_gets_a_following_one(monkeypatch):
     from batchrl.video import follow_agent
     from helpers import make_pushed_cheetah

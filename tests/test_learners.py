@@ -166,6 +166,7 @@ def _run_two(target) -> dict[int, dict]:
                 process.kill()
 
 
+@pytest.mark.slow
 def test_preemption_cuts_the_slow_learners_rollouts_and_keeps_the_weights_identical():
     found = _run_two(_preempted_learner)
     fast, slow = found[0], found[1]

@@ -205,6 +205,7 @@ def test_the_same_seed_gives_the_same_pixel_run(precision):
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+@pytest.mark.slow
 def test_frames_on_the_last_axis_learn_exactly_as_frames_on_the_first(precision):
     """A frame stack ``(C, H, W)`` and the same frames as ``(H, W, C)`` (the Atari envs' layout,
     which the torso reads without rearranging) give the same networks, actions and updates."""

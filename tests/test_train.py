@@ -174,6 +174,7 @@ def test_train_py_writes_the_log_directory(cartpole_run):
     assert f"{records[-1]['score']:.1f}" in process.stdout
 
 
+@pytest.mark.slow
 def test_train_py_resumes_and_extends_the_budget(cartpole_run, tmp_path):
     logdir = tmp_path / "run"
     shutil.copytree(cartpole_run[0], logdir)

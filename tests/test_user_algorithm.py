@@ -119,6 +119,7 @@ def final_state(logdir: Path) -> dict:
     return load_checkpoint(list_checkpoints(logdir)[-1], "cpu")["algorithm"]
 
 
+@pytest.mark.slow
 def test_a_user_algorithm_trains_resumes_exactly_and_evaluates(project):
     done = train_py(project, "--config", "hill.toml", "--logdir", "straight")
     assert done.returncode == 0, done.stderr
@@ -154,6 +155,7 @@ def test_a_user_algorithm_trains_resumes_exactly_and_evaluates(project):
     assert "over 2 episodes" in evaluated.stdout
 
 
+@pytest.mark.slow
 def test_an_algorithm_naming_no_update_length_trains_in_default_phases(project):
     # No [train] phase settings: the default phases are env steps, so the algorithm trains
     # at full speed and the evaluations are a small share of the env steps.
