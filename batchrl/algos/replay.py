@@ -90,10 +90,9 @@ class ReplayAlgorithm(Algorithm):
                         next_observ=next_observ.reshape(count, -1),
                         action=self.stored_action(action))
         self.env_steps += count
-        if self._refill:  # resumed without the buffer: no gradient step on a near-empty one
-            if len(self.buffer) < self._refill:
-                return {}
-            self._refill = 0
+        if len(self.buffer) < self._refill:  # resumed without the buffer: not from a few
+            return {}
+        self._refill = 0
         # Gradient steps are owed for the env steps past learning_starts.
         learned = self.env_steps - max(self.env_steps - count, self.learning_starts)
         if learned <= 0:
