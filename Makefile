@@ -15,7 +15,7 @@ TEST_WORKERS ?= auto
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv train test test-fast bench clean
+.PHONY: venv train test test-all test-fast bench clean
 
 venv: $(STAMP)
 
@@ -29,12 +29,18 @@ $(STAMP): setup.cfg pyproject.toml Makefile
 train: $(STAMP)
 	$(BIN)/python train.py --config $(CONFIG) $(TRAIN_ARGS)
 
+# Every test but those marked slow (learning runs, long end-to-end checks).
 test: $(STAMP)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
+
+# Every test, the slow ones too: what CI runs (.ci/run).
+test-all: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
-# Everything but the tests marked slow (learning runs, long end-to-end checks).
+# The quick loop: also leaves out the tests that run commands or a Ray cluster (e2e).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not e2e" \
+		$(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/envstep.py

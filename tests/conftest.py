@@ -3,11 +3,13 @@
 Every test is checked for leaked env worker processes: after it ends, no child
 of this process's multiprocessing fork server may still be running.
 ``host_path`` runs a test on both paths of the per-step bookkeeping; the tests that use
-the Ray ``cluster`` run in one test process under pytest-xdist.
+the Ray ``cluster`` run one after the other in one test process, which starts the cluster
+once for them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import psutil
@@ -119,21 +121,93 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
+# Module-scoped fixtures that build a run or a wheel once for their module's tests. Under
+# pytest-xdist (``make test``) every test process that gets one of those tests builds it
+# again, so the tests that use one go to one test process together.
+# Modules whose tests run commands end to end (train.py, batchrl.evaluate, torchrun, an
+# installed wheel): marked ``e2e`` with every test of the Ray cluster, which the quick loop
+# (``make test-fast``) leaves out.
+E2E_MODULES = ("test_bad_input", "test_hardware", "test_install", "test_learners",
+               "test_opengl_errors", "test_reliability", "test_shutdown", "test_train",
+               "test_user_algorithm")
+SHARED_FIXTURES = ("cartpole_run", "pushed_cheetah_run", "parents", "wheel", "two_learners",
+                   "cheetah_run", "finished_run", "straight_run", "results")
+
+
+class _SharedCluster:
+    """The Ray cluster of the ``ray`` group's tests: started by the first of them and stopped
+    after the last (``pytest_runtest_teardown``), so that the four modules that use a cluster
+    start one between them and the other tests of their test process run without it."""
+
+    def __init__(self) -> None:
+        self.stack: contextlib.ExitStack | None = None
+        self.nodes = None
+
+    def get(self):
+        if self.stack is None:
+            from ray_nodes import running_cluster
+            self.stack = contextlib.ExitStack()
+            self.nodes = self.stack.enter_context(running_cluster())
+        return self.nodes
+
+    def stop(self) -> None:
+        if self.stack is not None:
+            stack, self.stack, self.nodes = self.stack, None, None
+            stack.close()
+
+
+_CLUSTER = _SharedCluster()
+
+
+@pytest.fixture
 def cluster():
     """A real Ray cluster on 127.0.0.1 (``ray_nodes.running_cluster``): a
     head node (2 CPUs, resource ``head_node``) and a second node (1 CPU,
     ``second_node``), with this process connected as driver. Skips the test
     when Ray is not installed."""
     pytest.importorskip("ray")
-    from ray_nodes import running_cluster
-    with running_cluster() as nodes:
-        yield nodes
+    return _CLUSTER.get()
+
+
+def _uses_cluster(item: pytest.Item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    return ("cluster" in getattr(item, "fixturenames", ())
+            or (callspec is not None and callspec.params.get("transport") == "ray"))
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """With ``pytest -n N --dist loadgroup`` (``make test``), run every test that uses
+    the Ray cluster in one test process (one cluster at a time on the machine, started
+    once), and the tests of a shared module fixture in one process. Marked as each test is
+    collected: pytest-xdist reads the groups in its own ``pytest_collection_modifyitems``."""
+    names = getattr(item, "fixturenames", ())
+    if _uses_cluster(item) or item.module.__name__ in E2E_MODULES:
+        item.add_marker(pytest.mark.e2e)
+    if _uses_cluster(item):
+        item.add_marker(pytest.mark.xdist_group("ray"))
+    else:
+        for name in SHARED_FIXTURES:
+            if name in names:
+                item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}-{name}"))
+                break
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """With ``pytest -n N --dist loadgroup`` (``make test``), run every test that uses
-    the Ray cluster in one test process: one cluster at a time on the machine."""
-    for item in items:
-        if "cluster" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+    """The cluster's tests first, one after the other: the cluster is started once without
+    pytest-xdist too, and under it their test process starts on them at once (the longest
+    group, which would otherwise come last and be the suite's tail)."""
+    items.sort(key=lambda item: not _uses_cluster(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """After the test's own fixtures are torn down: stop the cluster after its last test."""
+    try:
+        return (yield)
+    finally:
+        if _uses_cluster(item) and (nextitem is None or not _uses_cluster(nextitem)):
+            _CLUSTER.stop()
+
+
+def pytest_sessionfinish() -> None:
+    _CLUSTER.stop()

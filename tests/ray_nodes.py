@@ -87,13 +87,17 @@ class Cluster:
                 return node["NodeID"]
         return None
 
-    def processes(self, names: list[str] | None = None) -> list[psutil.Process]:
-        """The running processes of the nodes ``names`` (all by default)."""
+    def processes(self, names: list[str] | None = None,
+                  command: str | None = None) -> list[psutil.Process]:
+        """The running processes of the nodes ``names`` (all by default), only those whose
+        command line holds ``command`` if given (a process that ends meanwhile is left out)."""
         sessions = {self.sessions[name] for name in (names or self.sessions)}
         found = []
         for process in psutil.process_iter():
             try:
-                if os.getsid(process.pid) in sessions and process.status() != psutil.STATUS_ZOMBIE:
+                if (os.getsid(process.pid) in sessions
+                        and process.status() != psutil.STATUS_ZOMBIE
+                        and (command is None or command in " ".join(process.cmdline()))):
                     found.append(process)
             except (OSError, psutil.Error):
                 pass

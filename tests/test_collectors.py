@@ -314,8 +314,7 @@ def test_a_signal_checkpoints_and_stops_every_collector(tmp_path, signum):
 # --- a Ray cluster of two nodes on 127.0.0.1 -------------------------------------------------
 
 def _collector_processes(nodes) -> list:
-    return [process for process in nodes.processes()
-            if "RayCollector" in " ".join(process.cmdline())]
+    return nodes.processes(command="RayCollector")
 
 
 @pytest.mark.slow

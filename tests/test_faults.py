@@ -317,8 +317,10 @@ def test_restarts_of_the_evaluation_envs_count_in_the_run(tmp_path, capsys):
 
 
 
-@pytest.mark.parametrize("fault, detail", [("hang", "no answer from the env worker"),
-                                           ("segfault", "killed by signal SIGSEGV")])
+# The hang waits out the timeout; the segfault checks the same report and resume sooner.
+@pytest.mark.parametrize("fault, detail", [
+    pytest.param("hang", "no answer from the env worker", marks=pytest.mark.slow),
+    ("segfault", "killed by signal SIGSEGV")])
 def test_the_default_layout_puts_every_env_under_the_timeout_and_the_crash_report(
         tmp_path, fault, detail):
     """train.py with the default backend and no layout flag: an env that hangs or

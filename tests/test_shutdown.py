@@ -115,7 +115,9 @@ def test_ppo_update_stops_between_gradient_steps():
 # --- train.py and signals --------------------------------------------------------------
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+# SIGINT's path is the same flag as SIGTERM's, and test_second_ctrl_c_... sends it too.
+@pytest.mark.parametrize("signum", [pytest.param(signal.SIGINT, marks=pytest.mark.slow),
+                                    signal.SIGTERM])
 def test_signal_to_the_process_group_stops_train_py_cleanly(signum, tmp_path):
     """Workers, fork server and trainer all get the signal; the trainer stops
     within seconds, writes the last phase boundary as a checkpoint, closes
