@@ -351,6 +351,40 @@ def test_collectors_spread_over_a_ray_cluster_and_one_killed_is_replaced(cluster
     assert ray.is_initialized()  # the test's own connection is left alone
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_replacement_the_shrunken_cluster_has_no_room_for_stops_the_run(cluster, tmp_path,
+                                                                         monkeypatch):
+    import threading
+    from batchrl.collectors.ray import RayCollectors
+    monkeypatch.setattr(RayCollectors, "placement_timeout", 5.0)
+    cluster.start("lost", 1)
+    cluster.wait_idle()
+    # The one collector needs the node that is lost: its replacement fits nowhere else.
+    values = config(steps=1_000_000, eval_episodes=0, collectors=1)
+    values["env"].update(backend="ray", ray_address=cluster.address,
+                         ray_resources={"CPU": 1, "lost_node": 0.1})
+    trainer = Trainer(build_config(values), tmp_path, progress=False)
+    lost = []
+
+    def lose_the_node() -> None:
+        wait_for(lambda: any(r["phase"] == "update" for r in read_metrics(tmp_path)), 120,
+                 "an update")
+        lost.append(time.monotonic())
+        assert cluster.kill(["lost"]) == []
+
+    killer = threading.Thread(target=lose_the_node, daemon=True)
+    killer.start()
+    with pytest.raises(CollectorError, match=r"the Ray cluster found no room for collector 0's "
+                                             r"replacement with env.ray_resources=\{'CPU': 1, "
+                                             r"'lost_node': 0.1\} within 5 s"):
+        trainer.run()
+    killer.join(5)
+    assert lost and time.monotonic() - lost[0] < 60
+    cluster.wait_idle()  # the unplaced actor is gone too
+    assert _collector_processes(cluster) == []
+
+
 def test_more_collectors_than_the_cluster_holds_is_an_error_before_work_starts(cluster,
                                                                                 tmp_path):
     values = config(collectors=4)

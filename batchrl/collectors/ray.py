@@ -7,7 +7,9 @@ learner takes a round (the ``k``-th rollout of every collector) from it when all
 rules are those of ``batchrl.collectors.local``: a collector keeps at most ``1 + queue_size``
 rollouts unconsumed and starts round ``k`` only once version ``k - max_policy_lag`` is
 published; a failed collector (an error, a killed actor, a lost node) is replaced and resumes at
-its first round not yet delivered.
+its first round not yet delivered. A collector the cluster finds no room for within
+``RayCollectors.placement_timeout`` seconds (a replacement after a node was lost, say) stops the
+run with a ``CollectorError`` instead of leaving the learner waiting for it.
 """
 
 from __future__ import annotations
@@ -152,6 +154,9 @@ class RayCollectors:
     ``address`` the cluster to join (``env.ray_address``) and ``resources`` what each collector
     reserves (``env.ray_resources``). ``nodes`` lists the node each collector runs on."""
 
+    #: Seconds a collector may wait for room on the cluster (its actor placed and started).
+    placement_timeout: float = 60.0
+
     def __init__(self, spec: CollectorSpec, observation_space: gym.Space,
                  action_space: gym.Space, behaviour: dict, acting_state: dict[str, torch.Tensor],
                  max_policy_lag: int | None = None, queue_size: int | None = None,
@@ -191,23 +196,32 @@ class RayCollectors:
             self.publish(acting_state)
             self._actors: list[Any] = [None] * spec.collectors
             self._runs: list[Any] = [None] * spec.collectors
-            for index in range(spec.collectors):
-                self._actors[index] = self._actor_class.options(**self._options).remote()
-            # (asked before run(), which keeps each actor busy for good)
-            self.nodes = ray.get([actor.node.remote() for actor in self._actors])
-            for index in range(spec.collectors):
-                self._start(index, self._actors[index])
+            self._placing: dict[int, tuple[Any, float]] = {}  # replacements not yet placed
+            nodes = [self._start(index) for index in range(spec.collectors)]
+            try:
+                self.nodes = ray.get(nodes, timeout=self.placement_timeout)
+            except ray.exceptions.GetTimeoutError:
+                raise CollectorError(self._no_room(f"{spec.collectors} collectors")) from None
         except BaseException:
             self.close()
             raise
 
-    def _start(self, index: int, actor: Any = None) -> None:
-        if actor is None:
-            actor = self._actor_class.options(**self._options).remote()
-        self._actors[index] = actor
+    def _start(self, index: int) -> Any:
+        """Start collector ``index`` in a new actor; returns the ref of its node's id (asked
+        before ``run``, which keeps the actor busy for good)."""
+        actor = self._actors[index] = self._actor_class.options(**self._options).remote()
+        node = actor.node.remote()
         self._runs[index] = actor.run.remote(self.spec, index, self.hub,
                                              self.replacements.incarnations[index],
                                              self._slots[index])
+        return node
+
+    def _no_room(self, what: str) -> str:
+        shortage = ray_cluster.missing_resources(self._ray, self.spec.collectors, self.resources)
+        return (f"the Ray cluster found no room for {what} with env.ray_resources="
+                f"{self.resources} within {self.placement_timeout:g} s"
+                f"{f' ({self.spec.collectors} collectors {shortage})' if shortage else ''}; "
+                f"add nodes, or lower train.collectors or env.ray_resources")
 
     @property
     def restarts(self) -> int:
@@ -244,8 +258,18 @@ class RayCollectors:
         return Rollout.cat(rollouts), [meta for _, meta in taken]
 
     def _supervise(self) -> None:
-        """Replace collectors whose actor ended (an error, a killed actor, a lost node)."""
+        """Replace collectors whose actor ended (an error, a killed actor, a lost node);
+        ``CollectorError`` when a replacement finds no room within ``placement_timeout``."""
         ray = self._ray
+        for index, (node, deadline) in list(self._placing.items()):
+            if ray.wait([node], timeout=0)[0]:
+                del self._placing[index]
+                try:
+                    self.nodes[index] = ray.get(node)
+                except ray.exceptions.RayError:  # it failed: its run says why
+                    pass
+            elif time.monotonic() > deadline:
+                raise CollectorError(self._no_room(f"collector {index}'s replacement"))
         done, _ = ray.wait(list(self._runs), num_returns=len(self._runs), timeout=0)
         for index, run in enumerate(self._runs):
             if run not in done:
@@ -263,7 +287,8 @@ class RayCollectors:
                     self.hub.next_round.remote(index)) > 0
             self.replacements.failed(index, why)
             ray.kill(self._actors[index], no_restart=True)
-            self._start(index)
+            self._placing[index] = (self._start(index),
+                                    time.monotonic() + self.placement_timeout)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop every collector, kill the actors and leave Ray if batchrl joined it."""
