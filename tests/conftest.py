@@ -124,9 +124,9 @@ def one_torch_thread():
 # Module-scoped fixtures that build a run or a wheel once for their module's tests. Under
 # pytest-xdist (``make test``) every test process that gets one of those tests builds it
 # again, so the tests that use one go to one test process together.
-# Modules whose tests run commands end to end (train.py, batchrl.evaluate, torchrun, an
-# installed wheel): marked ``e2e`` with every test of the Ray cluster, which the quick loop
-# (``make test-fast``) leaves out.
+# Modules whose tests mostly run commands end to end (train.py, batchrl.evaluate, torchrun, an
+# installed wheel): their tests are marked ``e2e``, as is every test of the Ray cluster, and the
+# quick loop (``make test-fast``) leaves them out. Other modules have a few such tests too.
 E2E_MODULES = ("test_bad_input", "test_hardware", "test_install", "test_learners",
                "test_opengl_errors", "test_reliability", "test_shutdown", "test_train",
                "test_user_algorithm")
@@ -146,8 +146,9 @@ class _SharedCluster:
     def get(self):
         if self.stack is None:
             from ray_nodes import running_cluster
-            self.stack = contextlib.ExitStack()
-            self.nodes = self.stack.enter_context(running_cluster())
+            with contextlib.ExitStack() as stack:
+                self.nodes = stack.enter_context(running_cluster())
+                self.stack = stack.pop_all()  # (only once it is up: a failure is raised again)
         return self.nodes
 
     def stop(self) -> None:
@@ -164,9 +165,13 @@ def cluster():
     """A real Ray cluster on 127.0.0.1 (``ray_nodes.running_cluster``): a
     head node (2 CPUs, resource ``head_node``) and a second node (1 CPU,
     ``second_node``), with this process connected as driver. Skips the test
-    when Ray is not installed."""
+    when Ray is not installed. Nodes the test starts are killed after it."""
     pytest.importorskip("ray")
-    return _CLUSTER.get()
+    nodes = _CLUSTER.get()
+    yield nodes
+    added = [name for name in nodes.sessions if name not in ("head", "second")]
+    if added and nodes.processes(added):
+        assert nodes.kill(added) == []
 
 
 def _uses_cluster(item: pytest.Item) -> bool:
@@ -209,5 +214,6 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
             _CLUSTER.stop()
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own teardown of the last test's fixtures
 def pytest_sessionfinish() -> None:
     _CLUSTER.stop()

@@ -1,7 +1,7 @@
 """A real Ray cluster on 127.0.0.1 for the tests: nodes started with
 ``ray start``, each in its own session so that its processes can be found and
 killed without touching any other Ray on this machine. The ``cluster``
-fixture (``conftest.py``) starts one per test module that asks for it.
+fixture (``conftest.py``) starts one for all the tests that ask for it.
 """
 
 from __future__ import annotations

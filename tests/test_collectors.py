@@ -375,13 +375,15 @@ def test_a_replacement_the_shrunken_cluster_has_no_room_for_stops_the_run(cluste
 
     killer = threading.Thread(target=lose_the_node, daemon=True)
     killer.start()
-    with pytest.raises(CollectorError, match=r"the Ray cluster found no room for collector 0's "
-                                             r"replacement with env.ray_resources=\{'CPU': 1, "
-                                             r"'lost_node': 0.1\} within 5 s"):
+    with pytest.raises(CollectorError, match=r"collector 0's replacement found no room on the "
+                                             r"Ray cluster within 5 s: 1 collector with "
+                                             r"env.ray_resources=\{'CPU': 1, 'lost_node': 0.1\} "
+                                             r"need lost_node=0.1 in all, but the Ray cluster "
+                                             r"has lost_node=0; add nodes"):
         trainer.run()
     killer.join(5)
-    assert lost and time.monotonic() - lost[0] < 60
-    cluster.wait_idle()  # the unplaced actor is gone too
+    assert lost and time.monotonic() - lost[0] < 30
+    cluster.wait_idle()
     assert _collector_processes(cluster) == []
 
 

@@ -1,13 +1,13 @@
 """The Ray env backend on a real two-node Ray cluster on 127.0.0.1.
 
-The module starts a head node and a second node with ``ray start`` (each in
+The ``cluster`` fixture gives a head node and a second node started with ``ray start`` (each in
 its own session, with its own temp dir and a custom resource that tells them
-apart), connects this process as the driver, and checks: trajectories of envs
+apart), with this process connected as the driver; the module checks: trajectories of envs
 on both nodes equal in-process ones; placement over the nodes; an env raising
 in an actor; a killed actor; a timeout; the loss of a whole node (a third
 node started for the purpose and killed), with and without restarts; the
 driver's connection; bad resources. Every process of the cluster is killed
-at the end and none may be left. Skipped when Ray is not installed.
+when its last test ends and none may be left. Skipped when Ray is not installed.
 """
 
 from __future__ import annotations

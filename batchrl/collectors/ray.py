@@ -7,9 +7,10 @@ learner takes a round (the ``k``-th rollout of every collector) from it when all
 rules are those of ``batchrl.collectors.local``: a collector keeps at most ``1 + queue_size``
 rollouts unconsumed and starts round ``k`` only once version ``k - max_policy_lag`` is
 published; a failed collector (an error, a killed actor, a lost node) is replaced and resumes at
-its first round not yet delivered. A collector the cluster finds no room for within
-``RayCollectors.placement_timeout`` seconds (a replacement after a node was lost, say) stops the
-run with a ``CollectorError`` instead of leaving the learner waiting for it.
+its first round not yet delivered. A replacement that is still not placed after
+``RayCollectors.placement_timeout`` seconds stops the run with a ``CollectorError`` if the
+cluster lacks the resources for the collectors (a node was lost, say), instead of leaving the
+learner waiting for it; otherwise it is reported and waited for (the cluster is busy).
 """
 
 from __future__ import annotations
@@ -154,7 +155,8 @@ class RayCollectors:
     ``address`` the cluster to join (``env.ray_address``) and ``resources`` what each collector
     reserves (``env.ray_resources``). ``nodes`` lists the node each collector runs on."""
 
-    #: Seconds a collector may wait for room on the cluster (its actor placed and started).
+    #: Seconds after which a replacement not yet placed and started is checked against the
+    #: cluster's resources.
     placement_timeout: float = 60.0
 
     def __init__(self, spec: CollectorSpec, observation_space: gym.Space,
@@ -197,11 +199,7 @@ class RayCollectors:
             self._actors: list[Any] = [None] * spec.collectors
             self._runs: list[Any] = [None] * spec.collectors
             self._placing: dict[int, tuple[Any, float]] = {}  # replacements not yet placed
-            nodes = [self._start(index) for index in range(spec.collectors)]
-            try:
-                self.nodes = ray.get(nodes, timeout=self.placement_timeout)
-            except ray.exceptions.GetTimeoutError:
-                raise CollectorError(self._no_room(f"{spec.collectors} collectors")) from None
+            self.nodes = ray.get([self._start(index) for index in range(spec.collectors)])
         except BaseException:
             self.close()
             raise
@@ -216,12 +214,19 @@ class RayCollectors:
                                              self._slots[index])
         return node
 
-    def _no_room(self, what: str) -> str:
-        shortage = ray_cluster.missing_resources(self._ray, self.spec.collectors, self.resources)
-        return (f"the Ray cluster found no room for {what} with env.ray_resources="
-                f"{self.resources} within {self.placement_timeout:g} s"
-                f"{f' ({self.spec.collectors} collectors {shortage})' if shortage else ''}; "
-                f"add nodes, or lower train.collectors or env.ray_resources")
+    def _overdue(self, index: int) -> None:
+        """Collector ``index``'s replacement is not placed after ``placement_timeout``:
+        ``CollectorError`` if the cluster lacks the resources, else a report."""
+        count = self.spec.collectors
+        shortage = ray_cluster.missing_resources(self._ray, count, self.resources)
+        if shortage:
+            raise CollectorError(
+                f"collector {index}'s replacement found no room on the Ray cluster within "
+                f"{self.placement_timeout:g} s: {count} collector{'s' * (count != 1)} with "
+                f"env.ray_resources={self.resources} {shortage}; add nodes, or lower "
+                f"train.collectors or env.ray_resources")
+        self.replacements.report(f"collector {index}'s replacement is still waiting for the "
+                                 f"Ray cluster after {self.placement_timeout:g} s")
 
     @property
     def restarts(self) -> int:
@@ -259,7 +264,8 @@ class RayCollectors:
 
     def _supervise(self) -> None:
         """Replace collectors whose actor ended (an error, a killed actor, a lost node);
-        ``CollectorError`` when a replacement finds no room within ``placement_timeout``."""
+        ``CollectorError`` when a replacement is not placed within ``placement_timeout`` and the
+        cluster lacks the resources for it."""
         ray = self._ray
         for index, (node, deadline) in list(self._placing.items()):
             if ray.wait([node], timeout=0)[0]:
@@ -269,7 +275,8 @@ class RayCollectors:
                 except ray.exceptions.RayError:  # it failed: its run says why
                     pass
             elif time.monotonic() > deadline:
-                raise CollectorError(self._no_room(f"collector {index}'s replacement"))
+                self._overdue(index)
+                self._placing[index] = (node, float("inf"))  # reported once; wait on
         done, _ = ray.wait(list(self._runs), num_returns=len(self._runs), timeout=0)
         for index, run in enumerate(self._runs):
             if run not in done:
