@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
         print("Interrupted before training started", file=sys.stderr)
         return 130
     from batchrl.checkpoint import CheckpointError
+    from batchrl.collectors import CollectorError
     from batchrl.learners import LearnerError, run
     from batchrl.trainer import TrainingInterrupted
 
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
         print(f"error: {exc}", file=sys.stderr)
         _print_resume(logdir, command, args.config)
         return 1
-    except LearnerError as exc:
+    except (LearnerError, CollectorError) as exc:
         from batchrl.checkpoint import latest_checkpoint
         checkpoint = latest_checkpoint(logdir)
         print(f"error: {exc}", file=sys.stderr)

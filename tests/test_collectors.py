@@ -240,6 +240,18 @@ def test_a_collector_that_cannot_start_stops_the_run_with_its_error(tmp_path):
         Trainer(build_config(values), tmp_path, progress=False).run()
 
 
+def test_train_py_reports_a_collector_that_cannot_start_in_one_line(tmp_path):
+    process = start_train_py(
+        "--config", "pendulum", "--logdir", str(tmp_path / "run"),
+        *sets("env.num_agents=4", "env.backend=inline", "train.collectors=2",
+              "algorithm.rollout_length=40", 'env.id="batchrl.testing.faults:make"',
+              'env.kwargs={env_id="Pendulum-v1", fault="raise", in_reset=true, at_step=1}'))
+    code, stdout, stderr = finish(process, 90)
+    assert code == 1, (stdout, stderr)
+    assert stderr.startswith("error: collector ") and "failed before its first rollout" in stderr
+    assert "Traceback" not in stderr, stderr
+
+
 @pytest.mark.parametrize("change, message", [
     ({"train": {"max_policy_lag": -1}}, "max_policy_lag must be >= 0"),
     ({"env": {"num_agents": 1}}, r"train.collectors \(2\) must be at most env.num_agents "
