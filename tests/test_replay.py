@@ -85,49 +85,6 @@ def test_n_step_returns_stop_at_episode_ends_and_at_the_newest_step():
         assert torch.allclose(batch["discount"][rows], torch.tensor(discount)), value
 
 
-def add_pair(buffer: ReplayBuffer, value: float, done=(False, False)) -> None:
-    """One batch step of two agents: agent 0 observes ``value``, agent 1 ``value + 10`` (the
-    reward the same, the next observation that plus 0.5)."""
-    observ = torch.tensor([value, value + 10.0])
-    buffer.add(reward=observ, terminated=torch.zeros(2, dtype=torch.bool),
-               done=torch.tensor(done), observ=observ, next_observ=observ + 0.5,
-               action=torch.zeros(2, 2))
-
-
-def test_a_cut_step_without_its_next_observation_is_never_drawn():
-    gamma = 0.5
-    buffer = ReplayBuffer(2, 8, FIELDS, discount=gamma, n_step=3)  # 4 batch steps
-    add_pair(buffer, 1)
-    add_pair(buffer, 2)
-    add_pair(buffer, 3, done=(False, True))  # agent 1's episode ended at step 3
-    # Agent 0's env was restarted during step 3 (or reset after it): that step is never
-    # drawn and its episode ends at step 2; agent 1's step 3 ended its episode and stays.
-    buffer.cut(torch.tensor([0, 1]))
-    torch.manual_seed(0)
-    batch = buffer.sample(3000)
-    assert set(batch["observ"].tolist()) == {1.0, 2.0, 11.0, 12.0, 13.0}
-    first = batch["observ"] == 1.0
-    assert torch.allclose(batch["reward"][first], torch.tensor(1 + gamma * 2))  # not + 3
-    assert torch.all(batch["next_observ"][first] == 2.5)
-    assert torch.allclose(batch["discount"][first], torch.tensor(gamma ** 2))
-    # A checkpoint keeps what was cut; the next add over that row makes it a step again.
-    copy = ReplayBuffer(2, 8, FIELDS, discount=gamma, n_step=3)
-    copy.load_state_dict(buffer.state_dict())
-    assert copy.valid.tolist() == buffer.valid.tolist() and not copy.valid[2, 0]
-    add_pair(copy, 4)
-    add_pair(copy, 5)  # over the oldest row (step 1)
-    copy.cut(torch.tensor([0, 1]))
-    copy.cut(torch.tensor([0, 1]))  # a second cut changes nothing
-    assert not copy.valid[0].any() and int(copy.valid.sum()) == 5  # and step 3 of agent 0
-    torch.manual_seed(1)
-    assert set(copy.sample(3000)["observ"].tolist()) == {2.0, 4.0, 12.0, 13.0, 14.0}
-    only = ReplayBuffer(1, 1, FIELDS)
-    add_step(only, 1)
-    only.cut(torch.tensor([0]))
-    with pytest.raises(RuntimeError, match="every stored transition was cut"):
-        only.sample(1)
-
-
 def test_uint8_observations_stay_uint8():
     fields = {"observ": ((4, 84, 84), torch.uint8), "next_observ": ((4, 84, 84), torch.uint8),
               "action": ((), torch.int64)}

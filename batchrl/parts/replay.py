@@ -36,7 +36,6 @@ class ReplayBuffer:
     the trainer's checkpoints hold) and returns their fields ``(B, ...)`` with ``reward``
     the n-step return, ``next_observ`` the observation to bootstrap from and ``discount``
     ``discount ** m`` (``m`` steps summed), 0 where the episode terminated within them.
-    A step that ``cut`` left without a true next observation is never drawn.
     """
 
     def __init__(self, num_agents: int, capacity: int, fields: Fields, discount: float = 0.99,
@@ -67,10 +66,6 @@ class ReplayBuffer:
                         for name, (shape, dtype) in shapes.items()}
         self.position = 0   # the row the next add writes
         self.filled = 0     # rows written, up to self.rows
-        # Steps sample() must not draw (see cut), and the rows that hold any (kept on the
-        # host, so that sampling checks nothing on the device while there are none).
-        self.valid = torch.ones((self.rows, num_agents), dtype=torch.bool, device=self.device)
-        self._invalid_rows: set[int] = set()
         self._powers = discount ** torch.arange(n_step + 1, device=self.device,
                                                 dtype=torch.float32)
 
@@ -99,34 +94,18 @@ class ReplayBuffer:
                 raise ValueError(f"add: {name!r} must have shape {tuple(target.shape)}, got "
                                  f"{tuple(value.shape)}")
             target.copy_(value.detach())
-        if row in self._invalid_rows:
-            self.valid[row] = True
-            self._invalid_rows.discard(row)
         self.position = (row + 1) % self.rows
         self.filled = min(self.filled + 1, self.rows)
 
     def clear(self) -> None:
         """Forget every stored transition (the memory stays allocated)."""
         self.position = self.filled = 0
-        self.valid.fill_(True)
-        self._invalid_rows.clear()
 
     def cut(self, agents: torch.Tensor) -> None:
-        """The running episodes of ``agents`` ``(K,)`` were cut: their envs were reset, or
-        restarted after a failure. Where the newest stored step did not end the episode, it is
-        never sampled (after a restart its next observation is the new episode's first, and
-        a reset looks the same from here), and the episode ends at the step before: n-step
-        returns stop there, bootstrapping from its next observation."""
-        if not self.filled:
-            return
-        newest = (self.position - 1) % self.rows
-        running = agents[~self.tensors["done"][newest, agents]]
-        if not len(running):
-            return
-        self.valid[newest, running] = False
-        self._invalid_rows.add(newest)
-        if self.filled > 1:
-            self.tensors["done"][(newest - 1) % self.rows, running] = True
+        """The episodes of ``agents`` ``(K,)`` were cut after their newest stored step (their
+        envs were reset): n-step returns stop there, bootstrapping from its next observation."""
+        if self.filled:
+            self.tensors["done"][(self.position - 1) % self.rows, agents] = True
 
     def sample(self, batch_size: int) -> dict[str, torch.Tensor]:
         """``batch_size`` transitions drawn uniformly from those stored (see the class)."""
@@ -136,14 +115,6 @@ class ReplayBuffer:
         age = torch.randint(self.filled, (batch_size,), device=self.device)  # 0: the oldest
         agent = torch.randint(self.num_agents, (batch_size,), device=self.device)
         row = (oldest + age) % self.rows
-        if self._invalid_rows:  # draw again where a draw fell on a step that cut left
-            if not self.valid[:self.filled].any():
-                raise RuntimeError("sample(): every stored transition was cut")
-            while bool((bad := ~self.valid[row, agent]).any()):
-                count = int(bad.sum())
-                age[bad] = torch.randint(self.filled, (count,), device=self.device)
-                agent[bad] = torch.randint(self.num_agents, (count,), device=self.device)
-                row = (oldest + age) % self.rows
         picked = {name: value[row, agent] for name, value in self.tensors.items()
                   if name not in ("reward", "terminated", "done")}
         if self.n_step == 1:
@@ -174,7 +145,7 @@ class ReplayBuffer:
                    {name: value[:self.filled].clone()                   # torch.save would
                     for name, value in self.tensors.items()})           # write all rows)
         return {"tensors": tensors, "rows": self.rows, "position": self.position,
-                "filled": self.filled, "valid": self.valid[:self.filled].clone()}
+                "filled": self.filled}
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         tensors, filled = state["tensors"], int(state["filled"])
@@ -188,7 +159,3 @@ class ReplayBuffer:
         for name, tensor in self.tensors.items():
             tensor[:filled] = tensors[name][:filled]
         self.position, self.filled = int(state["position"]), filled
-        self.valid.fill_(True)
-        if "valid" in state:  # (older checkpoints: every step valid)
-            self.valid[:filled] = state["valid"][:filled]
-        self._invalid_rows = set((~self.valid).any(1).nonzero().flatten().tolist())
