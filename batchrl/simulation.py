@@ -168,8 +168,9 @@ class Simulation:
 
         Agents done on the previous step (all on the first call or with ``reset``, which
         discontinues running episodes) are reset first; ``algo`` is called as ``Algorithm`` says.
-        Agents whose env restarted after a failure (``env.restarted``) get ``begin_episodes``
-        again, without ``end_episodes``.
+        Agents whose env restarted after a failure (``env.restarted``) get ``steps_lost``
+        before the step's ``experience``, then ``begin_episodes`` again, without
+        ``end_episodes``.
 
         Args:
           algo: the algorithm for the env's N agents.
@@ -208,6 +209,8 @@ class Simulation:
             self.flush(summary)  # the previous step's, while the workers step this one
         next_observ, reward, done = env.step_wait()
         finished, ended, score = _count_step(tracker, reward, done)
+        if env.restarted is not None:
+            algo.steps_lost(env.restarted)
         if not lag or env.restarted is not None or ended is not None:
             _merge(summary, algo.experience(agents, observ, action, reward, done, next_observ,
                                             env.terminated), algo, "experience")

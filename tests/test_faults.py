@@ -279,6 +279,32 @@ def test_simulate_begins_new_episodes_for_restarted_agents(closing, tmp_path):
     assert algo.ended == [(0, 10), (1, 10), (2, 10), (0, 10)]
 
 
+def test_a_replay_buffer_never_samples_the_step_a_restart_took_the_place_of(closing, tmp_path):
+    from batchrl.algos.dqn import DQN
+    once = str(tmp_path / "fired")
+    worker = EnvWorker([functools.partial(faulty_counting, "segfault", 7, length=10,
+                                          once_file=once),
+                        functools.partial(faulty_counting, "raise", 10**9, length=10)],
+                       label="counting")
+    env = TensorBatchEnv(closing(BatchEnv([CountingEnv(10), worker], max_restarts=1)))
+    algo = DQN(env.observation_space, env.action_space, 3, buffer_size=300,
+               learning_starts=10**6)  # (it only fills its buffer)
+    simulate(env, algo, reset=True)
+    for _ in range(24):
+        simulate(env, algo)
+    assert Path(once).exists() and env.batch_env.restarts == 1
+    # Agents 1 and 2's worker crashed in their 7th step (the buffer's row 6): their "step"
+    # there ended in a new episode's first observation (0) and is never drawn; their episodes
+    # end at the step before. Every drawn step counts on by one, or ends an episode at 10.
+    torch.manual_seed(0)
+    batch = algo.buffer.sample(5000)
+    observ, following = batch["observ"].flatten(), batch["next_observ"].flatten()
+    assert torch.all(following == observ + 1), set(zip(observ.tolist(), following.tolist()))
+    assert (observ == 6).any()  # agent 0's step there is drawn
+    assert algo.buffer.valid[6].tolist() == [True, False, False]
+    assert algo.buffer.tensors["done"][5].tolist() == [False, True, True]
+
+
 def test_training_survives_a_crashed_env_and_counts_the_restart(tmp_path, capsys):
     once = str(tmp_path / "fired")
     config = load_config("cartpole", [

@@ -85,6 +85,50 @@ def test_n_step_returns_stop_at_episode_ends_and_at_the_newest_step():
         assert torch.allclose(batch["discount"][rows], torch.tensor(discount)), value
 
 
+def add_pair(buffer: ReplayBuffer, value: float, lost=None) -> None:
+    """One batch step of two agents: agent 0 observes ``value``, agent 1 ``value + 10`` (the
+    reward the same, the next observation that plus 0.5)."""
+    observ = torch.tensor([value, value + 10.0])
+    buffer.add(reward=observ, terminated=torch.zeros(2, dtype=torch.bool),
+               done=torch.zeros(2, dtype=torch.bool), lost=lost, observ=observ,
+               next_observ=observ + 0.5, action=torch.zeros(2, 2))
+
+
+def test_a_lost_step_is_never_drawn_and_ends_its_episode_at_the_step_before():
+    gamma = 0.5
+    buffer = ReplayBuffer(2, 8, FIELDS, discount=gamma, n_step=3)  # 4 batch steps
+    add_pair(buffer, 1)
+    add_pair(buffer, 2)
+    add_pair(buffer, 3, lost=torch.tensor([0]))  # agent 0's env was restarted instead
+    torch.manual_seed(0)
+    batch = buffer.sample(3000)
+    assert set(batch["observ"].tolist()) == {1.0, 2.0, 11.0, 12.0, 13.0}
+    first = batch["observ"] == 1.0  # its n-step return stops at step 2
+    assert torch.allclose(batch["reward"][first], torch.tensor(1 + gamma * 2))
+    assert torch.all(batch["next_observ"][first] == 2.5)
+    assert torch.allclose(batch["discount"][first], torch.tensor(gamma ** 2))
+    eleven = batch["observ"] == 11.0  # agent 1's runs on
+    assert torch.allclose(batch["reward"][eleven], torch.tensor(11 + gamma * 12 + gamma**2 * 13))
+    # A checkpoint keeps it; an add over its row makes that row's steps count again.
+    copy = ReplayBuffer(2, 8, FIELDS, discount=gamma, n_step=3)
+    copy.load_state_dict(buffer.state_dict())
+    assert not copy.valid[2, 0] and int(copy.valid.sum()) == 7
+    for value in (4, 5, 6):  # into the free row, then over steps 1 and 2
+        add_pair(copy, value)
+    assert not copy.valid[2, 0]
+    add_pair(copy, 7)  # over step 3, the lost one
+    assert bool(copy.valid.all())
+    torch.manual_seed(1)
+    assert set(copy.sample(3000)["observ"].tolist()) == {4.0, 5.0, 6.0, 7.0, 14.0, 15.0,
+                                                         16.0, 17.0}
+    only = ReplayBuffer(1, 1, FIELDS)
+    only.add(reward=torch.ones(1), terminated=torch.zeros(1, dtype=torch.bool),
+             done=torch.zeros(1, dtype=torch.bool), lost=torch.tensor([0]),
+             observ=torch.ones(1), next_observ=torch.ones(1), action=torch.zeros(1, 2))
+    with pytest.raises(RuntimeError, match="every stored transition was lost"):
+        only.sample(1)
+
+
 def test_uint8_observations_stay_uint8():
     fields = {"observ": ((4, 84, 84), torch.uint8), "next_observ": ((4, 84, 84), torch.uint8),
               "action": ((), torch.int64)}

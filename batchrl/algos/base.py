@@ -46,7 +46,8 @@ class Algorithm(abc.ABC):
     time. Set it only when ``perform`` does not depend on the previous ``experience`` (update the
     statistics ``perform`` uses in ``perform``). The order of ``perform``/``experience`` pairs is
     kept, every ``experience`` comes before ``end_episodes`` and ``begin_episodes`` of its agents,
-    and ``Simulation.flush()`` delivers a late one before a checkpoint.
+    and ``Simulation.flush()`` delivers a late one before a checkpoint. Envs restarted after a
+    failure give their agents ``steps_lost`` before that step's ``experience`` (optional).
 
     ``train()`` / ``eval()`` switch ``self.training``; in evaluation an algorithm learns nothing and
     acts with its mean (mode) action, or with sampled ones when ``eval_actions`` is ``"sample"``
@@ -175,6 +176,14 @@ class Algorithm(abc.ABC):
         ``(K, *act_shape)`` the actions taken, ``next_observ`` the observations after the step;
         ``reward``, ``done`` (1.0 where the episode ended, terminated or truncated) and
         ``terminated`` (1.0 where it reached a terminal state) are ``(K,)`` float32."""
+
+    def steps_lost(self, agent_indices: torch.Tensor) -> None:
+        """The step that the next ``experience`` gives the agents at ``agent_indices``
+        (``(K,)``) is no transition: their env was restarted after a failure instead of
+        stepping (zero reward, the new episode's first observation as ``next_observ``), and
+        ``begin_episodes`` for them follows. By default nothing: an algorithm that drops the
+        running episodes in ``begin_episodes`` loses the step with them; one that learns from
+        single steps (a replay buffer) must not learn from it."""
 
     @abc.abstractmethod
     def end_episodes(self, agent_indices: torch.Tensor) -> Summary:

@@ -57,6 +57,7 @@ class ReplayAlgorithm(Algorithm):
         self._counted = 0
         self._summarized = 0  # env_steps at the last summary
         self._refill = 0  # transitions the buffer must hold before learning (after a resume)
+        self._lost: torch.Tensor | None = None  # agents whose next experience() is no step
 
     def gradient_step(self) -> dict[str, float | torch.Tensor]:
         """One gradient step from ``buffer``; its scalars, averaged into a summary every
@@ -76,6 +77,10 @@ class ReplayAlgorithm(Algorithm):
     def end_episodes(self, agent_indices: torch.Tensor) -> Summary:
         return {}
 
+    def steps_lost(self, agent_indices: torch.Tensor) -> None:
+        if self.training:
+            self._lost = agent_indices
+
     def experience(self, agent_indices: torch.Tensor, observ: torch.Tensor,
                    action: torch.Tensor, reward: torch.Tensor, done: torch.Tensor,
                    next_observ: torch.Tensor, terminated: torch.Tensor) -> Summary:
@@ -85,7 +90,8 @@ class ReplayAlgorithm(Algorithm):
         if count != self.num_agents:
             raise ValueError(f"{type(self).__name__} stores every agent's step at once: "
                              f"experience() for {count} of {self.num_agents} agents")
-        self.buffer.add(reward=reward, terminated=terminated.bool(), done=done.bool(),
+        lost, self._lost = self._lost, None
+        self.buffer.add(reward=reward, terminated=terminated.bool(), done=done.bool(), lost=lost,
                         observ=observ.reshape(count, -1),
                         next_observ=next_observ.reshape(count, -1),
                         action=self.stored_action(action))

@@ -36,6 +36,7 @@ class ReplayBuffer:
     the trainer's checkpoints hold) and returns their fields ``(B, ...)`` with ``reward``
     the n-step return, ``next_observ`` the observation to bootstrap from and ``discount``
     ``discount ** m`` (``m`` steps summed), 0 where the episode terminated within them.
+    A step ``add`` was told is lost (``lost``) is never drawn.
     """
 
     def __init__(self, num_agents: int, capacity: int, fields: Fields, discount: float = 0.99,
@@ -66,6 +67,10 @@ class ReplayBuffer:
                         for name, (shape, dtype) in shapes.items()}
         self.position = 0   # the row the next add writes
         self.filled = 0     # rows written, up to self.rows
+        # Steps sample() must not draw (see cut), and the rows that hold any (kept on the
+        # host, so that sampling checks nothing on the device while there are none).
+        self.valid = torch.ones((self.rows, num_agents), dtype=torch.bool, device=self.device)
+        self._invalid_rows: set[int] = set()
         self._powers = discount ** torch.arange(n_step + 1, device=self.device,
                                                 dtype=torch.float32)
 
@@ -79,10 +84,12 @@ class ReplayBuffer:
         return self.filled * self.num_agents
 
     def add(self, reward: torch.Tensor, terminated: torch.Tensor, done: torch.Tensor,
-            **values: torch.Tensor) -> None:
+            lost: torch.Tensor | None = None, **values: torch.Tensor) -> None:
         """Store one batch step: every field ``(N, *shape)``; ``reward`` ``(N,)``;
         ``terminated`` and ``done`` ``(N,)`` (bool or 0/1): the step reached a terminal state,
-        or ended the episode in any way (terminated or truncated)."""
+        or ended the episode in any way (terminated or truncated). ``lost`` ``(K,)``: agents
+        whose step is no transition (their env was restarted after a failure instead of
+        stepping): it is never sampled, and their episodes end at their step before."""
         if values.keys() != self.tensors.keys() - {"reward", "terminated", "done"}:
             expected = sorted(self.tensors.keys() - {"reward", "terminated", "done"})
             raise KeyError(f"add needs the fields {expected}, got {sorted(values)}")
@@ -94,12 +101,22 @@ class ReplayBuffer:
                 raise ValueError(f"add: {name!r} must have shape {tuple(target.shape)}, got "
                                  f"{tuple(value.shape)}")
             target.copy_(value.detach())
+        if row in self._invalid_rows:
+            self.valid[row] = True
+            self._invalid_rows.discard(row)
+        if lost is not None and len(lost):
+            self.valid[row, lost] = False
+            self._invalid_rows.add(row)
+            if self.filled:
+                self.tensors["done"][(row - 1) % self.rows, lost] = True
         self.position = (row + 1) % self.rows
         self.filled = min(self.filled + 1, self.rows)
 
     def clear(self) -> None:
         """Forget every stored transition (the memory stays allocated)."""
         self.position = self.filled = 0
+        self.valid.fill_(True)
+        self._invalid_rows.clear()
 
     def cut(self, agents: torch.Tensor) -> None:
         """The episodes of ``agents`` ``(K,)`` were cut after their newest stored step (their
@@ -115,6 +132,14 @@ class ReplayBuffer:
         age = torch.randint(self.filled, (batch_size,), device=self.device)  # 0: the oldest
         agent = torch.randint(self.num_agents, (batch_size,), device=self.device)
         row = (oldest + age) % self.rows
+        if self._invalid_rows:  # (after a restart) draw again where a draw fell on a lost step
+            if not self.valid[:self.filled].any():
+                raise RuntimeError("sample(): every stored transition was lost")
+            while bool((bad := ~self.valid[row, agent]).any()):
+                count = int(bad.sum())
+                age[bad] = torch.randint(self.filled, (count,), device=self.device)
+                agent[bad] = torch.randint(self.num_agents, (count,), device=self.device)
+                row = (oldest + age) % self.rows
         picked = {name: value[row, agent] for name, value in self.tensors.items()
                   if name not in ("reward", "terminated", "done")}
         if self.n_step == 1:
@@ -145,7 +170,7 @@ class ReplayBuffer:
                    {name: value[:self.filled].clone()                   # torch.save would
                     for name, value in self.tensors.items()})           # write all rows)
         return {"tensors": tensors, "rows": self.rows, "position": self.position,
-                "filled": self.filled}
+                "filled": self.filled, "valid": self.valid[:self.filled].clone()}
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         tensors, filled = state["tensors"], int(state["filled"])
@@ -159,3 +184,7 @@ class ReplayBuffer:
         for name, tensor in self.tensors.items():
             tensor[:filled] = tensors[name][:filled]
         self.position, self.filled = int(state["position"]), filled
+        self.valid.fill_(True)
+        if "valid" in state:  # (older checkpoints: every step valid)
+            self.valid[:filled] = state["valid"][:filled]
+        self._invalid_rows = set((~self.valid).any(1).nonzero().flatten().tolist())
