@@ -86,21 +86,22 @@ class ReplayAlgorithm(Algorithm):
                    next_observ: torch.Tensor, terminated: torch.Tensor) -> Summary:
         if not self.training:
             return {}
+        lost, self._lost = self._lost, None
         count = len(agent_indices)
         if count != self.num_agents:
             raise ValueError(f"{type(self).__name__} stores every agent's step at once: "
                              f"experience() for {count} of {self.num_agents} agents")
-        lost, self._lost = self._lost, None
         self.buffer.add(reward=reward, terminated=terminated.bool(), done=done.bool(), lost=lost,
                         observ=observ.reshape(count, -1),
                         next_observ=next_observ.reshape(count, -1),
                         action=self.stored_action(action))
-        self.env_steps += count
+        taken = count if lost is None else count - len(lost)  # (as the trainer counts them)
+        self.env_steps += taken
         if len(self.buffer) < self._refill:  # resumed without the buffer: not from a few
             return {}
         self._refill = 0
         # Gradient steps are owed for the env steps past learning_starts.
-        learned = self.env_steps - max(self.env_steps - count, self.learning_starts)
+        learned = self.env_steps - max(self.env_steps - taken, self.learning_starts)
         if learned <= 0:
             return {}
         self._owed += self.updates_per_step * learned

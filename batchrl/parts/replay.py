@@ -67,10 +67,10 @@ class ReplayBuffer:
                         for name, (shape, dtype) in shapes.items()}
         self.position = 0   # the row the next add writes
         self.filled = 0     # rows written, up to self.rows
-        # Steps sample() must not draw (see cut), and the rows that hold any (kept on the
-        # host, so that sampling checks nothing on the device while there are none).
+        # Steps sample() must not draw (see add's ``lost``), and how many each row holds
+        # (kept on the host: sampling checks nothing on the device while there are none).
         self.valid = torch.ones((self.rows, num_agents), dtype=torch.bool, device=self.device)
-        self._invalid_rows: set[int] = set()
+        self._lost_per_row: dict[int, int] = {}
         self._powers = discount ** torch.arange(n_step + 1, device=self.device,
                                                 dtype=torch.float32)
 
@@ -101,12 +101,11 @@ class ReplayBuffer:
                 raise ValueError(f"add: {name!r} must have shape {tuple(target.shape)}, got "
                                  f"{tuple(value.shape)}")
             target.copy_(value.detach())
-        if row in self._invalid_rows:
+        if self._lost_per_row.pop(row, 0):
             self.valid[row] = True
-            self._invalid_rows.discard(row)
         if lost is not None and len(lost):
             self.valid[row, lost] = False
-            self._invalid_rows.add(row)
+            self._lost_per_row[row] = len(lost)
             if self.filled:
                 self.tensors["done"][(row - 1) % self.rows, lost] = True
         self.position = (row + 1) % self.rows
@@ -116,7 +115,7 @@ class ReplayBuffer:
         """Forget every stored transition (the memory stays allocated)."""
         self.position = self.filled = 0
         self.valid.fill_(True)
-        self._invalid_rows.clear()
+        self._lost_per_row.clear()
 
     def cut(self, agents: torch.Tensor) -> None:
         """The episodes of ``agents`` ``(K,)`` were cut after their newest stored step (their
@@ -132,8 +131,10 @@ class ReplayBuffer:
         age = torch.randint(self.filled, (batch_size,), device=self.device)  # 0: the oldest
         agent = torch.randint(self.num_agents, (batch_size,), device=self.device)
         row = (oldest + age) % self.rows
-        if self._invalid_rows:  # (after a restart) draw again where a draw fell on a lost step
-            if not self.valid[:self.filled].any():
+        # (after a restart, until its row is overwritten) draw again where a draw fell on a
+        # lost step; on a GPU each round then waits for the device
+        if self._lost_per_row:
+            if sum(self._lost_per_row.values()) >= self.filled * self.num_agents:
                 raise RuntimeError("sample(): every stored transition was lost")
             while bool((bad := ~self.valid[row, agent]).any()):
                 count = int(bad.sum())
@@ -187,4 +188,5 @@ class ReplayBuffer:
         self.valid.fill_(True)
         if "valid" in state:  # (older checkpoints: every step valid)
             self.valid[:filled] = state["valid"][:filled]
-        self._invalid_rows = set((~self.valid).any(1).nonzero().flatten().tolist())
+        lost = (~self.valid).sum(1)
+        self._lost_per_row = {row: int(lost[row]) for row in lost.nonzero().flatten().tolist()}
