@@ -260,18 +260,25 @@ class EpisodeChecker(Algorithm):
         return {}
 
 
-def test_simulate_begins_new_episodes_for_restarted_agents(closing, tmp_path):
+def run_over_a_restart(closing, tmp_path, make_algo) -> Algorithm:
+    """25 steps of three counting envs (episodes of 10 steps) whose agents 1 and 2 share a
+    worker that segfaults once, in their 7th step, and is restarted; returns the algorithm."""
     once = str(tmp_path / "fired")
     worker = EnvWorker([functools.partial(faulty_counting, "segfault", 7, length=10,
                                           once_file=once),
                         functools.partial(faulty_counting, "raise", 10**9, length=10)],
                        label="counting")
     env = TensorBatchEnv(closing(BatchEnv([CountingEnv(10), worker], max_restarts=1)))
-    algo = EpisodeChecker(3)
+    algo = make_algo(env)
     simulate(env, algo, reset=True)
     for _ in range(24):
         simulate(env, algo)
     assert Path(once).exists() and env.batch_env.restarts == 1
+    return algo
+
+
+def test_simulate_begins_new_episodes_for_restarted_agents(closing, tmp_path):
+    algo = run_over_a_restart(closing, tmp_path, lambda env: EpisodeChecker(3))
     # The worker of agents 1 and 2 crashed in their 7th step (call 7): they
     # begin anew there, and their next episodes end 10 steps later (call 17).
     assert algo.begun == [0, 1, 2, 1, 2, 0, 1, 2, 0]
@@ -281,18 +288,9 @@ def test_simulate_begins_new_episodes_for_restarted_agents(closing, tmp_path):
 
 def test_a_replay_buffer_never_samples_the_step_a_restart_took_the_place_of(closing, tmp_path):
     from batchrl.algos.dqn import DQN
-    once = str(tmp_path / "fired")
-    worker = EnvWorker([functools.partial(faulty_counting, "segfault", 7, length=10,
-                                          once_file=once),
-                        functools.partial(faulty_counting, "raise", 10**9, length=10)],
-                       label="counting")
-    env = TensorBatchEnv(closing(BatchEnv([CountingEnv(10), worker], max_restarts=1)))
-    algo = DQN(env.observation_space, env.action_space, 3, buffer_size=300,
-               learning_starts=10**6)  # (it only fills its buffer)
-    simulate(env, algo, reset=True)
-    for _ in range(24):
-        simulate(env, algo)
-    assert Path(once).exists() and env.batch_env.restarts == 1
+    algo = run_over_a_restart(closing, tmp_path, lambda env: DQN(
+        env.observation_space, env.action_space, 3, buffer_size=300,
+        learning_starts=10**6))  # (it only fills its buffer)
     # Agents 1 and 2's worker crashed in their 7th step (the buffer's row 6): their "step"
     # there ended in a new episode's first observation (0) and is never drawn; their episodes
     # end at the step before. Every drawn step counts on by one, or ends an episode at 10.
