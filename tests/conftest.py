@@ -121,15 +121,15 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-# Module-scoped fixtures that build a run or a wheel once for their module's tests. Under
-# pytest-xdist (``make test``) every test process that gets one of those tests builds it
-# again, so the tests that use one go to one test process together.
 # Modules whose tests mostly run commands end to end (train.py, batchrl.evaluate, torchrun, an
 # installed wheel): their tests are marked ``e2e``, as is every test of the Ray cluster, and the
 # quick loop (``make test-fast``) leaves them out. Other modules have a few such tests too.
 E2E_MODULES = ("test_bad_input", "test_hardware", "test_install", "test_learners",
                "test_opengl_errors", "test_reliability", "test_shutdown", "test_train",
                "test_user_algorithm")
+# Module-scoped fixtures that build a run or a wheel once for their module's tests. Under
+# pytest-xdist (``make test``) every test process that gets one of those tests builds it
+# again, so the tests that use one go to one test process together.
 SHARED_FIXTURES = ("cartpole_run", "pushed_cheetah_run", "parents", "wheel", "two_learners",
                    "cheetah_run", "finished_run", "straight_run", "results")
 
@@ -185,10 +185,10 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     the Ray cluster in one test process (one cluster at a time on the machine, started
     once), and the tests of a shared module fixture in one process. Marked as each test is
     collected: pytest-xdist reads the groups in its own ``pytest_collection_modifyitems``."""
-    names = getattr(item, "fixturenames", ())
-    if _uses_cluster(item) or item.module.__name__ in E2E_MODULES:
+    names, ray = getattr(item, "fixturenames", ()), _uses_cluster(item)
+    if ray or item.module.__name__ in E2E_MODULES:
         item.add_marker(pytest.mark.e2e)
-    if _uses_cluster(item):
+    if ray:
         item.add_marker(pytest.mark.xdist_group("ray"))
     else:
         for name in SHARED_FIXTURES:
