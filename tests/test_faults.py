@@ -303,6 +303,51 @@ def test_a_replay_buffer_never_samples_the_step_a_restart_took_the_place_of(clos
     assert algo.buffer.tensors["done"][5].tolist() == [False, True, True]
 
 
+
+def test_a_rollout_completed_by_a_restart_leaves_the_restarted_agents_out_of_its_update(
+        closing, tmp_path):
+    """Agents 1 and 2's env restarts in the rollout's last step (7 of 7): BatchPPO updates at
+    once, before begin_episodes; their segments, that non-step included, take no part."""
+    from batchrl.algos.ppo import BatchPPO
+
+    class Recording(BatchPPO):
+        def update(self, *args, **kwargs):
+            self.valid.append(self.memory.data()["valid"].clone())
+            return super().update(*args, **kwargs)
+
+    def make_algo(env):
+        algo = Recording(env.observation_space, env.action_space, 3, rollout_length=7,
+                         max_length=10, update_epochs=1, inference="eager", update_threads=1)
+        algo.valid = []
+        return algo
+
+    algo = run_over_a_restart(closing, tmp_path, make_algo)
+    first, second, third = algo.valid  # (steps 1-7, 8-14, 15-21)
+    assert first.tolist() == [[True] * 7, [False] * 7, [False] * 7]
+    assert second.all() and third.all()
+
+
+def test_a_rollout_completed_by_a_restart_is_learned_with_that_step_cut(closing, tmp_path):
+    """The same for a ``RolloutAlgorithm`` (IMPALA): the restarted agents' non-step is not
+    valid and ends their episodes (bootstrapping from nothing), as ``begin_episodes`` would."""
+    from batchrl.algos.impala import IMPALA
+
+    class Recording(IMPALA):
+        def learn(self, rollout):
+            self.rollouts.append(rollout.clone())
+            return super().learn(rollout)
+
+    def make_algo(env):
+        algo = Recording(env.observation_space, env.action_space, 3, rollout_length=7)
+        algo.rollouts = []
+        return algo
+
+    algo = run_over_a_restart(closing, tmp_path, make_algo)
+    first = algo.rollouts[0]
+    assert first.valid[:, 6].tolist() == [True, False, False]
+    assert first.done[:, 6].tolist() == [0.0, 1.0, 1.0]
+    assert first.valid[:, :6].all() and all(rollout.valid.all() for rollout in algo.rollouts[1:])
+
 def test_training_survives_a_crashed_env_and_counts_the_restart(tmp_path, capsys):
     once = str(tmp_path / "fired")
     config = load_config("cartpole", [

@@ -182,8 +182,9 @@ class Algorithm(abc.ABC):
         (``(K,)``) is no transition: their env was restarted after a failure instead of
         stepping (zero reward, the new episode's first observation as ``next_observ``), and
         ``begin_episodes`` for them follows. By default nothing: an algorithm that drops the
-        running episodes in ``begin_episodes`` loses the step with them; one that learns from
-        single steps (a replay buffer) must not learn from it."""
+        running episodes in ``begin_episodes`` loses the step with them, unless that step's
+        ``experience`` learns at once (a completed rollout); one that learns from single steps
+        (a replay buffer) must not learn from it."""
 
     @abc.abstractmethod
     def end_episodes(self, agent_indices: torch.Tensor) -> Summary:

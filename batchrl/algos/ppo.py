@@ -226,6 +226,7 @@ class BatchPPO(Algorithm):
         self._merged: dict[str, Statistics | None] = {"observ": None, "reward": None}
         # What perform() saw, for experience(), which may come after the next perform().
         self._performed: collections.deque[dict[str, torch.Tensor]] = collections.deque(maxlen=2)
+        self._lost: torch.Tensor | None = None  # agents whose next experience() is no step
 
     def build_networks(self, obs_size: int, action_space: gym.Space
                        ) -> tuple[Policy, nn.Module]:
@@ -339,12 +340,19 @@ class BatchPPO(Algorithm):
                 self.observ_normalizer.update(self._statistics_input(flat))
         return action, {}
 
+    def steps_lost(self, agent_indices: torch.Tensor) -> None:
+        # begin_episodes drops these agents' running segments after experience(), which is too
+        # late where that step completes a rollout: experience() drops them before the update.
+        if self.training and self.config.rollout_length is not None:
+            self._lost = agent_indices
+
     @torch.no_grad()
     def experience(self, agent_indices: torch.Tensor, observ: torch.Tensor,
                    action: torch.Tensor, reward: torch.Tensor, done: torch.Tensor,
                    next_observ: torch.Tensor, terminated: torch.Tensor) -> Summary:
         if not self.training:
             return {}
+        lost, self._lost = self._lost, None
         last = self._performed.popleft() if self._performed else None
         # simulate() passes the same index tensor to both: skip the comparison.
         if last is None or (last["agents"] is not agent_indices
@@ -353,6 +361,8 @@ class BatchPPO(Algorithm):
         self.memory.append(agent_indices, observ=last["observ"], action=action,
                            mean_or_logits=last["mean_or_logits"], log_std=last["log_std"],
                            reward=reward, state=last["state"])
+        if lost is not None:  # (agent indices: simulate() gives every agent, in order)
+            self.memory.discard(lost)
         # (all learners step alike: the run's env steps are this learner's times their number)
         self.env_steps += agent_indices.shape[0] * (self.learners.size if self.learners else 1)
         if self.config.reward_scale == "return":

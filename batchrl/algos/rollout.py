@@ -49,6 +49,7 @@ class RolloutAlgorithm(Algorithm):
         self.updates = 0
         self._buffer: RolloutBuffer | None = None  # made on first use: behaviour_fields()
         self._agents = torch.arange(num_agents, device=self.device)
+        self._lost: torch.Tensor | None = None  # agents whose next experience() is no step
 
     @property
     def buffer(self) -> RolloutBuffer:
@@ -82,13 +83,20 @@ class RolloutAlgorithm(Algorithm):
             self.buffer.act(observ, action, behaviour)
         return action, {}
 
+    def steps_lost(self, agent_indices: torch.Tensor) -> None:
+        if self.training:
+            self._lost = agent_indices
+
     def experience(self, agent_indices: torch.Tensor, observ: torch.Tensor,
                    action: torch.Tensor, reward: torch.Tensor, done: torch.Tensor,
                    next_observ: torch.Tensor, terminated: torch.Tensor) -> Summary:
         if not self.training:
             return {}
+        lost, self._lost = self._lost, None
         buffer = self.buffer
         buffer.outcome(reward, done, terminated, next_observ)
+        if lost is not None:  # cut before a full rollout is learned (begin_episodes is later)
+            buffer.cut(lost)
         if not buffer.full:
             return {}
         summary = self.learn(buffer.rollout())
