@@ -35,7 +35,7 @@ import torch
 from batchrl.algos.base import Algorithm
 from batchrl.collectors import CollectorSpec, LocalCollectors
 from batchrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, serialize
-from batchrl.config import Config, ConfigError, save_config
+from batchrl.config import Config, ConfigError, config_class, save_config
 from batchrl.envs.errors import EnvError
 from batchrl.envs.factory import make_batch_env
 from batchrl.hardware import usable_cores
@@ -143,21 +143,39 @@ def check_collectors(config: Config, algo: Algorithm) -> None:
                           f"({agents}): each collector steps a share of the envs")
 
 
-def _join(algo: Algorithm, learners: LearnerGroup, preemption: float) -> None:
-    """Make ``algo`` one of ``learners`` (with DD-PPO's ``preemption`` threshold unless 0), or
-    say why it cannot be (``ConfigError``). Such an algorithm has ``join_learners`` and
-    ``synchronize``; with preemption also ``updates`` and ``env_steps``, the counts of its
-    updates and of all learners' env steps (exact after each update), which the phases go by."""
-    needed = ("join_learners", "synchronize") + (("updates", "env_steps") if preemption else ())
-    if not all(hasattr(algo, name) for name in needed):
-        reason = (f"{type(algo).__name__} cannot be one of several learners (no "
-                  f"{' and '.join(needed)})")
+def check_learner_support(config: Config, learners: int, algo: Algorithm | None = None
+                          ) -> None:
+    """``ConfigError`` when the configured algorithm cannot be one of ``learners`` learners:
+    said by ``algo`` itself, or without one (before any learner starts) by its class and its
+    hyperparameter class's ``learner_support`` (where it has one). Such an algorithm has
+    ``join_learners`` and ``synchronize``; with preemption its instances also have
+    ``updates`` and ``env_steps``, the counts of its updates and of all learners' env steps
+    (exact after each update), which the phases go by."""
+    needed = ["join_learners", "synchronize"]
+    if algo is None:
+        holder = config.algorithm.cls
+        schema = config_class(config.algorithm.path)
+        judge = (schema(**config.algorithm.keys) if hasattr(schema, "learner_support")
+                 else None)
     else:
-        support = getattr(algo, "learner_support", None)
-        reason = None if support is None else support(learners.size)
+        holder = judge = algo
+        if config.train.preemption_threshold:
+            needed += ["updates", "env_steps"]
+    support = getattr(judge, "learner_support", None)
+    if not all(hasattr(holder, name) for name in needed):
+        name = holder.__name__ if algo is None else type(algo).__name__
+        reason = f"{name} cannot be one of several learners (no {' and '.join(needed)})"
+    else:
+        reason = None if support is None else support(learners)
     if reason is not None:
-        raise ConfigError(f"train.learners = {learners.size}: {reason}; or set "
-                          f"train.learners = 1")
+        raise ConfigError(f"train.learners = {learners}: {reason}; or set train.learners = 1")
+
+
+def _join(algo: Algorithm, config: Config, learners: LearnerGroup) -> None:
+    """Make ``algo`` one of ``learners`` (with DD-PPO's preemption threshold unless 0), or say
+    why it cannot be (``ConfigError``, see ``check_learner_support``)."""
+    check_learner_support(config, learners.size, algo)
+    preemption = config.train.preemption_threshold
     if preemption:
         algo.join_learners(learners, preemption=preemption)
     else:
@@ -546,7 +564,7 @@ class Trainer:
             if config.train.collectors:
                 check_collectors(config, algo)
             if learners is not None:
-                _join(algo, learners, config.train.preemption_threshold)
+                _join(algo, config, learners)
                 # The writer's initial weights for all; then a random stream of their own.
                 algo.load_state_dict(learners.broadcast(algo.state_dict()))
                 torch.manual_seed(config.train.seed * 1_000_003 + learners.rank)

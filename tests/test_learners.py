@@ -345,4 +345,25 @@ def test_an_algorithm_that_cannot_be_one_of_several_learners_is_named(tmp_path):
     assert code == 2, (stdout, stderr)
     assert ("error: train.learners = 2: several learners need fixed-length rollouts"
             in stderr), stderr
+    assert "learners, cores" not in stdout  # refused before any learner started
     assert wait_gone(in_session(process.pid), 10) == []  # no learner left behind
+
+
+@pytest.mark.parametrize("name, overrides, message", [
+    ("cartpole", [], "several learners need fixed-length rollouts (every learner must take "
+     "the same gradient steps per update): set algorithm.rollout_length"),
+    ("halfcheetah", ["algorithm.minibatch_size=99"],
+     "algorithm.minibatch_size (99) is the batch of a gradient step over all learners and "
+     "must be divisible by train.learners (2)"),
+    ("sac/hopper", [], "SAC cannot be one of several learners (no join_learners and "
+     "synchronize)"),
+])
+def test_an_algorithm_is_refused_as_one_of_several_learners_from_its_config_alone(
+        name, overrides, message):
+    from batchrl.config import ConfigError
+    from batchrl.trainer import check_learner_support
+    config = load_config(name, ["train.learners=2", "env.num_agents=4", *overrides])
+    with pytest.raises(ConfigError) as error:
+        check_learner_support(config, 2)
+    assert str(error.value) == f"train.learners = 2: {message}; or set train.learners = 1"
+    check_learner_support(load_config("halfcheetah", ["train.learners=2"]), 2)  # (fine)

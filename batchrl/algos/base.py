@@ -104,7 +104,9 @@ class Algorithm(abc.ABC):
 
     Several learners (``train.learners = M``): each learner process holds a copy of the
     algorithm and steps its share of the envs. An algorithm takes part with three methods
-    (BatchPPO has them): ``learner_support(M)`` says why it cannot (or ``None``);
+    (BatchPPO has them): ``learner_support(M)`` says why it cannot (or ``None``; where the
+    hyperparameter class has a ``learner_support(M)`` too, the run is refused from the config
+    before any learner starts);
     ``join_learners(group)`` hands it the ``batchrl.parts.distributed.LearnerGroup`` whose
     collectives it calls in the same order on every learner (BatchPPO averages its gradients
     after every backward pass and merges its statistics before every update); and

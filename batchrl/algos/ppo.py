@@ -495,18 +495,9 @@ class BatchPPO(Algorithm):
     # -- several learners ------------------------------------------------------------
 
     def learner_support(self, learners: int) -> str | None:
-        """Why this instance cannot be one of ``learners`` learners, or ``None``: each
-        learner must take the same number of gradient steps per update."""
-        config = self.config
-        if config.rollout_length is None:
-            return ("several learners need fixed-length rollouts (every learner must take "
-                    "the same gradient steps per update): set algorithm.rollout_length")
-        for name in ("minibatch_size", "batch_size"):
-            value = getattr(config, name)
-            if value is not None and value % learners:
-                return (f"algorithm.{name} ({value}) is the batch of a gradient step over all "
-                        f"learners and must be divisible by train.learners ({learners})")
-        return None
+        """Why this instance cannot be one of ``learners`` learners, or ``None`` (its
+        config's ``learner_support``)."""
+        return self.config.learner_support(learners)
 
     def synchronize(self) -> None:
         """Merge every learner's normaliser statistics (a collective: all learners call it);

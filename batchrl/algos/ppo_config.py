@@ -109,3 +109,16 @@ class PPOConfig:
                     raise ValueError(f"{name} needs network='feed_forward': a recurrent "
                                      f"policy trains on whole episodes (or chunk_length "
                                      f"chunks) of them, batch_size at a time")
+
+    def learner_support(self, learners: int) -> str | None:
+        """Why BatchPPO with these settings cannot be one of ``learners`` learners, or
+        ``None``: each learner must take the same number of gradient steps per update."""
+        if self.rollout_length is None:
+            return ("several learners need fixed-length rollouts (every learner must take "
+                    "the same gradient steps per update): set algorithm.rollout_length")
+        for name in ("minibatch_size", "batch_size"):
+            value = getattr(self, name)
+            if value is not None and value % learners:
+                return (f"algorithm.{name} ({value}) is the batch of a gradient step over all "
+                        f"learners and must be divisible by train.learners ({learners})")
+        return None

@@ -34,7 +34,7 @@ from batchrl.config import Config, ConfigError
 from batchrl.hardware import usable_cores
 from batchrl.interrupt import Interrupted, start_worker
 from batchrl.parts.distributed import LearnerGroup, launched_by_torchrun, preemption_count
-from batchrl.trainer import Trainer, on_a_cluster, resolve_device
+from batchrl.trainer import Trainer, check_learner_support, on_a_cluster, resolve_device
 
 
 class LearnerError(RuntimeError):
@@ -43,7 +43,8 @@ class LearnerError(RuntimeError):
 
 def check_learners(config: Config, learners: int, local: bool = True) -> None:
     """``ConfigError`` when ``learners`` learners cannot run ``config`` (here, with
-    ``local``: one machine's cores or GPUs)."""
+    ``local``: one machine's cores or GPUs), the algorithm's class and hyperparameters
+    included (``check_learner_support``)."""
     agents = config.env.num_agents
     if agents % learners:
         raise ConfigError(f"env.num_agents ({agents}) must be divisible by train.learners "
@@ -56,20 +57,22 @@ def check_learners(config: Config, learners: int, local: bool = True) -> None:
             preemption_count(config.train.preemption_threshold, learners)
         except ValueError as exc:
             raise ConfigError(f"train.preemption_threshold: {exc}") from None
-    if not local:
-        return
-    device = resolve_device(config.train.device)
-    if device.type == "cuda" and device.index is not None:
-        raise ConfigError(f"train.device = {config.train.device!r} puts every learner on one "
-                          f"GPU: use 'cuda' (or 'auto'), and learner r takes cuda:r")
-    if device.type == "cuda":
-        gpus = torch.cuda.device_count()
-        if learners > gpus:
-            raise ConfigError(f"train.learners ({learners}) is more than the {gpus} GPUs "
-                              f"here: each learner takes one (or set train.device = 'cpu')")
-    elif learners > usable_cores():
-        raise ConfigError(f"train.learners ({learners}) is more than the {usable_cores()} "
-                          f"usable CPU cores here: each learner needs at least one")
+    if local:
+        device = resolve_device(config.train.device)
+        if device.type == "cuda" and device.index is not None:
+            raise ConfigError(f"train.device = {config.train.device!r} puts every learner on "
+                              f"one GPU: use 'cuda' (or 'auto'), and learner r takes cuda:r")
+        if device.type == "cuda":
+            gpus = torch.cuda.device_count()
+            if learners > gpus:
+                raise ConfigError(f"train.learners ({learners}) is more than the {gpus} GPUs "
+                                  f"here: each learner takes one (or set train.device = "
+                                  f"'cpu')")
+        elif learners > usable_cores():
+            raise ConfigError(f"train.learners ({learners}) is more than the "
+                              f"{usable_cores()} usable CPU cores here: each learner needs "
+                              f"at least one")
+    check_learner_support(config, learners)
 
 
 def run(config: Config, logdir: Path, progress: bool = True,
