@@ -389,8 +389,8 @@ def test_a_replacement_the_shrunken_cluster_has_no_room_for_stops_the_run(cluste
     killer.start()
     with pytest.raises(CollectorError, match=r"collector 0's replacement found no room on the "
                                              r"Ray cluster within 5 s: 1 collector with "
-                                             r"env.ray_resources=\{'CPU': 1, 'lost_node': 0.1\} "
-                                             r"need lost_node=0.1 in all, but the Ray cluster "
+                                             r"env.ray_resources=\{'CPU': 1, 'lost_node': 0.1\}: "
+                                             r"lost_node=0.1 needed in all, but the Ray cluster "
                                              r"has lost_node=0; add nodes"):
         trainer.run()
     killer.join(5)
@@ -404,8 +404,8 @@ def test_more_collectors_than_the_cluster_holds_is_an_error_before_work_starts(c
     values = config(collectors=4)
     values["env"].update(backend="ray", ray_address=cluster.address, num_agents=4,
                          ray_resources={"CPU": 1})
-    with pytest.raises(CollectorError, match=r"4 collectors with env.ray_resources=\{'CPU': 1\} "
-                                             r"need CPU=4 in all, but the Ray cluster has "
+    with pytest.raises(CollectorError, match=r"4 collectors with env.ray_resources=\{'CPU': 1\}: "
+                                             r"CPU=4 needed in all, but the Ray cluster has "
                                              r"CPU=3"):
         Trainer(build_config(values), tmp_path, progress=False).run()
     cluster.wait_idle()

@@ -309,7 +309,7 @@ def test_a_ray_cluster_without_room_for_the_learners_is_an_error(cluster, tmp_pa
                                          "env.num_agents=3", "algorithm.minibatch_size=99",
                                          "train.learner_resources={CPU = 2}"])
     with pytest.raises(EnvSpecError, match=r"2 more learners with train.learner_resources="
-                                           r"\{'CPU': 2\} need CPU=4 in all, but the Ray "
+                                           r"\{'CPU': 2\}: CPU=4 needed in all, but the Ray "
                                            r"cluster has CPU=3"):
         run(config, tmp_path, progress=False)
     cluster.wait_idle()

@@ -247,7 +247,9 @@ def test_batchrl_connects_and_disconnects_the_driver_itself(cluster, closing):
 
 
 def test_resources_the_cluster_lacks_are_an_error_before_any_actor(closing):
-    with pytest.raises(EnvSpecError, match=r"need gpu_node=2 in all, but the Ray cluster has "
+    with pytest.raises(EnvSpecError, match=r"2 Ray env workers with env.ray_resources=\{'CPU': 1, "
+                                           r"'gpu_node': 1\}: gpu_node=2 needed in all, but "
+                                           r"the Ray cluster has "
                                            r"gpu_node=0; lower env.workers"):
         batch_env_from(make_cartpole, 2, backend="ray", workers=2,
                        ray_resources={"CPU": 1, "gpu_node": 1})

@@ -144,9 +144,9 @@ def check_placement(ray: Any, collectors: int, resources: dict[str, float]) -> N
     each (they would wait for them forever)."""
     shortage = ray_cluster.missing_resources(ray, collectors, resources)
     if shortage:
-        raise CollectorError(f"{collectors} collectors with env.ray_resources={resources} "
-                             f"{shortage}; lower train.collectors or env.ray_resources, or "
-                             f"add nodes")
+        raise CollectorError(f"{collectors} collector{'s' * (collectors != 1)} with "
+                             f"env.ray_resources={resources}: {shortage}; lower "
+                             f"train.collectors or env.ray_resources, or add nodes")
 
 
 class RayCollectors:
@@ -223,7 +223,7 @@ class RayCollectors:
             raise CollectorError(
                 f"collector {index}'s replacement found no room on the Ray cluster within "
                 f"{self.placement_timeout:g} s: {count} collector{'s' * (count != 1)} with "
-                f"env.ray_resources={self.resources} {shortage}; add nodes, or lower "
+                f"env.ray_resources={self.resources}: {shortage}; add nodes, or lower "
                 f"train.collectors or env.ray_resources")
         self.replacements.report(f"collector {index}'s replacement is still waiting for the "
                                  f"Ray cluster after {self.placement_timeout:g} s")

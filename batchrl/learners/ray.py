@@ -40,9 +40,9 @@ class RayLearners:
         try:
             shortage = ray_cluster.missing_resources(ray, count, resources)
             if shortage:
-                raise EnvSpecError(f"{count} more learners with train.learner_resources="
-                                   f"{resources} {shortage}; lower train.learners or "
-                                   f"train.learner_resources, or add nodes")
+                raise EnvSpecError(f"{count} more learner{'s' * (count != 1)} with "
+                                   f"train.learner_resources={resources}: {shortage}; lower "
+                                   f"train.learners or train.learner_resources, or add nodes")
             from ray.util.placement_group import placement_group
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
             bundle = {"CPU": 1, **resources}

@@ -113,14 +113,16 @@ def plan_workers(ray: ModuleType, workers: int, num_envs: int,
     workers = min(workers, num_envs)
     shortage = missing_resources(ray, workers, resources)
     if shortage:
-        raise EnvSpecError(f"{workers} Ray env workers with env.ray_resources={resources} "
-                           f"{shortage}; lower env.workers or env.ray_resources, or add nodes")
+        raise EnvSpecError(f"{workers} Ray env worker{'s' * (workers != 1)} with "
+                           f"env.ray_resources={resources}: {shortage}; lower env.workers or "
+                           f"env.ray_resources, or add nodes")
     return workers
 
 
 def missing_resources(ray: ModuleType, actors: int, resources: dict[str, float]) -> str | None:
     """What the cluster lacks for ``actors`` actors of ``resources`` each (CPU 1 unless
-    given), as ``"need CPU=4 in all, but the Ray cluster has CPU=3"``; ``None`` if nothing."""
+    given), as ``"CPU=4 needed in all, but the Ray cluster has CPU=3"``; ``None`` if
+    nothing."""
     total = ray.cluster_resources()
     need = {name: amount * actors for name, amount in {"CPU": 1, **resources}.items()
             if amount > 0}
@@ -129,4 +131,4 @@ def missing_resources(ray: ModuleType, actors: int, resources: dict[str, float])
         return None
     wanted = ", ".join(f"{name}={amount:g}" for name, amount in short.items())
     have = ", ".join(f"{name}={total.get(name, 0):g}" for name in short)
-    return f"need {wanted} in all, but the Ray cluster has {have}"
+    return f"{wanted} needed in all, but the Ray cluster has {have}"
