@@ -43,12 +43,15 @@ def serialize(state: dict[str, Any]) -> bytes:
 
 def save_checkpoint(logdir: Path, step: int, state: dict[str, Any] | bytes,
                     keep: int = 3) -> Path:
-    """Atomically write ``state`` (a dict, or ``serialize``'s bytes) as the
-    checkpoint of ``step``; keep the newest ``keep``."""
+    """Atomically write ``state`` (a dict, streamed to the file without a copy in memory, or
+    ``serialize``'s bytes) as the checkpoint of ``step``; keep the newest ``keep``."""
     path = Path(logdir) / f"ckpt-{step:012d}.pt"
     temporary = path.with_name(path.name + ".tmp")
     with open(temporary, "wb") as file:
-        file.write(state if isinstance(state, bytes) else serialize(state))
+        if isinstance(state, bytes):
+            file.write(state)
+        else:
+            torch.save(state, file)
         file.flush()
         os.fsync(file.fileno())
     os.replace(temporary, path)

@@ -249,7 +249,8 @@ class Trainer:
         self.progress = progress
         self.handle_signals = handle_signals
         # (step, checkpoint bytes) of the last phase boundary; step of the newest on disk.
-        self._snapshot: tuple[int, bytes] | None = None
+        # (step, state) of the last phase boundary; state None once it is on disk.
+        self._snapshot: tuple[int, bytes | None] | None = None
         self._written: int | None = None
         self.device = resolve_device(config.train.device)
         if learners is not None and self.device.type == "cuda" and self.device.index is None:
@@ -649,11 +650,19 @@ class Trainer:
                          "algorithm": {key: algo_state[key] for key in algo.per_agent_state}})
                 if not self.writer:
                     continue
-                self._snapshot = (self.counters.steps, serialize(state))
+                # The last boundary's state, for a stop before the next one: written now if a
+                # checkpoint is due (straight from the live tensors, so a large replay buffer
+                # is never copied in memory), else a copy in memory (the older one freed first).
+                self._snapshot = None
                 if final or (due and evals % config.train.checkpoint_every == 0):
                     if not config.train.eval_episodes:
                         self.log.plot()  # else redrawn after every evaluation
-                    self._save_snapshot()
+                    save_checkpoint(self.logdir, self.counters.steps, state,
+                                    config.train.keep_checkpoints)
+                    self._written = self.counters.steps
+                    self._snapshot = (self.counters.steps, None)
+                else:
+                    self._snapshot = (self.counters.steps, serialize(state))
         except Interrupted as exc:
             checkpoint = self._save_snapshot()
             raise TrainingInterrupted(exc.signum, checkpoint, self._written or 0) from None

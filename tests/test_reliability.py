@@ -259,3 +259,27 @@ def test_env_failure_saves_the_last_phase_boundary(tmp_path):
         (records[-1]["phase"] == "train" and state["counters"]["steps"] == records[-2]["step"])
     assert state["counters"]["phases"] == sum(r["step"] <= state["counters"]["steps"]
                                               for r in records)
+
+
+def test_a_due_checkpoint_is_written_from_the_live_state_without_a_copy_in_memory(
+        tmp_path, monkeypatch):
+    """Boundaries whose checkpoint is due stream the state to the file (a large replay buffer
+    is never copied in memory); only the others keep an in-memory copy (``serialize``), for a
+    stop before the next boundary."""
+    import batchrl.trainer
+    copies = []
+    serialize = batchrl.trainer.serialize
+    monkeypatch.setattr(batchrl.trainer, "serialize",
+                        lambda state: copies.append(state["counters"]["steps"])
+                        or serialize(state))
+    logdir = tmp_path / "run"
+    config = load_config("cartpole", CARTPOLE + ["train.checkpoint_every=2",
+                                                 "train.keep_checkpoints=100",
+                                                 "train.phase_steps=500", "train.steps=2500"])
+    Trainer(config, logdir, progress=False).run()
+    boundaries = [r["step"] for r in read_metrics(logdir) if r["phase"] == "eval"]
+    written = [int(load_checkpoint(path)["counters"]["steps"])
+               for path in list_checkpoints(logdir)]
+    assert written == boundaries[1::2] + ([boundaries[-1]] if len(boundaries) % 2 else [])
+    assert copies == [step for step in boundaries if step not in written]
+    assert len(copies) >= 2
