@@ -37,6 +37,8 @@ def test_training_envs_clip_rewards_and_end_with_a_life_evaluation_envs_do_not()
         assert train.observation_space.shape == (84, 84, 4)  # (frames on the last axis)
         assert train.observation_space.dtype == np.uint8
         assert "ClipReward" in wrappers(train) and "ClipReward" not in wrappers(evaluate)
+        assert "PlayOnAfterLifeLoss" in wrappers(train)
+        assert "PlayOnAfterLifeLoss" not in wrappers(evaluate)
         assert train.get_wrapper_attr("terminal_on_life_loss") is True
         assert evaluate.get_wrapper_attr("terminal_on_life_loss") is False
         # Random play: the training episode ends with the first lost life, the evaluation
@@ -58,6 +60,37 @@ def test_training_envs_clip_rewards_and_end_with_a_life_evaluation_envs_do_not()
     finally:
         train.close()
         evaluate.close()
+
+
+def test_a_training_episode_after_a_lost_life_plays_on_with_the_lives_left():
+    """As the papers' wrappers: the reset after a lost life continues the game (its frame
+    count goes on); after the last life, or with a seed, a new game starts."""
+    env = make("ALE/Breakout-v5", sticky_actions=0.0)
+    ale = env.unwrapped.ale
+    rng = np.random.default_rng(0)
+    try:
+        env.reset(seed=0)
+        lives = []
+        for _ in range(20_000):
+            _, _, terminated, truncated, info = env.step(int(rng.integers(4)))
+            assert not truncated
+            if terminated:
+                frame = info["episode_frame_number"]
+                observ, info = env.reset()
+                assert observ.dtype == np.uint8 and observ.shape == (84, 84, 4)
+                lives.append(ale.lives())
+                if lives[-1] == 5:  # the game was over: a new one
+                    break
+                assert info["episode_frame_number"] == frame + 4  # (one no-op step on)
+        assert lives == [4, 3, 2, 1, 5]
+        for _ in range(2000):  # a seeded reset after a lost life starts a new game
+            if env.step(int(rng.integers(4)))[2]:
+                break
+        assert ale.lives() == 4
+        env.reset(seed=1)
+        assert ale.lives() == 5
+    finally:
+        env.close()
 
 
 def test_every_atari_config_plays_a_game_with_pixels():

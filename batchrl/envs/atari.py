@@ -8,11 +8,11 @@ The observation is a stack of the last ``frame_stack`` 84x84 grayscale frames on
 which the envs write once per step instead of the network rearranging every frame in every pass
 of an update): bytes through every transport and into the rollout memory, scaled to ``[0, 1]``
 by the network (``algorithm.torso = "nature_cnn"``). Training envs end an
-episode when a life is lost and clip rewards to ``[-1, 1]``; evaluation envs (``training=False``,
-the configs' ``env.eval_kwargs``) play whole games and report raw scores, as the papers' tables
-do. Gymnasium's ``AtariPreprocessing`` starts a new game at the reset after a lost life, where
-the papers' wrappers played on with the lives left: in games with lives (Breakout) training
-sees only first lives. No FIRE is pressed after a reset: the policy learns to serve.
+episode when a life is lost and clip rewards to ``[-1, 1]``; the reset after a lost life plays
+on with the lives left (``PlayOnAfterLifeLoss``), as the papers' wrappers and ale-py's vector
+env do. Evaluation envs (``training=False``, the configs' ``env.eval_kwargs``) play whole games
+and report raw scores, as the papers' tables do. No FIRE is pressed after a reset: the policy
+learns to serve.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ except ImportError as exc:  # (named in the config error train.py prints)
 
 gym.register_envs(ale_py)
 
-__all__ = ["make", "make_vector"]
+__all__ = ["PlayOnAfterLifeLoss", "make", "make_vector"]
 
 
 def _channels_last(frames: np.ndarray) -> np.ndarray:
@@ -44,6 +44,33 @@ def _channels_last(frames: np.ndarray) -> np.ndarray:
 
 def _stack_space(screen_size: int, frame_stack: int) -> gym.spaces.Box:
     return gym.spaces.Box(0, 255, (screen_size, screen_size, frame_stack), np.uint8)
+
+
+class PlayOnAfterLifeLoss(gym.Wrapper):
+    """Around ``AtariPreprocessing(terminal_on_life_loss=True)``: an unseeded ``reset`` after
+    an episode that ended with a lost life (the game not over) continues the game with a no-op
+    step instead of starting a new one, so training sees every life of a game while its
+    episodes still end with each life. A seeded reset, or one after the game ended or was
+    truncated, starts a new game (with the preprocessing's no-op starts)."""
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        self._life_lost = False
+
+    def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
+        observ, reward, terminated, truncated, info = self.env.step(action)
+        self._life_lost = (terminated and not truncated
+                           and not self.env.unwrapped.ale.game_over())
+        return observ, reward, terminated, truncated, info
+
+    def reset(self, *, seed: int | None = None,
+              options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+        life_lost, self._life_lost = self._life_lost, False
+        if life_lost and seed is None and options is None:
+            observ, _, terminated, truncated, info = self.env.step(0)
+            if not (terminated or truncated):
+                return observ, info
+        return self.env.reset(seed=seed, options=options)
 
 
 def make(env_id: str = "ALE/Pong-v5", training: bool = True, sticky_actions: float = 0.25,
@@ -56,7 +83,8 @@ def make(env_id: str = "ALE/Pong-v5", training: bool = True, sticky_actions: flo
     ``FrameStackObservation`` of ``frame_stack`` frames.
 
     Args:
-      training: with ``terminal_on_life_loss``, a lost life terminates the episode; with
+      training: with ``terminal_on_life_loss``, a lost life terminates the episode (and the
+        next episode plays on with the lives left, ``PlayOnAfterLifeLoss``); with
         ``clip_rewards``, rewards are clipped to ``[-1, 1]`` (their sign, for integer
         scores). ``False``: whole games and raw scores, for evaluation.
       sticky_actions: the probability that the emulator repeats the previous action
@@ -70,9 +98,11 @@ def make(env_id: str = "ALE/Pong-v5", training: bool = True, sticky_actions: flo
     # cheapest that it accepts)
     env = gym.make(env_id, frameskip=1, repeat_action_probability=sticky_actions,
                    obs_type="grayscale", full_action_space=full_action_space, **kwargs)
+    life_episodes = training and terminal_on_life_loss
     env = AtariPreprocessing(env, noop_max=noop_max, frame_skip=frame_skip,
-                             screen_size=screen_size,
-                             terminal_on_life_loss=training and terminal_on_life_loss)
+                             screen_size=screen_size, terminal_on_life_loss=life_episodes)
+    if life_episodes:
+        env = PlayOnAfterLifeLoss(env)
     if training and clip_rewards:
         env = ClipReward(env, -1.0, 1.0)
     env = FrameStackObservation(env, frame_stack)
@@ -90,7 +120,8 @@ def make_vector(num_envs: int, env_id: str = "ALE/Pong-v5", training: bool = Tru
     for ``env.vector_id = "batchrl.envs.atari:make_vector"``. Its preprocessing is ale-py's
     native one: the same steps as Gymnasium's wrappers, not the same pixels (another resize), so
     runs on it do not repeat runs on ``make``'s envs. A lost life ends a training episode and the
-    game goes on with the lives left (as in the papers); no FIRE is pressed after a reset.
+    game goes on with the lives left (as ``make``'s envs and the papers do); no FIRE is pressed
+    after a reset.
 
     Args:
       max_episode_steps: the time limit in agent steps (``env.max_length``); none: ale-py's
