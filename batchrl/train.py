@@ -231,6 +231,11 @@ def _configure(args: argparse.Namespace, command: str) -> tuple[Config, Path, Pa
                 f"{named.env.id} with {named.algorithm.name}; {resume} or choose a new "
                 f"--logdir")
     else:
+        if args.logdir is not None and any(args.logdir.glob("ckpt-*.pt")):
+            # (the checkpoints would resume under a config they were not trained with)
+            raise ConfigError(f"{args.logdir} holds checkpoints but no {CONFIG_FILE}, the "
+                              f"config they resume with: restore it (each checkpoint holds "
+                              f"its run's config, under 'config') or choose a new --logdir")
         config = load_config(args.config, args.overrides + steps)
     resolve_constructor(config.env.id, config.env.kwargs, config.env.max_length)
     logdir = args.logdir or (

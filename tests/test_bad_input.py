@@ -85,6 +85,9 @@ def make_cases(tmp: Path) -> dict[str, tuple[list[str], int, list[str]]]:
     invalid = tmp / "invalid-config"
     invalid.mkdir()
     (invalid / "config.json").write_text(json.dumps({"env": {"num_agents": 0}}))
+    deleted = tmp / "deleted-config"  # (the file's contents are never read)
+    deleted.mkdir()
+    (deleted / "ckpt-000000001000.pt").write_bytes(b"")
     envs = "--config", "cartpole", *TINY
     return {
         "steps 0": (["--config", "cartpole", "--steps", "0"], 2,
@@ -106,6 +109,10 @@ def make_cases(tmp: Path) -> dict[str, tuple[list[str], int, list[str]]]:
         "corrupt saved config": (["--config", "cartpole", "--logdir", str(corrupt)], 2,
                                  [f"cannot read the saved config {corrupt / 'config.json'}",
                                   "restore the file"]),
+        "checkpoints without their config": (
+            ["--config", "cartpole", "--logdir", str(deleted)], 2,
+            [f"{deleted} holds checkpoints but no config.json, the config they resume with: "
+             f"restore it"]),
         "invalid saved config": (["--config", "cartpole", "--logdir", str(invalid)], 2,
                                  [f"the saved config {invalid / 'config.json'}",
                                   "env.num_agents must be >= 1, got 0"]),
