@@ -97,6 +97,13 @@ def test_auto_backend_is_native_where_it_steps_the_env():
     finally:
         native.close()
         workers.close()
+    # env.workers sets the threads of the one native batch.
+    threaded = make_batch_env("HalfCheetah-v5", 4, backend="native", workers=3)
+    try:
+        assert len({id(env) for env in threaded.envs}) == 1  # (each env's handle: the batch)
+        assert threaded.envs[0].batch.num_threads == 3
+    finally:
+        threaded.close()
     with pytest.raises(EnvSpecError, match="backend 'native' steps the env ids it knows, not "
                                            "constructors"):
         batch_env_from(lambda: gym.make("Hopper-v5"), 2, backend="native")

@@ -301,7 +301,8 @@ def make_batch_env(env_id: str, num_envs: int, max_length: int | None = None,
     ``workers`` and ``options`` are ``batch_env_from``'s; backend ``"vector"``
     steps them in vector envs built by ``vector_id`` instead (``vector_members``;
     of ``options`` only ``infos`` and ``max_restarts`` apply); backend ``"native"``
-    steps the MuJoCo tasks of ``batchrl.envs.mujoco_batch`` in one such vector env;
+    steps the MuJoCo tasks of ``batchrl.envs.mujoco_batch`` in one such vector env, with
+    ``workers`` threads (0: one per usable core);
     ``"auto"`` is ``"native"`` where that can step ``env_id``, else ``"workers"``
     (``choose_backend``).
     """
@@ -315,8 +316,11 @@ def make_batch_env(env_id: str, num_envs: int, max_length: int | None = None,
             raise EnvSpecError("env backend 'native' steps MuJoCo with mjbatch, which is not "
                                "installed: pip install 'batchrl[native]' (or use backend "
                                "'workers')")
+        # One batch whose native threads (workers; 0: one per usable core) step every env:
+        # several batches in this process would step one after another.
         backend, vector_id = "vector", NATIVE_VECTOR_ID
-        kwargs = {"env_id": env_id, **(kwargs or {})}
+        kwargs = {"env_id": env_id, **(kwargs or {}), "num_threads": workers}
+        workers = 1
     if backend == "vector":
         if not vector_id:
             raise EnvSpecError("env backend 'vector' needs vector_id, the function building "
