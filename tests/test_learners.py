@@ -64,6 +64,13 @@ def _learner(rank: int, port: int, results) -> None:
             batches.append(batch)
             normalizer.update(batch)
             merged = learners.merge(normalizer, merged)
+        # Gradients: b's only on learner 0 (zeros in its place on learner 1), c's on neither.
+        a, b, c = (torch.nn.Parameter(torch.zeros(size)) for size in (2, 3, 1))
+        a.grad = torch.full((2,), 1.0 + rank)
+        if rank == 0:
+            b.grad = torch.full((3,), 4.0)
+        learners.average_gradients([a, b, c])
+        grads = [None if p.grad is None else p.grad.tolist() for p in (a, b, c)]
         # BatchPPO: 3 updates on each learner's own Pendulum envs.
         torch.manual_seed(0)
         env = seeded_tensor_env("Pendulum-v1", 3, seed=100 * rank)
@@ -78,7 +85,7 @@ def _learner(rank: int, port: int, results) -> None:
         env.close()
         state = algo.state_dict()
         _put(results, rank, {
-            "batches": batches, "statistics": tuple(normalizer.statistics()),
+            "batches": batches, "statistics": tuple(normalizer.statistics()), "grads": grads,
             "policy": state["policy"], "value": state["value"],
             "observ_normalizer": state["observ_normalizer"],
             "reward_normalizer": state["reward_normalizer"], "objective": state["objective"],
@@ -103,6 +110,11 @@ def test_learners_hold_identical_weights_after_every_update(two_learners):
     assert not torch.equal(first["running_return"], second["running_return"])
     # The learning-rate clock counts the run's env steps, both learners'.
     assert first["env_steps"] == 2 * 3 * 16 * 3
+
+
+def test_a_gradient_one_learner_lacks_is_averaged_with_zeros_on_both(two_learners):
+    for rank in (0, 1):
+        assert two_learners[rank]["grads"] == [[1.5, 1.5], [2.0, 2.0, 2.0], None]
 
 
 def test_merged_statistics_are_one_normalisers_over_the_union(two_learners):

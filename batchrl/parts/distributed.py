@@ -90,18 +90,33 @@ class LearnerGroup:
 
     def average_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
         """Replace each parameter's ``.grad`` by its mean over the learners: one all-reduce
-        of all of them in a single flat tensor. Every learner must hold gradients for the
-        same parameters (they run the same networks on the same shapes)."""
-        grads = [p.grad for p in parameters if p.grad is not None]
-        if not grads:
+        of all of them in a single flat tensor. Every learner passes the same parameters (the
+        same networks); a learner whose step left a parameter without a gradient counts
+        zeros for it, and the parameter gets the mean if another learner's step gave it one
+        (so the learners' all-reduces always match and their parameters stay identical)."""
+        parameters = list(parameters)
+        if not parameters:
             return
-        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        given = [p.grad is not None for p in parameters]
+        device = parameters[0].device
+        # (after the gradients: how many learners had each one)
+        flat = torch.cat([p.grad.reshape(-1) if has else
+                          torch.zeros(p.numel(), dtype=p.dtype, device=device)
+                          for p, has in zip(parameters, given)]
+                         + [torch.tensor(given, dtype=parameters[0].dtype, device=device)])
         dist.all_reduce(flat)
-        flat.div_(self.size)
+        counts = flat[-len(parameters):]
+        means = flat[:-len(parameters)].div_(self.size)
+        # (read on the host only by a learner that lacks a gradient: no wait otherwise)
+        others = None if all(given) else counts.tolist()
         offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        for index, (p, has) in enumerate(zip(parameters, given)):
+            mean = means[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if has:
+                p.grad.copy_(mean)
+            elif others[index]:
+                p.grad = mean.clone()
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         """The mean of ``value`` (any shape) over the learners, in float64."""
