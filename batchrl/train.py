@@ -212,6 +212,8 @@ def _configure(args: argparse.Namespace, command: str) -> tuple[Config, Path, Pa
     from batchrl.config import CONFIG_FILE, ConfigError, load_config, load_saved_config
     from batchrl.envs.factory import resolve_constructor
 
+    if args.steps is not None and args.steps < 1:  # (not a fault of a resumed run's config)
+        raise ConfigError(f"--steps: train.steps must be >= 1, got {args.steps}")
     steps = [] if args.steps is None else [f"train.steps={args.steps}"]
     if args.logdir is not None and (args.logdir / CONFIG_FILE).exists():
         if args.overrides:

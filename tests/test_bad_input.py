@@ -113,6 +113,9 @@ def make_cases(tmp: Path) -> dict[str, tuple[list[str], int, list[str]]]:
             ["--config", "cartpole", "--logdir", str(deleted)], 2,
             [f"{deleted} holds checkpoints but no config.json, the config they resume with: "
              f"restore it"]),
+        # (said before the saved config, here an invalid one, is read)
+        "steps 0 on resume": (["--config", "cartpole", "--logdir", str(invalid), "--steps",
+                               "0"], 2, ["error: --steps: train.steps must be >= 1, got 0\n"]),
         "invalid saved config": (["--config", "cartpole", "--logdir", str(invalid)], 2,
                                  [f"the saved config {invalid / 'config.json'}",
                                   "env.num_agents must be >= 1, got 0"]),
