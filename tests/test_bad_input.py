@@ -147,12 +147,14 @@ def make_cases(tmp: Path) -> dict[str, tuple[list[str], int, list[str]]]:
         "constructor raises, in process": (
             [*envs, "--set", "env.id=userenvs:raises"], 1,
             ["userenvs:raises failed in construct(): RuntimeError: the simulator licence "
-             "file is missing", 'userenvs.py", line 6, in raises']),
+             "file is missing", 'userenvs.py", line 6, in raises',
+             "Traceback in this process:"]),
         "constructor raises, in a worker": (
             [*envs, "--set", "env.id=userenvs:raises", "--set", "env.backend=workers",
              "--set", "env.share_main=false"], 1,
             ["env 0 (userenvs:raises) failed in construct(): RuntimeError: the simulator "
-             "licence file is missing", 'userenvs.py", line 6, in raises']),
+             "licence file is missing", 'userenvs.py", line 6, in raises',
+             "Traceback in the env worker:"]),
         "env raises mid-training": (
             [*envs, "--set", "env.id=batchrl.testing.faults:make", "--set",
              'env.kwargs={fault = "raise", at_step = 40}', "--set", "env.backend=process"], 1,

@@ -38,12 +38,13 @@ class EnvError(RuntimeError):
 
 class EnvRaisedError(EnvError):
     """The env raised an exception: ``remote_type`` (its type name),
-    ``remote_message`` and ``remote_traceback`` (formatted where it was raised)."""
+    ``remote_message`` and ``remote_traceback`` (formatted where it was raised: ``where``,
+    the env worker or this process)."""
 
     def __init__(self, label: str, operation: str, remote_type: str,
-                 remote_message: str, remote_traceback: str):
+                 remote_message: str, remote_traceback: str, where: str = "the env worker"):
         detail = (f"{remote_type}: {remote_message}\n\n"
-                  f"Traceback in the env worker:\n{remote_traceback.rstrip()}")
+                  f"Traceback in {where}:\n{remote_traceback.rstrip()}")
         super().__init__(label, operation, detail)
         self.remote_type = remote_type
         self.remote_message = remote_message

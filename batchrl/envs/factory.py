@@ -90,7 +90,7 @@ def build_in_process(constructor: Callable[[], gym.Env], label: str | None) -> g
         raise
     except Exception as exc:
         raise EnvRaisedError(label or "env", "construct", type(exc).__name__, str(exc),
-                             "".join(traceback.format_exception(exc))) from exc
+                             "".join(traceback.format_exception(exc)), "this process") from exc
 
 
 BACKENDS = ("auto", "workers", "process", "inline", "ray", "vector", "native")

@@ -90,7 +90,7 @@ class LocalWorker(KeptRequest, Worker):
 
     def _error(self, exc: Exception, operation: str, index: int) -> EnvRaisedError:
         error = EnvRaisedError(self.env_label(index), operation, type(exc).__name__, str(exc),
-                               "".join(traceback.format_exception(exc)))
+                               "".join(traceback.format_exception(exc)), "this process")
         error.worker_env_index = index
         return error
 

@@ -64,7 +64,8 @@ class VectorWorker(KeptRequest, Worker):
 
     def _error(self, exc: Exception, operation: str, index: int | None) -> EnvRaisedError:
         error = EnvRaisedError(self.label, operation, type(exc).__name__, str(exc),
-                               "".join(traceback.format_exception(exc)))
+                               "".join(traceback.format_exception(exc)),
+                               "this process" if self.in_process else "the env worker")
         if index is not None:
             error.worker_env_index = index
         return error
