@@ -103,13 +103,14 @@ def collector_plan(config: Config, algo: Algorithm, num_agents: int) -> tuple[in
 
 def _collector_env(config: Config, index: int, num_envs: int, seed: int) -> Any:
     """Collector ``index``'s batch env of ``num_envs`` envs, as ``[env]`` configures; with
-    ``env.workers = 0`` the usable cores are shared among the collectors of a machine. On a
-    Ray cluster the collector is the unit Ray places: backend ``"ray"`` steps its envs in
-    worker processes of the collector's node."""
+    ``env.workers = 0`` the usable cores are shared among the collectors of a machine (their
+    worker processes, or native threads; ``vector`` builds one vector env). On a Ray cluster
+    the collector is the unit Ray places: backend ``"ray"`` steps its envs in worker processes
+    of the collector's node."""
     env = config.env
     on_ray = on_a_cluster(config)
     backend = "workers" if env.backend == "ray" else env.chosen_backend
-    workers = env.workers or (1 if backend in ("vector", "native") else max(
+    workers = env.workers or (1 if backend == "vector" else max(
         1, usable_cores() // (1 if on_ray else config.train.collectors)))
     return make_batch_env(
         env.id, num_envs, env.max_length, env.kwargs, backend, workers,
@@ -146,8 +147,9 @@ def check_collectors(config: Config, algo: Algorithm) -> None:
 def check_learner_support(config: Config, learners: int, algo: Algorithm | None = None
                           ) -> None:
     """``ConfigError`` when the configured algorithm cannot be one of ``learners`` learners:
-    said by ``algo`` itself, or without one (before any learner starts) by its class and its
-    hyperparameter class's ``learner_support`` (where it has one). Such an algorithm has
+    said by ``algo`` itself, or without one (before any learner starts) by its class (whose
+    methods these must be) and its hyperparameter class's ``learner_support`` (where it has
+    one). Such an algorithm has
     ``join_learners`` and ``synchronize``; with preemption its instances also have
     ``updates`` and ``env_steps``, the counts of its updates and of all learners' env steps
     (exact after each update), which the phases go by."""
@@ -248,8 +250,8 @@ class Trainer:
         self.logdir = Path(logdir)
         self.progress = progress
         self.handle_signals = handle_signals
-        # (step, checkpoint bytes) of the last phase boundary; step of the newest on disk.
-        # (step, state) of the last phase boundary; state None once it is on disk.
+        # (step, state) of the last phase boundary, state None once it is on disk; the step of
+        # the newest on disk.
         self._snapshot: tuple[int, bytes | None] | None = None
         self._written: int | None = None
         self.device = resolve_device(config.train.device)

@@ -155,6 +155,10 @@ def make_cases(tmp: Path) -> dict[str, tuple[list[str], int, list[str]]]:
             ["env 0 (userenvs:raises) failed in construct(): RuntimeError: the simulator "
              "licence file is missing", 'userenvs.py", line 6, in raises',
              "Traceback in the env worker:"]),
+        "vector env constructor raises": (
+            [*envs, "--set", "env.backend=vector", "--set", "env.vector_id=userenvs:raises"], 1,
+            ["userenvs:raises failed in construct(): RuntimeError: the simulator licence file "
+             "is missing", "Traceback in this process:"]),
         "env raises mid-training": (
             [*envs, "--set", "env.id=batchrl.testing.faults:make", "--set",
              'env.kwargs={fault = "raise", at_step = 40}', "--set", "env.backend=process"], 1,

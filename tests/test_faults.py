@@ -303,7 +303,6 @@ def test_a_replay_buffer_never_samples_the_step_a_restart_took_the_place_of(clos
     assert algo.buffer.tensors["done"][5].tolist() == [False, True, True]
 
 
-
 def test_a_rollout_completed_by_a_restart_leaves_the_restarted_agents_out_of_its_update(
         closing, tmp_path):
     """Agents 1 and 2's env restarts in the rollout's last step (7 of 7): BatchPPO updates at
@@ -347,6 +346,7 @@ def test_a_rollout_completed_by_a_restart_is_learned_with_that_step_cut(closing,
     assert first.valid[:, 6].tolist() == [True, False, False]
     assert first.done[:, 6].tolist() == [0.0, 1.0, 1.0]
     assert first.valid[:, :6].all() and all(rollout.valid.all() for rollout in algo.rollouts[1:])
+
 
 def test_training_survives_a_crashed_env_and_counts_the_restart(tmp_path, capsys):
     once = str(tmp_path / "fired")

@@ -104,6 +104,16 @@ def test_auto_backend_is_native_where_it_steps_the_env():
         assert threaded.envs[0].batch.num_threads == 3
     finally:
         threaded.close()
+    # A collector's native batch takes its share of the usable cores (one collector: all).
+    from batchrl.config import load_config
+    from batchrl.hardware import usable_cores
+    from batchrl.trainer import _collector_env
+    config = load_config("halfcheetah", ["train.collectors=1", "env.num_agents=4"])
+    alone = _collector_env(config, 0, 4, seed=0)
+    try:
+        assert alone.envs[0].batch.num_threads == min(usable_cores(), 4)
+    finally:
+        alone.close()
     with pytest.raises(EnvSpecError, match="backend 'native' steps the env ids it knows, not "
                                            "constructors"):
         batch_env_from(lambda: gym.make("Hopper-v5"), 2, backend="native")

@@ -48,10 +48,12 @@ def _stack_space(screen_size: int, frame_stack: int) -> gym.spaces.Box:
 
 class PlayOnAfterLifeLoss(gym.Wrapper):
     """Around ``AtariPreprocessing(terminal_on_life_loss=True)``: an unseeded ``reset`` after
-    an episode that ended with a lost life (the game not over) continues the game with a no-op
-    step instead of starting a new one, so training sees every life of a game while its
-    episodes still end with each life. A seeded reset, or one after the game ended or was
-    truncated, starts a new game (with the preprocessing's no-op starts)."""
+    an episode that ended with a lost life (the game not over) continues the game with one
+    no-op step (its reward, if any, unreported) instead of starting a new one, so training
+    sees every life of a game while its episodes still end with each life. A seeded reset,
+    or one after the game ended or the emulator truncated it, starts a new game (with the
+    preprocessing's no-op starts); a time limit wrapped around this one that ends an episode
+    in the step that lost a life leaves the game to go on."""
 
     def __init__(self, env: gym.Env):
         super().__init__(env)

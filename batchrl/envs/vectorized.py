@@ -64,8 +64,7 @@ class VectorWorker(KeptRequest, Worker):
 
     def _error(self, exc: Exception, operation: str, index: int | None) -> EnvRaisedError:
         error = EnvRaisedError(self.label, operation, type(exc).__name__, str(exc),
-                               "".join(traceback.format_exception(exc)),
-                               "this process" if self.in_process else "the env worker")
+                               "".join(traceback.format_exception(exc)), "this process")
         if index is not None:
             error.worker_env_index = index
         return error

@@ -100,10 +100,12 @@ class LearnerGroup:
         given = [p.grad is not None for p in parameters]
         device = parameters[0].device
         # (after the gradients: how many learners had each one)
+        flags = (torch.ones(len(parameters), dtype=parameters[0].dtype, device=device)
+                 if all(given) else  # (a copy from the host only where a gradient is missing)
+                 torch.tensor(given, dtype=parameters[0].dtype, device=device))
         flat = torch.cat([p.grad.reshape(-1) if has else
                           torch.zeros(p.numel(), dtype=p.dtype, device=device)
-                          for p, has in zip(parameters, given)]
-                         + [torch.tensor(given, dtype=parameters[0].dtype, device=device)])
+                          for p, has in zip(parameters, given)] + [flags])
         dist.all_reduce(flat)
         counts = flat[-len(parameters):]
         means = flat[:-len(parameters)].div_(self.size)
