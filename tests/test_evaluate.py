@@ -261,6 +261,24 @@ def test_mujoco_video(tmp_path):
     assert first.ndim == 3 and first.shape[2] == 3 and first.std() > 5  # not a blank frame
 
 
+def test_a_video_of_another_algorithm_than_batchppo(tmp_path):
+    """SAC's run, filmed as BatchPPO's are: the video only needs the Algorithm interface."""
+    reason = _video_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    logdir = tmp_path / "sac"
+    Trainer(load_config("sac/halfcheetah", [
+        'env.id="Reacher-v5"', "env.num_agents=2", "env.max_length=50", "train.steps=200",
+        "train.phase_steps=200", "train.eval_episodes=2", "algorithm.buffer_size=1000",
+        "algorithm.learning_starts=100", "algorithm.batch_size=16", "algorithm.hidden=[16]"]),
+        logdir, progress=False).run()
+    video = tmp_path / "sac.mp4"
+    process = run_cli(logdir, "--episodes", "2", "--video", video, "--device", "cpu")
+    assert process.returncode == 0, process.stderr
+    assert "(102 frames, a camera following body 'body0')" in process.stdout
+    assert "  episode 2: return " in process.stdout and video.stat().st_size > 2000
+
+
 @pytest.fixture(scope="module")
 def pushed_cheetah_run(tmp_path_factory) -> Path:
     """A barely trained HalfCheetah that a wrapper pushes 0.25 m forward per step:
