@@ -234,7 +234,22 @@ def _video_skip_reason() -> str | None:
     return None
 
 
-def test_mujoco_video(tmp_path):
+# Reacher for 2 agents: BatchPPO (the reacher config) and SAC, filmed alike (the video needs
+# only the Algorithm interface).
+REACHER_RUNS = {
+    "batchppo": ("reacher", [
+        "env.backend=inline", "env.num_agents=2", "train.steps=100", "train.eval_episodes=2",
+        "algorithm.update_every=2", "algorithm.update_epochs=2", "algorithm.policy_layers=[16]",
+        "algorithm.value_layers=[16]", "algorithm.inference=\"eager\""]),
+    "sac": ("sac/halfcheetah", [
+        'env.id="Reacher-v5"', "env.num_agents=2", "env.max_length=50", "train.steps=200",
+        "train.phase_steps=200", "train.eval_episodes=2", "algorithm.buffer_size=1000",
+        "algorithm.learning_starts=100", "algorithm.batch_size=16", "algorithm.hidden=[16]"]),
+}
+
+
+@pytest.mark.parametrize("algorithm", REACHER_RUNS)
+def test_mujoco_video(tmp_path, algorithm):
     reason = _video_skip_reason()
     if reason:
         pytest.skip(reason)
@@ -242,10 +257,8 @@ def test_mujoco_video(tmp_path):
     import imageio_ffmpeg
 
     logdir = tmp_path / "reacher"
-    Trainer(load_config("reacher", [
-        "env.backend=inline", "env.num_agents=2", "train.steps=100", "train.eval_episodes=2",
-        "algorithm.update_every=2", "algorithm.update_epochs=2", "algorithm.policy_layers=[16]",
-        "algorithm.value_layers=[16]", "algorithm.inference=\"eager\""]), logdir, progress=False).run()
+    name, overrides = REACHER_RUNS[algorithm]
+    Trainer(load_config(name, overrides), logdir, progress=False).run()
     video = tmp_path / "out" / "reacher.mp4"
     process = run_cli(logdir, "--episodes", "2", "--video", video, "--device", "cpu")
     assert process.returncode == 0, process.stderr
@@ -259,24 +272,6 @@ def test_mujoco_video(tmp_path):
     assert frames == 102
     first = imageio.get_reader(video).get_data(0)
     assert first.ndim == 3 and first.shape[2] == 3 and first.std() > 5  # not a blank frame
-
-
-def test_a_video_of_another_algorithm_than_batchppo(tmp_path):
-    """SAC's run, filmed as BatchPPO's are: the video only needs the Algorithm interface."""
-    reason = _video_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    logdir = tmp_path / "sac"
-    Trainer(load_config("sac/halfcheetah", [
-        'env.id="Reacher-v5"', "env.num_agents=2", "env.max_length=50", "train.steps=200",
-        "train.phase_steps=200", "train.eval_episodes=2", "algorithm.buffer_size=1000",
-        "algorithm.learning_starts=100", "algorithm.batch_size=16", "algorithm.hidden=[16]"]),
-        logdir, progress=False).run()
-    video = tmp_path / "sac.mp4"
-    process = run_cli(logdir, "--episodes", "2", "--video", video, "--device", "cpu")
-    assert process.returncode == 0, process.stderr
-    assert "(102 frames, a camera following body 'body0')" in process.stdout
-    assert "  episode 2: return " in process.stdout and video.stat().st_size > 2000
 
 
 @pytest.fixture(scope="module")
