@@ -155,15 +155,22 @@ def pixel_memory() -> None:
     algo = BatchPPO(space, gym.spaces.Discrete(6), config.env.num_agents, total_steps=1,
                     **config.algorithm.keys)
     memory = algo.memory
-    steps = memory.num_agents * memory.length
-    total = sum(b.numel() * b.element_size() for b in memory.buffers.values())
-    frames = sum(memory.buffers[name].numel() for name in ("observ", "bootstrap_observ"))
-    as_float = total + frames * 3  # (4 bytes instead of 1 per pixel)
-    print(f"atari/pong rollout memory: {config.env.num_agents} agents x {memory.length} steps, "
+    agents, steps = memory.num_agents, memory.num_agents * memory.length
+    data = memory.data()
+    step_bytes = sum(b.numel() * b.element_size() for b in memory.buffers.values())
+    # End fields (the observation to bootstrap from): a row per segment end, at least one per
+    # agent and rollout (its cut), one more per episode that ends in it.
+    end_row = sum(data[name].shape[1:].numel() * data[name].element_size()
+                  for name in memory.end_fields)
+    total = step_bytes + agents * end_row
+    frame = int(np.prod(space.shape))
+    as_float = total + (steps + agents) * frame * 3  # (4 bytes instead of 1 per pixel)
+    print(f"atari/pong rollout memory: {agents} agents x {memory.length} steps, "
           f"{total / 2**20:.1f} MiB: {total / steps:,.0f} bytes per stored step "
-          f"(observation and bootstrap observation as uint8); with float32 frames "
+          f"(observations as uint8, {frame:,} bytes each; {end_row:,} bytes per segment end, "
+          f"counted once per agent: more where episodes end); with float32 frames "
           f"{as_float / steps:,.0f} bytes ({as_float / total:.2f}x). Transport: "
-          f"{space.shape[0] * 84 * 84:,} bytes per env step through shared memory.")
+          f"{frame:,} bytes per env step through shared memory.")
 
 
 def main() -> int:

@@ -646,19 +646,55 @@ def test_rollout_memory_segments_ends_and_cut():
     assert data["ends"].tolist() == [[False, False, True, True], [False, True, False, True],
                                      [False, False, False, True]]
     assert data["valid"].tolist() == [[False, False, False, True], [True] * 4, [True] * 4]
-    assert data["after"].tolist() == [[0.0, 0.0, 0.0, 1.0], [0.0, 7.0, 0.0, 2.0],
-                                      [0.0, 0.0, 0.0, 3.0]]
+    # End fields: a row per segment end, in the order of ends' true entries (the discarded
+    # segment's end has zeros).
+    assert data["after"].tolist() == [0.0, 1.0, 7.0, 2.0, 3.0]
     # A discard right after an end, or of an agent with nothing stored, changes nothing.
     memory.discard(agents)
     assert memory.data()["valid"].sum() == 9
     memory.clear()
     assert not memory.full and memory.stored == 0
     assert not memory.data()["ends"].any() and not memory.data()["valid"].any()
-    assert memory.data()["after"].abs().sum() == 0
+    assert memory.data()["after"].numel() == 0
     # Episodes go on in the next rollout: nothing left over from the last one.
     memory.discard(torch.tensor([2]))
     append_step(memory, agents, 5)
     assert memory.data()["valid"][:, 0].all() and not memory.data()["ends"].any()
+
+
+def test_rollout_memory_keeps_a_row_per_segment_end_and_grows_when_more_end():
+    memory = make_rollout(length=4)
+    agents = torch.arange(3)
+    for step in range(4):  # agents 0 and 2 end an episode at every step, in reverse order
+        append_step(memory, agents, step)
+        memory.end_segments(torch.tensor([2, 0]), after=torch.tensor([20.0 + step, step]))
+    memory.end_segments(agents, after=torch.tensor([-1.0, -2.0, -3.0]))
+    data = memory.data()
+    assert data["ends"].sum() == 9 and data["ends"][1].tolist() == [False] * 3 + [True]
+    assert data["after"].tolist() == [0.0, 1.0, 2.0, 3.0, -2.0, 20.0, 21.0, 22.0, 23.0]
+    # (a last end of agents 0 and 2 found nothing new to end)
+    assert memory.state_dict()["end_values"]["after"].shape == (9,)
+    memory.clear()
+    append_step(memory, agents, 0)
+    memory.end_segments(agents, after=torch.tensor([4.0, 5.0, 6.0]))
+    assert memory.data()["after"].tolist() == [4.0, 5.0, 6.0]
+
+
+def test_rollout_memory_loads_a_state_with_end_fields_at_every_step():
+    memory = make_rollout()
+    agents = torch.arange(3)
+    append_step(memory, agents, 1)
+    memory.end_segments(torch.tensor([2, 0]), after=torch.tensor([5.0, 4.0]))
+    append_step(memory, agents, 2)
+    state = memory.state_dict()
+    dense = torch.zeros(3, 4)
+    dense[0, 0], dense[2, 0] = 4.0, 5.0
+    old = {"buffers": {**state["buffers"], "after": dense}, "steps": state["steps"],
+           "segment_start": state["segment_start"]}
+    other = make_rollout()
+    other.load_state_dict(old)
+    for name, value in memory.data().items():
+        assert torch.equal(other.data()[name], value), name
 
 
 def test_rollout_memory_errors():

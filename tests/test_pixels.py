@@ -161,7 +161,7 @@ def drive(algo: BatchPPO, steps: int, seed: int = 0) -> list[dict]:
 def test_pixels_stay_bytes_in_memory_and_skip_the_observation_statistics():
     algo = pixel_ppo()
     assert algo.memory.buffers["observ"].dtype == torch.uint8
-    assert algo.memory.buffers["bootstrap_observ"].dtype == torch.uint8
+    assert algo.memory.data()["bootstrap_observ"].dtype == torch.uint8
     mean = algo.observ_normalizer.mean.clone()
     summaries = drive(algo, 12)
     assert len(summaries) == 2 and all(math.isfinite(v) for v in summaries[-1].values())

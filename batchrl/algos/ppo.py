@@ -429,11 +429,10 @@ class BatchPPO(Algorithm):
             mask = torch.arange(data["reward"].shape[1], device=self.device)[None] < length[:, None]
         with self._autocast():
             value = self.value(data["observ"]).float()
-            if rollout:  # bootstrap values only where a segment ends
-                ends = data["ends"]
+            if rollout:  # bootstrap values only where a segment ends (end fields: a row each)
                 after = torch.zeros_like(value)
-                after[ends] = self.value(data["bootstrap_observ"][ends]).float()
-                after = after * (1.0 - data["terminated"])
+                after[data["ends"]] = (self.value(data["bootstrap_observ"]).float()
+                                       * (1.0 - data["terminated"]))
             else:
                 after = self.value(data["bootstrap_observ"]).float() * (1.0 - data["terminated"])
         reward = data["reward"]
@@ -879,11 +878,13 @@ class BatchPPO(Algorithm):
             valid = rollout.valid
             self._learn_rewards(rollout)
             self.env_steps += batch * steps
-            next_observ = rollout.next_observ().reshape(batch, steps, -1)
-            if not (self.pixels or self.packing):
-                next_observ = next_observ.to(torch.float32)
             last = torch.zeros_like(valid)
             last[:, -1] = True
+            ends = rollout.done.bool() | last
+            bootstrap = rollout.next_observ(ends)
+            bootstrap = bootstrap.reshape(bootstrap.shape[0], -1)
+            if not (self.pixels or self.packing):
+                bootstrap = bootstrap.to(torch.float32)
             normalized = self._normalize(observ[:, :steps].reshape(batch * steps, -1)
                                          ).reshape(batch, steps, -1)
             state = observ.new_zeros(batch, steps, 0, dtype=torch.float32)
@@ -902,10 +903,8 @@ class BatchPPO(Algorithm):
                     "mean_or_logits": mean_or_logits, "log_std": log_std,
                     "behaviour_weight": log_ratio.exp().clamp(max=1.0), "log_rho": log_ratio,
                     "state": state, "valid": valid,
-                    "ends": rollout.done.bool() | last,
-                    "bootstrap_observ": self._normalize(next_observ.reshape(batch * steps, -1)
-                                                        ).reshape(batch, steps, -1),
-                    "terminated": rollout.terminated}
+                    "ends": ends, "bootstrap_observ": self._normalize(bootstrap),
+                    "terminated": rollout.terminated[ends]}
             # Only now, as perform() does: the data was normalised as the weights that acted
             # on it (without lag) normalised it.
             if self.config.normalize_observ and not self.pixels:

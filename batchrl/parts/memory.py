@@ -181,12 +181,14 @@ class RolloutMemory:
     Args:
       num_agents, length: batch size N of the env, and steps per agent in a rollout (T).
       step_fields, end_fields: name -> ``(shape, dtype)`` of values stored every step,
-        and at the last step of a segment (the state after it; zero elsewhere).
+        and at the last step of a segment only (the state after it).
 
     A rollout splits into segments, stretches of one episode, which end where the episode
-    ended or the rollout is cut (``end_segments``), or are dropped (``discard``). Buffers
-    are ``(N, T, *shape)`` on ``device``; ``ends`` ``(N, T)`` bool marks the last step of
-    each segment, ``valid`` the steps an update may use.
+    ended or the rollout is cut (``end_segments``), or are dropped (``discard``). Step
+    buffers are ``(N, T, *shape)`` on ``device``; ``ends`` ``(N, T)`` bool marks the last step
+    of each segment, ``valid`` the steps an update may use. End fields take a row per segment
+    end, not per step (an image to bootstrap from costs its bytes once per segment, not at
+    every step); their rows grow when a rollout needs more.
     """
 
     def __init__(self, num_agents: int, length: int, step_fields: _Fields,
@@ -195,11 +197,18 @@ class RolloutMemory:
             raise ValueError(f"a rollout needs length >= 1, got {length}")
         self.num_agents, self.length = num_agents, length
         self.device = torch.device(device)
-        fields = {**step_fields, **end_fields, "ends": ((), torch.bool), "valid": ((), torch.bool)}
+        fields = {**step_fields, "ends": ((), torch.bool), "valid": ((), torch.bool)}
         self.buffers = {name: torch.zeros((num_agents, length, *shape), dtype=dtype,
                                           device=self.device)
                         for name, (shape, dtype) in fields.items()}
         self.step_fields, self.end_fields = frozenset(step_fields), frozenset(end_fields)
+        # A row per segment end, in the order they came: its row of the (N * T) steps and
+        # its values. Every rollout ends at least N segments (its cut): room for N at first.
+        self._end_count = 0
+        self._end_rows = torch.zeros(num_agents, dtype=torch.int64, device=self.device)
+        self._end_values = {name: torch.zeros((num_agents, *shape), dtype=dtype,
+                                              device=self.device)
+                            for name, (shape, dtype) in end_fields.items()}
         # The written step fields: zero-width ones (no recurrent state) cost nothing.
         self._shapes = {name: torch.Size(shape) for name, (shape, _) in step_fields.items()
                         if torch.Size(shape).numel()}
@@ -237,7 +246,8 @@ class RolloutMemory:
     def end_segments(self, agent_indices: torch.Tensor, **values: torch.Tensor) -> None:
         """The running segments of these agents end at their last stored step (their
         episode ended, or the rollout is cut there); ``values`` are the end fields
-        ``(K, *shape)`` of the state after it. Agents with an empty segment are left alone."""
+        ``(K, *shape)`` of the state after it (zeros for those not given). Agents with an
+        empty segment are left alone."""
         unknown = set(values) - self.end_fields
         if unknown:
             raise KeyError(f"{sorted(unknown)[0]!r} is not an end field; known: "
@@ -246,10 +256,32 @@ class RolloutMemory:
         started = steps > self.segment_start[agent_indices]
         rows = (agent_indices * self.length + steps - 1)[started]
         self._flat("ends").index_fill_(0, rows, True)
-        for name, value in values.items():
-            flat = self._flat(name)
-            flat.index_copy_(0, rows, value[started].detach().to(flat.dtype))
+        first = self._end_count
+        last = first + rows.shape[0]
+        self._reserve(last)
+        self._end_rows[first:last] = rows
+        for name, stored in self._end_values.items():
+            value = values.get(name)
+            if value is None:
+                stored[first:last] = 0
+            else:
+                stored[first:last] = value[started].detach().to(stored.dtype)
+        self._end_count = last
         self.segment_start[agent_indices] = steps
+
+    def _reserve(self, rows: int) -> None:
+        """Room for ``rows`` segment ends (at least twice the old room when it grows)."""
+        if rows <= self._end_rows.shape[0]:
+            return
+        room, kept = max(rows, 2 * self._end_rows.shape[0]), self._end_count
+
+        def grown(old: torch.Tensor) -> torch.Tensor:
+            new = old.new_zeros((room, *old.shape[1:]))
+            new[:kept] = old[:kept]
+            return new
+
+        self._end_rows = grown(self._end_rows)
+        self._end_values = {name: grown(value) for name, value in self._end_values.items()}
 
     def discard(self, agent_indices: torch.Tensor) -> None:
         """The running episodes of these agents were cut with no state to bootstrap from (an env
@@ -271,26 +303,47 @@ class RolloutMemory:
         return self._stored
 
     def data(self) -> dict[str, torch.Tensor]:
-        """Every buffer, ``(N, T, ...)``: the step and end fields, ``ends`` and
-        ``valid``. Steps an agent did not store yet are not valid."""
-        return dict(self.buffers)
+        """The step fields, ``ends`` and ``valid``, ``(N, T, ...)`` (steps an agent did not
+        store yet are not valid), and the end fields ``(E, ...)``: a row for each of the
+        ``E`` segment ends, in the order of ``ends``' true entries (agent, then step), as
+        ``buffer[data["ends"]]`` would give them from buffers of every step."""
+        data = dict(self.buffers)
+        count = self._end_count
+        order = torch.argsort(self._end_rows[:count])  # (the rows are distinct)
+        data.update({name: value[:count][order] for name, value in self._end_values.items()})
+        return data
 
     def clear(self) -> None:
         """Start the next rollout (after an update); episodes go on in it."""
-        for name in (*self.end_fields, "ends", "valid"):
+        for name in ("ends", "valid"):
             self.buffers[name].zero_()
+        self._end_count = 0
         self.steps.zero_()
         self.segment_start.zero_()
         self._stored = self._longest = 0
 
     def state_dict(self) -> dict[str, object]:
         """Buffers and counters, for exact resumption mid-rollout."""
+        count = self._end_count
         return {"buffers": dict(self.buffers), "steps": self.steps,
-                "segment_start": self.segment_start}
+                "segment_start": self.segment_start, "end_rows": self._end_rows[:count],
+                "end_values": {name: value[:count] for name, value in self._end_values.items()}}
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
+        buffers = state["buffers"]
         for name, buffer in self.buffers.items():
-            buffer.copy_(state["buffers"][name])
+            buffer.copy_(buffers[name])
+        if "end_rows" in state:
+            rows, values = state["end_rows"], state["end_values"]
+        else:  # (a checkpoint that kept the end fields at every step)
+            rows = buffers["ends"].flatten().nonzero().squeeze(1)
+            values = {name: buffers[name].flatten(0, 1)[rows] for name in self.end_fields}
+        self._end_count = 0
+        self._reserve(rows.shape[0])
+        self._end_count = rows.shape[0]
+        self._end_rows[:self._end_count] = rows
+        for name, value in self._end_values.items():
+            value[:self._end_count] = values[name]
         self.steps.copy_(state["steps"])
         self.segment_start.copy_(state["segment_start"])
         self._stored = int(self.steps.sum())

@@ -64,11 +64,15 @@ class Rollout:
         """``B``, the agents (rows)."""
         return self.action.shape[0]
 
-    def next_observ(self) -> torch.Tensor:
+    def next_observ(self, where: torch.Tensor | None = None) -> torch.Tensor:
         """``(B, T, *obs_shape)``: the observation after each step (the ended episode's last one
-        where the step ended it)."""
-        done = self.done.bool().reshape(*self.done.shape, *(1,) * (self.observ.dim() - 2))
-        return torch.where(done, self.final_observ, self.observ[:, 1:])
+        where the step ended it); given ``where``, a ``(B, T)`` bool mask, only those steps'
+        ``(K, *obs_shape)`` (agent, then step)."""
+        done, after, final = self.done.bool(), self.observ[:, 1:], self.final_observ
+        if where is not None:
+            done, after, final = done[where], after[where], final[where]
+        return torch.where(done.reshape(*done.shape, *(1,) * (after.dim() - done.dim())),
+                           final, after)
 
     def to(self, device: str | torch.device) -> "Rollout":
         """This rollout on ``device`` (itself when it is there)."""
