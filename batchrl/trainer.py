@@ -453,7 +453,8 @@ class Trainer:
                              num_agents=config.env.num_agents,
                              collectors=config.train.collectors,
                              rollout_length=algo.rollout_length, seed=config.train.seed,
-                             session=self.counters.phases)
+                             session=self.counters.phases,
+                             step_timeout=config.env.timeout or None)
 
         def report(line: str) -> None:
             line = f"step {self.counters.steps:,}: {line}"

@@ -231,6 +231,28 @@ def test_a_collector_that_fails_is_replaced(tmp_path, capsys, fault, why):
     assert trainer.counters.steps == 4800
 
 
+@pytest.mark.slow
+def test_a_collector_whose_inline_env_hangs_ends_itself_and_is_replaced(tmp_path):
+    """No worker times out an env stepped in the collector's own process: its watchdog ends
+    the collector, with its traceback, instead of leaving the learner waiting for ever. (In
+    train.py's own process: the collectors' stderr is that of the fork server, started once.)"""
+    once = tmp_path / "fired"
+    process = start_train_py(
+        "--config", "pendulum", "--logdir", str(tmp_path / "run"), "--steps", "4800",
+        *sets("env.num_agents=4", "env.backend=inline", "env.timeout=0.5",
+              "train.collectors=2", "train.eval_episodes=2", "algorithm.rollout_length=40",
+              'env.id="batchrl.testing.faults:make"',
+              f'env.kwargs={{env_id="Pendulum-v1", fault="hang", at_step=300, '
+              f'once_file="{once}"}}',
+              "env.eval_kwargs={at_step=1000000}"))  # (the learner's own envs step inline)
+    code, stdout, stderr = finish(process, 120)
+    assert code == 0 and once.exists(), (stdout, stderr)
+    replaced = [line for line in stdout.splitlines() if "replaced" in line]
+    assert len(replaced) == 1 and "exited with code 1" in replaced[0], stdout
+    assert "Timeout (0:00:01)!" in stderr and "in _fire" in stderr, stderr  # (where it hung)
+    assert "Final evaluation" in stdout
+
+
 def test_a_collector_that_cannot_start_stops_the_run_with_its_error(tmp_path):
     values = config()
     values["env"].update(id="batchrl.testing.faults:make", kwargs={

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import faulthandler
 import time
 from typing import Any, Callable
 
@@ -74,6 +75,9 @@ class CollectorSpec:
         ``i`` and its restarts (``collector_seed``).
       session: where the run stands when the collectors start (the trainer's phase count), so
         that a resumed run's collectors do not replay the first session's seeds.
+      step_timeout: seconds a step of envs that step in the collector's own process (inline or
+        native envs, ``BatchEnv.steps_here``) may take (``None``: no limit); see
+        ``StepWatchdog``. Envs in worker processes and Ray actors have their own timeouts.
     """
 
     make_env: Callable[[int, int, int], BatchEnv]
@@ -83,6 +87,7 @@ class CollectorSpec:
     rollout_length: int
     seed: int = 0
     session: int = 0
+    step_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.collectors <= self.num_agents:
@@ -123,6 +128,37 @@ class Link(abc.ABC):
     @abc.abstractmethod
     def send(self, token: Any, meta: dict[str, Any]) -> None:
         """The rollout ``begin`` gave storage for is complete; ``meta`` describes it."""
+
+
+class StepWatchdog:
+    """Ends this process, every thread's traceback on stderr and exit code 1, when a step does
+    not return: envs that step in a collector's own process have no worker timeout, and a hang
+    there would leave the learner waiting for ever (it replaces a collector that exits).
+
+    ``faulthandler``'s timer runs in a native thread, so it fires even while a hung step holds
+    the GIL. Arming it starts a thread, so it is re-armed only once ``seconds`` have passed since
+    it was: a step longer than ``2 * seconds`` always ends the process, one shorter than
+    ``seconds`` never does. ``seconds=None`` watches nothing.
+    """
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self._armed: float | None = None  # when the timer was set, or None
+
+    def step(self) -> None:
+        """A step begins."""
+        if self.seconds is None:
+            return
+        now = time.monotonic()
+        if self._armed is None or now - self._armed > self.seconds:
+            faulthandler.dump_traceback_later(2 * self.seconds, exit=True)
+            self._armed = now
+
+    def pause(self) -> None:
+        """Until the next ``step``, nothing is watched (waiting for the learner is no hang)."""
+        if self._armed is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self._armed = None
 
 
 class Recorder(Algorithm):
@@ -169,6 +205,7 @@ def collect(spec: CollectorSpec, index: int, link: Link, incarnation: int = 0) -
     torch.set_num_threads(1)
     agents = spec.agents(index)
     batch_env = spec.make_env(index, len(agents), seed)
+    watchdog = StepWatchdog(spec.step_timeout if batch_env.steps_here else None)
     try:
         env = TensorBatchEnv(batch_env, "cpu")
         actor = spec.make_algorithm(env.observation_space, env.action_space, len(env))
@@ -187,6 +224,7 @@ def collect(spec: CollectorSpec, index: int, link: Link, incarnation: int = 0) -
             started = time.perf_counter()
             episodes = scores = squares = lengths = 0.0
             for _ in range(spec.rollout_length):
+                watchdog.step()
                 done, score, _ = simulation.step(recorder, reset=first,
                                                  seed=seed if first else None)
                 first = False
@@ -196,6 +234,7 @@ def collect(spec: CollectorSpec, index: int, link: Link, incarnation: int = 0) -
                     scores += float(ended.sum())
                     squares += float((ended * ended).sum())
                     lengths += float(simulation.episode_length[done].sum())
+            watchdog.pause()
             restarts = batch_env.restarts
             # A few numbers, whatever the rollout: the message stays small.
             link.send(token, {"collector": index, "version": version,
@@ -206,4 +245,5 @@ def collect(spec: CollectorSpec, index: int, link: Link, incarnation: int = 0) -
                               "env_restarts": restarts - restarts_seen})
             restarts_seen = restarts
     finally:
+        watchdog.pause()
         batch_env.close()

@@ -13,7 +13,7 @@ from batchrl.envs.errors import EnvError, EnvNonFiniteError, SpaceMismatchError
 from batchrl.envs.infos import InfoList
 from batchrl.envs.local import LocalWorker
 from batchrl.envs.spaces import check_space
-from batchrl.envs.worker import Closeable, Worker, WorkerFront
+from batchrl.envs.worker import Closeable, RemoteWorker, Worker, WorkerFront
 from batchrl.nested import (build, concatenate, first_leaf, leaf_spaces, leaves_of, map_nested,
                             put, take)
 
@@ -152,6 +152,13 @@ class BatchEnv(Closeable):
         """The members whose envs live in other processes, as they were given."""
         return [given for given, member in zip(self._given, self._members)
                 if not member.in_process]
+
+    @property
+    def steps_here(self) -> bool:
+        """Whether some envs step in this process (in its code or its threads), not in worker
+        processes or Ray actors: no worker timeout covers them, so a hang in their step hangs
+        the caller."""
+        return any(not isinstance(member, RemoteWorker) for member in self._members)
 
     @property
     def restarts(self) -> int:
