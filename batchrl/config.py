@@ -67,7 +67,8 @@ class EnvConfig:
     workers: int = 0              # processes / Ray actors (0: one per usable core / cluster CPU)
     share_main: bool = False      # "workers": the main process steps a share of the envs too
     normalize_ranges: bool = True  # rescale finite Box observation/action ranges to [-1, 1]
-    timeout: float = 10.0         # seconds a worker may take for a step or reset (0: no limit)
+    timeout: float = 10.0         # seconds a worker may take for a step or reset, and (1-2x) a
+    #                               collector's step of envs in its own process (0: no limit)
     restart_crashed_envs: bool = False  # replace a failed worker instead of stopping the run
     max_restarts: int = 10        # with restart_crashed_envs: restarts allowed in the run
     ray_address: str = ""         # "ray": "" private Ray here, "auto" (ray start), "HOST:PORT"

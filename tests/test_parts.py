@@ -713,6 +713,9 @@ def test_rollout_memory_errors():
         append_step(memory, [0, 1], 2)
     append_step(memory, [1, 2], 1)
     assert memory.full
+    memory.end_segments(torch.tensor([1, 1]))  # (one end step, two end rows)
+    with pytest.raises(RuntimeError, match="an agent twice in one call"):
+        memory.data()
     with pytest.raises(ValueError, match="length >= 1"):
         make_rollout(length=0)
 

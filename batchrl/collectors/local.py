@@ -261,7 +261,9 @@ class LocalCollectors:
         for index in exited:
             process = self._processes[index]
             self.replacements.failed(index, self._errors.pop(
-                index, f"exited with code {process.exitcode}"))
+                index, f"exited with code {process.exitcode}" + (
+                    " (a step that outlasted env.timeout? see its traceback on stderr)"
+                    if process.exitcode == 1 and self.spec.step_timeout else "")))
             process.close()
             self._renew(index)
             self._start(index)

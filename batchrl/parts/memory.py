@@ -246,8 +246,8 @@ class RolloutMemory:
     def end_segments(self, agent_indices: torch.Tensor, **values: torch.Tensor) -> None:
         """The running segments of these agents end at their last stored step (their
         episode ended, or the rollout is cut there); ``values`` are the end fields
-        ``(K, *shape)`` of the state after it (zeros for those not given). Agents with an
-        empty segment are left alone."""
+        ``(K, *shape)`` of the state after it (zeros for those not given). The ``K`` agents
+        must be distinct; those with an empty segment are left alone."""
         unknown = set(values) - self.end_fields
         if unknown:
             raise KeyError(f"{sorted(unknown)[0]!r} is not an end field; known: "
@@ -273,7 +273,9 @@ class RolloutMemory:
         """Room for ``rows`` segment ends (at least twice the old room when it grows)."""
         if rows <= self._end_rows.shape[0]:
             return
-        room, kept = max(rows, 2 * self._end_rows.shape[0]), self._end_count
+        # (a rollout ends at most N * T segments)
+        room = min(max(rows, 2 * self._end_rows.shape[0]), self.num_agents * self.length)
+        kept = self._end_count
 
         def grown(old: torch.Tensor) -> torch.Tensor:
             new = old.new_zeros((room, *old.shape[1:]))
@@ -309,6 +311,8 @@ class RolloutMemory:
         ``buffer[data["ends"]]`` would give them from buffers of every step."""
         data = dict(self.buffers)
         count = self._end_count
+        if count != int(data["ends"].sum()):  # (each end row must match one step of ends)
+            raise RuntimeError("end_segments was given an agent twice in one call")
         order = torch.argsort(self._end_rows[:count])  # (the rows are distinct)
         data.update({name: value[:count][order] for name, value in self._end_values.items()})
         return data
@@ -325,9 +329,11 @@ class RolloutMemory:
     def state_dict(self) -> dict[str, object]:
         """Buffers and counters, for exact resumption mid-rollout."""
         count = self._end_count
+        # (copies of the filled rows: a saved view would write all the room behind it)
         return {"buffers": dict(self.buffers), "steps": self.steps,
-                "segment_start": self.segment_start, "end_rows": self._end_rows[:count],
-                "end_values": {name: value[:count] for name, value in self._end_values.items()}}
+                "segment_start": self.segment_start, "end_rows": self._end_rows[:count].clone(),
+                "end_values": {name: value[:count].clone()
+                               for name, value in self._end_values.items()}}
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         buffers = state["buffers"]
