@@ -397,6 +397,10 @@ class Trainer:
             rollout, metas = pool.receive(self._stop.check)
             learning = time.perf_counter()
             version = pool.version  # the learner's, which this update starts from
+            fresh = [meta["collector"] for meta in metas if meta["fresh"]]
+            if fresh:  # a started or replaced collector's envs were reset: new episodes
+                algo.begin_episodes(torch.cat([pool.spec.agents(index) for index in fresh]
+                                              ).to(self.device))
             summary = algo.learn(rollout.to(self.device))
             pool.publish(algo.acting_state())
             now = time.perf_counter()

@@ -217,7 +217,16 @@ def test_training_with_collectors_logs_the_lag_and_resumes(tmp_path):
                                         ("raise", "EnvRaisedError: env 0 (Pendulum-v1) failed "
                                                   "in step(): RuntimeError: injected fault")])
 @pytest.mark.slow
-def test_a_collector_that_fails_is_replaced(tmp_path, capsys, fault, why):
+def test_a_collector_that_fails_is_replaced(tmp_path, capsys, monkeypatch, fault, why):
+    begun = []  # the learner's agents that begin new episodes, per call in training
+    original = BatchPPO.begin_episodes
+
+    def begin_episodes(self, agent_indices):
+        if self.training:
+            begun.append(agent_indices.tolist())
+        return original(self, agent_indices)
+
+    monkeypatch.setattr(BatchPPO, "begin_episodes", begin_episodes)
     once = tmp_path / "fired"
     values = config(steps=4800)
     values["env"].update(id="batchrl.testing.faults:make", kwargs={
@@ -229,6 +238,10 @@ def test_a_collector_that_fails_is_replaced(tmp_path, capsys, fault, why):
     replaced = [line for line in lines if "replaced" in line]
     assert len(replaced) == 1 and why in replaced[0], lines
     assert trainer.counters.steps == 4800
+    # Every collector's first rollout, and its replacement's, starts new episodes: no running
+    # return (reward_scale) carries over from episodes the reset cut.
+    index = int(replaced[0].split("collector ")[1].split()[0])
+    assert begun == [[0, 1, 2, 3], [[0, 1], [2, 3]][index]]
 
 
 @pytest.mark.slow

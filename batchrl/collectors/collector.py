@@ -221,6 +221,7 @@ def collect(spec: CollectorSpec, index: int, link: Link, incarnation: int = 0) -
                 actor.load_acting_state(state)
             recorder.buffer = buffer = RolloutBuffer(tensors, packing_for(env.observation_space))
             buffer.start(agents, version)
+            fresh = first  # (its envs are reset: new episodes, none carried on from before)
             started = time.perf_counter()
             episodes = scores = squares = lengths = 0.0
             for _ in range(spec.rollout_length):
@@ -237,7 +238,7 @@ def collect(spec: CollectorSpec, index: int, link: Link, incarnation: int = 0) -
             watchdog.pause()
             restarts = batch_env.restarts
             # A few numbers, whatever the rollout: the message stays small.
-            link.send(token, {"collector": index, "version": version,
+            link.send(token, {"collector": index, "version": version, "fresh": fresh,
                               "steps": len(env) * spec.rollout_length,
                               "seconds": time.perf_counter() - started,
                               "episodes": episodes, "score_sum": scores,
