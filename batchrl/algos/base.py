@@ -32,8 +32,9 @@ class Algorithm(abc.ABC):
     Conventions: ``agent_indices`` is a 1-D int64 tensor of indices into the batch dimension; every
     other tensor has it first and is float32 unless stated; all are on the algorithm's ``device``.
     Observations are the env's (already wrapped) ones as float32, or uint8 for a uint8 space
-    (images): an algorithm normalises them itself if it wants to. Under ``simulate`` every call covers all ``N`` agents (``agent_indices``
-    is ``arange(N)``), so per-agent state can be indexed by it directly.
+    (images): an algorithm normalises them itself if it wants to. Under ``simulate`` every call
+    covers all ``N`` agents (``agent_indices`` is ``arange(N)``), so per-agent state can be
+    indexed by it directly.
 
     ``done`` is 1.0 when the episode is over for any reason (Gymnasium's
     ``terminated or truncated``); ``terminated`` is 1.0 only for a true terminal state (the value

@@ -75,8 +75,8 @@ class CollectorSpec:
         ``i`` and its restarts (``collector_seed``).
       session: where the run stands when the collectors start (the trainer's phase count), so
         that a resumed run's collectors do not replay the first session's seeds.
-      step_timeout: seconds a step of envs that step in the collector's own process (inline or
-        native envs, ``BatchEnv.steps_here``) may take (``None``: no limit); see
+      step_timeout: seconds a step of envs that step in the collector's own process (inline,
+        native or vector envs: ``BatchEnv.steps_here``) may take (``None``: no limit); see
         ``StepWatchdog``. Envs in worker processes and Ray actors have their own timeouts.
     """
 
