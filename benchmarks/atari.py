@@ -37,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's batchrl
+
 ROOT = Path(__file__).resolve().parent.parent
 GAME = "ALE/Pong-v5"
 

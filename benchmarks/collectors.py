@@ -31,12 +31,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's batchrl
 
 from batchrl.algos.impala import IMPALA
 from batchrl.algos.ppo import BatchPPO

@@ -65,11 +65,14 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import gymnasium as gym
 import numpy as np
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's batchrl
 
 from batchrl.envs import BatchEnv, BatchVectorEnv, ExternalProcess
 from batchrl.envs.factory import batch_env_from, make_batch_env

@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's batchrl
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

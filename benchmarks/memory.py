@@ -55,10 +55,13 @@ import multiprocessing.forkserver
 import platform
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import psutil
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's batchrl
 
 from batchrl.algos.ppo import BatchPPO, PPOConfig
 from batchrl.envs.factory import make_batch_env

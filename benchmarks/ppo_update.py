@@ -19,9 +19,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's batchrl
 
 from batchrl.config import load_config
 from batchrl.envs.factory import make_batch_env

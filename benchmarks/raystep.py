@@ -39,6 +39,7 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -47,6 +48,8 @@ import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from envstep import add_arguments, check_arguments, measure  # noqa: E402  (the sibling benchmark's helpers)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's batchrl
 
 from batchrl.envs.factory import batch_env_from  # noqa: E402
 from batchrl.hardware import usable_cores  # noqa: E402

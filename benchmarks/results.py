@@ -26,8 +26,11 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's batchrl
 
 from batchrl.config import load_config
 from batchrl.metrics import read_metrics

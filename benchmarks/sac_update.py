@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import gymnasium as gym
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's batchrl
 
 from batchrl.algos.sac import SAC
 

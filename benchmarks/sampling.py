@@ -27,10 +27,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's batchrl
 
 from batchrl.algos.ppo import BatchPPO, PPOConfig
 from batchrl.envs.factory import make_batch_env

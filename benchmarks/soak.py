@@ -39,6 +39,7 @@ import functools
 import gc
 import multiprocessing.forkserver
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -46,6 +47,8 @@ from pathlib import Path
 
 import psutil
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's batchrl
 
 from batchrl.algos.ppo import BatchPPO, PPOConfig
 from batchrl.envs.factory import batch_env_from

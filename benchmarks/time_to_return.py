@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's batchrl
+
 from batchrl.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -77,6 +77,8 @@ from typing import Any
 import psutil
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's batchrl
+
 from batchrl.hardware import usable_cores
 from batchrl.metrics import read_metrics
 
