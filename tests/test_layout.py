@@ -207,3 +207,41 @@ def test_train_reports_a_bad_config_or_env_id_before_importing_torch(args, tmp_p
                             text=True, timeout=60)
     assert result.stdout.split() == ["2", "False"], result
     assert result.stderr.startswith("error: ") and not list(tmp_path.iterdir())
+
+
+BENCHMARKS = sorted((ROOT.parent / "benchmarks").glob("*.py"))
+
+
+def _puts_its_checkout_first(node: ast.stmt) -> bool:
+    """``sys.path.insert(0, str(Path(__file__).resolve().parents[1]))``."""
+    return (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+            and ast.unparse(node.value.func) == "sys.path.insert"
+            and "Path(__file__).resolve().parents[1]" in ast.unparse(node.value))
+
+
+@pytest.mark.parametrize("path", BENCHMARKS, ids=lambda path: path.stem)
+def test_every_benchmark_imports_the_batchrl_of_its_own_checkout(path):
+    """(Run from a second clone, a benchmark would otherwise measure the batchrl installed
+    from the first.)"""
+    body = ast.parse(path.read_text()).body
+    first = next((i for i, node in enumerate(body) if _puts_its_checkout_first(node)), None)
+    uses = [i for i, node in enumerate(body) if imports_of_batchrl(node)]
+    assert any(imports_of_batchrl(node) for node in ast.walk(ast.Module(body, [])))
+    assert first is not None and all(first < i for i in uses), path.name
+
+
+def imports_of_batchrl(node: ast.AST) -> bool:
+    return ((isinstance(node, ast.ImportFrom) and (node.module or "").startswith("batchrl"))
+            or (isinstance(node, ast.Import)
+                and any(alias.name.startswith("batchrl") for alias in node.names)))
+
+
+def test_a_benchmark_copied_into_another_checkout_imports_that_checkout(tmp_path):
+    (tmp_path / "batchrl").mkdir()
+    (tmp_path / "batchrl" / "__init__.py").write_text('raise SystemExit("the copy\'s batchrl")\n')
+    (tmp_path / "benchmarks").mkdir()
+    script = tmp_path / "benchmarks" / "memory.py"
+    script.write_text((ROOT.parent / "benchmarks" / "memory.py").read_text())
+    result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1 and "the copy's batchrl" in result.stderr, result.stderr
