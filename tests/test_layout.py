@@ -219,21 +219,21 @@ def _puts_its_checkout_first(node: ast.stmt) -> bool:
             and "Path(__file__).resolve().parents[1]" in ast.unparse(node.value))
 
 
+def _imports_batchrl(node: ast.AST) -> bool:
+    return ((isinstance(node, ast.ImportFrom) and (node.module or "").startswith("batchrl"))
+            or (isinstance(node, ast.Import)
+                and any(alias.name.startswith("batchrl") for alias in node.names)))
+
+
 @pytest.mark.parametrize("path", BENCHMARKS, ids=lambda path: path.stem)
 def test_every_benchmark_imports_the_batchrl_of_its_own_checkout(path):
     """(Run from a second clone, a benchmark would otherwise measure the batchrl installed
     from the first.)"""
     body = ast.parse(path.read_text()).body
     first = next((i for i, node in enumerate(body) if _puts_its_checkout_first(node)), None)
-    uses = [i for i, node in enumerate(body) if imports_of_batchrl(node)]
-    assert any(imports_of_batchrl(node) for node in ast.walk(ast.Module(body, [])))
+    uses = [i for i, node in enumerate(body) if _imports_batchrl(node)]
+    assert any(_imports_batchrl(node) for node in ast.walk(ast.Module(body, [])))
     assert first is not None and all(first < i for i in uses), path.name
-
-
-def imports_of_batchrl(node: ast.AST) -> bool:
-    return ((isinstance(node, ast.ImportFrom) and (node.module or "").startswith("batchrl"))
-            or (isinstance(node, ast.Import)
-                and any(alias.name.startswith("batchrl") for alias in node.names)))
 
 
 def test_a_benchmark_copied_into_another_checkout_imports_that_checkout(tmp_path):
