@@ -257,7 +257,8 @@ class CountingVectorEnv(gym.vector.VectorEnv):
 
 def test_a_numpy_vector_env_is_a_batch_member():
     """``VectorWorker`` without ``send``/``recv`` steps in ``step_wait``; its infos (nested ones
-    too) reach the batch, or nothing with ``infos=False``; an ended env must be reset."""
+    too) reach the batch, or nothing with ``infos=False`` (a restarted member too); an ended env
+    must be reset."""
     from batchrl.envs.vectorized import VectorWorker
 
     member = VectorWorker(lambda: CountingVectorEnv(3))
@@ -277,5 +278,8 @@ def test_a_numpy_vector_env_is_a_batch_member():
         observ, reward, *_ = batch.step(np.ones(5, np.int64),
                                         autoreset=np.array([True, False, True, True, True]))
         assert observ[:, 0].tolist() == [0, 6, 0, 0, 0] and reward.tolist() == [0, 1, 0, 0, 0]
+        restarted = quiet.restart()
+        assert restarted.label == quiet.label and not restarted.infos
+        restarted.close()
     finally:
         batch.close()

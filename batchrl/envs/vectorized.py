@@ -140,9 +140,9 @@ class VectorWorker(KeptRequest, Worker):
                 [_row(info, index) if self.infos else {} for index in indices])
 
     def restart(self) -> "VectorWorker":
-        """Close this vector env; a fresh one from ``make``."""
+        """Close this vector env; a fresh one from ``make`` (the same label and ``infos``)."""
         self.close()
-        return VectorWorker(self._make, self.label)
+        return VectorWorker(self._make, self.label, self.infos)
 
     def env(self, index: int) -> gym.vector.VectorEnv:
         """The vector env that steps env ``index`` (one object for all of them)."""
