@@ -29,6 +29,13 @@ from batchrl.envs.mujoco_batch import MujocoBatch  # noqa: E402
     ("HalfCheetah-v5", {"frame_skip": 2, "reset_noise_scale": 0.5}, 40),
     ("Reacher-v5", {}, 30),
     ("Reacher-v5", {"reward_dist_weight": 2.0, "frame_skip": 3}, None),
+    ("Ant-v5", {}, 40),
+    ("Ant-v5", {"contact_cost_weight": 1e-3, "healthy_z_range": (0.3, 0.9), "main_body": "torso",
+                "include_cfrc_ext_in_observation": False}, 30),
+    ("Humanoid-v5", {}, 30),
+    ("Humanoid-v5", {"include_cinert_in_observation": False, "contact_cost_weight": 1e-6,
+                     "exclude_current_positions_from_observation": False,
+                     "terminate_when_unhealthy": False}, 50),
 ])
 def test_native_trajectories_are_gymnasiums(env_id, kwargs, limit):
     count, seeds = 3, [11, 12, 13]
@@ -56,7 +63,8 @@ def test_native_trajectories_are_gymnasiums(env_id, kwargs, limit):
         ended = terminated | truncated
         terminations += int(terminated.sum())
         truncations += int(truncated.sum())
-    terminates = env_id in ("Hopper-v5", "Walker2d-v5")
+    terminates = (env_id not in ("HalfCheetah-v5", "Reacher-v5")
+                  and kwargs.get("terminate_when_unhealthy", True))
     assert truncations and (terminations > 0) == terminates
     # A seeded reset of some envs, as BatchEnv resets them.
     mask = np.array([False, True, True])
@@ -64,6 +72,26 @@ def test_native_trajectories_are_gymnasiums(env_id, kwargs, limit):
     np.testing.assert_array_equal(observ[1], envs[1].reset(seed=5)[0])
     np.testing.assert_array_equal(observ[2], envs[2].reset()[0])
     native.close()
+
+
+def test_native_actions_follow_normalize_ranges():
+    """Humanoid's actions span [-0.4, 0.4]: with ``normalize_ranges`` (the default) the native
+    envs take [-1, 1] and rescale as ``wrap_env``; without, the task's own range."""
+    for normalize in (True, False):
+        native = MujocoBatch("Humanoid-v5", 2, normalize_ranges=normalize)
+        env = wrap_env(gym.make("Humanoid-v5"), normalize_ranges=normalize)
+        bound = 1.0 if normalize else 0.4  # (wrap_env's ClipAction shows it unbounded)
+        np.testing.assert_allclose(native.single_action_space.high, bound)
+        np.testing.assert_allclose(native.single_action_space.low, -bound)
+        native.reset(seed=np.array([4, 5]))
+        env.reset(seed=4)
+        action = np.linspace(-1.2, 1.2, 17, dtype=np.float32)
+        for _ in range(3):
+            observ, reward, *_ = native.step(np.stack([action, action]))
+            want, want_reward, *_ = env.step(action)
+            np.testing.assert_array_equal(observ[0], want)
+            assert reward[0] == want_reward
+        native.close()
 
 
 def test_bad_input_is_a_clear_error():
@@ -76,8 +104,9 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(TypeError, match="takes no keyword argument 'healthy_rewards'"):
         MujocoBatch("Hopper-v5", 2, healthy_rewards=2.0)
     with pytest.raises(EnvSpecError, match="env backend 'native' steps HalfCheetah-v5, Hopper-v5, "
-                                           "Walker2d-v5, Reacher-v5 in batches, not 'Ant-v5'"):
-        make_batch_env("Ant-v5", 2, backend="native")
+                                           "Walker2d-v5, Reacher-v5, Ant-v5, Humanoid-v5 in "
+                                           "batches, not 'Swimmer-v5'"):
+        make_batch_env("Swimmer-v5", 2, backend="native")
 
 
 def test_auto_backend_is_native_where_it_steps_the_env():
@@ -86,7 +115,7 @@ def test_auto_backend_is_native_where_it_steps_the_env():
     # A keyword argument the native task does not compute, an env it lacks, an option only
     # worker processes have: workers. Other backends stay what they are.
     assert choose_backend("Hopper-v5", "auto", {"render_mode": "rgb_array"}) == "workers"
-    assert choose_backend("Ant-v5", "auto") == "workers"
+    assert choose_backend("Swimmer-v5", "auto") == "workers"
     assert choose_backend("Hopper-v5", "auto", worker_layout=True) == "workers"
     assert choose_backend("Hopper-v5", "inline") == "inline"
     native = make_batch_env("HalfCheetah-v5", 2)  # (the default backend: "auto")
@@ -120,11 +149,12 @@ def test_auto_backend_is_native_where_it_steps_the_env():
 
 
 @pytest.mark.slow
-def test_native_backend_trains_exactly_as_the_workers(tmp_path):
+@pytest.mark.parametrize("config", ["hopper", "humanoid"])
+def test_native_backend_trains_exactly_as_the_workers(tmp_path, config):
     records = {}
     for backend in ("workers", "native"):
         logdir = tmp_path / backend
-        process = start_train_py("--config", "hopper", "--logdir", str(logdir), "--no-progress",
+        process = start_train_py("--config", config, "--logdir", str(logdir), "--no-progress",
                                  *sets(f"env.backend={backend}", "env.num_agents=8",
                                        "train.steps=8000", "train.eval_episodes=3",
                                        "algorithm.minibatch_size=200"))

@@ -319,7 +319,8 @@ def make_batch_env(env_id: str, num_envs: int, max_length: int | None = None,
         # One batch whose native threads (workers; 0: one per usable core) step every env:
         # several batches in this process would step one after another.
         backend, vector_id = "vector", NATIVE_VECTOR_ID
-        kwargs = {"env_id": env_id, **(kwargs or {}), "num_threads": workers}
+        kwargs = {"env_id": env_id, **(kwargs or {}), "num_threads": workers,
+                  "normalize_ranges": normalize_ranges}
         workers = 1
     if backend == "vector":
         if not vector_id:

@@ -1,7 +1,13 @@
 """Gymnasium's MuJoCo tasks stepped natively in batches (``TASKS``): one vector env whose
-simulations step in mjbatch's C++ thread pool (the GIL released), joined to batchrl as a
-``BatchEnv`` member by ``env.backend = "native"`` (the ``native`` extra), which is backend
-``"vector"`` with ``env.vector_id = "batchrl.envs.mujoco_batch:make_vector"``.
+simulations step in native threads (the GIL released), joined to batchrl as a ``BatchEnv``
+member by ``env.backend = "native"`` (the ``native`` extra), which is backend ``"vector"`` with
+``env.vector_id = "batchrl.envs.mujoco_batch:make_vector"``.
+
+The simulations step in mjbatch's C++ thread pool, except those of the tasks whose observations
+or rewards read the contact forces ``cfrc_ext`` (Ant, Humanoid): Gymnasium computes them after
+each step with ``mj_rnePostConstraint``, which mjbatch does not call, so these step in
+``ThreadedSims`` (a standard-library thread pool calling MuJoCo's ``mj_step`` and
+``mj_rnePostConstraint``; the per-simulation Python is small next to their steps).
 
 Each simulation is a persistent ``MjData`` stepped by ``mj_step`` as Gymnasium's env steps
 its own, so a trajectory is Gymnasium's v5 one (``wrap_env``'s action clipping and 32-bit
@@ -14,21 +20,29 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, ClassVar
 
 import gymnasium as gym
 import numpy as np
 from gymnasium.utils import seeding
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space
+from gymnasium.wrappers.utils import rescale_box
+
+from batchrl.hardware import usable_cores
 
 
 class Task:
-    """What a task computes on top of its simulations ``sims`` (a ``MujocoBatch``: its live
-    ``(num_envs, ...)`` views ``qpos``, ``qvel``, ``body_position(name)``), for the whole
-    batch in numpy. Its dataclass fields are the task's v5 keyword arguments with Gymnasium's
-    defaults, besides ``xml_file`` and ``frame_skip`` (Gymnasium builds the model); fields
-    with ``metadata={"fixed": True}`` are the task's own, not arguments."""
+    """What a task computes on top of its simulations ``sims`` (a ``MujocoBatch``: its
+    ``(num_envs, ...)`` arrays ``qpos``, ``qvel``, ``body_position(name)`` and ``field(name)``
+    of any ``MjData`` field), for the whole batch in numpy. Its dataclass fields are the
+    task's v5 keyword arguments with Gymnasium's defaults, besides ``xml_file`` and
+    ``frame_skip`` (Gymnasium builds the model); fields with ``metadata={"fixed": True}`` are
+    the task's own, not arguments. ``contact_forces``: the task reads ``cfrc_ext``, which
+    Gymnasium computes after each step (``ThreadedSims`` steps it)."""
+
+    contact_forces: ClassVar[bool] = False
 
     def reset_state(self, rng: np.random.Generator, init_qpos: np.ndarray,
                     init_qvel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -148,6 +162,140 @@ class Reacher(Task):
                 {"reward_dist": distance, "reward_ctrl": control})
 
 
+def _pair(values: np.ndarray) -> np.ndarray:
+    """``(num_envs, 2)`` x and y rows of ``values`` as Gymnasium copies them before a step."""
+    return values[:, :2].copy()
+
+
+@dataclasses.dataclass(frozen=True)
+class Ant(Task):
+    """Ant: the main body's forward speed rewarded, control and (clipped) contact forces
+    penalised, a healthy torso height; the clipped contact forces observed."""
+
+    forward_reward_weight: float = 1.0
+    ctrl_cost_weight: float = 0.5
+    contact_cost_weight: float = 5e-4
+    healthy_reward: float = 1.0
+    main_body: int | str = 1
+    terminate_when_unhealthy: bool = True
+    healthy_z_range: tuple[float, float] = (0.2, 1.0)
+    contact_force_range: tuple[float, float] = (-1.0, 1.0)
+    reset_noise_scale: float = 0.1
+    exclude_current_positions_from_observation: bool = True
+    include_cfrc_ext_in_observation: bool = True
+
+    contact_forces: ClassVar[bool] = True
+
+    def reset_state(self, rng: np.random.Generator, init_qpos: np.ndarray,
+                    init_qvel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        scale = self.reset_noise_scale
+        qpos = init_qpos + rng.uniform(-scale, scale, init_qpos.size)
+        return qpos, init_qvel + scale * rng.standard_normal(init_qvel.size)
+
+    def before_step(self, sims: Any) -> np.ndarray:
+        return _pair(sims.body_position(self.main_body))
+
+    def _clipped_forces(self, sims: Any) -> np.ndarray:
+        return np.clip(sims.field("cfrc_ext"), *self.contact_force_range)
+
+    def observe(self, sims: Any) -> np.ndarray:
+        qpos = sims.qpos[:, 2:] if self.exclude_current_positions_from_observation else sims.qpos
+        parts = [qpos, sims.qvel]
+        if self.include_cfrc_ext_in_observation:
+            parts.append(self._clipped_forces(sims)[:, 1:].reshape(sims.num_envs, -1))
+        return np.concatenate(parts, axis=1)
+
+    def outcome(self, sims: Any, before: np.ndarray,
+                action: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
+        qpos, qvel = sims.qpos, sims.qvel
+        velocity = (_pair(sims.body_position(self.main_body)) - before) / sims.dt
+        forward = velocity[:, 0] * self.forward_reward_weight
+        low, high = self.healthy_z_range
+        healthy = (np.isfinite(qpos).all(axis=1) & np.isfinite(qvel).all(axis=1)
+                   & (low <= qpos[:, 2]) & (qpos[:, 2] <= high))
+        survive = healthy * self.healthy_reward
+        ctrl_cost = self.ctrl_cost_weight * np.square(action).sum(axis=1)
+        forces = self._clipped_forces(sims).reshape(sims.num_envs, -1)
+        contact_cost = self.contact_cost_weight * np.square(forces).sum(axis=1)
+        info = {"x_position": qpos[:, 0].copy(), "y_position": qpos[:, 1].copy(),
+                "x_velocity": velocity[:, 0], "y_velocity": velocity[:, 1],
+                "reward_forward": forward, "reward_ctrl": -ctrl_cost,
+                "reward_contact": -contact_cost, "reward_survive": survive}
+        return ((forward + survive) - (ctrl_cost + contact_cost),
+                ~healthy & self.terminate_when_unhealthy, info)
+
+
+@dataclasses.dataclass(frozen=True)
+class Humanoid(Task):
+    """Humanoid: the centre of mass's forward speed rewarded, control and contact forces
+    penalised, a healthy torso height; centre-of-mass inertias and velocities, actuator and
+    contact forces observed."""
+
+    forward_reward_weight: float = 1.25
+    ctrl_cost_weight: float = 0.1
+    contact_cost_weight: float = 5e-7
+    contact_cost_range: tuple[float, float] = (-np.inf, 10.0)
+    healthy_reward: float = 5.0
+    terminate_when_unhealthy: bool = True
+    healthy_z_range: tuple[float, float] = (1.0, 2.0)
+    reset_noise_scale: float = 1e-2
+    exclude_current_positions_from_observation: bool = True
+    include_cinert_in_observation: bool = True
+    include_cvel_in_observation: bool = True
+    include_qfrc_actuator_in_observation: bool = True
+    include_cfrc_ext_in_observation: bool = True
+
+    contact_forces: ClassVar[bool] = True
+
+    def reset_state(self, rng: np.random.Generator, init_qpos: np.ndarray,
+                    init_qvel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        scale = self.reset_noise_scale
+        qpos = init_qpos + rng.uniform(-scale, scale, init_qpos.size)
+        return qpos, init_qvel + rng.uniform(-scale, scale, init_qvel.size)
+
+    @staticmethod
+    def _mass_centre(sims: Any) -> np.ndarray:
+        mass = sims.model.body_mass
+        return (np.einsum("b,nbj->nj", mass, sims.field("xipos")) / mass.sum())[:, :2]
+
+    def before_step(self, sims: Any) -> np.ndarray:
+        return self._mass_centre(sims)
+
+    def observe(self, sims: Any) -> np.ndarray:
+        count = sims.num_envs
+        qpos = sims.qpos[:, 2:] if self.exclude_current_positions_from_observation else sims.qpos
+        parts = [qpos, sims.qvel]
+        for name, include in (("cinert", self.include_cinert_in_observation),
+                              ("cvel", self.include_cvel_in_observation)):
+            if include:
+                parts.append(sims.field(name)[:, 1:].reshape(count, -1))
+        if self.include_qfrc_actuator_in_observation:
+            parts.append(sims.field("qfrc_actuator")[:, 6:])
+        if self.include_cfrc_ext_in_observation:
+            parts.append(sims.field("cfrc_ext")[:, 1:].reshape(count, -1))
+        return np.concatenate(parts, axis=1)
+
+    def outcome(self, sims: Any, before: np.ndarray,
+                action: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
+        qpos = sims.qpos
+        velocity = (self._mass_centre(sims) - before) / sims.dt
+        forward = self.forward_reward_weight * velocity[:, 0]
+        low, high = self.healthy_z_range
+        healthy = (low < qpos[:, 2]) & (qpos[:, 2] < high)
+        survive = healthy * self.healthy_reward
+        # (the applied controls, float64, as Gymnasium reads them)
+        ctrl_cost = self.ctrl_cost_weight * np.square(sims.field("ctrl")).sum(axis=1)
+        forces = sims.field("cfrc_ext").reshape(sims.num_envs, -1)
+        contact_cost = np.clip(self.contact_cost_weight * np.square(forces).sum(axis=1),
+                               *self.contact_cost_range)
+        info = {"x_position": qpos[:, 0].copy(), "y_position": qpos[:, 1].copy(),
+                "x_velocity": velocity[:, 0], "y_velocity": velocity[:, 1],
+                "reward_survive": survive, "reward_forward": forward,
+                "reward_ctrl": -ctrl_cost, "reward_contact": -contact_cost}
+        return ((forward + survive) - (ctrl_cost + contact_cost),
+                ~healthy & self.terminate_when_unhealthy, info)
+
+
 TASKS: dict[str, Task] = {
     "HalfCheetah-v5": Locomotion(ctrl_cost_weight=0.1, reset_noise_scale=0.1,
                                  velocity_noise="normal", clip_velocity=False),
@@ -158,6 +306,8 @@ TASKS: dict[str, Task] = {
     "Walker2d-v5": Locomotion(healthy_reward=1.0, terminate_when_unhealthy=True,
                               healthy_z_range=(0.8, 2.0), healthy_angle_range=(-1.0, 1.0)),
     "Reacher-v5": Reacher(),
+    "Ant-v5": Ant(),
+    "Humanoid-v5": Humanoid(),
 }
 # Keyword arguments of these tasks that only Gymnasium's model building reads.
 MODEL_ARGUMENTS = ("xml_file", "frame_skip")
@@ -178,13 +328,115 @@ def steps_natively(env_id: str, kwargs: dict[str, Any] | None = None) -> bool:
     return set(kwargs or {}) <= task_arguments(env_id) | set(MODEL_ARGUMENTS)
 
 
+class ThreadedSims:
+    """``num_sims`` simulations of ``model``, one ``MjData`` each, stepped as Gymnasium's
+    ``MujocoEnv`` steps its one: ``mj_step``, then ``mj_rnePostConstraint`` (the contact forces
+    ``cfrc_ext``, which mjbatch does not compute). A thread pool of ``num_threads`` (0: one
+    per usable core; at most one per simulation, the calling thread one of them) steps
+    contiguous shares of the simulations; MuJoCo releases the GIL in both calls. The part of
+    mjbatch's ``Batch`` that ``MujocoBatch`` uses.
+
+    ``bind(name)`` gives a ``(num_sims, ...)`` float64 array of an ``MjData`` field: not a
+    view, as mjbatch's, but a copy that ``step``, ``reset`` and ``forward`` refresh for the
+    simulations they touch. ``step`` applies the rows of ``bind("ctrl")``, ``forward`` sets
+    the state from the rows of ``bind("qpos")`` and ``bind("qvel")``."""
+
+    def __init__(self, model: Any, num_sims: int, num_threads: int = 0):
+        import mujoco
+
+        self._mujoco, self.model = mujoco, model
+        self.datas = [mujoco.MjData(model) for _ in range(num_sims)]
+        self.num_threads = max(1, min(num_threads or usable_cores(), num_sims))
+        # (The calling thread steps the first share: the pool has one thread fewer.)
+        self._pool = (ThreadPoolExecutor(self.num_threads - 1, thread_name_prefix="mujoco")
+                      if self.num_threads > 1 else None)
+        self._arrays: dict[str, np.ndarray] = {}
+        # Per simulation, (array row, MjData field) pairs refreshed after it changes.
+        self._copies: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in self.datas]
+        self._ctrl, self._qpos, self._qvel = (self.bind(name) for name in ("ctrl", "qpos",
+                                                                            "qvel"))
+
+    def bind(self, name: str) -> np.ndarray:
+        array = self._arrays.get(name)
+        if array is None:
+            array = self._arrays[name] = np.stack([getattr(data, name) for data in self.datas])
+            for index, data in enumerate(self.datas):
+                if name != "ctrl":  # (an input: what step applies)
+                    self._copies[index].append((array[index], getattr(data, name)))
+        return array
+
+    def _refresh(self, index: int) -> None:
+        for row, field in self._copies[index]:
+            row[...] = field
+
+    def _each(self, ids: np.ndarray | None, run: Callable[[int], None],
+              threads: bool) -> None:
+        indices = (np.arange(len(self.datas)) if ids is None
+                   else np.flatnonzero(ids) if np.asarray(ids).dtype == bool
+                   else np.asarray(ids, np.int64))
+
+        def share(part: np.ndarray) -> None:
+            for index in part.tolist():
+                run(index)
+                self._refresh(index)
+
+        if not threads or self._pool is None or len(indices) < 2:
+            share(indices)
+            return
+        first, *rest = np.array_split(indices, min(self.num_threads, len(indices)))
+        futures = [self._pool.submit(share, part) for part in rest]
+        try:
+            share(first)
+        finally:
+            errors = [future.exception() for future in futures]  # (waits for every share)
+        for error in errors:
+            if error is not None:
+                raise error
+
+    def step(self, ids: np.ndarray | None = None, nstep: int = 1) -> None:
+        """``nstep`` ``mj_step`` of each simulation ``ids`` selects (a bool mask or indices;
+        all when ``None``) with its row of ``ctrl``, then ``mj_rnePostConstraint``."""
+        mujoco, model, ctrl = self._mujoco, self.model, self._ctrl
+
+        def run(index: int) -> None:
+            data = self.datas[index]
+            data.ctrl[:] = ctrl[index]
+            mujoco.mj_step(model, data, nstep=nstep)
+            mujoco.mj_rnePostConstraint(model, data)
+
+        self._each(ids, run, threads=True)
+
+    def reset(self, ids: np.ndarray | None = None) -> None:
+        """``mj_resetData`` then ``mj_forward``, as mjbatch's reset."""
+        def run(index: int) -> None:
+            self._mujoco.mj_resetData(self.model, self.datas[index])
+            self._mujoco.mj_forward(self.model, self.datas[index])
+
+        self._each(ids, run, threads=False)
+
+    def forward(self, ids: np.ndarray | None = None) -> None:
+        """The state of each selected simulation set from its rows of ``qpos`` and ``qvel``,
+        then ``mj_forward`` (Gymnasium's ``set_state``)."""
+        def run(index: int) -> None:
+            data = self.datas[index]
+            data.qpos[:], data.qvel[:] = self._qpos[index], self._qvel[index]
+            self._mujoco.mj_forward(self.model, data)
+
+        self._each(ids, run, threads=False)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+
+
 class MujocoBatch(gym.vector.VectorEnv):
     """``num_envs`` copies of the MuJoCo task ``env_id`` (one of ``TASKS``) stepped together,
-    the simulations by mjbatch, the rest by the env's ``Task``.
+    the simulations by mjbatch (or ``ThreadedSims``), the rest by the env's ``Task``.
 
     Observations ``(num_envs, obs_size)`` float32, rewards ``(num_envs,)`` float32, actions
-    ``(num_envs, action_size)``, clipped to the action space as ``wrap_env`` clips them;
-    next-step autoreset, and ``reset(seed=..., options={"reset_mask": mask})`` with one seed
+    ``(num_envs, action_size)``, as ``wrap_env`` treats them: with ``normalize_ranges`` in
+    ``[-1, 1]``, clipped there and mapped onto the task's range by Gymnasium's
+    ``RescaleAction`` arithmetic (else clipped to the task's range); next-step autoreset, and ``reset(seed=..., options={"reset_mask": mask})`` with one seed
     per env reset (``VectorWorker``'s conditions). Episodes are truncated at
     ``max_episode_steps`` or the task's registered limit, whichever is shorter.
 
@@ -192,6 +444,7 @@ class MujocoBatch(gym.vector.VectorEnv):
       env_id: the Gymnasium id, for example ``"HalfCheetah-v5"``.
       max_episode_steps: the time limit (``env.max_length``); none: the registered one.
       num_threads: mjbatch's threads (0: one per usable core, at most one per env).
+      normalize_ranges: actions in ``[-1, 1]`` (``env.normalize_ranges``).
       kwargs: the task's v5 keyword arguments (``Task``'s fields, ``xml_file``,
         ``frame_skip``).
     """
@@ -199,7 +452,7 @@ class MujocoBatch(gym.vector.VectorEnv):
     metadata = {"autoreset_mode": AutoresetMode.NEXT_STEP}
 
     def __init__(self, env_id: str, num_envs: int, max_episode_steps: int | None = None,
-                 num_threads: int = 0, **kwargs: Any):
+                 num_threads: int = 0, normalize_ranges: bool = True, **kwargs: Any):
         from mjbatch import Batch  # (the native extra)
 
         if env_id not in TASKS:
@@ -224,6 +477,11 @@ class MujocoBatch(gym.vector.VectorEnv):
         self.init_qpos, self.init_qvel = env.init_qpos.copy(), env.init_qvel.copy()
         self.num_envs = num_envs
         self.single_action_space = env.action_space
+        # wrap_env's RescaleAction, through Gymnasium's own arithmetic (identity on [-1, 1]).
+        self._rescale: Callable[[np.ndarray], np.ndarray] | None = None
+        if normalize_ranges:
+            self.single_action_space, _, self._rescale = rescale_box(
+                env.action_space, np.float32(-1), np.float32(1))
         space = env.observation_space
         self.single_observation_space = gym.spaces.Box(
             space.low.astype(np.float32), space.high.astype(np.float32), dtype=np.float32)
@@ -232,7 +490,9 @@ class MujocoBatch(gym.vector.VectorEnv):
         template.close()
         limits = [value for value in (limit, max_episode_steps) if value is not None]
         self.max_episode_steps = min(limits) if limits else None
-        self.batch = Batch(self.model, num_envs, num_threads=min(num_threads, num_envs))
+        self.batch = (ThreadedSims(self.model, num_envs, num_threads)
+                      if self.task.contact_forces
+                      else Batch(self.model, num_envs, num_threads=min(num_threads, num_envs)))
         self.qpos, self.qvel = self.batch.bind("qpos"), self.batch.bind("qvel")
         self.ctrl, self._xpos = self.batch.bind("ctrl"), self.batch.bind("xpos")
         self._bodies: dict[str, int] = {}
@@ -242,10 +502,15 @@ class MujocoBatch(gym.vector.VectorEnv):
         self._elapsed = np.zeros(num_envs, np.int64)
         self._ended = np.zeros(num_envs, bool)
 
-    def body_position(self, name: str) -> np.ndarray:
-        """The position of body ``name`` in each simulation, ``(num_envs, 3)`` (MjData's
-        ``xpos``: after a step, of the last substep's start, as Gymnasium reads it)."""
-        index = self._bodies.get(name)
+    def field(self, name: str) -> np.ndarray:
+        """The ``MjData`` field ``name`` of each simulation, ``(num_envs, ...)``."""
+        return self.batch.bind(name)
+
+    def body_position(self, name: str | int) -> np.ndarray:
+        """The position of body ``name`` (or its index) in each simulation, ``(num_envs, 3)``
+        (MjData's ``xpos``: after a step, of the last substep's start, as Gymnasium reads
+        it)."""
+        index = name if isinstance(name, int) else self._bodies.get(name)
         if index is None:
             import mujoco
 
@@ -296,6 +561,8 @@ class MujocoBatch(gym.vector.VectorEnv):
         ended = self._ended.copy()
         stepping = ~ended
         action = np.clip(actions, self._low, self._high)
+        if self._rescale is not None:
+            action = self._rescale(action)
         before = self.task.before_step(self)
         self.ctrl[stepping] = action[stepping]
         if stepping.any():
@@ -313,12 +580,15 @@ class MujocoBatch(gym.vector.VectorEnv):
         return self._observe(), reward.astype(np.float32), terminated, truncated, info
 
     def close(self, **kwargs: Any) -> None:
+        if isinstance(self.batch, ThreadedSims):
+            self.batch.close()
         self.closed = True
 
 
 def make_vector(num_envs: int, env_id: str = "HalfCheetah-v5",
                 max_episode_steps: int | None = None, num_threads: int = 0,
-                **kwargs: Any) -> MujocoBatch:
+                normalize_ranges: bool = True, **kwargs: Any) -> MujocoBatch:
     """``MujocoBatch(env_id, num_envs, ...)``, for ``env.vector_id =
     "batchrl.envs.mujoco_batch:make_vector"`` with ``env.kwargs = {env_id = "Hopper-v5"}``."""
-    return MujocoBatch(env_id, num_envs, max_episode_steps, num_threads, **kwargs)
+    return MujocoBatch(env_id, num_envs, max_episode_steps, num_threads, normalize_ranges,
+                       **kwargs)
