@@ -332,9 +332,10 @@ class ThreadedSims:
     """``num_sims`` simulations of ``model``, one ``MjData`` each, stepped as Gymnasium's
     ``MujocoEnv`` steps its one: ``mj_step``, then ``mj_rnePostConstraint`` (the contact forces
     ``cfrc_ext``, which mjbatch does not compute). A thread pool of ``num_threads`` (0: one
-    per usable core; at most one per simulation, the calling thread one of them) steps
-    contiguous shares of the simulations; MuJoCo releases the GIL in both calls. The part of
-    mjbatch's ``Batch`` that ``MujocoBatch`` uses.
+    per usable core; at most one per simulation, the calling thread one of them) steps the
+    simulations, each thread taking the next one not yet taken (their steps' costs differ with
+    their contacts); MuJoCo releases the GIL in both calls. The part of mjbatch's ``Batch``
+    that ``MujocoBatch`` uses.
 
     ``bind(name)`` gives a ``(num_sims, ...)`` float64 array of an ``MjData`` field: not a
     view, as mjbatch's, but a copy that ``step``, ``reset`` and ``forward`` refresh for the
@@ -347,7 +348,7 @@ class ThreadedSims:
         self._mujoco, self.model = mujoco, model
         self.datas = [mujoco.MjData(model) for _ in range(num_sims)]
         self.num_threads = max(1, min(num_threads or usable_cores(), num_sims))
-        # (The calling thread steps the first share: the pool has one thread fewer.)
+        # (The calling thread steps too: the pool has one thread fewer.)
         self._pool = (ThreadPoolExecutor(self.num_threads - 1, thread_name_prefix="mujoco")
                       if self.num_threads > 1 else None)
         self._arrays: dict[str, np.ndarray] = {}
@@ -375,18 +376,20 @@ class ThreadedSims:
                    else np.flatnonzero(ids) if np.asarray(ids).dtype == bool
                    else np.asarray(ids, np.int64))
 
-        def share(part: np.ndarray) -> None:
-            for index in part.tolist():
+        queue = iter(indices.tolist())  # (one iterator for all threads: each takes the next)
+
+        def share() -> None:
+            for index in queue:
                 run(index)
                 self._refresh(index)
 
         if not threads or self._pool is None or len(indices) < 2:
-            share(indices)
+            share()
             return
-        first, *rest = np.array_split(indices, min(self.num_threads, len(indices)))
-        futures = [self._pool.submit(share, part) for part in rest]
+        futures = [self._pool.submit(share)
+                   for _ in range(min(self.num_threads, len(indices)) - 1)]
         try:
-            share(first)
+            share()
         finally:
             errors = [future.exception() for future in futures]  # (waits for every share)
         for error in errors:
