@@ -69,11 +69,12 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
+    # (A checkpoint loaded onto a GPU holds its RNG states there; torch takes CPU bytes.)
+    torch.set_rng_state(state["torch"].cpu())
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
     if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([generator.cpu() for generator in state["cuda"]])
 
 
 def phase_plan(config: Config, algo: Algorithm, num_agents: int

@@ -76,6 +76,38 @@ def test_a_loaded_state_continues_exactly():
     env.close()
 
 
+def test_an_evaluation_cuts_the_training_episodes_it_interrupts():
+    """An evaluation resets the envs: n-step returns of the training steps before it must not
+    run on into the evaluation's episodes."""
+    from batchrl.simulation import evaluate_episodes
+
+    algo, env = filled_dqn(6, n_step=3)
+    newest = (algo.buffer.position - 1) % algo.buffer.rows
+    assert not algo.buffer.tensors["done"][newest].all()  # (episodes still running)
+    algo.eval()
+    evaluate_episodes(env, algo, 1)
+    assert algo.buffer.tensors["done"][newest].all()
+    env.close()
+
+
+def test_a_resume_without_the_buffer_learns_again_once_it_is_full():
+    """``learning_starts`` above the buffer's capacity (rounded down to whole batch steps):
+    after a resume without the buffer, learning waits for a full buffer, not for ever."""
+    env = seeded_tensor_env("CartPole-v1", 3, seed=0)
+    options = dict(hidden=(16,), batch_size=4, buffer_size=10, learning_starts=10,
+                   save_buffer=False)
+    algo = DQN(env.observation_space, env.action_space, 3, **options)
+    for _ in range(5):
+        simulate(env, algo)
+    assert algo.buffer.capacity == 9 and algo.updates > 0
+    resumed = DQN(env.observation_space, env.action_space, 3, **options)
+    resumed.load_state_dict(algo.state_dict())
+    for _ in range(3):
+        simulate(env, resumed)
+    assert resumed.updates > algo.updates
+    env.close()
+
+
 def test_bad_input_is_a_clear_error():
     box = gym.spaces.Box(-1, 1, (3,))
     with pytest.raises(UnsupportedSpaceError, match=r"DQN needs a Discrete action space, got "

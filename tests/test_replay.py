@@ -1,6 +1,7 @@
 """The replay buffer (batchrl/parts/replay.py): wrap-around, uniform sampling of the stored
 part only, truncations that bootstrap and terminations that do not, n-step returns that stop at
-episode ends and at the newest step, uint8 observations, and an exact checkpoint round trip."""
+episode ends and at the newest step, uint8 observations (in DQN and SAC too), and an exact
+checkpoint round trip."""
 
 from __future__ import annotations
 
@@ -142,6 +143,46 @@ def test_uint8_observations_stay_uint8():
         == 4 * 84 * 84  # a byte per pixel
     batch = buffer.sample(5)
     assert batch["observ"].dtype == torch.uint8 and batch["action"].dtype == torch.int64
+
+
+@pytest.mark.parametrize("algorithm", ["DQN", "SAC"])
+def test_off_policy_algorithms_store_pixels_as_bytes_and_learn_from_them_scaled(algorithm):
+    """DQN and SAC on ``uint8`` image observations: a byte per pixel in the buffer, the
+    networks read them scaled to [0, 1], and gradient steps run."""
+    import gymnasium as gym
+    import numpy as np
+
+    from batchrl import algos
+    from batchrl.envs import BatchEnv, wrap_env
+    from batchrl.simulation import simulate
+    from batchrl.tensor_env import TensorBatchEnv
+    from batchrl.testing.envs import PixelSide
+
+    def make() -> gym.Env:
+        if algorithm == "DQN":
+            return PixelSide(size=12)
+        pendulum = gym.make("Pendulum-v1")  # (its observation as bytes)
+        return gym.wrappers.TransformObservation(
+            pendulum, lambda observ: np.round((observ / 8 + 1) * 127.5).astype(np.uint8),
+            gym.spaces.Box(0, 255, (3,), np.uint8))
+
+    torch.manual_seed(0)
+    env = TensorBatchEnv(BatchEnv([wrap_env(make()) for _ in range(2)]))
+    env.reset(seed=0)
+    algo = getattr(algos, algorithm)(env.observation_space, env.action_space, 2,
+                                     hidden=(16,), batch_size=8, learning_starts=8)
+    seen = []
+    network = algo.q if algorithm == "DQN" else algo.policy
+    network.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0]))
+    for _ in range(8):
+        simulate(env, algo)
+    assert algo.buffer.tensors["observ"].dtype == torch.uint8 and algo.updates > 0
+    features = seen[-1]  # (what the network took: the scaled image, or for DQN the bytes
+    if algorithm == "DQN":  # before its first layer scales them)
+        features = algo.q[0](features)
+    assert features.dtype == torch.float32 and 0 <= float(features.min())
+    assert float(features.max()) <= 1 and float(features.max()) > 0.2
+    env.close()
 
 
 def test_a_checkpointed_buffer_samples_exactly_as_the_original():

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from batchrl.algos.base import Summary
 from batchrl.algos.networks import mlp
-from batchrl.algos.replay import ReplayAlgorithm
+from batchrl.algos.replay import ReplayAlgorithm, observation_field, observation_input
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.parts.replay import ReplayBuffer
 
@@ -32,7 +32,9 @@ class DQN(ReplayAlgorithm):
     loss on ``batch_size`` transitions from the replay buffer against ``r + discount *
     Q_target(s', argmax_a Q(s', a))``; the target network copies the Q-network every
     ``target_update_every`` gradient steps. Evaluation acts greedily (``eval_actions =
-    "sample"``: epsilon-greedy with ``final_epsilon``). Observations are not normalised.
+    "sample"``: epsilon-greedy with ``final_epsilon``). Observations are not normalised;
+    ``uint8`` images are stored as such and scaled to ``[0, 1]`` where the Q-networks read
+    them (flattened, through the MLP).
 
     Args:
       observation_space, action_space: a ``Box`` and a ``Discrete`` space.
@@ -70,7 +72,7 @@ class DQN(ReplayAlgorithm):
         if not 0 <= final_epsilon <= 1:
             raise ValueError(f"final_epsilon must be in [0, 1], got {final_epsilon}")
         obs_size = math.prod(observation_space.shape)
-        flat = ((obs_size,), torch.float32)
+        flat = observation_field(observation_space)
         super().__init__(device, eval_actions, num_agents, ReplayBuffer(
             num_agents, buffer_size, {"observ": flat, "next_observ": flat,
                                       "action": ((), torch.int64)},
@@ -79,8 +81,9 @@ class DQN(ReplayAlgorithm):
         self.batch_size, self.target_update_every = batch_size, target_update_every
         self.exploration_steps, self.final_epsilon = exploration_steps, final_epsilon
         self.max_grad_norm = max_grad_norm
-        self.q = nn.Sequential(*mlp(obs_size, hidden), nn.Linear(
-            hidden[-1] if hidden else obs_size, self.actions)).to(self.device)
+        self.q = nn.Sequential(observation_input(observation_space), *mlp(obs_size, hidden),
+                               nn.Linear(hidden[-1] if hidden else obs_size,
+                                         self.actions)).to(self.device)
         self.target_q = copy.deepcopy(self.q).requires_grad_(False)
         self.optimizer = torch.optim.Adam(self.q.parameters(), lr=learning_rate)
 

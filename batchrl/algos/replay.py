@@ -3,12 +3,29 @@ DQN): store each batch step in a replay buffer and learn at a set update-to-data
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import gymnasium as gym
 import torch
+from torch import nn
 
 from batchrl.algos.base import Algorithm, Summary
+from batchrl.algos.networks import PixelInput
 from batchrl.parts.replay import ReplayBuffer
+from batchrl.pixels import is_pixel_space
+
+
+def observation_field(space: gym.spaces.Box) -> tuple[tuple[int], torch.dtype]:
+    """The replay buffer's field of flattened ``space`` observations: ``uint8`` pixels stay
+    ``uint8`` (a quarter of the bytes), other observations are ``float32``."""
+    return (math.prod(space.shape),), torch.uint8 if is_pixel_space(space) else torch.float32
+
+
+def observation_input(space: gym.spaces.Box) -> nn.Module:
+    """What a network puts first to read ``observation_field(space)`` rows: ``uint8`` pixels
+    scaled to ``[0, 1]`` floats, other observations as they are."""
+    return PixelInput(math.prod(space.shape)) if is_pixel_space(space) else nn.Identity()
 
 
 class ReplayAlgorithm(Algorithm):
@@ -70,8 +87,9 @@ class ReplayAlgorithm(Algorithm):
         return action
 
     def begin_episodes(self, agent_indices: torch.Tensor) -> Summary:
-        if self.training:  # (a reset may cut an episode: its n-step returns stop there)
-            self.buffer.cut(agent_indices)
+        # A reset, an evaluation's too, may cut a training episode: its n-step returns stop
+        # at its newest stored step.
+        self.buffer.cut(agent_indices)
         return {}
 
     def end_episodes(self, agent_indices: torch.Tensor) -> Summary:
@@ -140,4 +158,4 @@ class ReplayAlgorithm(Algorithm):
             self._refill = 0
         else:  # the buffer starts empty: learning waits until it is refilled
             self.buffer.clear()
-            self._refill = self.learning_starts
+            self._refill = min(self.learning_starts, self.buffer.capacity)

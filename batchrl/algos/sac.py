@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from batchrl.algos.base import Summary
 from batchrl.algos.ppo_config import PRECISIONS
-from batchrl.algos.replay import ReplayAlgorithm
+from batchrl.algos.replay import ReplayAlgorithm, observation_field, observation_input
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.parts.replay import ReplayBuffer
 
@@ -89,7 +89,9 @@ class SAC(ReplayAlgorithm):
     transitions drawn from the replay buffer: both critics on the soft Bellman target, the
     policy on ``alpha * log pi - min Q``, the temperature towards ``target_entropy``, and the
     target critics ``tau`` of the way to the critics. Evaluation acts with ``tanh`` of the
-    mean (``eval_actions = "sample"``: sampled). Observations are not normalised.
+    mean (``eval_actions = "sample"``: sampled). Observations are not normalised; ``uint8``
+    images are stored as such and scaled to ``[0, 1]`` where the networks read them (flattened,
+    through the MLPs).
 
     Args:
       observation_space, action_space: ``Box`` spaces (1-D actions). Actions are squashed
@@ -144,7 +146,7 @@ class SAC(ReplayAlgorithm):
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got "
                              f"{precision!r}")
         actions, self.obs_size = action_space.shape[0], math.prod(observation_space.shape)
-        flat = ((self.obs_size,), torch.float32)
+        flat = observation_field(observation_space)
         super().__init__(device, eval_actions, num_agents, ReplayBuffer(
             num_agents, buffer_size, {"observ": flat, "next_observ": flat,
                                       "action": ((actions,), torch.float32)},
@@ -158,6 +160,7 @@ class SAC(ReplayAlgorithm):
         high = action_space.high if bounded else np.ones(actions, np.float32)
         self._low = torch.as_tensor(low, dtype=torch.float32, device=self.device)
         self._scale = torch.as_tensor(high - low, dtype=torch.float32, device=self.device) / 2
+        self.observation_input = observation_input(observation_space)  # (scales pixels)
         self.policy = SquashedGaussian(self.obs_size, hidden, actions).to(self.device)
         self.critics = EnsembleMLP(2, self.obs_size + actions, hidden, 1).to(self.device)
         self.target_critics = EnsembleMLP(2, self.obs_size + actions, hidden, 1).to(self.device)
@@ -181,7 +184,7 @@ class SAC(ReplayAlgorithm):
     @torch.no_grad()
     def perform(self, agent_indices: torch.Tensor,
                 observ: torch.Tensor) -> tuple[torch.Tensor, Summary]:
-        observ = observ.reshape(len(agent_indices), -1)
+        observ = self.observation_input(observ.reshape(len(agent_indices), -1))
         if self.training and self.env_steps < self.learning_starts:
             squashed = torch.rand(len(agent_indices), len(self._low), device=self.device) * 2 - 1
         else:
@@ -197,21 +200,23 @@ class SAC(ReplayAlgorithm):
         """One step of the critics, the policy and the temperature, and the targets' Polyak
         step; returns their losses and the temperature (0-dim tensors on ``device``)."""
         batch = self.buffer.sample(self.batch_size)
+        observ = self.observation_input(batch["observ"])
+        next_observ = self.observation_input(batch["next_observ"])
         alpha = self.alpha
         with torch.no_grad():
-            next_action, next_log_prob = self.policy(batch["next_observ"])
-            next_q = self.target_critics(torch.cat([batch["next_observ"], next_action], -1))
+            next_action, next_log_prob = self.policy(next_observ)
+            next_q = self.target_critics(torch.cat([next_observ, next_action], -1))
             soft = next_q.min(0).values.squeeze(-1) - alpha * next_log_prob
             target = batch["reward"] + batch["discount"] * soft
-        q = self.critics(torch.cat([batch["observ"], batch["action"]], -1)).squeeze(-1)
+        q = self.critics(torch.cat([observ, batch["action"]], -1)).squeeze(-1)
         critic_loss = 0.5 * (q - target).square().mean(1).sum()
         self.critic_optimizer.zero_grad(set_to_none=True)
         critic_loss.backward()
         self.critic_optimizer.step()
 
-        action, log_prob = self.policy(batch["observ"])
+        action, log_prob = self.policy(observ)
         self.critics.requires_grad_(False)  # (the policy's loss moves the policy only)
-        q_new = self.critics(torch.cat([batch["observ"], action], -1)).min(0).values.squeeze(-1)
+        q_new = self.critics(torch.cat([observ, action], -1)).min(0).values.squeeze(-1)
         self.critics.requires_grad_(True)
         policy_loss = (alpha * log_prob - q_new).mean()
         self.policy_optimizer.zero_grad(set_to_none=True)
