@@ -211,6 +211,28 @@ def test_autoreset_envs_are_reset_instead_of_stepped(transport):
     assert [env.count for env in batch.envs] == [3, 1, 3, 1]
 
 
+def test_an_ended_episode_is_reset_once_when_stepped_with_autoreset(transport):
+    """Worker processes reset an env as soon as its episode ends (prefetch); the step that
+    autoresets it must use that reset, not reset it again (a second draw from its generator)."""
+    def make():
+        return gym.make("CartPole-v1", max_episode_steps=3)
+
+    def steps(batch):
+        batch.reset(seed=5)
+        for _ in range(3):
+            *_, terminated, truncated, _ = batch.step(np.zeros(4, np.int64))
+        observ = [batch.step(np.ones(4, np.int64), terminated | truncated)[0]]
+        return observ + [batch.step(np.zeros(4, np.int64))[0]]
+
+    reference = BatchEnv([make() for _ in range(4)])
+    try:
+        expected = steps(reference)
+    finally:
+        reference.close()
+    for got, want in zip(steps(transport([make] * 4)), expected):
+        np.testing.assert_array_equal(got, want)
+
+
 # The layout options that put a BatchVectorEnv's envs on each transport.
 VECTOR_LAYOUTS = {"local": dict(backend="inline"), "process": dict(backend="process"),
                   "shared-memory": dict(backend="workers", workers=2),

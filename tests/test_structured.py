@@ -255,6 +255,42 @@ class CountingVectorEnv(gym.vector.VectorEnv):
                 info)
 
 
+class SentCountingVectorEnv(CountingVectorEnv):
+    """``CountingVectorEnv`` with ``send``/``recv``: a member the batch steps in parallel."""
+
+    def send(self, actions):
+        self._result = self.step(actions)
+
+    def recv(self):
+        return self._result
+
+
+def test_a_rejected_step_leaves_no_member_with_a_request_in_flight():
+    """One member rejects a step (an ended env not reset) after another was sent it: the error
+    reaches the caller, the other member's answer is collected, and the batch steps on."""
+    from batchrl.envs.vectorized import VectorWorker
+
+    batch = BatchEnv([VectorWorker(lambda: SentCountingVectorEnv(2, length=5)),
+                      VectorWorker(lambda: CountingVectorEnv(2))])
+    try:
+        assert batch.workers  # (member 0 is sent its steps)
+        batch.reset(seed=0)
+        for _ in range(3):
+            *_, truncated, _ = batch.step(np.ones(4, np.int64))
+        assert truncated.tolist() == [False, False, True, True]
+        with pytest.raises(ValueError, match="ended their episodes"):
+            batch.step(np.ones(4, np.int64))
+        observ, *_ = batch.step(np.ones(4, np.int64), autoreset=truncated)
+        assert observ[:, 0].tolist() == [5, 6, 0, 0]  # (the rejected step stepped member 0)
+        batch.close()
+        with pytest.raises(RuntimeError, match="step on a closed BatchEnv"):
+            batch.step(np.ones(4, np.int64))
+        with pytest.raises(RuntimeError, match="reset on a closed BatchEnv"):
+            batch.reset()
+    finally:
+        batch.close()
+
+
 def test_a_numpy_vector_env_is_a_batch_member():
     """``VectorWorker`` without ``send``/``recv`` steps in ``step_wait``; its infos (nested ones
     too) reach the batch, or nothing with ``infos=False`` (a restarted member too); an ended env

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 from typing import Any, Callable, Sequence
@@ -128,6 +129,7 @@ class BatchEnv(Closeable):
         self._no_restarts = (np.zeros(0, np.int64), self._empty_observ(0))
         self._restarted = self._no_restarts
         self._pending: Pending | None = None  # a step_async() awaiting its step_wait()
+        self._closed = False
 
     def __len__(self) -> int:
         return self._num_envs
@@ -181,9 +183,13 @@ class BatchEnv(Closeable):
         else:
             exc.env_indices = range(start, start + count)
 
-    def _send(self, positions: Sequence[int], send: Callable[[int, Worker], None]) -> Pending:
+    def _send(self, positions: Sequence[int], send: Callable[[int, Worker], None],
+              wait: Callable[[Worker], Any]) -> Pending:
         """Call ``send(position, member)``, a request's async half, for the members at
-        ``positions`` that step in parallel; what ``_receive`` needs to finish."""
+        ``positions`` that step in parallel; what ``_receive`` needs to finish. An error other
+        than an env's (bad input a member rejects, an interrupt) is raised once the members
+        already sent the request have answered it (``wait``): none is left with a request in
+        flight."""
         sent: list[int] = []
         failures: list[tuple[int, int, EnvError]] = []
         for slot, position in enumerate(positions):
@@ -193,7 +199,18 @@ class BatchEnv(Closeable):
                     sent.append(slot)
                 except EnvError as exc:
                     failures.append((slot, position, exc))
+                except BaseException:
+                    self._drain(positions, sent, wait)
+                    raise
         return positions, send, sent, failures
+
+    def _drain(self, positions: Sequence[int], slots: Sequence[int],
+               wait: Callable[[Worker], Any]) -> None:
+        """Wait for the answers of the members at ``slots`` (a request was sent to them),
+        ignoring their errors: after a failure elsewhere has ended the request."""
+        for slot in slots:
+            with contextlib.suppress(Exception):
+                wait(self._members[positions[slot]])
 
     def _receive(self, pending: Pending, wait: Callable[[Worker], Any],
                  recover: Callable[[int, np.ndarray], Any]) -> list[Any]:
@@ -204,20 +221,25 @@ class BatchEnv(Closeable):
         otherwise the first failure is raised with its env index."""
         positions, send, sent, failures = pending
         results: list[Any] = [None] * len(positions)
-        for slot, position in enumerate(positions):
-            if not self._parallel[position]:
-                member = self._members[position]
+        unanswered = list(reversed(sent))
+        try:
+            for slot, position in enumerate(positions):
+                if not self._parallel[position]:
+                    member = self._members[position]
+                    try:
+                        send(position, member)
+                        results[slot] = wait(member)
+                    except EnvError as exc:
+                        failures.append((slot, position, exc))
+            while unanswered:
+                slot = unanswered.pop(0)
                 try:
-                    send(position, member)
-                    results[slot] = wait(member)
+                    results[slot] = wait(self._members[positions[slot]])
                 except EnvError as exc:
-                    failures.append((slot, position, exc))
-        for slot in reversed(sent):
-            position = positions[slot]
-            try:
-                results[slot] = wait(self._members[position])
-            except EnvError as exc:
-                failures.append((slot, position, exc))
+                    failures.append((slot, positions[slot], exc))
+        except BaseException:  # (not an env's error: see _send)
+            self._drain(positions, unanswered, wait)
+            raise
         for slot, position, exc in failures:
             self._locate(exc, position)
             results[slot] = recover(position, self._restart(position, exc))
@@ -321,6 +343,7 @@ class BatchEnv(Closeable):
     def step_async(self, actions: Any, autoreset: np.ndarray | None = None) -> None:
         """Send the worker processes their ``actions`` (as for ``step``) and return;
         ``step_wait`` finishes the step. Meanwhile leave this env and ``actions`` alone."""
+        self._check_open("step")
         if self._pending is not None:
             raise RuntimeError("step_async() was called twice: call step_wait() first")
         actions = self._check_actions(actions)
@@ -332,16 +355,16 @@ class BatchEnv(Closeable):
             autoreset = autoreset if autoreset.any() else None
         starts = self._starts
         self._restarted = self._no_restarts
-        # Before the step: a restart sets its envs' counts to 0.
-        self._episode_steps += 1
-        if autoreset is not None:
-            self._episode_steps[autoreset] = 0
         self._pending = self._send(
             range(len(self._members)),
             lambda position, member: member.step_async(
                 actions[starts[position]:starts[position] + member.num_envs],
                 None if autoreset is None else
-                autoreset[starts[position]:starts[position] + member.num_envs]))
+                autoreset[starts[position]:starts[position] + member.num_envs]), _wait_step)
+        # Before the step's end: a restart sets its envs' counts to 0.
+        self._episode_steps += 1
+        if autoreset is not None:
+            self._episode_steps[autoreset] = 0
 
     def step_wait(self) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, list[dict]]:
         """Finish the step begun by ``step_async``; returns what ``step`` returns."""
@@ -387,8 +410,10 @@ class BatchEnv(Closeable):
         ``return_infos``, ``(observations, infos)``, the reset info dicts in the same order (empty
         for envs whose worker was restarted).
         """
+        self._check_open("reset")
         if self._pending is not None:
             raise RuntimeError("reset() during a step: call step_wait() after step_async() first")
+        self._restarted = self._no_restarts
         indices = self._check_indices(indices)
         if seed is None or isinstance(seed, (int, np.integer)):
             seeds = [None if seed is None else int(seed) + i for i in indices]
@@ -407,11 +432,10 @@ class BatchEnv(Closeable):
             local.append(int(self._local_of[index]))
             local_seeds.append(seeds[slot])
         positions = list(groups)
-        self._restarted = self._no_restarts
         # A restarted member's envs were all reset: keep the rows asked for.
         results = self._receive(self._send(
             positions, lambda position, member: member.reset_async(
-                groups[position][1], groups[position][2], options)),
+                groups[position][1], groups[position][2], options), _wait_reset),
             _wait_reset, lambda position, observ: (take(observ, groups[position][1]), None))
         # (each part in the dtype the envs gave, as a step returns it)
         observ = map_nested(lambda part: np.empty((len(indices), *part.shape[1:]), part.dtype),
@@ -455,9 +479,15 @@ class BatchEnv(Closeable):
             raise ValueError(f"env indices must be unique, got {result}")
         return result
 
+    def _check_open(self, operation: str) -> None:
+        if self._closed:  # (else a failed worker's restart would bring the envs back)
+            raise RuntimeError(f"{operation} on a closed BatchEnv")
+
     def close(self) -> None:
-        """Close every env (stops the worker processes). Idempotent."""
+        """Close every env (stops the worker processes). Idempotent; the envs then neither
+        step nor reset."""
         self._pending = None
+        self._closed = True
         for member in self._members:
             member.close()
 

@@ -193,14 +193,14 @@ def batch_env_from(constructor: Callable[[], gym.Env] | Sequence[Callable[[], gy
                                          cpu=cpu, construct_timeout=construct_timeout,
                                          prefetch_reset=prefetch_reset))
         elif backend == "process":
-            members = [ExternalProcess(make, label=label, timeout=timeout,
-                                       construct_timeout=construct_timeout)
-                       for make in constructors]
+            for make in constructors:  # (appended one by one: closed if a later one fails)
+                members.append(ExternalProcess(make, label=label, timeout=timeout,
+                                               construct_timeout=construct_timeout))
         elif backend == "ray":
             members = _ray_workers(constructors, workers, label, timeout, construct_timeout,
                                    infos, prefetch_reset, ray_address, ray_resources)
         else:
-            members = [build_in_process(make, label) for make in constructors]
+            members.extend(build_in_process(make, label) for make in constructors)
         return BatchEnv(members, max_restarts=max_restarts)
     except BaseException:
         for member in members:
@@ -300,7 +300,9 @@ def make_batch_env(env_id: str, num_envs: int, max_length: int | None = None,
     ``normalize_ranges``), action clipping and 32-bit floats. ``backend``,
     ``workers`` and ``options`` are ``batch_env_from``'s; backend ``"vector"``
     steps them in vector envs built by ``vector_id`` instead (``vector_members``;
-    of ``options`` only ``infos`` and ``max_restarts`` apply); backend ``"native"``
+    of ``options`` only ``infos`` and ``max_restarts`` apply, the latter to vector envs with
+    ``send``/``recv``: one stepping in this process is not restarted, its error is raised);
+    backend ``"native"``
     steps the MuJoCo tasks of ``batchrl.envs.mujoco_batch`` in one such vector env, with
     ``workers`` threads (0: one per usable core);
     ``"auto"`` is ``"native"`` where that can step ``env_id``, else ``"workers"``
@@ -326,9 +328,14 @@ def make_batch_env(env_id: str, num_envs: int, max_length: int | None = None,
         if not vector_id:
             raise EnvSpecError("env backend 'vector' needs vector_id, the function building "
                                "the vector env ('package.module:function')")
-        return BatchEnv(vector_members(vector_id, num_envs, max_length, kwargs, workers,
-                                       options.get("infos", True)),
-                        max_restarts=options.get("max_restarts", 0))
+        members = vector_members(vector_id, num_envs, max_length, kwargs, workers,
+                                 options.get("infos", True))
+        try:
+            return BatchEnv(members, max_restarts=options.get("max_restarts", 0))
+        except BaseException:
+            for member in members:
+                member.close()
+            raise
     raw = resolve_constructor(env_id, kwargs, max_length)
 
     def constructor() -> gym.Env:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from batchrl.envs.infos import info_columns
-from batchrl.nested import build, is_nested_space, leaf_spaces, put
+from batchrl.nested import build, is_nested_space, leaf_spaces, put, take
 
 # Bytes reserved per action value: actions travel in the caller's dtype, as with in-process envs.
 ACTION_ITEMSIZE = 8
@@ -179,6 +179,9 @@ def attribute_answer(env: Any, name: str) -> tuple:
     return ("ok", value)
 
 
+_NONE = object()  # (no prefetched reset: None is a valid info)
+
+
 class EnvHost:
     """A worker's envs, where they live. ``prefetch_reset``: reset an env as soon
     as its episode ends; ``send_infos``: answer the info dicts (pickled with
@@ -188,6 +191,9 @@ class EnvHost:
         self.prefetch_reset = prefetch_reset
         self.send_infos = send_infos
         self.envs: list[Any] = []
+        # Envs reset by prefetch and neither stepped nor reset since: their reset infos (the
+        # observations wait in the arrays' reset_observ). A step with autoreset uses that reset.
+        self._fresh: dict[int, Any] = {}
 
     def build(self, constructors: Sequence[Callable[[], Any]]) -> tuple:
         """Build the envs; answers ``[(observation_space, action_space)]``,
@@ -214,8 +220,10 @@ class EnvHost:
         infos, resets, error = [], [], None
         for index, env in enumerate(self.envs):
             try:
+                fresh = self._fresh.pop(index, _NONE)
                 if autoreset is not None and autoreset[index]:
-                    obs, info = env.reset()
+                    obs, info = ((take(arrays.reset_observ, index), fresh)
+                                 if fresh is not _NONE else env.reset())
                     reward, term, trunc = 0.0, False, False
                 else:
                     obs, reward, term, trunc, info = env.step(actions[index])
@@ -229,6 +237,7 @@ class EnvHost:
                     reset_obs, reset_info = env.reset()
                     put(arrays.reset_observ, index, reset_obs)
                     resets.append((index, pack(reset_info) if send_infos else None))
+                    self._fresh[index] = reset_info
             except Exception as exc:
                 error = error or error_answer(exc, index)
                 infos.append({})
@@ -247,6 +256,7 @@ class EnvHost:
         infos, index = [], None
         try:
             for index, seed in zip(indices, seeds):
+                self._fresh.pop(index, None)
                 obs, info = self.envs[index].reset(seed=seed, options=options)
                 put(arrays.reset_observ, index, obs)
                 infos.append(info)
