@@ -278,8 +278,11 @@ def test_a_rejected_step_leaves_no_member_with_a_request_in_flight():
         for _ in range(3):
             *_, truncated, _ = batch.step(np.ones(4, np.int64))
         assert truncated.tolist() == [False, False, True, True]
-        with pytest.raises(ValueError, match="ended their episodes"):
+        with pytest.raises(ValueError, match="ended their episodes") as raised:
             batch.step(np.ones(4, np.int64))
+        assert raised.value.__notes__ == [
+            "(from the member holding envs 2-3 of the batch: env indices in the message count "
+            "from 2)"]
         observ, *_ = batch.step(np.ones(4, np.int64), autoreset=truncated)
         assert observ[:, 0].tolist() == [5, 6, 0, 0]  # (the rejected step stepped member 0)
         batch.close()
@@ -287,6 +290,28 @@ def test_a_rejected_step_leaves_no_member_with_a_request_in_flight():
             batch.step(np.ones(4, np.int64))
         with pytest.raises(RuntimeError, match="reset on a closed BatchEnv"):
             batch.reset()
+    finally:
+        batch.close()
+
+
+class BrokenVectorEnv(CountingVectorEnv):
+    def step(self, actions):
+        raise RuntimeError("the simulator fell over")
+
+
+def test_a_vector_env_that_raises_is_named_as_one():
+    from batchrl.envs.errors import EnvRaisedError
+    from batchrl.envs.vectorized import VectorWorker
+
+    batch = BatchEnv([VectorWorker(lambda: CountingVectorEnv(2)),
+                      VectorWorker(lambda: BrokenVectorEnv(3), label="broken")])
+    try:
+        batch.reset(seed=0)
+        with pytest.raises(EnvRaisedError) as raised:
+            batch.step(np.ones(5, np.int64))
+        assert str(raised.value).startswith(
+            "envs 2-4 (broken, one vector env in this process) failed in step(): RuntimeError: "
+            "the simulator fell over")
     finally:
         batch.close()
 

@@ -151,7 +151,8 @@ class BatchEnv(Closeable):
 
     @property
     def workers(self) -> list[Worker | WorkerFront]:
-        """The members whose envs live in other processes, as they were given."""
+        """The members stepped in parallel with the caller, as they were given: worker
+        processes, Ray actors, and vector envs with ``send``/``recv`` (their own threads)."""
         return [given for given, member in zip(self._given, self._members)
                 if not member.in_process]
 
@@ -182,6 +183,8 @@ class BatchEnv(Closeable):
             exc.env_index = start + (local or 0)
         else:
             exc.env_indices = range(start, start + count)
+            if self._members[position].in_process:  # (a vector env here, not a process)
+                exc.together = "one vector env in this process"
 
     def _send(self, positions: Sequence[int], send: Callable[[int, Worker], None],
               wait: Callable[[Worker], Any]) -> Pending:
@@ -199,10 +202,20 @@ class BatchEnv(Closeable):
                     sent.append(slot)
                 except EnvError as exc:
                     failures.append((slot, position, exc))
-                except BaseException:
+                except BaseException as exc:
+                    self._note_member(exc, position)
                     self._drain(positions, sent, wait)
                     raise
         return positions, send, sent, failures
+
+    def _note_member(self, exc: BaseException, position: int) -> None:
+        """Say which envs of the batch the member at ``position`` holds, on an error it raised
+        that is not an env's (those carry their batch index): its own indices count from 0."""
+        count = self._members[position].num_envs
+        if isinstance(exc, Exception) and count < self._num_envs:
+            start = int(self._starts[position])
+            exc.add_note(f"(from the member holding envs {start}-{start + count - 1} of the "
+                         f"batch: env indices in the message count from {start})")
 
     def _drain(self, positions: Sequence[int], slots: Sequence[int],
                wait: Callable[[Worker], Any]) -> None:
@@ -231,6 +244,9 @@ class BatchEnv(Closeable):
                         results[slot] = wait(member)
                     except EnvError as exc:
                         failures.append((slot, position, exc))
+                    except BaseException as exc:
+                        self._note_member(exc, position)
+                        raise
             while unanswered:
                 slot = unanswered.pop(0)
                 try:

@@ -14,6 +14,7 @@ class EnvError(RuntimeError):
       label: the env's name (constructor or Gymnasium id).
       env_index: index in the enclosing ``BatchEnv``, or ``None``.
       env_indices: the ``BatchEnv`` indices of a worker's envs that failed together, or ``None``.
+      together: what those envs failed together in (a worker process, a vector env).
       operation: what was being done (``"step"``, ``"reset"``, ``"construct"``...).
     """
 
@@ -24,13 +25,14 @@ class EnvError(RuntimeError):
         self.detail = detail
         self.env_index: int | None = None
         self.env_indices: range | None = None
+        self.together = "one worker process"  # what env_indices failed together in
 
     def __str__(self) -> str:
         if self.env_index is not None:
             where = f"env {self.env_index} ({self.label})"
         elif self.env_indices:
             where = (f"envs {self.env_indices.start}-{self.env_indices.stop - 1} "
-                     f"({self.label}, one worker process)")
+                     f"({self.label}, {self.together})")
         else:
             where = self.label
         return f"{where} failed in {self.operation}(): {self.detail}"
