@@ -1,5 +1,6 @@
 """Double DQN (batchrl/algos/dqn.py): the epsilon schedule, the target network's copies and the
-double-Q target, an exact state round trip, and learning CartPole (CI-sized)."""
+double-Q target, an exact state round trip, and learning CartPole and, through a convolutional
+torso, a pixel task (CI-sized)."""
 
 from __future__ import annotations
 
@@ -117,6 +118,37 @@ def test_bad_input_is_a_clear_error():
         DQN(box, gym.spaces.Discrete(2), 2, final_epsilon=2)
     with pytest.raises(ValueError, match="target_update_every must be >= 1, got 0"):
         DQN(box, gym.spaces.Discrete(2), 2, target_update_every=0)
+    with pytest.raises(UnsupportedSpaceError, match="torso 'nature_cnn' needs image "
+                                                    "observations"):
+        DQN(box, gym.spaces.Discrete(2), 2, torso="nature_cnn")
+    with pytest.raises(ValueError, match="torso must be one of"):
+        DQN(box, gym.spaces.Discrete(2), 2, torso="cnn")
+
+
+@pytest.mark.slow
+def test_dqn_with_a_convolutional_torso_learns_from_pixels():
+    """``torso = "nature_cnn"``: the Q-network reads the images through the Nature CNN and
+    learns PixelSide (the bright square's side) from bytes stored as bytes."""
+    from batchrl.algos.networks import ConvTorso
+    from batchrl.envs import BatchEnv, wrap_env
+    from batchrl.simulation import evaluate_episodes
+    from batchrl.tensor_env import TensorBatchEnv
+    from batchrl.testing.envs import PixelSide
+
+    torch.manual_seed(0)
+    env = TensorBatchEnv(BatchEnv([wrap_env(PixelSide()) for _ in range(4)]))
+    env.reset(seed=0)
+    algo = DQN(env.observation_space, env.action_space, 4, torso="nature_cnn", hidden=(64,),
+               batch_size=32, learning_starts=500, exploration_steps=2000,
+               target_update_every=100)
+    assert isinstance(algo.q[0], ConvTorso)
+    for _ in range(1000):  # 4,000 env steps
+        simulate(env, algo)
+    assert algo.buffer.tensors["observ"].dtype == torch.uint8
+    algo.eval()
+    returns, _ = evaluate_episodes(env, algo, 20)
+    assert sum(returns) / len(returns) >= 9.0  # (a random policy: 5)
+    env.close()
 
 
 @pytest.mark.slow

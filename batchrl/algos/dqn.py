@@ -15,8 +15,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from batchrl.algos.base import Summary
-from batchrl.algos.networks import mlp
-from batchrl.algos.replay import ReplayAlgorithm, observation_field, observation_input
+from batchrl.algos.networks import build_torso, mlp
+from batchrl.algos.replay import ReplayAlgorithm, observation_field
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.parts.replay import ReplayBuffer
 
@@ -42,7 +42,9 @@ class DQN(ReplayAlgorithm):
       device: where the networks and the replay buffer live.
       buffer_size, batch_size, learning_starts, updates_per_step, discount, n_step: as SAC's.
       learning_rate: Adam's.
-      hidden: hidden layer sizes of the Q-network.
+      hidden: hidden layer sizes of the Q-network (after its torso).
+      torso: what reads the observations first, as BatchPPO's ``torso``: ``"mlp"`` (the flat
+        observation), ``"nature_cnn"`` or ``"impala_cnn"`` (for images).
       target_update_every: gradient steps between copies into the target network.
       exploration_steps, final_epsilon: the epsilon schedule.
       max_grad_norm: the gradient's norm is clipped to it.
@@ -57,7 +59,7 @@ class DQN(ReplayAlgorithm):
                  learning_rate: float = 5e-4, hidden: Sequence[int] = (64, 64),
                  target_update_every: int = 500, exploration_steps: int = 10_000,
                  final_epsilon: float = 0.05, max_grad_norm: float = 10.0,
-                 save_buffer: bool = True, eval_actions: str = "mean"):
+                 save_buffer: bool = True, eval_actions: str = "mean", torso: str = "mlp"):
         if not isinstance(observation_space, gym.spaces.Box):
             raise UnsupportedSpaceError(f"DQN needs a Box observation space, got "
                                         f"{observation_space}")
@@ -81,8 +83,10 @@ class DQN(ReplayAlgorithm):
         self.batch_size, self.target_update_every = batch_size, target_update_every
         self.exploration_steps, self.final_epsilon = exploration_steps, final_epsilon
         self.max_grad_norm = max_grad_norm
-        self.q = nn.Sequential(observation_input(observation_space), *mlp(obs_size, hidden),
-                               nn.Linear(hidden[-1] if hidden else obs_size,
+        first = build_torso(torso, observation_space)  # (None: the float observation itself)
+        features = obs_size if first is None else first.out_size
+        self.q = nn.Sequential(*([] if first is None else [first]), *mlp(features, hidden),
+                               nn.Linear(hidden[-1] if hidden else features,
                                          self.actions)).to(self.device)
         self.target_q = copy.deepcopy(self.q).requires_grad_(False)
         self.optimizer = torch.optim.Adam(self.q.parameters(), lr=learning_rate)
