@@ -564,7 +564,9 @@ def test_eval_mode_acts_with_the_mean_and_learns_nothing(space):
     ("update_every", 0), ("update_epochs", 0), ("gae_lambda", 1.5),
     ("kl_target", 0.0), ("policy_lr", -1.0), ("batch_size", 0), ("chunk_length", 0),
     ("rollout_length", 0), ("minibatch_size", 0), ("activation", "gelu"), ("init", "xavier"),
-    ("reward_scale", "value"), ("lr_schedule", "cosine"),
+    ("reward_scale", "value"), ("lr_schedule", "cosine"), ("max_grad_norm", 0.0),
+    ("max_grad_norm", -0.5), ("kl_init_penalty", 0.0), ("kl_cutoff_factor", -1.0),
+    ("kl_cutoff_coef", -1.0),
 ])
 def test_config_validation(field, value):
     with pytest.raises(ValueError, match=field):
@@ -582,6 +584,43 @@ def test_config_rejects_combinations():
     for name in ("rollout_length", "minibatch_size"):
         with pytest.raises(ValueError, match=f"{name} needs network='feed_forward'"):
             PPOConfig(network="recurrent", **{name: 16})
+    with pytest.raises(ValueError, match="gae_lambda .* is GAE's: V-trace's targets"):
+        PPOConfig(value_targets="vtrace", rollout_length=16, gae_lambda=0.95)
+    with pytest.raises(ValueError, match="chunk_length .* needs network='recurrent'"):
+        PPOConfig(chunk_length=8)
+
+
+class OneStepBandit(gym.Env):
+    """Episodes of one step: action 1 earns 1."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        return np.zeros(2, np.float32), float(action), True, False, {}
+
+
+def test_an_update_of_one_step_leaves_the_policy_finite():
+    """One agent, one-step episodes, an update per episode: one advantage, whose normalisation
+    has no spread to divide by (its std was NaN, and the policy with it)."""
+    from batchrl.envs import BatchEnv
+    from batchrl.simulation import simulate
+    from batchrl.tensor_env import TensorBatchEnv
+
+    torch.manual_seed(0)
+    env = TensorBatchEnv(BatchEnv([OneStepBandit()]))
+    env.reset(seed=0)
+    algo = BatchPPO(env.observation_space, env.action_space, 1,
+                    PPOConfig(update_every=1, update_epochs=2, inference="eager"))
+    for _ in range(4):
+        simulate(env, algo)
+    assert algo.updates >= 3
+    assert all(torch.isfinite(p).all() for p in algo.policy.parameters())
+    env.close()
 
 
 def test_config_accepts_valid_values():

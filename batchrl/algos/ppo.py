@@ -475,6 +475,9 @@ class BatchPPO(Algorithm):
         """Mean and (unbiased) std of the update's advantages ``valid`` ``(K,)``; with several
         learners, of all learners' advantages."""
         if self.learners is None:
+            if valid.numel() < 2:  # (no spread to divide by: centred, not scaled)
+                return (valid.mean() if valid.numel() else valid.new_zeros(()),
+                        valid.new_ones(()))
             return valid.mean(), valid.std()
         sums = self.learners.sum(torch.stack([valid.new_tensor(valid.numel()), valid.sum(),
                                               valid.square().sum()]).double())
@@ -505,8 +508,10 @@ class BatchPPO(Algorithm):
 
     def join_learners(self, learners: LearnerGroup, preemption: float | None = None) -> None:
         """Learn as one of ``learners``: gradients averaged over them after every backward
-        pass, normaliser statistics merged before every update, advantages normalised and
-        the KL penalty adapted over all learners' data, and ``minibatch_size`` (or
+        pass, normaliser statistics merged before every update, advantages normalised
+        (``advantage_normalization = "update"``; ``"minibatch"`` normalises each learner's
+        share of a minibatch) and the KL penalty adapted over all learners' data, and
+        ``minibatch_size`` (or
         ``batch_size``) split among them. Call on every learner before training.
 
         ``preemption`` (DD-PPO's threshold, in (0, 1)): once ``ceil(preemption * M)``
@@ -746,7 +751,8 @@ class BatchPPO(Algorithm):
             self._merge_statistics()
             # The run's steps in this rollout: the learners' own (which preemption can make
             # differ) summed, the same on each.
-            collected = float(self.learners.sum(torch.tensor(float(self.memory.stored))))
+            collected = float(self.learners.sum(torch.tensor(float(self.memory.stored),
+                                                             device=self.device)))
             self.env_steps = self.updated_steps + int(collected)
             summary["learners/collected"] = collected / (self.memory.num_agents
                                                          * self.memory.length
@@ -804,7 +810,9 @@ class BatchPPO(Algorithm):
             valid_rows = mask.bool()
             returns = batches["returns"][valid_rows]
             residual = returns - value.float()[valid_rows]
-            summary["ppo/explained_variance"] = 1.0 - float(residual.var() / (returns.var() + 1e-8))
+            if len(returns) > 1:  # (a variance needs two)
+                summary["ppo/explained_variance"] = 1.0 - float(residual.var()
+                                                                / (returns.var() + 1e-8))
         self.updates += 1
         self.updated_steps = self.env_steps
         summary["ppo/updates"] = float(self.updates)

@@ -83,14 +83,18 @@ class PPOConfig:
         if self.gae_lambda is not None and not 0.0 <= self.gae_lambda <= 1.0:
             raise ValueError(f"gae_lambda must be in [0, 1] or None, got {self.gae_lambda}")
         for name in ("init_std", "policy_lr", "value_lr", "kl_target", "clip_range",
-                     "value_coef"):
+                     "value_coef", "kl_init_penalty"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.value_clip is not None and not self.value_clip > 0:
             raise ValueError(f"value_clip must be > 0 or None (no clipping), got "
                              f"{self.value_clip}")
-        if self.entropy_coef < 0:
-            raise ValueError(f"entropy_coef must be >= 0, got {self.entropy_coef}")
+        for name in ("entropy_coef", "kl_cutoff_factor", "kl_cutoff_coef"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None (no clipping), got "
+                             f"{self.max_grad_norm}")
         for name in ("batch_size", "minibatch_size", "rollout_length", "chunk_length",
                      "update_threads"):
             value = getattr(self, name)
@@ -103,6 +107,13 @@ class PPOConfig:
         if self.value_targets == "vtrace" and self.rollout_length is None:
             raise ValueError("value_targets='vtrace' needs fixed-length rollouts: set "
                              "rollout_length")
+        if self.value_targets == "vtrace" and self.gae_lambda not in (None, 1.0):
+            raise ValueError(f"gae_lambda ({self.gae_lambda}) is GAE's: V-trace's targets "
+                             f"(value_targets='vtrace') trace as lambda 1 does; leave "
+                             f"gae_lambda unset (or 1)")
+        if self.chunk_length is not None and self.network != "recurrent":
+            raise ValueError(f"chunk_length ({self.chunk_length}) cuts a recurrent policy's "
+                             f"episodes: it needs network='recurrent'")
         if self.network == "recurrent":
             for name in ("rollout_length", "minibatch_size"):
                 if getattr(self, name) is not None:
