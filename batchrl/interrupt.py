@@ -57,8 +57,9 @@ class StopSignals:
             os.kill(os.getpid(), signum)
             return
         self.signum = signum
-        if self.notice:
-            print(f"\n{signal.Signals(signum).name}: {self.notice}", file=sys.stderr, flush=True)
+        if self.notice:  # (os.write: a print to sys.stderr may be under way in the frame)
+            with contextlib.suppress(OSError):
+                os.write(2, f"\n{signal.Signals(signum).name}: {self.notice}\n".encode())
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():

@@ -42,7 +42,7 @@ from batchrl.hardware import usable_cores
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.interrupt import Interrupted, StopSignals
 from batchrl.metrics import RunLog
-from batchrl.parts.distributed import LearnerGroup
+from batchrl.parts.distributed import LearnerGroup, launched_by_torchrun
 from batchrl.simulation import Simulation
 
 
@@ -105,14 +105,16 @@ def collector_plan(config: Config, algo: Algorithm, num_agents: int) -> tuple[in
 def _collector_env(config: Config, index: int, num_envs: int, seed: int) -> Any:
     """Collector ``index``'s batch env of ``num_envs`` envs, as ``[env]`` configures; with
     ``env.workers = 0`` the usable cores are shared among the collectors of a machine (their
-    worker processes, or native threads; ``vector`` builds one vector env). On a Ray cluster
-    the collector is the unit Ray places: backend ``"ray"`` steps its envs in worker processes
-    of the collector's node."""
+    worker processes, or native threads; ``vector`` builds one vector env), and on a Ray
+    cluster a collector takes the CPUs it reserves (``env.ray_resources``). There the
+    collector is the unit Ray places: backend ``"ray"`` steps its envs in worker processes of
+    the collector's node."""
     env = config.env
     on_ray = on_a_cluster(config)
     backend = "workers" if env.backend == "ray" else env.chosen_backend
-    workers = env.workers or (1 if backend == "vector" else max(
-        1, usable_cores() // (1 if on_ray else config.train.collectors)))
+    cores = (int(env.ray_resources.get("CPU", 1)) if on_ray
+             else usable_cores() // config.train.collectors)
+    workers = env.workers or (1 if backend == "vector" else max(1, cores))
     return make_batch_env(
         env.id, num_envs, env.max_length, env.kwargs, backend, workers,
         env.normalize_ranges, share_main=env.share_main, infos=False,
@@ -192,8 +194,10 @@ def _learner_state(state: dict[str, Any], checkpoint: Path, learners: LearnerGro
     written = len(state.get("learners", ())) or 1
     size = 1 if learners is None else learners.size
     if written != size:
+        setting = ("torchrun --nproc-per-node (times its nodes)" if launched_by_torchrun()
+                   else "train.learners")
         raise ConfigError(f"{checkpoint} was written by {written} learner(s) and resumes "
-                          f"exactly only with as many (train.learners = {written}); this run "
+                          f"exactly only with as many ({setting} = {written}); this run "
                           f"has {size}")
     if "learners" not in state:  # one learner's checkpoint
         return {"rng": state["rng"], "algorithm": {}}
@@ -575,7 +579,7 @@ class Trainer:
             if learners is not None:
                 _join(algo, config, learners)
                 # The writer's initial weights for all; then a random stream of their own.
-                algo.load_state_dict(learners.broadcast(algo.state_dict()))
+                algo.load_state_dict(learners.broadcast(algo.state_dict(), self.device))
                 torch.manual_seed(config.train.seed * 1_000_003 + learners.rank)
             # Only now that env and algorithm fit together (spaces) is this a run.
             if self.writer:
@@ -589,7 +593,7 @@ class Trainer:
                 state = (load_checkpoint(checkpoint, self.device) if self.writer
                          else None)
                 if learners is not None:
-                    state = learners.broadcast(state)
+                    state = learners.broadcast(state, self.device)
                 own = _learner_state(state, checkpoint, learners)
                 algo.load_state_dict({**state["algorithm"], **own["algorithm"]})
                 _set_rng_state(own["rng"])
@@ -662,7 +666,10 @@ class Trainer:
                 # checkpoint is due (straight from the live tensors, so a large replay buffer
                 # is never copied in memory), else a copy in memory (the older one freed first).
                 self._snapshot = None
-                if final or (due and evals % config.train.checkpoint_every == 0):
+                # (without evaluations, each boundary where one would be due counts as one)
+                boundaries = (evals if config.train.eval_episodes
+                              else self.counters.train_phases // eval_every)
+                if final or (due and boundaries % config.train.checkpoint_every == 0):
                     if not config.train.eval_episodes:
                         self.log.plot()  # else redrawn after every evaluation
                     save_checkpoint(self.logdir, self.counters.steps, state,
@@ -678,6 +685,11 @@ class Trainer:
             self._save_snapshot()  # what the run learned until the env failed is kept
             raise
         except Exception:
+            if self._stop.requested and self.writer:
+                # A stop reached the other learners first (torchrun, SLURM signal them all):
+                # the collective this one waited in failed. A stop all the same.
+                raise TrainingInterrupted(self._stop.signum, self._save_snapshot(),
+                                          self._written or 0) from None
             # collectors, another learner or this one failed: keep what was learned
             if pool is not None or (self.learners is not None and self.writer):
                 with contextlib.suppress(Exception):  # (the error that stopped it matters more)

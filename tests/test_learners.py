@@ -329,6 +329,15 @@ def test_a_ray_cluster_without_room_for_the_learners_is_an_error(cluster, tmp_pa
 
 # --- errors before work starts ------------------------------------------------------------
 
+def test_a_preemption_threshold_that_waits_for_all_suggests_one_that_does_not():
+    from batchrl.parts.distributed import preemption_count
+
+    for size, suggested in ((3, 0.66), (7, 0.85)):
+        with pytest.raises(ValueError, match=f"use at most {suggested:.2f}, or more") as error:
+            preemption_count(0.95, size)
+        assert str(suggested) in str(error.value)
+        assert preemption_count(suggested, size) == size - 1
+
 @pytest.mark.parametrize("overrides, message", [
     (["train.learners=0"], "learners must be >= 1, got 0"),
     (["train.learners=2", "env.num_agents=5"],
@@ -338,6 +347,8 @@ def test_a_ray_cluster_without_room_for_the_learners_is_an_error(cluster, tmp_pa
      "a preemption threshold of 0.6 with 2 learners waits for all 2"),
     (["train.preemption_threshold=0.5"], "set train.learners >= 2, or the threshold to 0"),
     (["train.preemption_threshold=1"], "train.preemption_threshold must be in [0, 1)"),
+    (["train.learners=2", "train.device=cuda:1"],
+     "train.device = 'cuda:1' puts every learner on one GPU"),
     ([f"train.learners={usable_cores() + 1}", f"env.num_agents={usable_cores() + 1}"],
      "usable CPU cores here: each learner needs at least one"),
 ])

@@ -283,3 +283,19 @@ def test_a_due_checkpoint_is_written_from_the_live_state_without_a_copy_in_memor
     assert written == boundaries[1::2] + ([boundaries[-1]] if len(boundaries) % 2 else [])
     assert copies == [step for step in boundaries if step not in written]
     assert len(copies) >= 2
+
+
+def test_without_evaluations_checkpoint_every_counts_the_boundaries(tmp_path):
+    """``train.eval_episodes = 0``: ``checkpoint_every`` counts the boundaries where an
+    evaluation would be due (every one was written)."""
+    logdir = tmp_path / "run"
+    config = load_config("cartpole", CARTPOLE + ["train.eval_episodes=0",
+                                                 "train.checkpoint_every=2",
+                                                 "train.keep_checkpoints=100",
+                                                 "train.phase_steps=500", "train.steps=2500"])
+    Trainer(config, logdir, progress=False).run()
+    boundaries = [r["step"] for r in read_metrics(logdir) if r["phase"] == "train"]
+    written = [int(load_checkpoint(path)["counters"]["steps"])
+               for path in list_checkpoints(logdir)]
+    assert len(boundaries) >= 4
+    assert written == boundaries[1::2] + ([boundaries[-1]] if len(boundaries) % 2 else [])

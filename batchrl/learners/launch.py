@@ -57,11 +57,11 @@ def check_learners(config: Config, learners: int, local: bool = True) -> None:
             preemption_count(config.train.preemption_threshold, learners)
         except ValueError as exc:
             raise ConfigError(f"train.preemption_threshold: {exc}") from None
+    if str(config.train.device).startswith("cuda:"):  # (torchrun and Ray learners too)
+        raise ConfigError(f"train.device = {config.train.device!r} puts every learner on one "
+                          f"GPU: use 'cuda' (or 'auto'), and each learner takes its own")
     if local:
         device = resolve_device(config.train.device)
-        if device.type == "cuda" and device.index is not None:
-            raise ConfigError(f"train.device = {config.train.device!r} puts every learner on "
-                              f"one GPU: use 'cuda' (or 'auto'), and learner r takes cuda:r")
         if device.type == "cuda":
             gpus = torch.cuda.device_count()
             if learners > gpus:

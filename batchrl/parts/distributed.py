@@ -154,14 +154,15 @@ class LearnerGroup:
         """Every learner's ``value`` (picklable), in learner order, on the writer; ``None`` on
         the others."""
         values: list[Any] | None = [None] * self.size if self.is_writer else None
-        dist.gather_object(value, values, dst=0)
+        dist.gather_object(_to(value, "cpu"), values, dst=0)  # (tensors arrive on the CPU)
         return values
 
-    def broadcast(self, value: Any) -> Any:
-        """Learner 0's ``value`` (picklable) on every learner (the others pass anything)."""
-        box = [value if self.is_writer else None]
+    def broadcast(self, value: Any, device: torch.device | str | None = None) -> Any:
+        """Learner 0's ``value`` (picklable) on every learner (the others pass anything); its
+        tensors travel through the CPU and arrive on ``device`` (default: the CPU)."""
+        box = [_to(value, "cpu") if self.is_writer else None]
         dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return box[0] if device is None else _to(box[0], device)
 
     def report_finished(self, rollout: int) -> None:
         """Tell the others that this learner collected the whole of its rollout number
@@ -192,7 +193,7 @@ def preemption_count(threshold: float, size: int) -> int:
     if count >= size:
         raise ValueError(f"a preemption threshold of {threshold} with {size} learners waits "
                          f"for all {size} (the last is never cut): use at most "
-                         f"{(size - 1) / size:.2f}, or more learners")
+                         f"{math.floor(100 * (size - 1) / size) / 100:.2f}, or more learners")
     return count
 
 
@@ -211,3 +212,19 @@ def launched_by_torchrun() -> bool:
     """Whether this process was started by ``torchrun`` (its run id and
     ``torch.distributed``'s environment variables are set)."""
     return all(name in os.environ for name in TORCHRUN_VARIABLES)
+
+
+
+def _to(value: Any, device: torch.device | str) -> Any:
+    """``value`` with the tensors of its dicts, lists and tuples moved to ``device``: a pickled
+    tensor is unpickled on the device it left, so a GPU learner's state sent as it is would be
+    rebuilt on the receiver's copy of that GPU."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return type(value)((key, _to(item, device)) for key, item in value.items())
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_to(item, device) for item in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(item, device) for item in value)
+    return value
