@@ -145,6 +145,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check_range(self, 1, "steps")
         _check_range(self, 0, "eval_episodes", "phase_steps", "collectors", "queue_size")
+        if not 0 <= self.seed < 2**32:  # (numpy's and Gymnasium's seeds)
+            raise ValueError(f"train.seed must be in [0, 2**32), got {self.seed}")
         if self.max_policy_lag is not None and self.max_policy_lag < 0:
             raise ValueError(f"max_policy_lag must be >= 0 (0: every rollout is learned by the "
                              f"weights that collected it) or 'none' (no limit), got "
@@ -160,8 +162,9 @@ class TrainConfig:
                              f"{self.precision!r}")
         try:
             check_resources(self.learner_resources)
-        except EnvSpecError as exc:
-            raise ValueError(f"train.learner_{exc}") from None
+        except EnvSpecError as exc:  # (its message names env.ray_resources' rule)
+            raise ValueError("train.learner_resources"
+                             + str(exc).removeprefix("ray_resources")) from None
         if self.eval_actions not in EVAL_ACTIONS:
             raise ValueError(f"train.eval_actions must be one of {', '.join(EVAL_ACTIONS)}, got "
                              f"{self.eval_actions!r}")
@@ -412,7 +415,8 @@ def _convert(key: str, value: Any, annotation: Any) -> Any:
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)
         # TOML has no null: the string "none" stands for None in optional keys.
-        if type(None) in options and (value is None or value == "none"):
+        if type(None) in options and (value is None or (isinstance(value, str)
+                                                        and value.lower() == "none")):
             return None
         for option in options:
             if option is not type(None):
@@ -498,8 +502,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"--set needs section.key=value, got {text!r}")
     key, raw = text.split("=", 1)
     path = key.strip().split(".")
-    if len(path) != 2 or not all(path):
-        raise ConfigError(f"--set key must be section.key (e.g. algorithm.discount), got "
+    if len(path) < 2 or not all(path):
+        raise ConfigError(f"--set key must be section.key (e.g. algorithm.discount), or "
+                          f"section.table.key for a key of a table (env.kwargs.env_id), got "
                           f"{key!r}")
     try:
         value = tomllib.loads(f"value = {raw.strip()}")["value"]
@@ -525,12 +530,17 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> Config:
 
 
 def apply_overrides(values: dict[str, Any], overrides: list[str] = ()) -> dict[str, Any]:
-    """Set the ``section.key=value`` overrides in the nested dict ``values``."""
+    """Set the ``section.key=value`` overrides in the nested dict ``values``; a longer path
+    (``env.kwargs.env_id=...``) sets one key of a table and keeps its others."""
     for text in overrides:
-        (section, key), value = parse_override(text)
-        if not isinstance(values.setdefault(section, {}), dict):
-            raise ConfigError(f"[{section}] must be a table")
-        values[section][key] = value
+        path, value = parse_override(text)
+        table = values
+        for depth, name in enumerate(path[:-1]):
+            if not isinstance(table.setdefault(name, {}), dict):
+                raise ConfigError(f"--set {'.'.join(path)}: {'.'.join(path[:depth + 1])} is "
+                                  f"not a table")
+            table = table[name]
+        table[path[-1]] = value
     return values
 
 

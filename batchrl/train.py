@@ -223,14 +223,21 @@ def _configure(args: argparse.Namespace, command: str) -> tuple[Config, Path, Pa
         config = load_saved_config(args.logdir, steps)
         started = _started_with(args.logdir)
         named = load_config(args.config, steps)
-        if started != args.config and (named.env.id, named.algorithm.name) != (
-                config.env.id, config.algorithm.name):
+        if started != args.config and (named.env.id, named.env.kwargs, named.algorithm.name
+                                       ) != (config.env.id, config.env.kwargs,
+                                             config.algorithm.name):
             resume = (f"resume with: {_resume_command(command, started, args.logdir)}"
                       if started else "resume with that run's config")
+            # (the Atari configs differ in env.kwargs' game, not env.id)
+            same_id = named.env.id == config.env.id
+
+            def env_of(run: Config) -> str:
+                return run.env.id + (f" {run.env.kwargs}" if same_id else "")
+
             raise ConfigError(
-                f"{args.logdir} holds a run of {config.env.id} with "
+                f"{args.logdir} holds a run of {env_of(config)} with "
                 f"{config.algorithm.name}, but --config {args.config} trains "
-                f"{named.env.id} with {named.algorithm.name}; {resume} or choose a new "
+                f"{env_of(named)} with {named.algorithm.name}; {resume} or choose a new "
                 f"--logdir")
     else:
         if args.logdir is not None and any(args.logdir.glob("ckpt-*.pt")):

@@ -7,6 +7,7 @@ fails without a display)."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes.util
 import dataclasses
 import gc
@@ -388,6 +389,8 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
     fps = float(raw.metadata.get("render_fps") or 30)
     frames = 0
     writer = None
+    # (an MP4 grows while it is filmed: it takes its name only once the recording is whole)
+    partial = path.with_name(f"{path.stem}.partial{path.suffix}")
     animation: list[np.ndarray] | None = None if path.suffix.lower() == ".mp4" else []
 
     def write(frame: np.ndarray) -> None:
@@ -405,7 +408,7 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
                 # has them (macro_block_size=1), else let imageio round it up to 16s.
                 height, width = frame.shape[:2]
                 even = height % 2 == 0 and width % 2 == 0
-                writer = imageio.get_writer(path, format="FFMPEG", mode="I", fps=fps,
+                writer = imageio.get_writer(partial, format="FFMPEG", mode="I", fps=fps,
                                             codec="libx264", pixelformat="yuv420p",
                                             macro_block_size=1 if even else 16,
                                             ffmpeg_log_level="error")
@@ -431,6 +434,8 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
             lengths.append(length)
         completed = True
     except EnvRaisedError as exc:  # the env layer names the env; the cause is ours
+        if isinstance(exc.__cause__, VideoError):  # (the file could not be written)
+            raise exc.__cause__ from None
         if not isinstance(exc.__cause__, _RenderError):
             raise
         message = _render_failure(env_config.id, exc.__cause__.__cause__, failures)
@@ -441,6 +446,8 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
         try:
             if writer is not None:
                 writer.close()  # ffmpeg finishes the file
+                if completed:
+                    os.replace(partial, path)
             if animation and completed:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 # WebP at quality 60: a preview of a few hundred KB that still looks sharp.
@@ -451,5 +458,8 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
             if completed:  # else the error on the way out says more
                 raise VideoError(f"cannot write the video {path}: {exc}") from None
         finally:
+            if not completed:
+                with contextlib.suppress(OSError):  # (its folder may be what failed)
+                    partial.unlink(missing_ok=True)
             env.close()
     return Recording(frames, view, scores, lengths)

@@ -202,6 +202,11 @@ def test_wrong_type_names_the_key_and_the_type(override, expected):
     ("train.eval_every=0", "train.eval_every must be >= 1"),
     ("train.device=tpu", "train.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
     ("train.device=cuda:x", "train.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'cuda:x'"),
+    ("train.seed=-1", "train.seed must be in [0, 2**32), got -1"),
+    ("train.seed=4294967296", "train.seed must be in [0, 2**32)"),
+    ("train.learner_resources={CPU=-1}", "train.learner_resources must map Ray resource names"),
+    ("algorithm.policy_layers=[-1]", "algorithm.policy_layers must be layer sizes >= 1"),
+    ("algorithm.value_layers=[64, 0]", "algorithm.value_layers must be layer sizes >= 1"),
 ])
 def test_out_of_range_names_the_key_and_what_is_valid(override, expected):
     with pytest.raises(ConfigError) as info:
@@ -252,12 +257,13 @@ def test_errors_are_value_errors_for_callers():
      {"g": 9.81, "render_mode": "rgb_array"}),
     ("  algorithm.discount = 0.98  ", ["algorithm", "discount"], 0.98),
     ("env.id=a=b", ["env", "id"], "a=b"),                           # split at the first "="
+    ("env.kwargs.env_id=ALE/Breakout-v5", ["env", "kwargs", "env_id"], "ALE/Breakout-v5"),
 ])
 def test_parse_override(text, path, value):
     assert parse_override(text) == (path, value)
 
 
-@pytest.mark.parametrize("text", ["algorithm.discount", "discount=0.9", "algorithm.adam.lr=1",
+@pytest.mark.parametrize("text", ["algorithm.discount", "discount=0.9", "env..id=1",
                                   ".lr=1", "algorithm.=1"])
 def test_malformed_override(text):
     with pytest.raises(ConfigError, match="--set"):
@@ -284,6 +290,25 @@ def test_overrides_are_converted_to_the_schema_types():
     assert keys["update_every"] == base.algorithm.keys["update_every"] == 20
     assert keys["init_std"] == PPOConfig().init_std   # neither file nor override: the default
     assert config.train.eval_every == Config().train.eval_every
+
+
+def test_an_override_of_a_tables_key_keeps_its_other_keys():
+    config = load_config("atari/pong", ["env.kwargs.env_id=ALE/Breakout-v5"])
+    assert config.env.kwargs == {"env_id": "ALE/Breakout-v5", "sticky_actions": 0.0}
+    whole = load_config("atari/pong", ['env.kwargs={env_id = "ALE/Breakout-v5"}'])
+    assert whole.env.kwargs == {"env_id": "ALE/Breakout-v5"}  # (the table replaced)
+    with pytest.raises(ConfigError, match="--set env.id.x: env.id is not a table"):
+        load_config("cartpole", ["env.id.x=1"])
+    with pytest.raises(ConfigError, match="adam"):  # (no such algorithm key)
+        load_config("cartpole", ["algorithm.adam.lr=1"])
+
+
+def test_none_unsets_an_optional_key_in_any_case():
+    for word in ("none", "None", "NONE"):
+        config = load_config("cartpole", [f"train.max_policy_lag={word}",
+                                          f"algorithm.gae_lambda={word}"])
+        assert config.train.max_policy_lag is None
+        assert config.algorithm.keys["gae_lambda"] is None
 
 
 def test_later_overrides_win():

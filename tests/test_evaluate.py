@@ -268,6 +268,7 @@ def test_mujoco_video(tmp_path, algorithm):
     assert "(102 frames, a camera following body 'body0')" in process.stdout
     assert "  episode 2: return " in process.stdout and ", 50 steps" in process.stdout
     assert video.stat().st_size > 2000
+    assert list(video.parent.glob("*.partial.mp4")) == []  # (renamed once whole)
     frames, _ = imageio_ffmpeg.count_frames_and_secs(str(video))
     assert frames == 102
     first = imageio.get_reader(video).get_data(0)
@@ -321,6 +322,12 @@ def test_video_camera_errors_exit_2(pushed_cheetah_run, tmp_path, capsys):
     assert main([str(pushed_cheetah_run), "--video", str(video), "--width", "8"]) == 2
     assert "at least 16 pixels" in capsys.readouterr().err
     assert not video.exists()
+    # A video that cannot be written (its folder is a file): one line, no partial file.
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    assert main([str(pushed_cheetah_run), "--video", str(blocked / "v.mp4")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith(f"error: cannot write the video {blocked}")
 
 
 @pytest.mark.slow

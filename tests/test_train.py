@@ -41,6 +41,23 @@ def train_py(*args: str, cwd: Path = REPO, timeout: float = 120,
                           capture_output=True, text=True, timeout=timeout)
 
 
+def test_a_run_of_another_game_is_not_resumed_by_an_atari_config(tmp_path):
+    """The Atari configs share env.id (the game is in env.kwargs): --config atari/breakout
+    on a Pong run's logdir is refused, not resumed as Pong."""
+    from batchrl.config import save_config
+
+    pytest.importorskip("ale_py")
+    logdir = tmp_path / "pong"
+    logdir.mkdir()
+    save_config(load_config("atari/pong"), logdir)
+    (logdir / "started_with.json").write_text(json.dumps({"config": "atari/pong"}))
+    other = train_py("--config", "atari/breakout", "--logdir", str(logdir), "--no-progress")
+    assert other.returncode == 2, other.stderr
+    assert "holds a run of batchrl.envs.atari:make {'env_id': 'ALE/Pong-v5'" in other.stderr
+    assert "--config atari/breakout trains batchrl.envs.atari:make {'env_id': " \
+           "'ALE/Breakout-v5'" in other.stderr
+
+
 def budget_end(budget: int, num_agents: int) -> int:
     """The step a session with this budget ends at: the last training phase stops at the
     budget, after the batch step that reaches it."""

@@ -75,6 +75,9 @@ class PPOConfig:
                               ("advantage_normalization", ADVANTAGE_NORMALIZATIONS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        for name in ("policy_layers", "value_layers"):
+            if any(size < 1 for size in getattr(self, name)):
+                raise ValueError(f"{name} must be layer sizes >= 1, got {getattr(self, name)}")
         for name in ("update_every", "update_epochs", "gru_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

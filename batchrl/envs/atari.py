@@ -108,7 +108,10 @@ def make(env_id: str = "ALE/Pong-v5", training: bool = True, sticky_actions: flo
     if training and clip_rewards:
         env = ClipReward(env, -1.0, 1.0)
     env = FrameStackObservation(env, frame_stack)
-    return TransformObservation(env, _channels_last, _stack_space(screen_size, frame_stack))
+    env = TransformObservation(env, _channels_last, _stack_space(screen_size, frame_stack))
+    # A step shows one frame of frame_skip of the 60 Hz console's: videos play at its pace.
+    env.metadata = {**env.metadata, "render_fps": 60 / frame_skip}
+    return env
 
 
 def make_vector(num_envs: int, env_id: str = "ALE/Pong-v5", training: bool = True,
