@@ -253,6 +253,14 @@ class Simulation:
         if episodes < 1:
             raise ValueError(f"episodes must be >= 1, got {episodes}")
         quota = episode_quota(episodes, len(self.env))
+        # A loop shared with training is left as training had it: the experience held back
+        # delivered before the algorithm stops training, the episodes finished since the
+        # last log kept apart from the evaluation's, and new episodes on the next step (the
+        # evaluation reset the envs).
+        self.flush()
+        tracker = self.episodes
+        totals = (tracker.finished_score, tracker.finished_length, tracker.finished_count)
+        kept = [total.clone() for total in totals]
         training = algo.training
         algo.eval()
         with evaluation_rng(seed, algo.device):
@@ -260,6 +268,9 @@ class Simulation:
                 return self._evaluate(algo, quota, seed, after_step)
             finally:
                 algo.train(training)
+                for total, value in zip(totals, kept):
+                    total.copy_(value)
+                tracker.starting = tracker.agents
 
     def _evaluate(self, algo: Algorithm, quota: list[int], seed: int,
                   after_step: Callable[[], None] | None) -> tuple[list[float], list[int]]:

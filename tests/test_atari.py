@@ -125,6 +125,7 @@ def test_ale_vector_env_is_a_batch_member_with_the_worker_protocol():
     try:
         assert first.observation_space == single.observation_space
         assert first.action_space == single.action_space
+        assert first.workers  # (ale-py's send/recv: the games step while the caller goes on)
         observ = first.reset(seed=5)
         assert observ.shape == (3, 84, 84, 4) and observ.dtype == np.uint8
         np.testing.assert_array_equal(second.reset(seed=5), observ)
@@ -153,6 +154,16 @@ def test_ale_vector_env_is_a_batch_member_with_the_worker_protocol():
     finally:
         for env in (first, second, single):
             env.close()
+
+
+def test_the_vector_env_finds_every_games_rom():
+    """The ROM's name comes from the env's registration (ALE/TicTacToe3D-v5 is
+    tic_tac_toe_3d, not what splitting the id at capitals gives)."""
+    from batchrl.envs.atari import make_vector
+
+    for game in ("ALE/TicTacToe3D-v5", "ALE/MsPacman-v5"):
+        env = make_vector(1, game)
+        env.close()
 
 
 def test_a_vector_backend_needs_a_vector_env(tmp_path):

@@ -382,6 +382,21 @@ def test_evaluate_episodes_counts_equal_shares_in_episode_order():
         evaluate_episodes(env, algo, 0)
 
 
+def test_an_evaluation_leaves_a_loop_shared_with_training_as_training_had_it():
+    """Training's log counts its own episodes, not the evaluation's, and the step after the
+    evaluation starts new episodes for every agent (the evaluation reset the envs)."""
+    env, algo = make_env(), Recorder()
+    simulation = Simulation(env)
+    simulation.step(algo, log=True)  # env 0 ends its 1-step episode
+    simulation.step(algo)  # envs 0 (again), 1 and 3 end theirs
+    simulation.evaluate(algo, 6)
+    algo.calls.clear()
+    _, score, summary = simulation.step(algo, log=True)
+    assert algo.calls[0] == ("begin", [0, 1, 2, 3])
+    # The second step's three episodes and this step's of env 0.
+    assert summary["episodes"] == 4.0 and summary["score"] == (1.0 + 4.0 + 8.0 + 1.0) / 4
+
+
 def test_evaluate_calls_after_step_every_step_and_stops_at_what_it_raises():
     steps: list[int] = []
     Simulation(make_env()).evaluate(Recorder(), 6, after_step=lambda: steps.append(1))

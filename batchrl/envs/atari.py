@@ -9,15 +9,14 @@ which the envs write once per step instead of the network rearranging every fram
 of an update): bytes through every transport and into the rollout memory, scaled to ``[0, 1]``
 by the network (``algorithm.torso = "nature_cnn"``). Training envs end an
 episode when a life is lost and clip rewards to ``[-1, 1]``; the reset after a lost life plays
-on with the lives left (``PlayOnAfterLifeLoss``), as the papers' wrappers and ale-py's vector
-env do. Evaluation envs (``training=False``, the configs' ``env.eval_kwargs``) play whole games
+on with the lives left (``PlayOnAfterLifeLoss``), as the papers' wrappers do (ale-py's vector
+env, ``make_vector``, starts a new game instead). Evaluation envs (``training=False``, the configs' ``env.eval_kwargs``) play whole games
 and report raw scores, as the papers' tables do. No FIRE is pressed after a reset: the policy
 learns to serve.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import gymnasium as gym
@@ -124,9 +123,9 @@ def make_vector(num_envs: int, env_id: str = "ALE/Pong-v5", training: bool = Tru
     ``make``'s arguments and observations (``(screen_size, screen_size, frame_stack)`` uint8),
     for ``env.vector_id = "batchrl.envs.atari:make_vector"``. Its preprocessing is ale-py's
     native one: the same steps as Gymnasium's wrappers, not the same pixels (another resize), so
-    runs on it do not repeat runs on ``make``'s envs. A lost life ends a training episode and the
-    game goes on with the lives left (as ``make``'s envs and the papers do); no FIRE is pressed
-    after a reset.
+    runs on it do not repeat runs on ``make``'s envs. A lost life ends a training episode and,
+    unlike ``make``'s envs, ale-py's reset after it starts a new game (its ``episodic_life``);
+    no FIRE is pressed after a reset.
 
     Args:
       max_episode_steps: the time limit in agent steps (``env.max_length``); none: ale-py's
@@ -135,8 +134,7 @@ def make_vector(num_envs: int, env_id: str = "ALE/Pong-v5", training: bool = Tru
     """
     from ale_py.vector_env import AtariVectorEnv
 
-    game = env_id.removeprefix("ALE/").split("-v")[0]
-    rom = re.sub(r"(?<!^)(?=[A-Z])", "_", game).lower()  # MsPacman -> ms_pacman
+    rom = gym.spec(env_id).kwargs["game"]  # (the ROM's name: ALE/MsPacman-v5 -> ms_pacman)
     frames = 108_000 if max_episode_steps is None else max_episode_steps * frame_skip
     env = AtariVectorEnv(
         rom, num_envs, num_threads=num_threads,
@@ -146,5 +144,18 @@ def make_vector(num_envs: int, env_id: str = "ALE/Pong-v5", training: bool = Tru
         episodic_life=training and terminal_on_life_loss,
         reward_clipping=training and clip_rewards, use_fire_reset=False)
     single = _stack_space(screen_size, frame_stack)
-    return vector_wrappers.TransformObservation(
-        env, _channels_last, gym.vector.utils.batch_space(single, num_envs), single)
+    return ChannelsLastVector(env, _channels_last,
+                              gym.vector.utils.batch_space(single, num_envs), single)
+
+
+class ChannelsLastVector(vector_wrappers.TransformObservation):
+    """Gymnasium's ``TransformObservation`` of a vector env that also passes on ale-py's
+    ``send``/``recv`` (which Gymnasium's wrapper hides), so that ``VectorWorker`` lets the games
+    step in their threads while the caller goes on."""
+
+    def send(self, actions: np.ndarray) -> None:
+        self.env.send(actions)
+
+    def recv(self) -> tuple:
+        observ, *rest = self.env.recv()
+        return (self.observations(observ), *rest)
