@@ -7,8 +7,9 @@ updates included, of
     ``python train.py --config halfcheetah --logdir TMP --steps N --no-progress
     --set train.eval_episodes=0 --set train.device=cpu`` (the config's
     agents, rollouts and updates as configs/halfcheetah.toml sets them;
-    ``make_batch_env``'s default layout of one ``EnvWorker`` process per usable
-    core; learner with ``train.threads`` = 1 thread while sampling, and during
+    ``make_batch_env``'s default layout (``env.backend = "auto"``: native batched
+    envs for the MuJoCo tasks that have them, else one ``EnvWorker`` process per usable
+    core; the table says which); learner with ``train.threads`` = 1 thread while sampling, and during
     updates the policy and value steps side by side, one thread each). Evaluations are turned off so that only
     training steps are timed. The time is the sum of the trainer's training
     phases as it records them in ``metrics.jsonl`` (``wall_time``: sampling,
@@ -206,7 +207,8 @@ def run_batchrl(config: str, steps: int, device: str, overrides: list[str],
             "steps_per_s": train[-1]["step"] / seconds,
             "process_seconds": process_seconds,
             "phase_steps_per_s": [r["steps_per_s"] for r in train],
-            "updates": len(train), "config": resolved, "others_cpu_percent": others}
+            "updates": len(train), "config": resolved, "config_name": config,
+            "others_cpu_percent": others}
 
 
 def sb3_available() -> bool:
@@ -271,7 +273,8 @@ def markdown_table(batchrl: dict[str, Any] | None, sb3: dict[str, Any] | None) -
         lines.append(f"| {name} | {steps:,} | {seconds:,.1f} | {rate:,.0f} | {ratio} |")
 
     if batchrl:
-        row("batchrl `halfcheetah` (training phases)", batchrl["steps"], batchrl["seconds"])
+        row(f"batchrl `{batchrl['config_name']}` (training phases)", batchrl["steps"],
+            batchrl["seconds"])
         row("batchrl, whole `train.py` process", batchrl["steps"], batchrl["process_seconds"])
     if sb3:
         row(f"SB3 {sb3['version']} PPO, rl-zoo3 HalfCheetah (`learn()`)", sb3["steps"],
@@ -287,7 +290,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--env-id", default="HalfCheetah-v5",
                         help="SB3's env; must match the config's env.id (default: HalfCheetah-v5)")
     parser.add_argument("--steps", type=int, default=150_000,
-                        help="batchrl training env steps (default: 150000, 5 updates)")
+                        help="batchrl training env steps (default: 150000)")
     parser.add_argument("--sb3-steps", type=int, default=20_000,
                         help="SB3 training env steps (default: 20000, 40 updates)")
     parser.add_argument("--device", default="cpu",
@@ -344,10 +347,16 @@ def main() -> int:
         ppo = config["algorithm"]
         update_threads = (f"{ppo['update_threads']}" if ppo["update_threads"]
                           else "1 + 1 (policy and value steps side by side)")
-        updates = f"{batchrl['updates']} update" + ("s" if batchrl["updates"] != 1 else "")
-        print(f"batchrl: {config['env']['num_agents']} agents, {updates} of "
-              f"{ppo['update_every']} episodes x {ppo['update_epochs']} "
-              f"epochs, env backend {config['env']['backend']!r}, device "
+        phases = f"{batchrl['updates']} training phase" + ("s" if batchrl["updates"] != 1
+                                                          else "")
+        per_update = (f"rollouts of {ppo['rollout_length']} steps" if ppo.get("rollout_length")
+                      else f"{ppo['update_every']} episodes")
+        from batchrl.envs.factory import choose_backend
+        backend = choose_backend(config["env"]["id"], config["env"]["backend"],
+                                 config["env"]["kwargs"])
+        print(f"batchrl: {config['env']['num_agents']} agents, {phases}, updates on "
+              f"{per_update} x {ppo['update_epochs']} "
+              f"epochs, env backend {backend!r}, device "
               f"{config['train']['device']}, torch threads {config['train']['threads']} "
               f"while sampling and {update_threads} in updates; steps/s per phase: "
               f"{', '.join(f'{rate:,.0f}' for rate in batchrl['phase_steps_per_s'])}. "
