@@ -324,6 +324,60 @@ def test_killed_worker_names_its_env_range(closing):
     assert time.monotonic() - start < 3.0
 
 
+class UnpicklableInfo(CountingEnv):
+    """Its second step's info holds what pickle cannot send (a lock)."""
+
+    def step(self, action):
+        observ, reward, terminated, truncated, info = super().step(action)
+        if self.count == 2:
+            import threading
+            info = {"lock": threading.Lock()}
+        return observ, reward, terminated, truncated, info
+
+
+@pytest.mark.timeout(30)
+def test_an_info_that_cannot_be_sent_is_the_envs_error_not_the_workers_end(closing):
+    worker = closing(EnvWorker([UnpicklableInfo, CountingEnv], label="locked"))
+    batch = closing(BatchEnv([worker]))
+    batch.reset()
+    batch.step([0, 0])
+    with pytest.raises(EnvRaisedError, match="cannot pickle '_thread.lock' object"):
+        batch.step([0, 0])
+    assert worker.pid is not None and psutil.pid_exists(worker.pid)  # (it serves on)
+    np.testing.assert_array_equal(batch.reset(), np.zeros((2, 1), np.float32))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_a_core_the_worker_may_not_use_is_named(closing):
+    worker = closing(EnvWorker([CountingEnv], cpu=10_000, label="pinned"))
+    with pytest.raises(EnvRaisedError, match="cannot pin the worker to cpu 10000"):
+        worker.observation_space
+
+
+@pytest.mark.timeout(30)
+def test_an_interrupted_step_leaves_no_stale_answer(closing):
+    """Ctrl-C while waiting for a worker: the step is abandoned, its late answer is dropped,
+    and the batch steps on with the next step's answers."""
+    worker = closing(EnvWorker([sleeps_at(2, 1.0), CountingEnv], label="slow"))
+    batch = closing(BatchEnv([worker]))
+    batch.reset()
+    batch.step([0, 0])
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(KeyboardInterrupt):
+            batch.step([0, 0])  # (the first env sleeps a second in its second step)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    observ, *_ = batch.step([0, 0])
+    assert observ[:, 0].tolist() == [3.0, 3.0]  # this step's answer, not the abandoned one's
+
+
 @pytest.mark.timeout(30)
 def test_timeout_raises_and_the_next_step_is_not_stale(closing):
     worker = closing(EnvWorker([sleeps_at(2, 3.0), CountingEnv], timeout=0.5, label="slow"))

@@ -246,7 +246,10 @@ class EnvHost:
         # Dicts stay pickled until the parent reads them (most loops never do); columns
         # cost little to unpickle.
         if send_infos:
-            infos = info_columns(infos) or pack(infos)
+            try:
+                infos = info_columns(infos) or pack(infos)
+            except Exception as exc:  # (an info that cannot be pickled: the env's fault)
+                return error_answer(exc)
         return ("ok", (infos if send_infos else None, resets))
 
     def reset(self, indices: Sequence[int], seeds: Sequence[int | None],

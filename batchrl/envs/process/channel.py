@@ -173,6 +173,22 @@ class Channel:
         """Wait for the answer to ``operation``: ``(kind, value)``, or the worker's error."""
         if self.pending != operation:
             raise RuntimeError(f"{self.label}: no {operation}() result is pending")
+        try:
+            message = self._wait(operation)
+        except BaseException:
+            if self.pending == operation and operation != "construct":
+                # Interrupted (Ctrl-C): the answer comes late; the next request must not get it.
+                self.pending = None
+                self._stale += 1
+            raise
+        self.pending = None
+        kind, value = pickle.loads(message)
+        if kind == "error":
+            raise error_from_answer(self.label, operation, value)
+        return kind, value
+
+    def _wait(self, operation: str) -> bytes:
+        """``receive``'s wait for the answer's frame."""
         # The time waited, counting at most two poll intervals per interval: a wait this
         # process spent suspended (Ctrl-Z then fg, SIGSTOP then SIGCONT, workers with it) is
         # no delay of the worker's, which resumes with it and must not be declared hung.
@@ -205,11 +221,7 @@ class Channel:
                 frames.fill()
             except (EOFError, OSError):
                 raise self.crashed(operation) from None
-        self.pending = None
-        kind, value = pickle.loads(message)
-        if kind == "error":
-            raise error_from_answer(self.label, operation, value)
-        return kind, value
+        return message
 
 
 class WorkerHandle(Closeable):

@@ -42,6 +42,15 @@ def _attach_untracked(name: str) -> shared_memory.SharedMemory:
         resource_tracker.register = register
 
 
+def _pickled(answer: tuple) -> bytes:
+    """``answer`` pickled, or the error of a value in it that cannot be (an info, what a
+    ``call`` returned): that is the env's error, not the worker's end."""
+    try:
+        return pickle.dumps(answer, _PICKLE)
+    except Exception as exc:
+        return pickle.dumps(error_answer(exc), _PICKLE)
+
+
 def _serve(conn, payload: bytes, parent_pid: int) -> None:
     """Child process main loop: build the envs, attach the block, serve until ``close`` or EOF."""
     if not start_worker(parent_pid):
@@ -50,7 +59,11 @@ def _serve(conn, payload: bytes, parent_pid: int) -> None:
     try:
         constructors, prefetch_reset, send_infos, cpu = cloudpickle.loads(payload)
         if cpu is not None and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, {cpu})
+            try:
+                os.sched_setaffinity(0, {cpu})
+            except OSError as exc:  # (a core this process may not use: the caller's error)
+                conn.send(error_answer(OSError(f"cannot pin the worker to cpu {cpu}: {exc}")))
+                return
         host = EnvHost(prefetch_reset, send_infos)
         answer = host.build(constructors)
         conn.send(answer)
@@ -76,7 +89,7 @@ def _serve(conn, payload: bytes, parent_pid: int) -> None:
                 view = actions.get(message)
                 if view is None:
                     view = actions[message] = arrays.actions(np.dtype(message[1:].decode()))
-                frames.send(pickle.dumps(host.step(view, arrays, arrays.autoreset), _PICKLE))
+                frames.send(_pickled(host.step(view, arrays, arrays.autoreset)))
                 continue
             command, args = pickle.loads(message)
             if command == "close":
@@ -92,7 +105,7 @@ def _serve(conn, payload: bytes, parent_pid: int) -> None:
                     answer = getattr(host, command)(*args)
                 else:
                     answer = error_answer(ValueError(f"unknown command {command!r}"))
-                frames.send(pickle.dumps(answer, _PICKLE))
+                frames.send(_pickled(answer))
             except (BrokenPipeError, ConnectionError):
                 break
     except (EOFError, OSError):
