@@ -6,6 +6,7 @@ connection: a Ray the user initialised is used as it is, never shut down."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from types import ModuleType
 from typing import Any
@@ -44,7 +45,10 @@ def acquire(address: str = "") -> ModuleType:
             guard = RayGuard.start()  # Ray started here must not outlive this process
             try:
                 # Warnings only: Ray's banner would interleave with the trainer's output.
-                ray.init(address=address or None, logging_level=logging.WARNING)
+                # ("" is a private instance: Ray's default would join a cluster that
+                # 'ray start' left running on this machine.)
+                target = address or os.environ.get("RAY_ADDRESS") or "local"
+                ray.init(address=target, logging_level=logging.WARNING)
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 if guard:
                     guard.stop()
