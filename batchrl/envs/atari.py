@@ -10,9 +10,9 @@ of an update): bytes through every transport and into the rollout memory, scaled
 by the network (``algorithm.torso = "nature_cnn"``). Training envs end an
 episode when a life is lost and clip rewards to ``[-1, 1]``; the reset after a lost life plays
 on with the lives left (``PlayOnAfterLifeLoss``), as the papers' wrappers do (ale-py's vector
-env, ``make_vector``, starts a new game instead). Evaluation envs (``training=False``, the configs' ``env.eval_kwargs``) play whole games
-and report raw scores, as the papers' tables do. No FIRE is pressed after a reset: the policy
-learns to serve.
+env, ``make_vector``, starts a new game instead). Evaluation envs (``training=False``, the
+configs' ``env.eval_kwargs``) play whole games and report raw scores, as the papers' tables do.
+No FIRE is pressed after a reset: the policy learns to serve.
 """
 
 from __future__ import annotations

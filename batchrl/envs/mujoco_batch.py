@@ -439,14 +439,15 @@ class MujocoBatch(gym.vector.VectorEnv):
     Observations ``(num_envs, obs_size)`` float32, rewards ``(num_envs,)`` float32, actions
     ``(num_envs, action_size)``, as ``wrap_env`` treats them: with ``normalize_ranges`` in
     ``[-1, 1]``, clipped there and mapped onto the task's range by Gymnasium's
-    ``RescaleAction`` arithmetic (else clipped to the task's range); next-step autoreset, and ``reset(seed=..., options={"reset_mask": mask})`` with one seed
-    per env reset (``VectorWorker``'s conditions). Episodes are truncated at
+    ``RescaleAction`` arithmetic (else clipped to the task's range); next-step autoreset, and
+    ``reset(seed=..., options={"reset_mask": mask})`` with one seed per env reset
+    (``VectorWorker``'s conditions). Episodes are truncated at
     ``max_episode_steps`` or the task's registered limit, whichever is shorter.
 
     Args:
       env_id: the Gymnasium id, for example ``"HalfCheetah-v5"``.
       max_episode_steps: the time limit (``env.max_length``); none: the registered one.
-      num_threads: mjbatch's threads (0: one per usable core, at most one per env).
+      num_threads: the stepping threads (0: one per usable core, at most one per env).
       normalize_ranges: actions in ``[-1, 1]`` (``env.normalize_ranges``).
       kwargs: the task's v5 keyword arguments (``Task``'s fields, ``xml_file``,
         ``frame_skip``).
