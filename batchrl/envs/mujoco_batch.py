@@ -65,6 +65,17 @@ class Task:
         raise NotImplementedError
 
 
+def _noisy_state(rng: np.random.Generator, init_qpos: np.ndarray, init_qvel: np.ndarray,
+                 scale: float, velocity_noise: str) -> tuple[np.ndarray, np.ndarray]:
+    """Gymnasium's ``reset_model`` of the locomotion tasks: positions plus uniform noise in
+    ``[-scale, scale]``, velocities plus ``"normal"`` (``scale`` times a standard normal) or
+    ``"uniform"`` noise, drawn in that order from ``rng``."""
+    qpos = init_qpos + rng.uniform(-scale, scale, init_qpos.size)
+    noise = (scale * rng.standard_normal(init_qvel.size) if velocity_noise == "normal"
+             else rng.uniform(-scale, scale, init_qvel.size))
+    return qpos, init_qvel + noise
+
+
 @dataclasses.dataclass(frozen=True)
 class Locomotion(Task):
     """HalfCheetah, Hopper and Walker2d: forward speed rewarded, control penalised, and
@@ -87,11 +98,8 @@ class Locomotion(Task):
 
     def reset_state(self, rng: np.random.Generator, init_qpos: np.ndarray,
                     init_qvel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        scale = self.reset_noise_scale
-        qpos = init_qpos + rng.uniform(-scale, scale, init_qpos.size)
-        noise = (scale * rng.standard_normal(init_qvel.size) if self.velocity_noise == "normal"
-                 else rng.uniform(-scale, scale, init_qvel.size))
-        return qpos, init_qvel + noise
+        return _noisy_state(rng, init_qpos, init_qvel, self.reset_noise_scale,
+                            self.velocity_noise)
 
     def observe(self, sims: Any) -> np.ndarray:
         qpos = sims.qpos[:, 1:] if self.exclude_current_positions_from_observation else sims.qpos
@@ -188,9 +196,7 @@ class Ant(Task):
 
     def reset_state(self, rng: np.random.Generator, init_qpos: np.ndarray,
                     init_qvel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        scale = self.reset_noise_scale
-        qpos = init_qpos + rng.uniform(-scale, scale, init_qpos.size)
-        return qpos, init_qvel + scale * rng.standard_normal(init_qvel.size)
+        return _noisy_state(rng, init_qpos, init_qvel, self.reset_noise_scale, "normal")
 
     def before_step(self, sims: Any) -> np.ndarray:
         return _pair(sims.body_position(self.main_body))
@@ -249,9 +255,7 @@ class Humanoid(Task):
 
     def reset_state(self, rng: np.random.Generator, init_qpos: np.ndarray,
                     init_qvel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        scale = self.reset_noise_scale
-        qpos = init_qpos + rng.uniform(-scale, scale, init_qpos.size)
-        return qpos, init_qvel + rng.uniform(-scale, scale, init_qvel.size)
+        return _noisy_state(rng, init_qpos, init_qvel, self.reset_noise_scale, "uniform")
 
     @staticmethod
     def _mass_centre(sims: Any) -> np.ndarray:
