@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from batchrl.algos.base import Algorithm
-from batchrl.collectors import CollectorSpec, LocalCollectors
+from batchrl.collectors import CollectorError, CollectorSpec, LocalCollectors
 from batchrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, serialize
 from batchrl.config import Config, ConfigError, config_class, save_config
 from batchrl.envs.errors import EnvError
@@ -145,6 +145,22 @@ def check_collectors(config: Config, algo: Algorithm) -> None:
     if collectors > agents:
         raise ConfigError(f"train.collectors ({collectors}) must be at most env.num_agents "
                           f"({agents}): each collector steps a share of the envs")
+
+
+def check_collector_room(config: Config) -> None:
+    """``ConfigError`` when the Ray cluster cannot hold the run's collectors (they would wait
+    for room for ever): before anything is written, so the run can be started again with
+    other settings."""
+    from batchrl.collectors.ray import check_placement  # (imports Ray)
+    from batchrl.envs.ray import cluster as ray_cluster
+
+    ray = ray_cluster.acquire(config.env.ray_address)
+    try:
+        check_placement(ray, config.train.collectors, dict(config.env.ray_resources))
+    except CollectorError as exc:
+        raise ConfigError(str(exc)) from None
+    finally:
+        ray_cluster.release()
 
 
 def check_learner_support(config: Config, learners: int, algo: Algorithm | None = None
@@ -576,6 +592,8 @@ class Trainer:
                                          self.device)
             if config.train.collectors:
                 check_collectors(config, algo)
+                if on_a_cluster(config):  # (before the log directory holds this run)
+                    check_collector_room(config)
             if learners is not None:
                 _join(algo, config, learners)
                 # The writer's initial weights for all; then a random stream of their own.

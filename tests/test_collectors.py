@@ -439,10 +439,11 @@ def test_more_collectors_than_the_cluster_holds_is_an_error_before_work_starts(c
     values = config(collectors=4)
     values["env"].update(backend="ray", ray_address=cluster.address, num_agents=4,
                          ray_resources={"CPU": 1})
-    with pytest.raises(CollectorError, match=r"4 collectors with env.ray_resources=\{'CPU': 1\}: "
-                                             r"CPU=4 needed in all, but the Ray cluster has "
-                                             r"CPU=3"):
+    with pytest.raises(ConfigError, match=r"4 collectors with env.ray_resources=\{'CPU': 1\}: "
+                                          r"CPU=4 needed in all, but the Ray cluster has "
+                                          r"CPU=3"):
         Trainer(build_config(values), tmp_path, progress=False).run()
+    assert not (tmp_path / "config.json").exists()  # (nothing written: start it again)
     cluster.wait_idle()
 
 
