@@ -151,16 +151,13 @@ def check_collector_room(config: Config) -> None:
     """``ConfigError`` when the Ray cluster cannot hold the run's collectors (they would wait
     for room for ever): before anything is written, so the run can be started again with
     other settings."""
-    from batchrl.collectors.ray import check_placement  # (imports Ray)
-    from batchrl.envs.ray import cluster as ray_cluster
+    from batchrl.collectors.ray import check_room  # (imports Ray)
 
-    ray = ray_cluster.acquire(config.env.ray_address)
     try:
-        check_placement(ray, config.train.collectors, dict(config.env.ray_resources))
+        check_room(config.train.collectors, dict(config.env.ray_resources),
+                   config.env.ray_address)
     except CollectorError as exc:
         raise ConfigError(str(exc)) from None
-    finally:
-        ray_cluster.release()
 
 
 def check_learner_support(config: Config, learners: int, algo: Algorithm | None = None
@@ -703,7 +700,7 @@ class Trainer:
             self._save_snapshot()  # what the run learned until the env failed is kept
             raise
         except Exception:
-            if self._stop.requested and self.writer:
+            if self._stop.requested and self.learners is not None and self.writer:
                 # A stop reached the other learners first (torchrun, SLURM signal them all):
                 # the collective this one waited in failed. A stop all the same.
                 raise TrainingInterrupted(self._stop.signum, self._save_snapshot(),

@@ -29,7 +29,7 @@ from batchrl.envs.ray import cluster as ray_cluster
 from batchrl.parts.packing import stored_observations
 from batchrl.parts.rollout import Rollout, RolloutBuffer, rollout_tensors
 
-__all__ = ["RayCollectors", "check_placement"]
+__all__ = ["RayCollectors", "check_placement", "check_room"]
 
 _POLL_SECONDS = 0.1
 
@@ -147,6 +147,16 @@ def check_placement(ray: Any, collectors: int, resources: dict[str, float]) -> N
         raise CollectorError(f"{collectors} collector{'s' * (collectors != 1)} with "
                              f"env.ray_resources={resources}: {shortage}; lower "
                              f"train.collectors or env.ray_resources, or add nodes")
+
+
+def check_room(collectors: int, resources: dict[str, float], address: str = "") -> None:
+    """``check_placement`` on the cluster at ``address`` (``env.ray_address``), connected to
+    for the check only: before a run starts its collectors."""
+    ray = ray_cluster.acquire(address)
+    try:
+        check_placement(ray, collectors, resources)
+    finally:
+        ray_cluster.release()
 
 
 class RayCollectors:

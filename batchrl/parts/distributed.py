@@ -214,7 +214,6 @@ def launched_by_torchrun() -> bool:
     return all(name in os.environ for name in TORCHRUN_VARIABLES)
 
 
-
 def _to(value: Any, device: torch.device | str) -> Any:
     """``value`` with the tensors of its dicts, lists and tuples moved to ``device``: a pickled
     tensor is unpickled on the device it left, so a GPU learner's state sent as it is would be
