@@ -8,10 +8,8 @@ from typing import Any
 
 import gymnasium as gym
 import torch
-from torch import nn
 
 from batchrl.algos.base import Algorithm, Summary
-from batchrl.algos.networks import PixelInput
 from batchrl.parts.replay import ReplayBuffer
 from batchrl.pixels import is_pixel_space
 
@@ -21,11 +19,6 @@ def observation_field(space: gym.spaces.Box) -> tuple[tuple[int], torch.dtype]:
     ``uint8`` (a quarter of the bytes), other observations are ``float32``."""
     return (math.prod(space.shape),), torch.uint8 if is_pixel_space(space) else torch.float32
 
-
-def observation_input(space: gym.spaces.Box) -> nn.Module:
-    """What a network puts first to read ``observation_field(space)`` rows: ``uint8`` pixels
-    scaled to ``[0, 1]`` floats, other observations as they are."""
-    return PixelInput(math.prod(space.shape)) if is_pixel_space(space) else nn.Identity()
 
 
 class ReplayAlgorithm(Algorithm):

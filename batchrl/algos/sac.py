@@ -16,8 +16,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from batchrl.algos.base import Summary
+from batchrl.algos.networks import build_torso
 from batchrl.algos.ppo_config import PRECISIONS
-from batchrl.algos.replay import ReplayAlgorithm, observation_field, observation_input
+from batchrl.algos.replay import ReplayAlgorithm, observation_field
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.parts.replay import ReplayBuffer
 
@@ -160,7 +161,8 @@ class SAC(ReplayAlgorithm):
         high = action_space.high if bounded else np.ones(actions, np.float32)
         self._low = torch.as_tensor(low, dtype=torch.float32, device=self.device)
         self._scale = torch.as_tensor(high - low, dtype=torch.float32, device=self.device) / 2
-        self.observation_input = observation_input(observation_space)  # (scales pixels)
+        # (the MLP torso: pixels scaled to [0, 1], other observations as they are)
+        self.observation_input = build_torso("mlp", observation_space) or nn.Identity()
         self.policy = SquashedGaussian(self.obs_size, hidden, actions).to(self.device)
         self.critics = EnsembleMLP(2, self.obs_size + actions, hidden, 1).to(self.device)
         self.target_critics = EnsembleMLP(2, self.obs_size + actions, hidden, 1).to(self.device)
