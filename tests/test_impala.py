@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchrl.algos import IMPALA, IMPALAConfig
+from batchrl.algos import IMPALA, BatchPPO, IMPALAConfig
 from batchrl.checkpoint import list_checkpoints
 from batchrl.config import IMPALA as IMPALA_PATH
 from batchrl.config import ConfigError, load_config
@@ -381,3 +381,9 @@ def test_constructor_errors():
         IMPALA(box, gym.spaces.MultiDiscrete([2, 2]), 2)
     with pytest.raises(UnsupportedSpaceError, match="Discrete and 1-D Box action spaces"):
         IMPALA(box, gym.spaces.Box(-1, 1, (2, 2)), 2)
+    # Its indices 0..n-1 would reach the env unshifted (BatchPPO's head is the same).
+    for algorithm in (IMPALA, BatchPPO):
+        with pytest.raises(UnsupportedSpaceError, match=r"needs Discrete\(n\) actions "
+                                                        r"starting at 0, got Discrete\(3, "
+                                                        r"start=-1\)"):
+            algorithm(box, gym.spaces.Discrete(3, start=-1), 2)

@@ -103,6 +103,15 @@ def test_channels_last_images_are_read_as_channels():
     assert image_layout(space.shape) == ([3, 36, 36], True)
     assert image_layout((4, 84, 84)) == ([4, 84, 84], False)
     assert image_layout((84, 84)) == ([1, 84, 84], False)
+    # More than 4 channels last (8 stacked Atari frames, 4 stacked colour frames).
+    assert image_layout((84, 84, 8)) == ([8, 84, 84], True)
+    assert image_layout((84, 84, 12)) == ([12, 84, 84], True)
+    assert image_layout((12, 84, 84)) == ([12, 84, 84], False)
+    with pytest.raises(ValueError, match=r"cannot tell the channels of an image of shape "
+                                         r"\(84, 84, 84\)"):
+        image_layout((84, 84, 84))
+    assert build_torso("impala_cnn", gym.spaces.Box(0, 255, (84, 84, 8), np.uint8)
+                       ).convs[0].in_channels == 8
     torch.manual_seed(0)
     torso = build_torso("nature_cnn", space)
     hwc = torch.randint(0, 256, (2, 36, 36, 3), dtype=torch.uint8)

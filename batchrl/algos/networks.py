@@ -70,13 +70,18 @@ class PixelInput(nn.Module):
 def image_layout(shape: Sequence[int]) -> tuple[list[int], bool]:
     """``([C, H, W], channels_last)`` of an image observation of ``shape``: ``(H, W)`` (one
     channel), ``(C, H, W)`` (frame stacks, as Gymnasium's ``FrameStackObservation`` gives) or
-    ``(H, W, C)`` with ``C`` at most 4 (colour or gray images as envs render them)."""
+    ``(H, W, C)`` (images as envs render them, batchrl's Atari stacks): the channels are the
+    axis at either end that is smaller than both others; a ``ValueError`` when neither is."""
     if len(shape) == 2:
         return [1, int(shape[0]), int(shape[1])], False
     if len(shape) == 3:
-        if shape[-1] <= 4 < shape[0]:
-            return [int(shape[2]), int(shape[0]), int(shape[1])], True
-        return [int(s) for s in shape], False
+        first, second, last = (int(s) for s in shape)
+        if last < min(first, second):
+            return [last, first, second], True
+        if first < min(second, last):
+            return [first, second, last], False
+        raise ValueError(f"cannot tell the channels of an image of shape {tuple(shape)}: "
+                         f"they are the axis at either end smaller than both others")
     raise ValueError(f"an image is (H, W), (C, H, W) or (H, W, C), got shape {tuple(shape)}")
 
 
@@ -434,6 +439,11 @@ def actor_critic(body: nn.Module, obs_size: int, action_space: gym.Space,
     the policy's output starts near zero (``init_output_factor``), the value's output at
     gain 1; else PyTorch's initialisation."""
     discrete = isinstance(action_space, gym.spaces.Discrete)
+    if discrete and int(action_space.start) != 0:
+        # (Its indices would reach the env unshifted: an action out of the space.)
+        raise UnsupportedSpaceError(f"an actor-critic's categorical head acts with indices "
+                                    f"0..n-1, so it needs Discrete(n) actions starting at 0, "
+                                    f"got {action_space}")
     if discrete:
         head: nn.Module = CategoricalHead(body.out_size, int(action_space.n), init_output_factor)
         output = head.logits
