@@ -8,6 +8,7 @@ import json
 import math
 
 import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 
@@ -146,6 +147,28 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match="precision must be one of float32, bfloat16, got "
                                          "'float16'"):
         SAC(box, box, 2, precision="float16")
+    with pytest.raises(UnsupportedSpaceError, match=r"SAC squashes its actions into the action "
+                                                    r"space's range, which must be bounded; "
+                                                    r"got Box\(-inf, inf"):
+        SAC(box, gym.spaces.Box(-float("inf"), float("inf"), (2,)), 2)
+
+
+@pytest.mark.parametrize("normalize_ranges", [True, False])
+def test_actions_span_the_range_the_wrapped_env_acts_in(normalize_ranges):
+    """The trainer's wrappers clip actions, and keep the range visible: without
+    normalize_ranges, Pendulum's torques span [-2, 2] (Gymnasium's ClipAction alone shows an
+    unbounded space)."""
+    from batchrl.envs import wrap_env
+
+    env = wrap_env(gym.make("Pendulum-v1"), normalize_ranges=normalize_ranges)
+    bound = 1.0 if normalize_ranges else 2.0
+    assert env.action_space == gym.spaces.Box(-bound, bound, (1,), np.float32)
+    algo = SAC(env.observation_space, env.action_space, 4, learning_starts=0)
+    algo.train()
+    torch.manual_seed(0)
+    actions = torch.cat([algo.perform(torch.arange(4), torch.full((4, 3), 5.0))[0]
+                         for _ in range(200)])
+    assert actions.abs().max() <= bound and actions.abs().max() > 0.6 * bound
 
 
 @pytest.mark.slow

@@ -10,7 +10,6 @@ import math
 from typing import Any, Sequence
 
 import gymnasium as gym
-import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -154,11 +153,10 @@ class SAC(ReplayAlgorithm):
             discount, n_step, device), learning_starts, updates_per_step, save_buffer)
         self.batch_size, self.discount, self.tau = batch_size, discount, tau
         self.target_entropy = -float(actions) if target_entropy is None else target_entropy
-        # batchrl's wrappers rescale a bounded range to [-1, 1] (env.normalize_ranges), then
-        # show it unbounded (the env clips): such a range is [-1, 1].
-        bounded = action_space.is_bounded()
-        low = action_space.low if bounded else -np.ones(actions, np.float32)
-        high = action_space.high if bounded else np.ones(actions, np.float32)
+        if not action_space.is_bounded():
+            raise UnsupportedSpaceError(f"SAC squashes its actions into the action space's "
+                                        f"range, which must be bounded; got {action_space}")
+        low, high = action_space.low, action_space.high
         self._low = torch.as_tensor(low, dtype=torch.float32, device=self.device)
         self._scale = torch.as_tensor(high - low, dtype=torch.float32, device=self.device) / 2
         # (the MLP torso: pixels scaled to [0, 1], other observations as they are)

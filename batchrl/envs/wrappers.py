@@ -60,5 +60,9 @@ def wrap_env(env: gym.Env, max_episode_steps: int | None = None,
     if normalize_ranges:
         env = range_normalize(env)
     if isinstance(env.action_space, gym.spaces.Box):
+        bounds = env.action_space
         env = ClipAction(env)
+        # Gymnasium shows the clipped space unbounded (it takes any action); the algorithms
+        # see the range the env acts in (SAC squashes its actions into it).
+        env.action_space = bounds
     return convert_to_32bit(env)
