@@ -111,6 +111,21 @@ def test_ppo_learns_from_its_own_rollout_with_unit_importance_weights():
     assert summary["ppo/updates"] == 1.0 and learner.env_steps == 24
 
 
+def test_ppo_counts_a_rollout_whose_every_step_was_lost_and_learns_nothing_from_it():
+    """Env restarts at a rollout's last step cut every agent's running segment: with
+    minibatches, no step is left to take a gradient step on."""
+    torch.manual_seed(0)
+    learner = ppo()
+    rollout = collect(learner)
+    rollout.valid[:] = False
+    weights = [p.clone() for p in learner.policy.parameters()]
+    summary = learner.learn(rollout)
+    assert summary["ppo/updates"] == 1.0 and learner.env_steps == 24
+    assert "ppo/policy_loss" not in summary and "ppo/importance_weight" not in summary
+    assert all(torch.equal(a, b) for a, b in zip(weights, learner.policy.parameters()))
+    assert learner.learn(collect(learner))["ppo/updates"] == 2.0
+
+
 def test_ppo_weights_a_lagged_rollout_by_its_truncated_importance_ratio():
     torch.manual_seed(0)
     learner, actor = ppo(), ppo()

@@ -762,6 +762,8 @@ class BatchPPO(Algorithm):
         batches, mask = self._layout(data, valid)
         mask = mask.float()
         rows = mask.shape[0]
+        if rows == 0:  # restarts lost every step of the rollout: nothing to learn from
+            return self._updated(summary, lr_fraction)
         size = config.minibatch_size or config.batch_size or rows
         if self.learners is not None and (config.minibatch_size or config.batch_size):
             size //= self.learners.size  # a gradient step's batch is over all learners
@@ -813,10 +815,14 @@ class BatchPPO(Algorithm):
             if len(returns) > 1:  # (a variance needs two)
                 summary["ppo/explained_variance"] = 1.0 - float(residual.var()
                                                                 / (returns.var() + 1e-8))
+        return self._updated(summary, lr_fraction)
+
+    def _updated(self, summary: Summary, lr_fraction: float) -> Summary:
+        """Count the update (its rollout is used up) in ``summary``."""
         self.updates += 1
         self.updated_steps = self.env_steps
         summary["ppo/updates"] = float(self.updates)
-        if config.lr_schedule != "constant":
+        if self.config.lr_schedule != "constant":
             summary["ppo/lr_fraction"] = lr_fraction
         return summary
 
@@ -918,7 +924,8 @@ class BatchPPO(Algorithm):
             if self.config.normalize_observ and not self.pixels:
                 self.observ_normalizer.update(self._statistics_input(observ[:, :steps][valid]))
         summary = self.update(data)
-        summary["ppo/importance_weight"] = float(data["behaviour_weight"][valid].mean())
+        if valid.any():
+            summary["ppo/importance_weight"] = float(data["behaviour_weight"][valid].mean())
         return summary
 
     def _learn_rewards(self, rollout: Rollout) -> None:
