@@ -5,14 +5,14 @@ rather than being skipped: training on from an older one would quietly hide the 
 
 from __future__ import annotations
 
-import contextlib
 import io
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from batchrl.files import atomic_write
 
 _NAME = re.compile(r"^ckpt-(\d{12})\.pt$")
 
@@ -46,16 +46,11 @@ def save_checkpoint(logdir: Path, step: int, state: dict[str, Any] | bytes,
     """Atomically write ``state`` (a dict, streamed to the file without a copy in memory, or
     ``serialize``'s bytes) as the checkpoint of ``step``; keep the newest ``keep``."""
     path = Path(logdir) / f"ckpt-{step:012d}.pt"
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "wb") as file:
+    with atomic_write(path, "wb") as file:
         if isinstance(state, bytes):
             file.write(state)
         else:
             torch.save(state, file)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
-    _fsync_directory(path.parent)
     for old in list_checkpoints(logdir)[:-keep]:
         old.unlink(missing_ok=True)
     for stray in Path(logdir).glob("ckpt-*.pt.tmp"):
@@ -70,7 +65,13 @@ def load_checkpoint(path: Path, device: str | torch.device = "cpu") -> dict[str,
         state = torch.load(path, map_location=device, weights_only=False)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} does not exist") from None
+    except OSError as exc:  # (the file system's error, not the file's content)
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
     except Exception as exc:  # unpickling a damaged file fails with many types
+        if not _NAME.match(Path(path).name):
+            raise CheckpointError(f"{path} is not a batchrl checkpoint (those are the "
+                                  f"ckpt-*.pt files of a run's log directory): "
+                                  f"{type(exc).__name__}: {exc}") from None
         raise CheckpointError(
             f"cannot read checkpoint {path} ({type(exc).__name__}: {exc}); the file is "
             f"damaged (checkpoints are written atomically, so something else changed it). "
@@ -78,13 +79,3 @@ def load_checkpoint(path: Path, device: str | torch.device = "cpu") -> dict[str,
     if not isinstance(state, dict) or "algorithm" not in state:
         raise CheckpointError(f"{path} is not a batchrl checkpoint (no 'algorithm' state)")
     return state
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename durable (where the platform can fsync a directory)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

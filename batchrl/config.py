@@ -29,6 +29,7 @@ from batchrl.algos.ppo_config import EVAL_ACTIONS, PRECISIONS, PPOConfig
 from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.factory import BACKENDS, check_resources, choose_backend, import_from
 from batchrl.errors import UnsupportedSpaceError
+from batchrl.files import atomic_write
 
 
 def _config_dir() -> Path:
@@ -370,7 +371,7 @@ def _checkable(annotation: Any) -> bool:
 def _check_range(obj: Any, minimum: int, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        if value < minimum:
+        if not value >= minimum:  # (also NaN, which no comparison holds for)
             raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
@@ -524,8 +525,10 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> Config:
     try:
         with open(path, "rb") as file:
             values = tomllib.load(file)
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # (TOML is UTF-8)
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config {path}: {exc.strerror or exc}") from None
     return build_config(apply_overrides(values, overrides))
 
 
@@ -546,7 +549,7 @@ def apply_overrides(values: dict[str, Any], overrides: list[str] = ()) -> dict[s
 
 def save_config(config: Config, logdir: Path) -> None:
     """Write the resolved config as ``config.json``."""
-    with open(Path(logdir) / CONFIG_FILE, "w") as file:
+    with atomic_write(Path(logdir) / CONFIG_FILE) as file:
         json.dump(config.to_dict(), file, indent=2)
         file.write("\n")
 
@@ -558,7 +561,7 @@ def load_saved_config(logdir: Path, overrides: list[str] = ()) -> Config:
     try:
         with open(path) as file:
             values = json.load(file)
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # (ValueError: not JSON, or not UTF-8)
         raise ConfigError(f"cannot read the saved config {path}: {exc}; restore the file "
                           f"or start a new run in another --logdir") from None
     if not isinstance(values, dict):

@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from batchrl.files import atomic_write
+
 METRICS_FILE = "metrics.jsonl"
 CURVE_FILE = "learning_curve.png"
 
@@ -46,11 +48,8 @@ class RunLog:
     def truncate(self, step: int) -> None:
         """Keep only the records with ``step`` at most ``step``."""
         kept = [r for r in read_metrics(self.logdir) if r["step"] <= step]
-        path = self.logdir / METRICS_FILE
-        temporary = path.with_name(path.name + ".tmp")
-        with open(temporary, "w") as file:
+        with atomic_write(self.logdir / METRICS_FILE) as file:
             file.writelines(json.dumps(record) + "\n" for record in kept)
-        os.replace(temporary, path)
 
     def update(self, record: dict[str, Any]) -> None:
         """Append one update's record (``"phase": "update"``, with collectors: the policy lag,

@@ -90,6 +90,9 @@ def test_invalid_toml_file(tmp_path):
     path.write_text("[env\nid = 3\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(str(path))
+    path.write_bytes(b'[env]\nid = "\xff"\n')  # (TOML is UTF-8)
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(str(path))
 
 
 def test_unknown_section_lists_the_valid_sections():
@@ -167,6 +170,7 @@ def test_a_section_that_is_not_a_table(tmp_path, section):
     ("env.share_main=yes", "expected bool"),
     ("env.backend=threads", "env.backend must be one of"),
     ("env.workers=-1", "workers must be >= 0"),
+    ("env.timeout=nan", "timeout must be >= 0, got nan"),  # (would never time out)
     ("env.id=3", "expected str"),
     ("env.kwargs=[1, 2]", "expected dict"),
     ("env.ray_resources=2", "expected dict"),
