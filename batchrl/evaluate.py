@@ -15,6 +15,7 @@ brings); episode ``i`` is reset with seed ``seed + i`` either way.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,8 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
         episodes = 10 if video is None else 1
     if episodes < 1:
         raise ConfigError(f"episodes must be >= 1, got {episodes}")
+    if seed < 0:  # (Gymnasium's seeds)
+        raise ConfigError(f"--seed must be >= 0, got {seed}")
     if agents is not None and agents < 1:
         raise ConfigError(f"agents must be >= 1, got {agents}")
     if agents is not None and video is not None:
@@ -257,6 +260,10 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.evalua
                         help="act with the policy's mean (most likely) actions or sampled ones "
                              "(default: the run's train.eval_actions, 'mean' unless set)")
     args = parser.parse_args(argv)
+    # A run's "package.module:Name" env id or algorithm class may name a module in the
+    # current directory, as for train.py.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(1, os.getcwd())
     try:
         result = evaluate(args.logdir, args.episodes, args.checkpoint, args.seed, args.device,
                           args.video, args.agents, args.camera, args.width, args.height,

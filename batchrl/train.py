@@ -22,7 +22,9 @@ says what is wrong and what is valid).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import shlex
@@ -31,9 +33,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from batchrl.files import atomic_write
+
 if TYPE_CHECKING:
     from batchrl.config import Config
 
+# The keys a resume may change with --set: where the run goes on, not what it learns.
+MACHINE_KEYS = ("train.device", "train.threads", "env.workers", "env.timeout")
 STARTED_WITH = "started_with.json"  # in a run's logdir: the --config it was started with
 
 
@@ -120,7 +126,7 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
                         help="a config's name (e.g. halfcheetah; --help lists them) or a "
                              "path to a .toml file")
     parser.add_argument("--logdir", type=Path, default=None,
-                        help="where to write the run (default: logs/CONFIG-YYYYmmdd-HHMMSS); "
+                        help="where to write the run (default: a new logs/CONFIG-YYYYmmdd-HHMMSS); "
                              "an existing run there is resumed")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE",
@@ -145,10 +151,15 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
     except KeyboardInterrupt:
         print("Interrupted before training started", file=sys.stderr)
         return 130
-    from batchrl.checkpoint import CheckpointError
-    from batchrl.collectors import CollectorError
-    from batchrl.learners import LearnerError, run
-    from batchrl.trainer import TrainingInterrupted
+    try:  # (torch's import takes seconds: a Ctrl-C may come now)
+        from batchrl.checkpoint import CheckpointError
+        from batchrl.collectors import CollectorError
+        from batchrl.learners import LearnerError, run
+        from batchrl.trainer import TrainingInterrupted
+    except KeyboardInterrupt:
+        _remove_if_empty(created)
+        print("Interrupted before training started", file=sys.stderr)
+        return 130
 
     user_errors = (ConfigError, EnvSpecError, CheckpointError, UnsupportedSpaceError,
                    SpaceMismatchError)
@@ -166,6 +177,7 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
         print(_interrupted_message(stop, command, args.config, logdir), flush=True)
         return stop.exit_code
     except KeyboardInterrupt:  # before the trainer took over Ctrl-C
+        _remove_if_empty(created)
         print("Interrupted before training started", file=sys.stderr)
         return 130
     except user_errors as exc:
@@ -209,23 +221,27 @@ def _configure(args: argparse.Namespace, command: str) -> tuple[Config, Path, Pa
     """The run's config (new, or the saved one of the run to resume), its log directory
     and that directory if this call created it; ``ConfigError`` or ``EnvSpecError``
     for a user error. Imports no torch (unless the config names a user's module)."""
-    from batchrl.config import CONFIG_FILE, ConfigError, load_config, load_saved_config
+    from batchrl.config import (CONFIG_FILE, ConfigError, load_config, load_saved_config,
+                                parse_override)
     from batchrl.envs.factory import resolve_constructor
 
     if args.steps is not None and args.steps < 1:  # (not a fault of a resumed run's config)
         raise ConfigError(f"--steps: train.steps must be >= 1, got {args.steps}")
     steps = [] if args.steps is None else [f"train.steps={args.steps}"]
     if args.logdir is not None and (args.logdir / CONFIG_FILE).exists():
-        if args.overrides:
+        learning = [text for text in args.overrides
+                    if ".".join(parse_override(text)[0]) not in MACHINE_KEYS]
+        if learning:
             raise ConfigError(f"{args.logdir} holds a run, which resumes with its saved "
-                              f"config; drop --set (--steps N may raise its budget) or "
-                              f"choose a new --logdir")
-        config = load_saved_config(args.logdir, steps)
+                              f"config; drop --set {learning[0]} (--steps N may raise its "
+                              f"budget; --set may change only where it runs: "
+                              f"{', '.join(MACHINE_KEYS)}) or choose a new --logdir")
+        config = load_saved_config(args.logdir, args.overrides + steps)
         started = _started_with(args.logdir)
-        named = load_config(args.config, steps)
-        if started != args.config and (named.env.id, named.env.kwargs, named.algorithm.name
-                                       ) != (config.env.id, config.env.kwargs,
-                                             config.algorithm.name):
+        # (A resume needs its --config file only to tell another run's config apart.)
+        named = config if started == args.config else load_config(args.config, steps)
+        if (named.env.id, named.env.kwargs, named.algorithm.name) != (
+                config.env.id, config.env.kwargs, config.algorithm.name):
             resume = (f"resume with: {_resume_command(command, started, args.logdir)}"
                       if started else "resume with that run's config")
             # (the Atari configs differ in env.kwargs' game, not env.id)
@@ -247,13 +263,34 @@ def _configure(args: argparse.Namespace, command: str) -> tuple[Config, Path, Pa
                               f"its run's config, under 'config') or choose a new --logdir")
         config = load_config(args.config, args.overrides + steps)
     resolve_constructor(config.env.id, config.env.kwargs, config.env.max_length)
-    logdir = args.logdir or (
-        Path("logs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
-    created = _prepare_logdir(logdir, ConfigError)
+    if args.logdir is None:
+        logdir = created = _new_logdir(Path("logs") / Path(args.config).stem, ConfigError)
+        _prepare_logdir(logdir, ConfigError)
+    else:
+        logdir = args.logdir
+        created = _prepare_logdir(logdir, ConfigError)
     if not (logdir / CONFIG_FILE).exists():
         # The --config a resume names: its --set overrides are in the saved config.
-        (logdir / STARTED_WITH).write_text(json.dumps({"config": args.config}) + "\n")
+        with atomic_write(logdir / STARTED_WITH) as file:
+            file.write(json.dumps({"config": args.config}) + "\n")
     return config, logdir, created
+
+
+def _new_logdir(prefix: Path, error: type[Exception]) -> Path:
+    """A new directory ``PREFIX-YYYYmmdd-HHMMSS`` (``-2``, ``-3``, ... after it where runs
+    started in the same second: each run claims its own)."""
+    base = f"{prefix.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        for number in itertools.count(1):
+            logdir = prefix.parent / (base if number == 1 else f"{base}-{number}")
+            with contextlib.suppress(FileExistsError):
+                logdir.mkdir()
+                return logdir
+    except OSError as exc:
+        raise error(f"cannot create a log directory in {prefix.parent}: "
+                    f"{exc.strerror or exc}; choose a --logdir you can write to") from None
+    raise AssertionError  # (the count never ends)
 
 
 def _prepare_logdir(logdir: Path, error: type[Exception]) -> Path | None:

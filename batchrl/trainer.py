@@ -59,6 +59,11 @@ def resolve_device(name: str, key: str = "train.device") -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{key}={name!r} but CUDA is not available here; "
                           f"use 'auto' or 'cpu'")
+    if device.type == "cuda" and device.index is not None \
+            and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"{key}={name!r} but this machine has "
+                          f"{torch.cuda.device_count()} CUDA devices (cuda:0 to "
+                          f"cuda:{torch.cuda.device_count() - 1})")
     return device
 
 

@@ -252,7 +252,10 @@ def test_evaluate_cli_bad_logdirs(tmp_path):
                         ([logdir], [f"cannot read checkpoint {damaged}", "Delete it"]),
                         ([logdir, "--checkpoint", missing],
                          [f"checkpoint {missing} does not exist"]),
-                        ([logdir, "--device", "tpu"], ["--device must be 'auto', 'cpu', 'cuda'"])):
+                        ([logdir, "--device", "tpu"], ["--device must be 'auto', 'cpu', 'cuda'"]),
+                        ([logdir, "--checkpoint", logdir / "config.json"],
+                         [f"{logdir / 'config.json'} is not a batchrl checkpoint"]),
+                        ([empty, "--seed", "-1"], ["--seed must be >= 0, got -1"])):
         result = subprocess.run([sys.executable, "-m", "batchrl.evaluate", *map(str, args)],
                                 cwd=REPO, env=environ, capture_output=True, text=True,
                                 timeout=120)

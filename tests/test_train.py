@@ -213,6 +213,16 @@ def test_train_py_resumes_and_extends_the_budget(cartpole_run, tmp_path):
     assert "saved config" in refused.stderr and "--steps" in refused.stderr
     assert "Traceback" not in refused.stderr
     assert read_metrics(logdir) == before
+    # ... except for the keys that say where it runs.
+    moved = train_py("--config", "cartpole", "--logdir", str(logdir), "--no-progress",
+                     *sets("train.device=cpu", "env.timeout=30"))
+    assert moved.returncode == 0, moved.stderr
+    assert "nothing to train" in moved.stdout
+    assert json.loads((logdir / "config.json").read_text())["env"]["timeout"] == 30
+    assert read_metrics(logdir) == before
+    config = dataclasses.replace(
+        config, env=dataclasses.replace(config.env, timeout=30.0),
+        train=dataclasses.replace(config.train, device="cpu"))
 
     # Another config's task on this run's logdir is refused too, not resumed.
     other = train_py("--config", "pendulum", "--logdir", str(logdir), "--no-progress")
@@ -709,3 +719,29 @@ def test_train_py_resumes_a_run_saved_by_an_earlier_version(cartpole_run, tmp_pa
     assert "ppo" not in json.loads((logdir / "config.json").read_text())
     assert records[:len(before)] == before
     assert records[-1]["step"] == budget
+
+
+def test_runs_started_in_one_second_without_logdir_get_directories_of_their_own(tmp_path):
+    from batchrl.train import _new_logdir
+
+    made = [_new_logdir(tmp_path / "logs" / "cartpole", ValueError) for _ in range(3)]
+    assert len(set(made)) == 3 and all(path.is_dir() for path in made)
+    assert all(path.name.startswith("cartpole-") for path in made)
+
+
+def test_a_run_resumes_when_the_toml_file_it_was_started_with_is_gone(tmp_path):
+    import argparse
+
+    from batchrl.config import save_config
+    from batchrl.train import STARTED_WITH, _configure
+
+    toml = tmp_path / "mine.toml"
+    toml.write_text((REPO / "configs" / "cartpole.toml").read_text())
+    logdir = tmp_path / "run"
+    logdir.mkdir()
+    save_config(load_config(str(toml)), logdir)
+    (logdir / STARTED_WITH).write_text(json.dumps({"config": str(toml)}))
+    toml.unlink()
+    config, resumed, created = _configure(argparse.Namespace(
+        config=str(toml), logdir=logdir, overrides=[], steps=None), "train.py")
+    assert config.env.id == "CartPole-v1" and resumed == logdir and created is None
