@@ -107,11 +107,6 @@ def concatenate(values: list[Any]) -> Any:
     return map_nested(lambda *parts: np.concatenate(parts), values[0], *values[1:])
 
 
-def stack(values: list[Any]) -> Any:
-    """Single observations of one structure stacked into a batch (numpy leaves)."""
-    return map_nested(lambda *parts: np.stack(parts), values[0], *values[1:])
-
-
 def stack_as(space: gym.Space, values: list[Any]) -> Any:
     """Single observations of ``space`` (dicts in any key order) stacked into a batch in the
     space's order."""
@@ -129,5 +124,5 @@ def copy_nested(value: Any) -> Any:
 
 
 def unstack(value: Any) -> list[Any]:
-    """A batch split into its rows (the inverse of ``stack``)."""
+    """A batch split into its rows (the inverse of ``stack_as``)."""
     return [take(value, row) for row in range(len(first_leaf(value)))]

@@ -43,6 +43,38 @@ def test_parts_follow_the_space_whatever_order_an_env_builds_its_dicts_in():
     np.testing.assert_array_equal(batch["depth"][0], rows[2]["depth"])
 
 
+class ListTupleEnv(gym.Env):
+    """A Tuple observation given as a list (Gymnasium's Tuple space contains lists too)."""
+
+    observation_space = gym.spaces.Tuple((gym.spaces.Box(-1, 1, (3,), np.float32),
+                                          gym.spaces.Box(-1, 1, (2,), np.float32)))
+    action_space = gym.spaces.Discrete(2)
+
+    def _observ(self) -> list:
+        return [np.full(3, self.t / 10, np.float32), np.full(2, -self.t / 10, np.float32)]
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self._observ(), {}
+
+    def step(self, action):
+        self.t += 1
+        return self._observ(), 0.0, self.t >= 2, False, {}
+
+
+def test_a_tuple_observation_given_as_a_list_keeps_its_parts_through_steps_and_resets():
+    with BatchEnv([EnvWorker([ListTupleEnv] * 2)]) as env:
+        env.reset(seed=0)
+        env.step(np.zeros(2, np.int64))
+        observ, _, terminated, _, _ = env.step(np.zeros(2, np.int64))
+        assert terminated.all() and isinstance(observ, tuple)
+        np.testing.assert_array_equal(observ[1], np.full((2, 2), -0.2, np.float32))
+        fresh = env.reset([0, 1])  # (the worker reset them while the step was answered)
+        assert isinstance(fresh, tuple) and [part.shape for part in fresh] == [(2, 3), (2, 2)]
+        np.testing.assert_array_equal(fresh[0], np.zeros((2, 3), np.float32))
+
+
 def test_every_transport_keeps_scalar_observations_scalars():
     """(A Discrete observation is a numpy integer, not a 0-d array, as from the env itself.)"""
     with ExternalProcess("CliffWalking-v1") as env:

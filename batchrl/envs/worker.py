@@ -15,7 +15,7 @@ import numpy as np
 from batchrl.envs.errors import EnvError, EnvTimeoutError
 from batchrl.envs.infos import InfoList
 from batchrl.envs.host import StepArrays
-from batchrl.nested import is_nested_space, stack, unstack
+from batchrl.nested import is_nested_space, stack_as, unstack
 
 #: What ``step_wait`` returns: observations ``(num_envs, *obs_shape)`` in the space's dtype,
 #: rewards ``(num_envs,)`` float64, terminated and truncated ``(num_envs,)`` bool, the infos.
@@ -183,13 +183,14 @@ def check_constructors(kind: str, constructors: Sequence[Any]) -> list:
     return constructors
 
 
-def stack_rows(rows: list, parts: bool = False) -> Any:
+def stack_rows(rows: list, parts: gym.Space | None = None) -> Any:
     """Observations as one ``(len(rows), *shape)`` array, or with ``parts`` (a ``Dict`` or
-    ``Tuple`` space whose arrays travel part by part) a nested value of them
-    (``batchrl.nested``); values that no array of a fixed shape holds (those of
-    ``EnvWorker(any_space=True)``) as a ``(len(rows),)`` object array."""
-    if parts:
-        return stack(rows)
+    ``Tuple`` space whose arrays travel part by part) a nested value of them in its order
+    (``batchrl.nested``; a Tuple's value may be a list); values that no array of a fixed
+    shape holds (those of ``EnvWorker(any_space=True)``) as a ``(len(rows),)`` object
+    array."""
+    if parts is not None:
+        return stack_as(parts, rows)
     if all(isinstance(row, (np.ndarray, np.generic)) for row in rows):
         return np.stack(rows)
     stacked = np.empty(len(rows), object)
@@ -336,9 +337,9 @@ class RemoteWorker(Worker):
         if sent:
             observ, infos = self._receive_reset(sent)
             rows.update(zip(sent, zip(unstack(observ), infos)))
-        parts = is_nested_space(self._spaces[0]) and StepArrays.fits(self._spaces[0], True) \
+        nested = is_nested_space(self._spaces[0]) and StepArrays.fits(self._spaces[0], True) \
             and StepArrays.fits(self._spaces[1])
-        return (stack_rows([rows[i][0] for i in indices], parts),
+        return (stack_rows([rows[i][0] for i in indices], self._spaces[0] if nested else None),
                 [rows[i][1] for i in indices])
 
     def get_attr(self, name: str, index: int = 0) -> Any:
