@@ -15,8 +15,9 @@ Stable-Baselines3's PPO with rl-zoo3's Atari settings.
   ``make_atari_env`` (its ``AtariWrapper``, 8 envs in one process, 4 stacked frames) with
   rl-zoo3's hyperparameters
   (128-step rollouts, 4 epochs, minibatches of 256, clip 0.1, entropy 0.01, learning rate
-  2.5e-4). steps/s counts the whole run after the networks are built (start-up of the env
-  processes included), one run after the other.
+  2.5e-4), both on the CPU. steps/s: for batchrl the trainer's training phases (start-up,
+  checkpoints and plots left out), for SB3 its ``learn()`` (after its envs and model are
+  built), one run after the other, each over the steps it took.
 
     python benchmarks/atari.py                      # ~5 minutes, run it on an idle machine
     python benchmarks/atari.py --steps 40960 --skip-sb3
@@ -64,7 +65,7 @@ def stepping(envs: int, seconds: float) -> dict[str, float]:
 
     for backend in ("workers", "vector"):
         batch = make_batch_env(config.env.id, envs, config.env.max_length, kwargs, backend,
-                               infos=False, vector_id="batchrl.envs.atari:make_vector")
+                               infos=True, vector_id="batchrl.envs.atari:make_vector")
         try:
             batch.reset(seed=0)
 
@@ -122,10 +123,10 @@ def batchrl_training(steps: int, precision: str, backend: str) -> float:
                         "--logdir", logdir, "--no-progress", "--set", f"train.steps={steps}",
                         "--set", "train.eval_episodes=0", "--set", "train.eval_every=10",
                         "--set", f"train.precision={precision}",
-                        "--set", f"env.backend={backend}"],
+                        "--set", f"env.backend={backend}", "--set", "train.device=cpu"],
                        check=True, capture_output=True, text=True)
         records = [json.loads(line) for line in Path(logdir, "metrics.jsonl").open()]
-    return steps / records[-1]["wall_time"]
+    return records[-1]["step"] / records[-1]["wall_time"]
 
 
 def sb3_training(steps: int) -> float:
@@ -144,7 +145,7 @@ def sb3_training(steps: int) -> float:
                 device="cpu", seed=0, verbose=0)
     start = time.perf_counter()
     model.learn(total_timesteps=steps)
-    rate = steps / (time.perf_counter() - start)
+    rate = model.num_timesteps / (time.perf_counter() - start)  # (whole rollouts: >= steps)
     env.close()
     return rate
 

@@ -13,7 +13,9 @@ Runs ``python train.py --config CONFIG --steps N --set train.eval_episodes=0``
 A run's rate is its env steps over the time of its training phases as the
 trainer records it (``wall_time`` in ``metrics.jsonl``: sampling, inference and
 updates; start-up, checkpoints and plots left out). For runs started at once the
-rates are summed. Printed: one markdown table with each set-up's summed rate
+combined rate is all their steps over the longest run's time (not the sum of
+their rates, which counts a run that finishes first twice: the others then run
+alone, faster). Printed: one markdown table with each set-up's combined rate
 and its ratio to ``alone`` measured in the same invocation (the host's speed
 changes between days: compare ratios, not rates of different days). With
 ``--rounds R`` the whole sequence runs R times, so each set-up's runs alternate
@@ -63,15 +65,20 @@ def start_run(logdir: Path, args: argparse.Namespace, cpus: list[int] | None) ->
                             stderr=subprocess.PIPE, text=True)
 
 
-def rate(logdir: Path) -> float:
-    """Env steps per second of the run's training phases."""
+def steps_and_time(logdir: Path) -> tuple[int, float]:
+    """The run's env steps and the time of its training phases."""
     records = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
     last = records[-1]
-    return last["step"] / last["wall_time"]
+    return last["step"], last["wall_time"]
 
 
-def measure(mode: str, args: argparse.Namespace, workdir: Path) -> list[float]:
-    """The training rates of the runs of one set-up."""
+def combined(runs: list[tuple[int, float]]) -> float:
+    """Steps per second of runs started at once: all their steps over the longest one's time."""
+    return sum(steps for steps, _ in runs) / max(seconds for _, seconds in runs)
+
+
+def measure(mode: str, args: argparse.Namespace, workdir: Path) -> list[tuple[int, float]]:
+    """``(steps, seconds)`` of each run of one set-up."""
     cores = allowed_cores()
     half = len(cores) // 2
     placements = ([cores[:half], cores[half:]] if mode == "disjoint"
@@ -90,7 +97,7 @@ def measure(mode: str, args: argparse.Namespace, workdir: Path) -> list[float]:
         if busy is not None:
             busy.kill()
             busy.wait()
-    return [rate(logdir) for logdir in logdirs]
+    return [steps_and_time(logdir) for logdir in logdirs]
 
 
 def main() -> None:
@@ -108,26 +115,27 @@ def main() -> None:
     if "disjoint" in args.modes and len(allowed_cores()) < 2:
         parser.error("disjoint needs at least two usable cores")
     modes = ["alone"] + [mode for mode in args.modes if mode != "alone"]
-    results: dict[str, list[list[float]]] = {mode: [] for mode in modes}
+    results: dict[str, list[list[tuple[int, float]]]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory(prefix="batchrl-concurrency-") as tmp:
         for round_index in range(args.rounds):
             for mode in modes:
-                rates = measure(mode, args, Path(tmp))
-                results[mode].append(rates)
+                runs = measure(mode, args, Path(tmp))
+                results[mode].append(runs)
                 print(f"round {round_index + 1}, {mode}: "
-                      + " + ".join(f"{r:,.0f}" for r in rates) + " steps/s",
+                      + " + ".join(f"{s / t:,.0f}" for s, t in runs) + " steps/s",
                       file=sys.stderr, flush=True)
-    alone = [rates[0] for rates in results["alone"]]
+    alone = [combined(runs) for runs in results["alone"]]
     print(f"\n`{args.config}`, {args.steps:,} steps per run, {args.rounds} round(s), "
           f"{len(allowed_cores())} allowed cores, overrides: {args.set or 'none'}\n")
-    print("| set-up | runs (steps/s), one round per cell | summed | vs alone "
+    print("| set-up | runs (steps/s), one round per cell | combined | vs alone "
           "| median vs alone | target |")
     print("|---|---|---:|---:|---:|---|")
     for mode, rounds in results.items():
         target = f">= {TARGETS[mode]}x" if mode in TARGETS else ""
-        ratios = [sum(rates) / base for rates, base in zip(rounds, alone)]
-        print(f"| {mode} | {'; '.join(' + '.join(f'{r:,.0f}' for r in rates) for rates in rounds)} "
-              f"| {'; '.join(f'{sum(rates):,.0f}' for rates in rounds)} "
+        ratios = [combined(runs) / base for runs, base in zip(rounds, alone)]
+        cells = "; ".join(" + ".join(f"{s / t:,.0f}" for s, t in runs) for runs in rounds)
+        print(f"| {mode} | {cells} "
+              f"| {'; '.join(f'{combined(runs):,.0f}' for runs in rounds)} "
               f"| {'; '.join(f'{ratio:.2f}x' for ratio in ratios)} "
               f"| {statistics.median(ratios):.2f}x | {target} |")
 

@@ -203,10 +203,13 @@ def main() -> int:
           f"{args.steps:,} env steps in total, the first {args.warmup:,} a warm-up; BatchPPO "
           f"training with {updating}; {usable_cores()} usable cores, Python "
           f"{platform.python_version()}, torch {torch.__version__}", flush=True)
-    if not args.no_updates and args.warmup < args.update_every * MAX_LENGTH:
+    # Episodes end args.envs at a time (all of MAX_LENGTH steps): the first update comes
+    # once whole batches of them reach update_every.
+    first_update = -(-args.update_every // args.envs) * args.envs * MAX_LENGTH
+    if not args.no_updates and args.warmup < first_update:
         print(f"NOTE: the warm-up ({args.warmup:,} steps) ends before the first update "
-              f"(after {args.update_every * MAX_LENGTH:,} steps with episodes of "
-              f"{MAX_LENGTH}); its allocations then count as growth.")
+              f"(after {first_update:,} steps with episodes of {MAX_LENGTH}); its "
+              f"allocations then count as growth.")
 
     samples: list[dict[str, Any]] = []
     shm_during: dict[str, int] = {}

@@ -98,7 +98,8 @@ def main() -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Started here, once: the Ray backend then uses this instance (and leaves it
     # running between measurements) instead of starting one per build.
-    ray.init(num_cpus=usable_cores(), logging_level=logging.WARNING)
+    # (each actor reserves a CPU: room for --workers above the cores)
+    ray.init(num_cpus=max(usable_cores(), args.workers), logging_level=logging.WARNING)
     probe = gym.make(args.env_id)
     space = probe.action_space
     probe.close()

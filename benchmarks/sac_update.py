@@ -49,8 +49,8 @@ def sb3_sac(env_id: str, fill: int):
     space = model.observation_space
     for _ in range(fill):
         obs = np.random.randn(1, space.shape[0]).astype(np.float32)
-        model.replay_buffer.add(obs, obs + 0.1, np.random.uniform(-1, 1, (1, 6)),
-                                np.random.randn(1), np.zeros(1), [{}])
+        action = np.random.uniform(-1, 1, (1, *model.action_space.shape))
+        model.replay_buffer.add(obs, obs + 0.1, action, np.random.randn(1), np.zeros(1), [{}])
     return model
 
 

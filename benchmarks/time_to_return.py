@@ -82,7 +82,8 @@ def run_batchrl(config: str, threshold: float, max_steps: int, seed: int,
                 process.send_signal(signal.SIGINT)
                 break
         process.wait()
-        records = read_metrics(Path(logdir))
+        # (collectors' runs also log updates, without wall_time)
+        records = [r for r in read_metrics(Path(logdir)) if r["phase"] in ("train", "eval")]
     if reached is None:
         last = [r for r in records if r["phase"] == "eval"]
         return {"reached": False, "steps": records[-1]["step"] if records else 0,

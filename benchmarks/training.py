@@ -194,7 +194,8 @@ def run_batchrl(config: str, steps: int, device: str, overrides: list[str],
         others = watch.stop()
         if returncode != 0:
             raise RuntimeError(f"train.py exited with code {returncode}")
-        records = read_metrics(Path(logdir))
+        # (collectors' runs also log their updates)
+        records = [r for r in read_metrics(Path(logdir)) if r["phase"] != "update"]
         with open(Path(logdir) / "config.json") as file:
             resolved = json.load(file)
     train = [r for r in records if r["phase"] == "train"]
@@ -352,8 +353,9 @@ def main() -> int:
         per_update = (f"rollouts of {ppo['rollout_length']} steps" if ppo.get("rollout_length")
                       else f"{ppo['update_every']} episodes")
         from batchrl.envs.factory import choose_backend
-        backend = choose_backend(config["env"]["id"], config["env"]["backend"],
-                                 config["env"]["kwargs"])
+        env = config["env"]
+        backend = choose_backend(env["id"], env["backend"], env["kwargs"],
+                                 env["restart_crashed_envs"] or env["share_main"])
         print(f"batchrl: {config['env']['num_agents']} agents, {phases}, updates on "
               f"{per_update} x {ppo['update_epochs']} "
               f"epochs, env backend {backend!r}, device "
