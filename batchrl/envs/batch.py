@@ -387,7 +387,8 @@ class BatchEnv(Closeable):
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("step_wait() needs a step_async() first")
-        results = self._receive(pending, _wait_step, self._fresh_step)
+        one = len(self._members) == 1  # (then its own arrays are the batch's: no join copies)
+        results = self._receive(pending, _wait_owned if one else _wait_step, self._fresh_step)
         batch = self._join(results)
         try:
             self._check_observ(batch[0], self._all, "step", batch[1])
@@ -404,6 +405,9 @@ class BatchEnv(Closeable):
 
     @staticmethod
     def _join(results: Sequence[tuple]) -> tuple:
+        if len(results) == 1:  # (arrays the member gave up: step_wait(copy=True))
+            obs, rewards, terminated, truncated, infos = results[0]
+            return obs, rewards, terminated, truncated, InfoList.join([infos])
         obs, rewards, terminated, truncated, infos = zip(*results)
         return (concatenate(obs), np.concatenate(rewards), np.concatenate(terminated),
                 np.concatenate(truncated), InfoList.join(infos))
@@ -516,6 +520,10 @@ def _worker_of(member: Worker | WorkerFront) -> Worker:
 def _wait_step(member: Worker) -> tuple:
     # Views of the workers' buffers: step_wait's concatenation copies them.
     return member.step_wait(copy=False)
+
+
+def _wait_owned(member: Worker) -> tuple:
+    return member.step_wait(copy=True)
 
 
 def _wait_reset(member: Worker) -> tuple[np.ndarray, list[dict]]:

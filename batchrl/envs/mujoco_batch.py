@@ -124,10 +124,12 @@ class Locomotion(Task):
         x_velocity = (qpos[:, 0] - before) / sims.dt
         forward = self.forward_reward_weight * x_velocity
         ctrl_cost = self.ctrl_cost_weight * np.square(action).sum(axis=1)
-        healthy = self._healthy(qpos, qvel)
-        survive = healthy * self.healthy_reward
         info = {"x_position": qpos[:, 0].copy(), "x_velocity": x_velocity,
                 "reward_forward": forward, "reward_ctrl": -ctrl_cost}
+        if not (self.healthy_reward or self.terminate_when_unhealthy):  # (HalfCheetah's)
+            return forward - ctrl_cost, np.zeros(len(qpos), bool), info
+        healthy = self._healthy(qpos, qvel)
+        survive = healthy * self.healthy_reward
         if self.healthy_reward:
             info["reward_survive"] = survive
         return (forward + survive - ctrl_cost, ~healthy & self.terminate_when_unhealthy,
@@ -490,6 +492,8 @@ class MujocoBatch(gym.vector.VectorEnv):
         if normalize_ranges:
             self.single_action_space, _, self._rescale = rescale_box(
                 env.action_space, np.float32(-1), np.float32(1))
+            if (env.action_space.low == -1).all() and (env.action_space.high == 1).all():
+                self._rescale = None  # (its arithmetic is then exactly the identity)
         space = env.observation_space
         self.single_observation_space = gym.spaces.Box(
             space.low.astype(np.float32), space.high.astype(np.float32), dtype=np.float32)
@@ -508,7 +512,8 @@ class MujocoBatch(gym.vector.VectorEnv):
         self._high = self.single_action_space.high.astype(np.float32)
         self._rngs = [seeding.np_random()[0] for _ in range(num_envs)]
         self._elapsed = np.zeros(num_envs, np.int64)
-        self._ended = np.zeros(num_envs, bool)
+        self._ended = np.zeros(num_envs, bool)  # episodes that ended at the last step
+        self._any_ended = False
 
     def field(self, name: str) -> np.ndarray:
         """The ``MjData`` field ``name`` of each simulation, ``(num_envs, ...)``."""
@@ -539,6 +544,7 @@ class MujocoBatch(gym.vector.VectorEnv):
         self.batch.forward(indices)
         self._elapsed[indices] = 0
         self._ended[indices] = False
+        self._any_ended = bool(self._ended.any())
 
     def reset(self, *, seed: int | np.ndarray | list | None = None,
               options: dict | None = None) -> tuple[np.ndarray, dict]:
@@ -566,24 +572,32 @@ class MujocoBatch(gym.vector.VectorEnv):
             raise ValueError(f"actions must be finite; envs "
                              f"{np.flatnonzero(~np.isfinite(actions).all(1)).tolist()} got "
                              f"NaN or inf")
-        ended = self._ended.copy()
-        stepping = ~ended
         action = np.clip(actions, self._low, self._high)
         if self._rescale is not None:
             action = self._rescale(action)
         before = self.task.before_step(self)
-        self.ctrl[stepping] = action[stepping]
-        if stepping.any():
-            self.batch.step(stepping, nstep=self.frame_skip)
-        if ended.any():  # next-step autoreset: these envs start anew instead
-            self._reset(np.flatnonzero(ended))
-        reward, terminated, info = self.task.outcome(self, before, action)
-        terminated &= stepping
-        self._elapsed[stepping] += 1
-        truncated = (np.zeros(self.num_envs, bool) if self.max_episode_steps is None
-                     else (self._elapsed >= self.max_episode_steps) & stepping)
-        reward[ended] = 0.0
+        if not self._any_ended:  # (most steps: every env steps, without masks)
+            self.ctrl[:] = action
+            self.batch.step(None, nstep=self.frame_skip)
+            reward, terminated, info = self.task.outcome(self, before, action)
+            self._elapsed += 1
+            truncated = (np.zeros(self.num_envs, bool) if self.max_episode_steps is None
+                         else self._elapsed >= self.max_episode_steps)
+        else:
+            ended = self._ended.copy()  # (_reset clears self._ended)
+            stepping = ~ended
+            self.ctrl[stepping] = action[stepping]
+            if stepping.any():
+                self.batch.step(stepping, nstep=self.frame_skip)
+            self._reset(np.flatnonzero(ended))  # next-step autoreset: these start anew
+            reward, terminated, info = self.task.outcome(self, before, action)
+            terminated &= stepping
+            self._elapsed[stepping] += 1
+            truncated = (np.zeros(self.num_envs, bool) if self.max_episode_steps is None
+                         else (self._elapsed >= self.max_episode_steps) & stepping)
+            reward[ended] = 0.0
         self._ended = terminated | truncated
+        self._any_ended = bool(self._ended.any())
         # (float32 as wrap_env's rewards)
         return self._observe(), reward.astype(np.float32), terminated, truncated, info
 

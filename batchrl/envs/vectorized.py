@@ -60,6 +60,7 @@ class VectorWorker(KeptRequest, Worker):
         self._async = hasattr(env, "send") and hasattr(env, "recv")
         self.in_process = not self._async
         self._ended = np.zeros(self.num_envs, bool)  # episodes that ended at the last step
+        self._any_ended = False
         self._pending: tuple | None = None  # (kind, *arguments) of the request in flight
 
     def _error(self, exc: Exception, operation: str, index: int | None) -> EnvRaisedError:
@@ -73,7 +74,18 @@ class VectorWorker(KeptRequest, Worker):
         """Send the actions; envs whose episode ended at the last step are reset instead (by
         the vector env's autoreset), and ``autoreset`` may name only those."""
         self._expect(None, "step_async")
-        resets = np.zeros(self.num_envs, bool) if autoreset is None else autoreset
+        if autoreset is not None or self._any_ended:  # (else nothing to check)
+            self._check_resets(np.zeros(self.num_envs, bool) if autoreset is None
+                               else autoreset)
+        if self._async:
+            try:
+                self.vector_env.send(actions)
+            except Exception as exc:
+                raise self._error(exc, "step", None) from exc
+        self._pending = ("step", actions)
+
+    def _check_resets(self, resets: np.ndarray) -> None:
+        """A ``ValueError`` unless ``resets`` names exactly the envs whose episode ended."""
         if (resets != self._ended).any():
             early, late = resets & ~self._ended, self._ended & ~resets
             raise ValueError(
@@ -82,12 +94,6 @@ class VectorWorker(KeptRequest, Worker):
                 f"end" if early.any() else
                 f"{self.label}: envs {np.flatnonzero(late).tolist()} ended their episodes: reset "
                 f"them (or step with autoreset) first; a vector env would reset them itself")
-        if self._async:
-            try:
-                self.vector_env.send(actions)
-            except Exception as exc:
-                raise self._error(exc, "step", None) from exc
-        self._pending = ("step", actions)
 
     def step_wait(self, copy: bool = True) -> StepResult:
         """The step's arrays (new ones on every call), the infos from the vector env's dict of
@@ -100,6 +106,7 @@ class VectorWorker(KeptRequest, Worker):
         observ, reward, terminated, truncated, info = result
         terminated, truncated = np.asarray(terminated, bool), np.asarray(truncated, bool)
         self._ended = terminated | truncated
+        self._any_ended = bool(self._ended.any())
         if not (self.infos and info):
             return (observ, np.asarray(reward, np.float64), terminated, truncated,
                     InfoList([(self.num_envs, None)]))
@@ -136,6 +143,7 @@ class VectorWorker(KeptRequest, Worker):
         except Exception as exc:
             raise self._error(exc, "reset", None) from exc
         self._ended[indices] = False
+        self._any_ended = bool(self._ended.any())
         return (take(observ, np.asarray(indices, np.int64)),
                 [_row(info, index) if self.infos else {} for index in indices])
 
