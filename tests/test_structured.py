@@ -251,6 +251,23 @@ def test_impala_learns_from_dict_observations_through_a_collector(tmp_path):
 
 # --- a vector env written in numpy as a batch member ---------------------------------------
 
+def test_a_vector_envs_infos_stay_its_dict_of_arrays_until_read():
+    from batchrl.envs.infos import InfoColumns, InfoList
+
+    info = {"count": np.array([1.0, 2.0]), "_episode": np.array([False, True]),
+            "episode": {"r": np.array([0.0, 2.0]), "_r": np.array([False, True])}}
+    infos = InfoList([(2, InfoColumns(info))])
+    info["count"][0] = 99.0  # (a vector env may reuse its arrays: the infos are a copy)
+    columns = infos.columns()  # Gymnasium's layout: a mask for every key
+    assert columns["count"].tolist() == [1.0, 2.0] and columns["_count"].tolist() == [True] * 2
+    assert columns["_episode"].tolist() == [False, True]
+    assert columns["episode"]["_r"].tolist() == [False, True]
+    assert list(infos) == [{"count": 1.0}, {"count": 2.0, "episode": {"r": 2.0}}]
+    joined = InfoList.join([InfoList([(2, InfoColumns({"count": np.array([1.0, 2.0])}))]),
+                            InfoList([(1, InfoColumns({"count": np.array([3.0])}))])])
+    assert joined.columns()["count"].tolist() == [1.0, 2.0, 3.0]
+    assert list(joined) == [{"count": 1.0}, {"count": 2.0}, {"count": 3.0}]
+
 class CountingVectorEnv(gym.vector.VectorEnv):
     """``num_envs`` counters stepped at once (next-step autoreset, ``reset_mask``): each step
     adds the action to an env's count; episodes end after ``length`` steps with an ``episode``

@@ -3,7 +3,8 @@
 A worker sends its envs' infos as a pickled list of dicts or, when every env
 has the same keys with numbers of one type per key (most tasks' step infos),
 as ``info_columns``: one record array, cheap to send, to unpickle and to stack
-into Gymnasium's dict of arrays (``InfoList.columns``)."""
+into Gymnasium's dict of arrays (``InfoList.columns``). A vector env in this process
+gives its dict of arrays as it is (``InfoColumns``), split into dicts only when read."""
 
 from __future__ import annotations
 
@@ -66,29 +67,48 @@ def info_columns(infos: Sequence[dict]) -> tuple | None:
         return None
 
 
-def columns_payload(columns: dict[str, np.ndarray]) -> tuple | None:
-    """``info_columns``' payload from a vector env's dict of arrays (``(num_envs,)`` numbers per
-    key, as Gymnasium's ``VectorEnv`` gives them), without dicts per env; ``None`` when some key
-    holds other values or is missing for some env (a ``_key`` mask not all true)."""
-    keys, arrays = [], []
-    for key, array in columns.items():
-        if key.startswith("_"):
-            continue
+def info_row(columns: dict[str, Any], index: int) -> dict:
+    """Env ``index``'s info dict from a vector env's dict of arrays (a key counts where its
+    ``_key`` mask is true, or there is none; dicts, such as ``"episode"``, part by part)."""
+    row = {}
+    for key, value in columns.items():
         mask = columns.get(f"_{key}")
-        array = np.asarray(array)
-        if (mask is not None and not np.all(mask)) or array.ndim != 1 or \
-                array.dtype.kind not in "biuf":
-            return None
-        keys.append(key)
-        arrays.append(array)
-    if not keys:
-        return None
-    codes = tuple(array.dtype.str for array in arrays)
-    dtype = _record_dtype(tuple(keys), codes)
-    records = np.empty(len(arrays[0]), dtype)
-    for key, array in zip(keys, arrays):
-        records[key] = array
-    return tuple(keys), codes, records.tobytes()
+        if key.startswith("_") or (mask is not None and not mask[index]):
+            continue
+        row[key] = info_row(value, index) if isinstance(value, dict) else value[index]
+    return row
+
+
+class InfoColumns:
+    """A vector env's step infos as Gymnasium gives them (a dict of ``(num_envs,)`` arrays,
+    ``_key`` masks where a key is not every env's, dicts such as ``"episode"`` nested),
+    copied; split into a dict per env only when a row is read."""
+
+    def __init__(self, columns: dict[str, Any]):
+        self.columns = _copied(columns)
+
+    def rows(self, count: int) -> list[dict]:
+        return [info_row(self.columns, index) for index in range(count)]
+
+    def gymnasium(self, count: int) -> dict[str, Any]:
+        """The dict of arrays with a ``_key`` mask for every key (all true where the vector
+        env gave none), as ``SyncVectorEnv`` builds it."""
+        return _with_masks(self.columns, count)
+
+
+def _copied(value: Any) -> Any:
+    return ({key: _copied(child) for key, child in value.items()} if isinstance(value, dict)
+            else np.array(value, copy=True))
+
+
+def _with_masks(columns: dict[str, Any], count: int) -> dict[str, Any]:
+    stacked = {}
+    for key, value in columns.items():
+        if not key.startswith("_"):
+            stacked[key] = _with_masks(value, count) if isinstance(value, dict) else value
+            mask = columns.get(f"_{key}")
+            stacked[f"_{key}"] = np.ones(count, bool) if mask is None else mask
+    return stacked
 
 
 def _records(payload: tuple) -> np.ndarray:
@@ -127,6 +147,8 @@ class InfoList(collections.abc.Sequence):
             for count, part in self._parts:
                 if part is None:
                     items.extend({} for _ in range(count))
+                elif isinstance(part, InfoColumns):
+                    items.extend(part.rows(count))
                 elif isinstance(part, tuple):
                     items.extend(_dicts(part))
                 else:
@@ -142,13 +164,17 @@ class InfoList(collections.abc.Sequence):
         if self._items is not None or not self._parts:
             return None
         payloads = [part for _, part in self._parts]
+        if len(payloads) == 1 and isinstance(payloads[0], InfoColumns):
+            return payloads[0].gymnasium(self._length)  # (one vector env's own)
         if set(map(type, payloads)) != {tuple}:
             self._unpickle()
             payloads = [part for _, part in self._parts]
             if all(part is None for part in payloads):
                 return {}
-            payloads = [part if type(part) is tuple else info_columns(part or [])
-                        for part in payloads]
+            payloads = [part if type(part) is tuple
+                        else info_columns(part.rows(count) if isinstance(part, InfoColumns)
+                                          else part or [])
+                        for count, part in self._parts]
             if None in payloads:
                 return None
         keys, codes, data = payloads[0]

@@ -11,7 +11,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode
 
 from batchrl.envs.errors import EnvRaisedError, EnvSpecError
-from batchrl.envs.infos import InfoList, columns_payload
+from batchrl.envs.infos import InfoColumns, InfoList, info_row
 from batchrl.envs.worker import (KeptRequest, StepResult, Worker, constructor_label,
                                   reset_arguments)
 from batchrl.nested import build, take
@@ -110,10 +110,8 @@ class VectorWorker(KeptRequest, Worker):
         if not (self.infos and info):
             return (observ, np.asarray(reward, np.float64), terminated, truncated,
                     InfoList([(self.num_envs, None)]))
-        payload = columns_payload(info)  # (else dicts per env)
         return (observ, np.asarray(reward, np.float64), terminated, truncated,
-                InfoList([(self.num_envs, payload if payload is not None
-                           else [_row(info, index) for index in range(self.num_envs)])]))
+                InfoList([(self.num_envs, InfoColumns(info))]))
 
     def reset_async(self, indices: Sequence[int] | None = None,
                     seeds: Sequence[int | None] | None = None,
@@ -145,7 +143,7 @@ class VectorWorker(KeptRequest, Worker):
         self._ended[indices] = False
         self._any_ended = bool(self._ended.any())
         return (take(observ, np.asarray(indices, np.int64)),
-                [_row(info, index) if self.infos else {} for index in indices])
+                [info_row(info, index) if self.infos else {} for index in indices])
 
     def restart(self) -> "VectorWorker":
         """Close this vector env; a fresh one from ``make`` (the same label and ``infos``)."""
@@ -161,15 +159,3 @@ class VectorWorker(KeptRequest, Worker):
         env = getattr(self, "vector_env", None)
         if env is not None and not getattr(env, "closed", False):
             env.close()
-
-
-def _row(info: dict[str, Any], index: int) -> dict:
-    """Env ``index``'s info dict from a vector env's dict of arrays (a key counts where its
-    ``_key`` mask is true, or there is none; dicts, such as ``"episode"``, part by part)."""
-    row = {}
-    for key, value in info.items():
-        mask = info.get(f"_{key}")
-        if key.startswith("_") or (mask is not None and not mask[index]):
-            continue
-        row[key] = _row(value, index) if isinstance(value, dict) else value[index]
-    return row
