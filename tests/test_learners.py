@@ -372,6 +372,20 @@ def test_an_algorithm_that_cannot_be_one_of_several_learners_is_named(tmp_path):
     assert wait_gone(in_session(process.pid), 10) == []  # no learner left behind
 
 
+def test_a_setting_every_learner_rejects_is_the_users_error_not_a_learners_failure(tmp_path):
+    # Every learner builds its algorithm and rejects the torso alike, within moments.
+    logdir = tmp_path / "run"
+    process = start_train_py("--config", "cartpole", "--logdir", str(logdir),
+                             *sets("train.learners=2", "env.num_agents=4",
+                                   "algorithm.rollout_length=16", "algorithm.torso=nature_cnn"))
+    code, stdout, stderr = finish(process, 90)
+    assert code == 2, (stdout, stderr)
+    assert "error: torso 'nature_cnn' needs image observations" in stderr, stderr
+    assert "learner 1 failed" not in stderr and "Traceback" not in stderr
+    assert not logdir.exists()  # (the run never began: its directory is gone again)
+    assert wait_gone(in_session(process.pid), 10) == []
+
+
 @pytest.mark.parametrize("name, overrides, message", [
     ("cartpole", [], "several learners need fixed-length rollouts (every learner must take "
      "the same gradient steps per update): set algorithm.rollout_length"),

@@ -260,6 +260,8 @@ class LocalCollectors:
                 self._errors[index] = line
         for index in exited:
             process = self._processes[index]
+            # What it sent before it died counts: a first rollout means it got going.
+            self._drain(index)
             self.replacements.failed(index, self._errors.pop(
                 index, f"exited with code {process.exitcode}" + (
                     " (a step that outlasted env.timeout? see its traceback on stderr)"

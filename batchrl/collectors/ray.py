@@ -209,7 +209,7 @@ class RayCollectors:
             self._actors: list[Any] = [None] * spec.collectors
             self._runs: list[Any] = [None] * spec.collectors
             self._placing: dict[int, tuple[Any, float]] = {}  # replacements not yet placed
-            self.nodes = ray.get([self._start(index) for index in range(spec.collectors)])
+            self.nodes = self._placed([self._start(index) for index in range(spec.collectors)])
         except BaseException:
             self.close()
             raise
@@ -223,6 +223,28 @@ class RayCollectors:
                                              self.replacements.incarnations[index],
                                              self._slots[index])
         return node
+
+    def _placed(self, nodes: list[Any]) -> list[str]:
+        """The node of each collector once all are placed; while some are not after
+        ``placement_timeout``, ``CollectorError`` if the cluster lacks the resources for them,
+        else a report (the cluster is busy, or its free CPUs are spread over nodes too thinly
+        for one collector) and more waiting."""
+        ray, count = self._ray, self.spec.collectors
+        while True:
+            _, waiting = ray.wait(nodes, num_returns=len(nodes), timeout=self.placement_timeout)
+            if not waiting:
+                return ray.get(nodes)
+            shortage = ray_cluster.missing_resources(ray, count, self.resources)
+            if shortage:
+                raise CollectorError(
+                    f"{len(waiting)} of {count} collectors found no room on the Ray cluster "
+                    f"within {self.placement_timeout:g} s with env.ray_resources="
+                    f"{self.resources}: {shortage}; add nodes, or lower train.collectors or "
+                    f"env.ray_resources")
+            self.replacements.report(
+                f"{len(waiting)} of {count} collectors still wait for room on the Ray cluster "
+                f"after {self.placement_timeout:g} s (each needs env.ray_resources="
+                f"{self.resources} on one node)")
 
     def _overdue(self, index: int) -> None:
         """Collector ``index``'s replacement is not placed after ``placement_timeout``:

@@ -30,7 +30,9 @@ from typing import Any, Callable
 
 import torch
 
+from batchrl.checkpoint import CheckpointError
 from batchrl.config import Config, ConfigError
+from batchrl.envs.errors import EnvSpecError, SpaceMismatchError, UnsupportedSpaceError
 from batchrl.hardware import usable_cores
 from batchrl.interrupt import Interrupted, start_worker
 from batchrl.parts.distributed import LearnerGroup, launched_by_torchrun, preemption_count
@@ -158,8 +160,9 @@ def _lead(config: Config, logdir: Path, progress: bool, handle_signals: bool, ad
         learners = LearnerGroup.connect(0, config.train.learners, address, port,
                                         resolve_device(config.train.device))
         return Trainer(config, logdir, progress, handle_signals, learners=learners).run()
-    except (ConfigError, Interrupted, KeyboardInterrupt):
-        raise
+    except (ConfigError, EnvSpecError, UnsupportedSpaceError, SpaceMismatchError,
+            CheckpointError, Interrupted, KeyboardInterrupt):
+        raise  # (the user's input, which every learner rejects alike; or a stop)
     except Exception as exc:
         line = failure()
         if line is not None:
