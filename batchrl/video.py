@@ -11,6 +11,7 @@ import contextlib
 import ctypes.util
 import dataclasses
 import gc
+import math
 import os
 import re
 import shutil
@@ -350,6 +351,22 @@ class Recording:
     lengths: list[int]
 
 
+def animation_timing(count: int, fps: float) -> tuple[list[int], list[int]]:
+    """Which of ``count`` frames recorded at ``fps`` an animation keeps, and how long each
+    kept one shows, in ms. GIF counts whole hundredths of a second, and viewers show frames
+    of less than two of them for a tenth: so at most 50 frames a second, each lasting from its
+    time to the next kept one's (rounded to hundredths), the whole as long as the recording."""
+    step = max(1, math.ceil(fps / 50 - 1e-9))
+    kept = list(range(0, count, step))
+    times = [round(100 * index / fps) for index in [*kept, count]]
+    durations = [10 * max(1, end - start) for start, end in zip(times, times[1:])]
+    if len(kept) > 1 and durations[-1] < 20:  # (a short last frame: the one before lasts on)
+        kept.pop()
+        last = durations.pop()
+        durations[-1] += last
+    return kept, durations
+
+
 #: File types ``record_video`` writes: MP4 with ffmpeg, animations with Pillow.
 VIDEO_SUFFIXES = (".mp4", ".gif", ".webp")
 
@@ -452,14 +469,15 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
                 path.parent.mkdir(parents=True, exist_ok=True)
                 # WebP at quality 60: a preview of a few hundred KB that still looks sharp.
                 options = {"quality": 60} if path.suffix.lower() == ".webp" else {}
-                iio.imwrite(path, np.stack(animation), duration=1000.0 / fps, loop=0,
-                            **options)
+                kept, durations = animation_timing(len(animation), fps)
+                iio.imwrite(partial, np.stack([animation[index] for index in kept]),
+                            duration=durations, loop=0, extension=path.suffix, **options)
+                os.replace(partial, path)
         except Exception as exc:
             if completed:  # else the error on the way out says more
                 raise VideoError(f"cannot write the video {path}: {exc}") from None
         finally:
-            if not completed:
-                with contextlib.suppress(OSError):  # (its folder may be what failed)
-                    partial.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # (its folder may be what failed)
+                partial.unlink(missing_ok=True)  # (unless it became the video)
             env.close()
     return Recording(frames, view, scores, lengths)

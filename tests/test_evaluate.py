@@ -367,8 +367,22 @@ def test_a_short_animated_preview(pushed_cheetah_run, tmp_path, suffix):
     assert result["video_frames"] == 20 and result["lengths"] == [150]  # the episode is whole
     with Image.open(path) as image:
         assert image.is_animated and image.n_frames == 20 and image.size == (160, 120)
+        if suffix == ".gif":  # HalfCheetah's 20 frames a second
+            assert image.info["duration"] == 50
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # (written whole, then named)
     with pytest.raises(ConfigError, match="max-frames must be >= 1"):
         evaluate(pushed_cheetah_run, video=path, max_frames=0)
+
+
+def test_animations_keep_at_most_50_frames_a_second_and_the_recordings_length():
+    from batchrl.video import animation_timing
+
+    # Hopper's 125 frames a second: GIF delays of 8 ms would be stored as 0 and shown slowly.
+    kept, durations = animation_timing(250, 125)
+    assert kept[:3] == [0, 3, 6] and len(kept) == 83  # (the 84th, 8 ms: the 83rd lasts on)
+    assert min(durations) >= 20 and sum(durations) == 2000  # 250 frames at 125 fps: 2 s
+    kept, durations = animation_timing(10, 15)  # Atari's 15: every frame, 60-70 ms each
+    assert kept == list(range(10)) and set(durations) == {60, 70} and sum(durations) == 670
 
 
 def test_agents_for_an_algorithm_without_per_agent_state_is_a_notice(tmp_path, capsys):

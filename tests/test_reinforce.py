@@ -89,6 +89,20 @@ def test_eval_learns_nothing_and_is_deterministic():
     env.close()
 
 
+def test_sampled_evaluations_follow_their_seed_and_leave_the_training_draws_alone():
+    from batchrl.simulation import evaluate_episodes
+
+    env = seeded_tensor_env("CartPole-v1", 2, seed=1)
+    algo = Reinforce(env.observation_space, env.action_space, len(env), max_length=500,
+                     eval_actions="sample", seed=1)
+    draws = algo._generator.get_state()
+    first = evaluate_episodes(env, algo, 4, seed=7)
+    assert evaluate_episodes(env, algo, 4, seed=7) == first
+    assert evaluate_episodes(env, algo, 4, seed=8) != first
+    assert torch.equal(algo._generator.get_state(), draws)
+    env.close()
+
+
 def round_trip(state: dict) -> dict:
     """Through torch.save / torch.load, as a checkpoint on disk would be."""
     buffer = io.BytesIO()

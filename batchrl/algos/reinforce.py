@@ -172,10 +172,13 @@ class Reinforce(Algorithm):
         return self.value(observ.reshape(len(observ), -1).to(torch.float32)).squeeze(1)
 
     def _sample(self, distribution: torch.distributions.Distribution) -> torch.Tensor:
-        """Sample with our own generator (``Distribution.sample`` has no generator argument)."""
+        """Sample with our own generator in training (``Distribution.sample`` has no generator
+        argument); an evaluation samples from torch's generators, which it seeds itself (the
+        training draws stay untouched)."""
+        generator = self._generator if self.training else None
         if self._discrete:
-            return torch.multinomial(distribution.probs, 1, generator=self._generator).squeeze(1)
-        noise = torch.randn(distribution.mean.shape, generator=self._generator, device=self.device)
+            return torch.multinomial(distribution.probs, 1, generator=generator).squeeze(1)
+        noise = torch.randn(distribution.mean.shape, generator=generator, device=self.device)
         return distribution.mean + distribution.stddev * noise
 
     # ------------------------------------------------------ Algorithm methods
