@@ -82,6 +82,32 @@ def test_stop_signals_flag_the_first_signal_and_die_on_the_second(first, second,
 
 # --- an interruptible PPO update ---------------------------------------------------------
 
+UNCLOSED_SCRIPT = textwrap.dedent("""
+    import weakref
+
+    class Early:
+        pass
+
+    early = Early()  # a weakref.finalize made first (tempfile does this) runs after the
+    weakref.finalize(early, print)  # exit hook of multiprocessing, which joins its children
+    from batchrl.envs import EnvWorker
+
+    if __name__ == "__main__":
+        worker = EnvWorker(["CartPole-v1"])
+        worker.reset()
+        print(worker.pid, flush=True)  # and exit without closing it
+""")
+
+
+def test_a_script_that_leaves_its_worker_open_exits_and_takes_the_worker_along(tmp_path):
+    script = tmp_path / "unclosed.py"
+    script.write_text(UNCLOSED_SCRIPT)
+    result = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True,
+                            text=True, timeout=30, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert result.returncode == 0, result.stderr
+    assert wait_gone([int(result.stdout.split()[0])], 10) == []
+
+
 def test_ppo_update_stops_between_gradient_steps():
     observation_space = gym.spaces.Box(-1, 1, (3,), np.float32)
     action_space = gym.spaces.Box(-1, 1, (2,), np.float32)

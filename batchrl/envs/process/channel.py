@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import multiprocessing.util
 import os
 import pickle
 import select
 import struct
 import time
-import weakref
 from typing import Any, Callable
 
 from batchrl.envs.errors import EnvCrashedError, EnvError, EnvTimeoutError, error_from_answer
@@ -130,7 +130,11 @@ class Channel:
         self._frames = Frames(self.conn)
         self._poller = select.poll()
         self._poller.register(self._frames.fd, select.POLLIN | select.POLLHUP)
-        self._finalizer = weakref.finalize(self, _shutdown, self.process, self.conn, 2.0)
+        # Run when this object is collected, or at exit before multiprocessing's own exit hook
+        # joins its children (the worker ignores that hook's SIGTERM: a join would wait for
+        # ever); a weakref.finalize may run after that hook.
+        self._finalizer = mp.util.Finalize(
+            self, _shutdown, (self.process, self.conn, 2.0), exitpriority=10)
 
     def close(self, wait: bool = True) -> None:
         """Stop the worker process; idempotent. ``wait=False`` kills it at
@@ -142,7 +146,8 @@ class Channel:
         self.closed = True
         if wait and not self._stale:
             self._finalizer()
-        elif self._finalizer.detach() is not None:
+        elif self._finalizer.still_active():
+            self._finalizer.cancel()
             _shutdown(self.process, self.conn, 0.0)
 
     def send(self, command: str, message: bytes) -> None:
