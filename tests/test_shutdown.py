@@ -108,6 +108,29 @@ def test_a_script_that_leaves_its_worker_open_exits_and_takes_the_worker_along(t
     assert wait_gone([int(result.stdout.split()[0])], 10) == []
 
 
+STARTING_SCRIPT = textwrap.dedent("""
+    import os, signal, time
+
+    time.sleep(1.0)  # a main script's imports, which every worker runs again as it starts
+    from batchrl.envs import EnvWorker
+
+    if __name__ == "__main__":
+        worker = EnvWorker(["CartPole-v1"])
+        time.sleep(0.3)
+        os.kill(worker.pid, signal.SIGINT)  # what Ctrl-C in the terminal sends it, too
+        print(worker.observation_space.shape, flush=True)
+        worker.close()
+""")
+
+
+def test_ctrl_c_while_a_worker_starts_leaves_it_to_the_parent(tmp_path):
+    script = tmp_path / "starting.py"
+    script.write_text(STARTING_SCRIPT)
+    result = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True,
+                            text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert result.returncode == 0 and result.stdout == "(4,)\n", result.stderr
+
+
 def test_ppo_update_stops_between_gradient_steps():
     observation_space = gym.spaces.Box(-1, 1, (3,), np.float32)
     action_space = gym.spaces.Box(-1, 1, (2,), np.float32)
