@@ -31,7 +31,7 @@ from batchrl.envs import (BatchEnv, EnvAttributeError, EnvCrashedError, EnvRaise
 from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.factory import DEFAULT_TIMEOUT, batch_env_from, split_evenly
 from helpers import (CountingEnv, assert_same_log, fails_at, kill_and_wait, make_cartpole,
-                     make_cheetah, raise_site, rollout, sleeps_at)
+                     make_cheetah, raise_site, rollout, sleeps_at, wait_gone)
 
 # Ship this module's env classes and constructors to the workers by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -437,6 +437,17 @@ def test_timed_out_step_keeps_its_actions(closing):
     worker.step(np.array([0, 0]))  # sent while the worker still sleeps in the first step
     assert worker.get_attr("actions", index=0) == [1, 0]
     assert worker.get_attr("actions", index=1) == [1, 0]  # got [0, 0]
+
+
+@pytest.mark.timeout(30)
+def test_a_worker_that_times_out_attaching_its_memory_is_stopped_for_good(closing):
+    worker = closing(EnvWorker([make_cartpole], timeout=0.3))
+    time.sleep(4.0)  # built: the construction's answer waits in the pipe
+    os.kill(worker.pid, signal.SIGSTOP)  # descheduled for a moment (a loaded machine)
+    for _ in range(2):  # the same error again, not a construction it cannot wait for again
+        with pytest.raises(EnvTimeoutError, match=r"attach\(\)"):
+            worker.reset()
+    assert wait_gone([worker.pid], 10) == []
 
 
 SUSPEND_SCRIPT = textwrap.dedent("""

@@ -184,6 +184,20 @@ class EnvWorker(WorkerHandle, RemoteWorker):
         self._ready()
         return self._shared
 
+    def _attach(self, name: str | None) -> None:
+        """Give the worker the shared memory ``name`` (``None``: none). A failure here, a
+        timeout or an interrupt too, is final: the construction's answer is used up, so the
+        worker is stopped and later calls raise the error again."""
+        try:
+            self._channel.send("attach", pickle.dumps(("attach", name), _PICKLE))
+            self._channel.receive("attach")
+        except BaseException as exc:
+            self._construct_error = exc if isinstance(exc, EnvError) else EnvError(
+                self.label, "attach", f"interrupted ({type(exc).__name__}) while the worker "
+                f"attached its shared memory")
+            self.close()
+            raise
+
     def _construct(self) -> tuple[gym.Space, gym.Space]:
         obs_space, act_space = worker_spaces(self.label, self._channel.receive("construct")[1])
         if not self.any_space:
@@ -196,15 +210,13 @@ class EnvWorker(WorkerHandle, RemoteWorker):
         arrays = StepArrays(self.num_envs, obs_space, act_space)
         self._shared = arrays.shared
         if not arrays.shared:
-            self._channel.send("attach", pickle.dumps(("attach", None), _PICKLE))
-            self._channel.receive("attach")
+            self._attach(None)
             self._arrays = arrays
             return obs_space, act_space
         shm = shared_memory.SharedMemory(create=True, size=arrays.size)
         try:
-            self._channel.send("attach", pickle.dumps(("attach", shm.name), _PICKLE))
-            self._channel.receive("attach")
-        except EnvError:
+            self._attach(shm.name)
+        except BaseException:
             shm.close()
             raise
         finally:
