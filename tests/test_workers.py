@@ -30,7 +30,7 @@ from batchrl.envs import (BatchEnv, EnvAttributeError, EnvCrashedError, EnvRaise
                           RemoteAttribute, WorkerEnv)
 from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.factory import DEFAULT_TIMEOUT, batch_env_from, split_evenly
-from helpers import (CountingEnv, assert_same_log, fails_at, kill_and_wait, make_cartpole,
+from helpers import (REPO, CountingEnv, assert_same_log, fails_at, kill_and_wait, make_cartpole,
                      make_cheetah, raise_site, rollout, sleeps_at, wait_gone)
 
 # Ship this module's env classes and constructors to the workers by value.
@@ -448,6 +448,36 @@ def test_a_worker_that_times_out_attaching_its_memory_is_stopped_for_good(closin
         with pytest.raises(EnvTimeoutError, match=r"attach\(\)"):
             worker.reset()
     assert wait_gone([worker.pid], 10) == []
+
+
+MAIN_SPACE_SCRIPT = textwrap.dedent("""
+    import gymnasium as gym
+    import numpy as np
+    from batchrl.envs import EnvWorker
+
+    class MyBox(gym.spaces.Box):  # defined by the main script, which workers import as
+        pass                      # __mp_main__: pickled by reference it names no class there
+
+    class Env(gym.Env):
+        observation_space = MyBox(-1, 1, (1,), np.float32)
+        action_space = gym.spaces.Discrete(2)
+
+        def reset(self, *, seed=None, options=None):
+            return np.zeros(1, np.float32), {}
+
+    if __name__ == "__main__":
+        worker = EnvWorker([Env])
+        print(worker.reset()[0].tolist(), flush=True)
+        worker.close()
+""")
+
+
+def test_a_space_class_of_the_main_script_reaches_the_parent(tmp_path):
+    script = tmp_path / "main_space.py"
+    script.write_text(MAIN_SPACE_SCRIPT)
+    result = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True,
+                            text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert result.returncode == 0 and result.stdout == "[[0.0]]\n", result.stderr
 
 
 SUSPEND_SCRIPT = textwrap.dedent("""

@@ -57,7 +57,11 @@ def _serve(conn, payload: bytes, parent_pid: int) -> None:
         return
     shm = arrays = host = None
     try:
-        constructors, prefetch_reset, send_infos, cpu = cloudpickle.loads(payload)
+        try:
+            constructors, prefetch_reset, send_infos, cpu = cloudpickle.loads(payload)
+        except Exception as exc:  # (constructors this process cannot rebuild)
+            conn.send(error_answer(exc))
+            return
         if cpu is not None and hasattr(os, "sched_setaffinity"):
             try:
                 os.sched_setaffinity(0, {cpu})
@@ -66,7 +70,11 @@ def _serve(conn, payload: bytes, parent_pid: int) -> None:
                 return
         host = EnvHost(prefetch_reset, send_infos)
         answer = host.build(constructors)
-        conn.send(answer)
+        try:  # (by value: spaces of classes the main script defines too)
+            conn.send_bytes(cloudpickle.dumps(answer))
+        except Exception as exc:
+            answer = error_answer(exc)
+            conn.send(answer)
         if answer[0] != "ok":
             return
         command, name = conn.recv()
