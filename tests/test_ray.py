@@ -325,3 +325,28 @@ def test_private_ray_instance_dies_with_a_sigkilled_trainer(tmp_path):
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+
+
+class TextEnv(gym.Env):
+    """Text observations: no array of a fixed shape holds them."""
+
+    observation_space = gym.spaces.Text(5)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        return "ab", {}
+
+    def step(self, action):
+        return "cd", 1.0, True, False, {}
+
+
+def test_an_actor_answers_the_reset_an_episode_end_brings_for_values_of_any_space():
+    from batchrl.envs.host import StepArrays
+    from batchrl.envs.ray.worker import RayEnvHost
+
+    host = RayEnvHost(b"", True, True)  # (the actor's class, here without Ray)
+    host.host.envs = [TextEnv()]
+    host.arrays = StepArrays(1, TextEnv.observation_space, TextEnv.action_space)
+    status, (observ, reward, terminated, _, _, resets) = host.step(np.zeros(1, np.int64))
+    assert status == "ok" and observ.tolist() == ["cd"] and terminated.tolist() == [True]
+    assert [(index, first) for index, first, _ in resets] == [(0, "ab")]

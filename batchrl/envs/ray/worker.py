@@ -56,8 +56,9 @@ class RayEnvHost:
         first = arrays.reset_observ
         return ("ok", (copy_nested(arrays.observ), arrays.reward.copy(),
                        arrays.terminated.copy(), arrays.truncated.copy(), infos,
+                       # (an object row is replaced at each step, not written into)
                        [(index, copy_nested(take(first, index)) if arrays.shared
-                         else first[index].copy(), info) for index, info in resets]))
+                         else first[index], info) for index, info in resets]))
 
     def reset(self, indices: list[int], seeds: list, options: dict | None) -> tuple:
         """Reset the envs at ``indices``; answers ``(observ, infos)``."""
