@@ -65,7 +65,8 @@ class Worker(Closeable, abc.ABC):
     @abc.abstractmethod
     def step_wait(self, copy: bool = True) -> StepResult:
         """The result of the step ``step_async`` sent. With ``copy=False`` the arrays may be
-        views of the worker's buffers, valid until its next request."""
+        views of the worker's buffers, valid until its next request, restart or close (after
+        those, reading them may crash the process: copy what you keep)."""
 
     @abc.abstractmethod
     def reset_async(self, indices: Sequence[int] | None = None,
