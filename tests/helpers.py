@@ -281,6 +281,15 @@ def agent_pixels(frame: np.ndarray) -> int:
     return int(((rgb[..., 0] - rgb[..., 2] > 40) & (rgb[..., 0] > 90)).sum())
 
 
+def run_script(path: Path, source: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Write ``source`` to ``path`` and run it as a main script (workers import it again as
+    ``__mp_main__``), with this checkout's batchrl; its output as text."""
+    path.write_text(source)
+    return subprocess.run([sys.executable, str(path)], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+
+
 def start_train_py(*args: str, cwd: Path = REPO) -> subprocess.Popen:
     """train.py in its own process group (so that a signal to the group
     reaches it and its children as Ctrl-C in a terminal would)."""

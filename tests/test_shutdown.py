@@ -25,8 +25,8 @@ from batchrl.algos.ppo import BatchPPO, PPOConfig
 from batchrl.checkpoint import list_checkpoints, load_checkpoint
 from batchrl.interrupt import Interrupted
 from batchrl.metrics import read_metrics
-from helpers import (REPO, assert_same, descendants, finish, sets, start_train_py,
-                     wait_for, wait_gone)
+from helpers import (REPO, assert_same, descendants, finish, run_script, sets,
+                     start_train_py, wait_for, wait_gone)
 
 # CartPole with 4 agents and an update every 4 episodes: a phase takes ~0.1 s.
 CARTPOLE = ["env.num_agents=4", "algorithm.update_every=4", "train.eval_episodes=4",
@@ -100,10 +100,7 @@ UNCLOSED_SCRIPT = textwrap.dedent("""
 
 
 def test_a_script_that_leaves_its_worker_open_exits_and_takes_the_worker_along(tmp_path):
-    script = tmp_path / "unclosed.py"
-    script.write_text(UNCLOSED_SCRIPT)
-    result = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True,
-                            text=True, timeout=30, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    result = run_script(tmp_path / "unclosed.py", UNCLOSED_SCRIPT, timeout=30)
     assert result.returncode == 0, result.stderr
     assert wait_gone([int(result.stdout.split()[0])], 10) == []
 
@@ -124,10 +121,7 @@ STARTING_SCRIPT = textwrap.dedent("""
 
 
 def test_ctrl_c_while_a_worker_starts_leaves_it_to_the_parent(tmp_path):
-    script = tmp_path / "starting.py"
-    script.write_text(STARTING_SCRIPT)
-    result = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True,
-                            text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    result = run_script(tmp_path / "starting.py", STARTING_SCRIPT)
     assert result.returncode == 0 and result.stdout == "(4,)\n", result.stderr
 
 

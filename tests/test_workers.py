@@ -30,8 +30,8 @@ from batchrl.envs import (BatchEnv, EnvAttributeError, EnvCrashedError, EnvRaise
                           RemoteAttribute, WorkerEnv)
 from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.factory import DEFAULT_TIMEOUT, batch_env_from, split_evenly
-from helpers import (REPO, CountingEnv, assert_same_log, fails_at, kill_and_wait, make_cartpole,
-                     make_cheetah, raise_site, rollout, sleeps_at, wait_gone)
+from helpers import (CountingEnv, assert_same_log, fails_at, kill_and_wait, make_cartpole,
+                     make_cheetah, raise_site, rollout, run_script, sleeps_at, wait_gone)
 
 # Ship this module's env classes and constructors to the workers by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -473,10 +473,7 @@ MAIN_SPACE_SCRIPT = textwrap.dedent("""
 
 
 def test_a_space_class_of_the_main_script_reaches_the_parent(tmp_path):
-    script = tmp_path / "main_space.py"
-    script.write_text(MAIN_SPACE_SCRIPT)
-    result = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True,
-                            text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    result = run_script(tmp_path / "main_space.py", MAIN_SPACE_SCRIPT)
     assert result.returncode == 0 and result.stdout == "[[0.0]]\n", result.stderr
 
 
