@@ -90,6 +90,9 @@ class EnvConfig:
     def __post_init__(self) -> None:
         _check_range(self, 1, "num_agents", "max_length")
         _check_range(self, 0, "workers", "timeout")
+        if not self.timeout < 1e9:  # (inf: the watchdogs' timers overflow; 0 is no limit)
+            raise ValueError(f"timeout must be a finite number of seconds below 1e9 (0: no "
+                             f"limit), got {self.timeout}")
         _check_range(self, 1, "max_restarts")
         if self.restart_crashed_envs and self.backend == "inline":
             raise ValueError("env.restart_crashed_envs needs envs in worker processes: set "
@@ -102,8 +105,8 @@ class EnvConfig:
             raise ValueError("env.backend='vector' needs env.vector_id, the function building "
                              "the vector env ('package.module:function')")
         if self.backend in ("vector", "native") and self.restart_crashed_envs:
-            raise ValueError("env.restart_crashed_envs needs envs in worker processes: a "
-                             "vector env steps in this process")
+            raise ValueError(f"env.restart_crashed_envs needs envs in worker processes: "
+                             f"env.backend={self.backend!r} steps its envs in this process")
 
 
 @dataclass

@@ -81,7 +81,11 @@ def _load_run(logdir: Path, checkpoint: Path | None) -> tuple[Config, Path]:
 def _build_algorithm(env: TensorBatchEnv, config: Config, algorithm_state: dict[str, Any],
                      device: torch.device, source: Path) -> Algorithm:
     """The run's algorithm for ``len(env)`` agents with the checkpoint's state, but
-    fresh ``per_agent_state`` entries (sized by the training run's agent count)."""
+    fresh ``per_agent_state`` entries (sized by the training run's agent count). Those of
+    the checkpoint are dropped from ``algorithm_state`` first: a replay buffer is gigabytes,
+    and the new algorithm allocates its own."""
+    for key in config.algorithm.cls.per_agent_state:
+        algorithm_state.pop(key, None)
     algo = config.make_algorithm(env.observation_space, env.action_space, len(env), device)
     fresh = algo.state_dict()
     state = {**algorithm_state, **{key: fresh[key] for key in algo.per_agent_state}}

@@ -171,6 +171,8 @@ def test_a_section_that_is_not_a_table(tmp_path, section):
     ("env.backend=threads", "env.backend must be one of"),
     ("env.workers=-1", "workers must be >= 0"),
     ("env.timeout=nan", "timeout must be >= 0, got nan"),  # (would never time out)
+    ("env.timeout=inf", "timeout must be a finite number of seconds below 1e9 (0: no limit), "
+                        "got inf"),
     ("env.id=3", "expected str"),
     ("env.kwargs=[1, 2]", "expected dict"),
     ("env.ray_resources=2", "expected dict"),
@@ -703,3 +705,12 @@ def test_paper_configs_match_the_released_batchppo_code(task):
     discount, update_every, steps, max_length = RELEASED_TASKS[task]
     assert (values["discount"], values["update_every"], config.train.steps,
             config.env.max_length) == (discount, update_every, steps, max_length)
+
+
+@pytest.mark.parametrize("backend", ["native", "vector"])
+def test_restarting_envs_that_step_in_this_process_names_the_backend(backend):
+    with pytest.raises(ConfigError, match=f"env.restart_crashed_envs needs envs in worker "
+                                          f"processes: env.backend='{backend}' steps its envs "
+                                          f"in this process"):
+        load_config("halfcheetah", [f"env.backend={backend}", "env.restart_crashed_envs=true",
+                                    "env.vector_id=batchrl.envs.mujoco_batch:make_vector"])
