@@ -2,8 +2,9 @@
 
 Each round builds the config's envs (``make_batch_env``, the ``auto`` backend) and BatchPPO for
 each variant in turn, steps ``--updates`` rollouts with ``simulate()`` and times every
-``update()`` after the first. Rounds alternate the variants; the table gives each one's median
-milliseconds per update and per 1,000 samples, and its ratio to the first row. Variants:
+``update()`` after the first. Rounds alternate the variants (each round starting at the next);
+the table gives each one's median milliseconds per update and per 1,000 samples, and the
+median of its per-round ratios to the first row. Variants:
 
 * ``config``: the config as it is (float32; policy and value steps side by side in threads);
 * ``fused_adam``: both optimisers replaced by ``torch.optim.Adam(fused=True)`` (not
@@ -83,11 +84,12 @@ def main() -> None:
     args = parser.parse_args()
     medians: dict[str, list[float]] = {name: [] for name in args.variants}
     samples = 0
-    for _ in range(args.rounds):
-        for name in args.variants:
+    for round_index in range(args.rounds):
+        shift = round_index % len(args.variants)  # (no variant always first)
+        for name in args.variants[shift:] + args.variants[:shift]:
             times, samples = update_times(args.config, name, args.updates)
             medians[name].append(statistics.median(times))
-    first = statistics.median(medians[args.variants[0]])
+    reference = medians[args.variants[0]]
     print(f"{args.config}: {samples:,} samples per update, medians of {args.rounds} rounds of "
           f"{args.updates - 1} updates\n")
     print("| variant | ms per update | ms per 1,000 samples | ratio | rounds (ms) |")
@@ -95,8 +97,9 @@ def main() -> None:
     for name, values in medians.items():
         median = statistics.median(values)
         rounds = ", ".join(f"{1000 * value:.0f}" for value in values)
+        ratio = statistics.median(v / r for v, r in zip(values, reference))  # (per round)
         print(f"| {name} | {1000 * median:.1f} | {1e6 * median / samples:.1f} | "
-              f"{median / first:.2f} | {rounds} |")
+              f"{ratio:.2f} | {rounds} |")
 
 
 if __name__ == "__main__":
