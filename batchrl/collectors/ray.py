@@ -225,40 +225,40 @@ class RayCollectors:
         return node
 
     def _placed(self, nodes: list[Any]) -> list[str]:
-        """The node of each collector once all are placed; while some are not after
-        ``placement_timeout``, ``CollectorError`` if the cluster lacks the resources for them,
-        else a report (the cluster is busy, or its free CPUs are spread over nodes too thinly
-        for one collector) and more waiting."""
-        ray, count = self._ray, self.spec.collectors
+        """The node of each collector once all are placed (``_unplaced`` after every
+        ``placement_timeout`` some are not)."""
+        ray, count, timeout = self._ray, self.spec.collectors, self.placement_timeout
         while True:
-            _, waiting = ray.wait(nodes, num_returns=len(nodes), timeout=self.placement_timeout)
+            _, waiting = ray.wait(nodes, num_returns=len(nodes), timeout=timeout)
             if not waiting:
                 return ray.get(nodes)
-            shortage = ray_cluster.missing_resources(ray, count, self.resources)
-            if shortage:
-                raise CollectorError(
-                    f"{len(waiting)} of {count} collectors found no room on the Ray cluster "
-                    f"within {self.placement_timeout:g} s with env.ray_resources="
-                    f"{self.resources}: {shortage}; add nodes, or lower train.collectors or "
-                    f"env.ray_resources")
-            self.replacements.report(
+            self._unplaced(
+                f"{len(waiting)} of {count} collectors found no room on the Ray cluster within "
+                f"{timeout:g} s with env.ray_resources={self.resources}",
                 f"{len(waiting)} of {count} collectors still wait for room on the Ray cluster "
-                f"after {self.placement_timeout:g} s (each needs env.ray_resources="
-                f"{self.resources} on one node)")
+                f"after {timeout:g} s (each needs env.ray_resources={self.resources} on one "
+                f"node)")
 
     def _overdue(self, index: int) -> None:
-        """Collector ``index``'s replacement is not placed after ``placement_timeout``:
-        ``CollectorError`` if the cluster lacks the resources, else a report."""
+        """Collector ``index``'s replacement is not placed after ``placement_timeout``."""
         count = self.spec.collectors
-        shortage = ray_cluster.missing_resources(self._ray, count, self.resources)
+        self._unplaced(
+            f"collector {index}'s replacement found no room on the Ray cluster within "
+            f"{self.placement_timeout:g} s: {count} collector{'s' * (count != 1)} with "
+            f"env.ray_resources={self.resources}",
+            f"collector {index}'s replacement is still waiting for the Ray cluster after "
+            f"{self.placement_timeout:g} s")
+
+    def _unplaced(self, failed: str, waiting: str) -> None:
+        """Collectors not placed within ``placement_timeout``: ``CollectorError`` (``failed``
+        and what the cluster lacks) if it lacks the resources for them all, else the report
+        ``waiting`` (the cluster is busy, or its free CPUs are spread too thinly)."""
+        shortage = ray_cluster.missing_resources(self._ray, self.spec.collectors,
+                                                 self.resources)
         if shortage:
-            raise CollectorError(
-                f"collector {index}'s replacement found no room on the Ray cluster within "
-                f"{self.placement_timeout:g} s: {count} collector{'s' * (count != 1)} with "
-                f"env.ray_resources={self.resources}: {shortage}; add nodes, or lower "
-                f"train.collectors or env.ray_resources")
-        self.replacements.report(f"collector {index}'s replacement is still waiting for the "
-                                 f"Ray cluster after {self.placement_timeout:g} s")
+            raise CollectorError(f"{failed}: {shortage}; add nodes, or lower train.collectors "
+                                 f"or env.ray_resources")
+        self.replacements.report(waiting)
 
     @property
     def restarts(self) -> int:
