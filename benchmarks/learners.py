@@ -184,11 +184,12 @@ def main() -> None:
     print("\n| learners | steps/s | ratio |\n|---|---:|---:|")
     for suffix, setting in settings:
         with setting():
-            rates = {name: training(args.config, learners, args.steps, preemption,
-                                    tuple(args.overrides))
-                     for name, learners, preemption in runs}
-        for name, rate in rates.items():
-            print(f"| {name}{suffix} | {rate:,.0f} | {rate / rates['1']:.2f} |", flush=True)
+            first = None
+            for name, learners, preemption in runs:  # (each row as soon as its run ends)
+                rate = training(args.config, learners, args.steps, preemption,
+                                tuple(args.overrides))
+                first = first or rate
+                print(f"| {name}{suffix} | {rate:,.0f} | {rate / first:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
