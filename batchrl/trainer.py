@@ -68,9 +68,11 @@ def resolve_device(name: str, key: str = "train.device") -> torch.device:
 
 
 def _rng_state() -> dict[str, Any]:
+    # (The GPUs' generators only where this process uses CUDA: reading them would start
+    # CUDA, and take GPU memory, in a CPU run on a GPU machine.)
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
             "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
@@ -78,8 +80,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"].cpu())
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([generator.cpu() for generator in state["cuda"]])
+    if state.get("cuda") is not None and torch.cuda.is_initialized():
+        # One state per GPU the saving machine had; this one may have fewer or more.
+        for index, generator in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(generator.cpu(), index)
 
 
 def phase_plan(config: Config, algo: Algorithm, num_agents: int

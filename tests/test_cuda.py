@@ -137,3 +137,36 @@ def test_more_learners_than_gpus_is_a_clear_error(tmp_path, capsys):
     assert code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert str(torch.cuda.device_count()) in error and "GPU" in error, error
+
+
+def test_a_cpu_run_on_a_gpu_machine_leaves_cuda_alone(tmp_path):
+    """Checkpoints of a CPU run hold no GPU generator states: reading them would start CUDA
+    (and take GPU memory) in a run that does not use it."""
+    import subprocess
+    import sys
+
+    script = ("import sys, torch; from batchrl.train import main; "
+              "code = main(sys.argv[1:]); print('cuda started:', torch.cuda.is_initialized()); "
+              "sys.exit(code)")
+    done = subprocess.run([sys.executable, "-c", script, "--config", "cartpole", "--logdir",
+                           str(tmp_path / "cpu"), "--no-progress", "--steps", "600",
+                           *sets(*CARTPOLE, "train.device=cpu")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "cuda started: False" in done.stdout
+
+
+def test_a_checkpoint_from_a_machine_with_more_gpus_resumes(tmp_path):
+    """One generator state per GPU of the saving machine: resuming where there are fewer GPUs
+    restores the ones that exist."""
+    from batchrl.checkpoint import list_checkpoints
+
+    logdir = tmp_path / "run"
+    train(logdir, "cartpole", *CARTPOLE, steps=600)
+    path = list_checkpoints(logdir)[-1]
+    state = torch.load(path, weights_only=False)
+    assert state["rng"]["cuda"] is not None
+    state["rng"]["cuda"] = [*state["rng"]["cuda"], state["rng"]["cuda"][0]]
+    torch.save(state, path)
+    train(logdir, "cartpole", *CARTPOLE, steps=1200)
+    assert records(logdir)[-1]["step"] >= 1200

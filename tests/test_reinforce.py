@@ -139,6 +139,18 @@ def test_state_dict_round_trip(name: str):
         assert torch.equal(ours, theirs)
 
 
+def test_a_state_saved_on_another_kind_of_device_loads():
+    """A CUDA generator's state (16 bytes) does not fit a CPU generator (and back): a GPU run's
+    checkpoint still loads on the CPU, with a fresh sampling stream."""
+    space = gym.spaces.Box(-1, 1, (3,))
+    algo = Reinforce(space, gym.spaces.Discrete(2), 2, max_length=10, seed=0)
+    state = algo.state_dict()
+    state["generator"] = torch.zeros(16, dtype=torch.uint8)
+    fresh = Reinforce(space, gym.spaces.Discrete(2), 2, max_length=10, seed=1)
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.state_dict()["policy"]["0.weight"], state["policy"]["0.weight"])
+
+
 def test_box_actions_update_with_truncation():
     """Pendulum: Gaussian policy, episodes always truncated at 200 steps."""
     env = seeded_tensor_env("Pendulum-v1", 2, seed=4)

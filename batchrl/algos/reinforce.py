@@ -312,7 +312,11 @@ class Reinforce(Algorithm):
                 self.log_std.copy_(state["log_std"])
         # Adam keeps the moment tensors it is given: copy, so two instances never share them.
         self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
-        self._generator.set_state(state["generator"])
+        generator = state["generator"].cpu()  # (set_state takes CPU bytes, whatever the device)
+        if generator.numel() == self._generator.get_state().numel():
+            self._generator.set_state(generator)
+        else:  # saved on another kind of device (a CPU run evaluated on a GPU, or back)
+            self._generator.manual_seed(int(torch.randint(0, 2**62, ()).item()))
         for ours, theirs in ((self._episodes, state["episodes"]), (self._memory, state["memory"])):
             for name, buffer in ours.items():
                 buffer.copy_(theirs[name])

@@ -95,9 +95,8 @@ class SAC(ReplayAlgorithm):
 
     Args:
       observation_space, action_space: ``Box`` spaces (1-D actions). Actions are squashed
-        into the action space's bounds; an unbounded one is taken as [-1, 1], the range
-        batchrl's wrappers rescale bounded ones to (``env.normalize_ranges``, the default)
-        before they show it unbounded (the env clips).
+        into the action space's bounds, which must be finite: [-1, 1] with batchrl's
+        wrappers' default ``env.normalize_ranges``, else the env's own.
       num_agents: ``N``, the envs of the batch.
       device: where the networks and the replay buffer live.
       buffer_size: transitions the replay buffer keeps (all agents').

@@ -166,7 +166,9 @@ class ReplayBuffer:
     def state_dict(self) -> dict[str, object]:
         """The stored transitions (the rows written so far only: a checkpoint of a buffer
         still filling is that much smaller) and where the next one goes, for exact
-        resumption."""
+        resumption. A full buffer's tensors are the live ones, not copies (a copy would
+        double the memory of a buffer of gigabytes): serialise the state before the buffer
+        takes another step, as the trainer's checkpoints do."""
         tensors = (dict(self.tensors) if self.filled == self.rows else  # (a copy, not a view:
                    {name: value[:self.filled].clone()                   # torch.save would
                     for name, value in self.tensors.items()})           # write all rows)
