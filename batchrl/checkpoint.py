@@ -60,9 +60,16 @@ def save_checkpoint(logdir: Path, step: int, state: dict[str, Any] | bytes,
 
 def load_checkpoint(path: Path, device: str | torch.device = "cpu") -> dict[str, Any]:
     """Read a checkpoint written by ``save_checkpoint`` onto ``device``; raises
-    ``CheckpointError`` naming the file when it cannot be read or is not a checkpoint."""
+    ``CheckpointError`` naming the file when it cannot be read or is not a checkpoint.
+
+    On the CPU the tensors are mapped from the file (``mmap``, copy-on-write) rather than
+    read into memory of the process's own: while a resume copies a replay buffer of
+    gigabytes into the algorithm's, the checkpoint's copy is file pages the system can drop
+    and read again, not a second copy that must stay resident, and an evaluation that
+    drops the buffer does not read it."""
+    on_cpu = torch.device(device).type == "cpu"
     try:
-        state = torch.load(path, map_location=device, weights_only=False)
+        state = torch.load(path, map_location=device, weights_only=False, mmap=on_cpu)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} does not exist") from None
     except OSError as exc:  # (the file system's error, not the file's content)

@@ -299,3 +299,18 @@ def test_without_evaluations_checkpoint_every_counts_the_boundaries(tmp_path):
                for path in list_checkpoints(logdir)]
     assert len(boundaries) >= 4
     assert written == boundaries[1::2] + ([boundaries[-1]] if len(boundaries) % 2 else [])
+
+
+def test_a_checkpoint_loaded_on_the_cpu_is_mapped_not_copied(tmp_path):
+    """A replay buffer of gigabytes is not read into memory of the process's own when its
+    checkpoint loads: its tensors are file pages, read where they are used."""
+    def anonymous_kib() -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("RssAnon"))
+
+    size = 64 * 2**20
+    path = save_checkpoint(tmp_path, 1, {"algorithm": {"buffer": torch.ones(size // 4)}})
+    before = anonymous_kib()
+    state = load_checkpoint(path)
+    assert anonymous_kib() - before < size / 4 / 1024  # (not a resident copy of 64 MiB)
+    assert float(state["algorithm"]["buffer"][-1]) == 1.0  # readable all the same
