@@ -163,7 +163,13 @@ def test_the_vector_env_finds_every_games_rom():
 
     for game in ("ALE/TicTacToe3D-v5", "ALE/MsPacman-v5"):
         env = make_vector(1, game)
-        env.close()
+        try:
+            observ, _ = env.reset(seed=0)
+            assert observ.shape == (1, 84, 84, 4) and observ.dtype == np.uint8
+            observ, *_ = env.step(np.zeros(1, dtype=np.int64))
+            assert observ.shape == (1, 84, 84, 4)
+        finally:
+            env.close()
 
 
 def test_a_vector_backend_needs_a_vector_env(tmp_path):
@@ -200,8 +206,6 @@ def test_pong_trains_evaluates_and_films(tmp_path):
     process = subprocess.run([sys.executable, "-m", "batchrl.evaluate", str(logdir),
                               "--video", str(video), "--max-frames", "30"],
                              capture_output=True, text=True, timeout=200)
-    if "imageio" in process.stderr and process.returncode == 2:
-        pytest.skip(process.stderr.strip())
     assert process.returncode == 0, process.stderr
     assert "30 frames" in process.stdout, process.stdout
     import imageio.v3 as iio

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchrl.checkpoint import list_checkpoints
 from batchrl.evaluate import evaluate
 from batchrl.train import main as train_main
 
@@ -44,6 +45,16 @@ def records(logdir: Path) -> list[dict]:
     return [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
 
 
+def saved(logdir: Path) -> dict:
+    """The newest checkpoint's algorithm state, its tensors on the devices they were saved
+    from."""
+    return torch.load(list_checkpoints(logdir)[-1], weights_only=False)["algorithm"]
+
+
+def on_the_gpu(state: dict) -> bool:
+    return all(value.device.type == "cuda" for value in state.values())
+
+
 def last_eval(logdir: Path) -> float:
     return [r for r in records(logdir) if r["phase"] == "eval"][-1]["score"]
 
@@ -58,6 +69,7 @@ def test_ppo_on_the_gpu_learns_cartpole_and_its_checkpoint_evaluates_and_resumes
     logdir = tmp_path / "run"
     train(logdir, "cartpole", *CARTPOLE, "train.steps=30000", "train.eval_every=25")
     assert last_eval(logdir) >= 150, records(logdir)
+    assert on_the_gpu(saved(logdir)["policy"])
     on_cpu = evaluate(logdir, episodes=4, device="cpu")
     assert on_cpu["score"] >= 150, on_cpu
     on_gpu = evaluate(logdir, episodes=4, device="cuda")
@@ -78,6 +90,7 @@ def test_the_atari_network_and_objective_learn_the_pixel_task_on_the_gpu(tmp_pat
           "algorithm.minibatch_size=64", "algorithm.policy_lr=1e-3", "algorithm.value_lr=1e-3",
           "algorithm.discount=0.9", "algorithm.lr_schedule=constant")
     assert last_eval(logdir) >= 19.0, records(logdir)
+    assert on_the_gpu(saved(logdir)["policy"])
 
 
 def test_impala_with_collector_processes_feeds_a_gpu_learner(tmp_path):
@@ -86,6 +99,7 @@ def test_impala_with_collector_processes_feeds_a_gpu_learner(tmp_path):
     train(logdir, "impala/cartpole", "train.collectors=2", "train.steps=60000",
           "train.eval_every=25")
     assert last_eval(logdir) >= 100, records(logdir)
+    assert on_the_gpu(saved(logdir)["policy"])
     assert evaluate(logdir, episodes=4, device="cpu")["episodes"] == 4
 
 
@@ -98,6 +112,7 @@ def test_sac_and_its_replay_buffer_on_the_gpu_resume_on_the_cpu(tmp_path):
                           'class = "batchrl.algos:SAC"\n')
     logdir = tmp_path / "sac"
     train(logdir, config, steps=3000)
+    assert on_the_gpu(saved(logdir)["buffer"]["tensors"])
     assert train_main(["--config", config, "--logdir", str(logdir), "--no-progress",
                        "--steps", "6000", *sets("train.device=cpu")]) == 0
     checkpoint = torch.load(sorted(logdir.glob("ckpt-*.pt"))[-1], weights_only=False)
@@ -115,6 +130,8 @@ def test_dqn_with_a_convolutional_torso_learns_the_pixel_task_on_the_gpu(tmp_pat
     logdir = tmp_path / "dqn"
     train(logdir, config)
     assert last_eval(logdir) >= 9.0, records(logdir)  # (a random policy: 5 of 10)
+    frames = saved(logdir)["buffer"]["tensors"]["observ"]
+    assert frames.device.type == "cuda" and frames.dtype == torch.uint8
 
 
 def test_uint8_pixels_reach_the_gpu_as_uint8():
@@ -159,8 +176,6 @@ def test_a_cpu_run_on_a_gpu_machine_leaves_cuda_alone(tmp_path):
 def test_a_checkpoint_from_a_machine_with_more_gpus_resumes(tmp_path):
     """One generator state per GPU of the saving machine: resuming where there are fewer GPUs
     restores the ones that exist."""
-    from batchrl.checkpoint import list_checkpoints
-
     logdir = tmp_path / "run"
     train(logdir, "cartpole", *CARTPOLE, steps=600)
     path = list_checkpoints(logdir)[-1]

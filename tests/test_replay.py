@@ -48,14 +48,18 @@ def test_the_buffer_wraps_around_and_samples_only_what_it_holds():
 
 def test_truncations_bootstrap_and_terminations_do_not():
     buffer = ReplayBuffer(2, 2, FIELDS, discount=0.9)
-    add_step(buffer, 1, terminated=torch.tensor([True, False]), done=torch.tensor([True, True]))
+    observ = torch.tensor([1.0, 11.0])  # agent 0 terminates, agent 1 is cut by a time limit
+    buffer.add(reward=observ, terminated=torch.tensor([True, False]),
+               done=torch.tensor([True, True]), observ=observ, next_observ=observ + 0.5,
+               action=torch.zeros(2, 2))
     torch.manual_seed(0)
     batch = buffer.sample(200)
-    agent0 = batch["discount"] == 0.0
+    agent0 = batch["observ"] == 1.0
     assert 0 < int(agent0.sum()) < 200  # both agents drawn
+    assert torch.all(batch["discount"][agent0] == 0.0)
     # the truncated agent bootstraps from its episode's last observation
-    torch.testing.assert_close(batch["discount"][~agent0], torch.full((int((~agent0).sum()),), 0.9))
-    torch.testing.assert_close(batch["next_observ"], torch.full((200,), 1.5))
+    assert torch.all(batch["discount"][~agent0] == 0.9)
+    torch.testing.assert_close(batch["next_observ"], batch["observ"] + 0.5)
 
 
 def test_n_step_returns_stop_at_episode_ends_and_at_the_newest_step():

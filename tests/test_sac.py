@@ -64,10 +64,25 @@ def test_targets_move_tau_of_the_way_and_the_temperature_follows_the_entropy():
 def test_the_gradient_steps_scalars_are_averaged_over_summary_every_env_steps():
     algo, env = filled_sac(25)  # 50 env steps (2 agents), learning from 40 on
     algo.summary_every = 8
-    summaries = [simulate(env, algo)[2] for _ in range(12)]
+    losses: list[list[float]] = []  # each batch step's gradient steps' critic losses
+    gradient_step = algo.gradient_step
+
+    def recorded() -> dict:
+        scalars = gradient_step()
+        losses[-1].append(float(scalars["sac/critic_loss"]))
+        return scalars
+
+    algo.gradient_step = recorded
+    summaries = []
+    for _ in range(12):
+        losses.append([])
+        summaries.append(simulate(env, algo)[2])
     assert [i for i, summary in enumerate(summaries) if "sac/critic_loss" in summary] == [
         0, 4, 8]  # at 52, 60 and 68 env steps
-    assert all(math.isfinite(summaries[4][name]) for name in ("sac/critic_loss", "sac/alpha"))
+    since_last = [loss for step in losses[1:5] for loss in step]  # env steps 53-60
+    assert len(since_last) == 8
+    assert summaries[4]["sac/critic_loss"] == pytest.approx(sum(since_last) / 8, rel=1e-6)
+    assert math.isfinite(summaries[4]["sac/alpha"])
     env.close()
 
 
