@@ -268,8 +268,9 @@ class Config:
         except UnsupportedSpaceError:
             raise
         except (TypeError, ValueError) as exc:  # the constructor rejected a value
-            raise ConfigError(f"[algorithm] {self.algorithm.path}() rejected its arguments "
-                              f"{self.algorithm.keys}: {type(exc).__name__}: {exc}") from None
+            raise ConfigError(f"[algorithm] {self.algorithm.path}(): {exc} "
+                              f"({type(exc).__name__}; the config's arguments: "
+                              f"{self.algorithm.keys})") from None
 
 
 def algorithm_class(path: str) -> type:

@@ -592,6 +592,13 @@ class Trainer:
         try:
             if separate_eval:
                 eval_batch_env = build(env_config.evaluation_kwargs)
+                for name in ("observation_space", "action_space"):
+                    ours, theirs = getattr(batch_env, name), getattr(eval_batch_env, name)
+                    if ours != theirs:
+                        raise ConfigError(
+                            f"env.eval_kwargs builds envs whose {name.replace('_', ' ')} is "
+                            f"{theirs}, not the training envs' {ours}: one policy cannot act "
+                            f"in both")
             self._batch_envs = [batch_env] + ([eval_batch_env] if eval_batch_env else [])
             env = TensorBatchEnv(batch_env, self.device)
             algo = config.make_algorithm(env.observation_space, env.action_space, len(env),

@@ -211,3 +211,15 @@ def test_pong_trains_evaluates_and_films(tmp_path):
     import imageio.v3 as iio
     frames = iio.imread(video)  # (a GIF writer may merge repeated frames)
     assert frames.shape[1:] == (210, 160, 3) and frames.std() > 5  # the game's colours
+
+
+def test_evaluation_envs_of_another_action_space_are_refused_before_training(tmp_path, capsys):
+    from batchrl.train import main
+
+    code = main(["--config", "atari/pong", "--logdir", str(tmp_path / "r"), "--no-progress",
+                 "--steps", "1024", "--set", "env.eval_kwargs.env_id=ALE/Breakout-v5"])
+    assert code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("error: env.eval_kwargs builds envs whose action space is "
+                            "Discrete(4), not the training envs' Discrete(6)"), error
+    assert not list((tmp_path / "r").glob("ckpt-*.pt"))

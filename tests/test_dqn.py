@@ -5,6 +5,7 @@ torso, a pixel task (CI-sized)."""
 from __future__ import annotations
 
 import copy
+import math
 
 import gymnasium as gym
 import pytest
@@ -123,6 +124,12 @@ def test_bad_input_is_a_clear_error():
         DQN(box, gym.spaces.Discrete(2), 2, torso="nature_cnn")
     with pytest.raises(ValueError, match="torso must be one of"):
         DQN(box, gym.spaces.Discrete(2), 2, torso="cnn")
+    for key, value in (("max_grad_norm", -1.0), ("max_grad_norm", math.nan),
+                       ("learning_rate", math.inf), ("updates_per_step", math.nan)):
+        with pytest.raises(ValueError, match=f"{key} must be a finite number > 0, got {value}"):
+            DQN(box, gym.spaces.Discrete(2), 2, **{key: value})
+    with pytest.raises(ValueError, match=r"hidden must be layer sizes >= 1, got \[0\]"):
+        DQN(box, gym.spaces.Discrete(2), 2, hidden=[0])
 
 
 @pytest.mark.slow

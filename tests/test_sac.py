@@ -155,8 +155,16 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(UnsupportedSpaceError, match="SAC needs a 1-D Box action space, got "
                                                     r"Discrete\(2\) \(DQN takes Discrete"):
         SAC(box, gym.spaces.Discrete(2), 2)
-    with pytest.raises(ValueError, match="updates_per_step must be > 0, got 0"):
+    with pytest.raises(ValueError, match="updates_per_step must be a finite number > 0, got 0"):
         SAC(box, box, 2, updates_per_step=0)
+    for key, value in (("updates_per_step", math.nan), ("updates_per_step", math.inf),
+                       ("init_alpha", math.nan), ("learning_rate", math.inf)):
+        with pytest.raises(ValueError, match=f"{key} must be a finite number > 0, got {value}"):
+            SAC(box, box, 2, **{key: value})
+    with pytest.raises(ValueError, match=r"hidden must be layer sizes >= 1, got \[0\]"):
+        SAC(box, box, 2, hidden=[0])
+    with pytest.raises(ValueError, match="target_entropy must be finite, got nan"):
+        SAC(box, box, 2, target_entropy=math.nan)
     with pytest.raises(ValueError, match=r"tau must be in \(0, 1\], got 2"):
         SAC(box, box, 2, tau=2)
     with pytest.raises(ValueError, match="precision must be one of float32, bfloat16, got "

@@ -215,8 +215,9 @@ def test_the_reinforce_config_trains_the_example_algorithm(tmp_path):
      r"^error: algorithm.max_length is the trainer's to pass"),
     ('class = "Hill"', r"^error: algorithm.class must be 'package.module:Class', got 'Hill'"),
     ('class = "batchrl.algos.reinforce:Reinforce"\nupdate_every = 0',
-     r"^error: \[algorithm\] batchrl.algos.reinforce:Reinforce\(\) rejected its arguments "
-     r"\{'update_every': 0\}: ValueError: max_length and update_every must be positive$"),
+     r"^error: \[algorithm\] batchrl.algos.reinforce:Reinforce\(\): max_length and "
+     r"update_every must be positive \(ValueError; the config's arguments: "
+     r"\{'update_every': 0\}\)$"),
 ])
 def test_an_algorithm_that_does_not_fit_is_a_user_error(project, setting, message):
     config = CONFIG.replace('class = "user_algos:Hill"\nstep_size = 0.5', setting)

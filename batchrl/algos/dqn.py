@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from batchrl.algos.base import Summary
 from batchrl.algos.networks import build_torso, mlp
-from batchrl.algos.replay import ReplayAlgorithm, observation_field
+from batchrl.algos.replay import ReplayAlgorithm, check_hyperparameters, observation_field
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.parts.replay import ReplayBuffer
 
@@ -73,6 +73,8 @@ class DQN(ReplayAlgorithm):
                 raise ValueError(f"{name} must be >= {low}, got {value}")
         if not 0 <= final_epsilon <= 1:
             raise ValueError(f"final_epsilon must be in [0, 1], got {final_epsilon}")
+        check_hyperparameters({"learning_rate": learning_rate, "max_grad_norm": max_grad_norm},
+                              hidden)
         obs_size = math.prod(observation_space.shape)
         flat = observation_field(observation_space)
         super().__init__(device, eval_actions, num_agents, ReplayBuffer(

@@ -4,7 +4,7 @@ DQN): store each batch step in a replay buffer and learn at a set update-to-data
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import gymnasium as gym
 import torch
@@ -12,6 +12,16 @@ import torch
 from batchrl.algos.base import Algorithm, Summary
 from batchrl.parts.replay import ReplayBuffer
 from batchrl.pixels import is_pixel_space
+
+
+def check_hyperparameters(positive: dict[str, float], layers: Sequence[int] = ()) -> None:
+    """Raise ``ValueError`` naming the first of ``positive`` that is not a finite number above
+    zero, or ``layers`` (hidden sizes) if one of them is below 1."""
+    for name, value in positive.items():
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    if any(size < 1 for size in layers):
+        raise ValueError(f"hidden must be layer sizes >= 1, got {list(layers)}")
 
 
 def observation_field(space: gym.spaces.Box) -> tuple[tuple[int], torch.dtype]:
@@ -54,8 +64,7 @@ class ReplayAlgorithm(Algorithm):
         super().__init__(device, eval_actions)
         if learning_starts < 0:
             raise ValueError(f"learning_starts must be >= 0, got {learning_starts}")
-        if updates_per_step <= 0:
-            raise ValueError(f"updates_per_step must be > 0, got {updates_per_step}")
+        check_hyperparameters({"updates_per_step": updates_per_step})
         self.num_agents, self.buffer = num_agents, buffer
         self.learning_starts, self.updates_per_step = learning_starts, updates_per_step
         self.save_buffer = save_buffer

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from batchrl.algos.base import Summary
 from batchrl.algos.networks import build_torso
 from batchrl.algos.ppo_config import PRECISIONS
-from batchrl.algos.replay import ReplayAlgorithm, observation_field
+from batchrl.algos.replay import ReplayAlgorithm, check_hyperparameters, observation_field
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.parts.replay import ReplayBuffer
 
@@ -139,8 +139,10 @@ class SAC(ReplayAlgorithm):
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not 0 < tau <= 1:
             raise ValueError(f"tau must be in (0, 1], got {tau}")
-        if init_alpha <= 0:
-            raise ValueError(f"init_alpha must be > 0, got {init_alpha}")
+        check_hyperparameters({"init_alpha": init_alpha, "learning_rate": learning_rate},
+                              hidden)
+        if target_entropy is not None and not math.isfinite(target_entropy):
+            raise ValueError(f"target_entropy must be finite, got {target_entropy}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got "
                              f"{precision!r}")
