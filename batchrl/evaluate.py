@@ -26,7 +26,7 @@ import torch
 from batchrl.algos.base import Algorithm
 from batchrl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from batchrl.config import CONFIG_FILE, EVAL_ACTIONS, Config, ConfigError, load_saved_config
-from batchrl.envs.errors import EnvSpecError
+from batchrl.envs.errors import EnvError, EnvSpecError
 from batchrl.envs.factory import make_batch_env
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.simulation import evaluate_episodes, evaluation_rng
@@ -275,6 +275,9 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.evalua
     except (EvaluationError, ConfigError, EnvSpecError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except EnvError as exc:  # the env failed (its own message names why), as in train.py
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     for note in result["notes"]:
         print(f"note: {note}", file=sys.stderr)
     print(f"{result['env_id']}, {result['checkpoint']} (step {result['step']:,}), "

@@ -129,6 +129,23 @@ def test_bad_arguments_and_unreadable_checkpoint(cartpole_run, tmp_path):
         evaluate(broken, episodes=1)
 
 
+def test_cli_reports_an_env_that_fails_to_build_as_train_py_does(cartpole_run, tmp_path):
+    """A run whose evaluation envs take a keyword their env does not: one error line naming
+    the env and the keyword (then the env's traceback, as train.py shows it), exit 1."""
+    import json
+
+    run = tmp_path / "bad_eval_kwargs"
+    shutil.copytree(cartpole_run, run)
+    saved = json.loads((run / "config.json").read_text())
+    saved["env"]["eval_kwargs"] = {"bogus": 1}
+    (run / "config.json").write_text(json.dumps(saved))
+    process = run_cli(run, "--episodes", "1", "--device", "cpu")
+    assert process.returncode == 1, process.stderr
+    first = process.stderr.splitlines()[0]
+    assert first.startswith("error: CartPole-v1 failed in construct(): TypeError: ") and \
+        "'bogus'" in first, process.stderr
+
+
 def test_cli_prints_mean_std_and_length(cartpole_run):
     process = run_cli(cartpole_run, "--episodes", "3", "--device", "cpu")
     assert process.returncode == 0, process.stderr
