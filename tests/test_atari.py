@@ -223,3 +223,21 @@ def test_evaluation_envs_of_another_action_space_are_refused_before_training(tmp
     assert error.startswith("error: env.eval_kwargs builds envs whose action space is "
                             "Discrete(4), not the training envs' Discrete(6)"), error
     assert not list((tmp_path / "r").glob("ckpt-*.pt"))
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("env.kwargs.env_id=ALE/Nope-v5", "env_id 'ALE/Nope-v5': Environment `Nope` doesn't exist"),
+    ("env.kwargs.sticky_actions=2.0", "sticky_actions must be a probability in [0, 1], got 2.0"),
+    ("env.eval_kwargs.training=maybe", "training must be true or false, got 'maybe'"),
+    ("env.kwargs.frame_skip=-1", "frame_skip must be an integer >= 1, got -1"),
+])
+@pytest.mark.parametrize("backend", ["workers", "vector"])
+def test_wrong_atari_arguments_are_config_errors(tmp_path, capsys, setting, message, backend):
+    from batchrl.train import main
+
+    code = main(["--config", "atari/pong", "--logdir", str(tmp_path / "r"), "--no-progress",
+                 "--steps", "1024", "--set", setting, "--set", f"env.backend={backend}"])
+    assert code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith(f"error: {message}") and error.endswith(
+        "(the Atari env's argument, from env.kwargs or env.eval_kwargs)"), error

@@ -25,6 +25,8 @@ from gymnasium.wrappers import (AtariPreprocessing, ClipReward, FrameStackObserv
                                 TransformObservation)
 from gymnasium.wrappers import vector as vector_wrappers
 
+from batchrl.envs.errors import EnvSpecError
+
 try:
     import ale_py
 except ImportError as exc:  # (named in the config error train.py prints)
@@ -74,6 +76,31 @@ class PlayOnAfterLifeLoss(gym.Wrapper):
         return self.env.reset(seed=seed, options=options)
 
 
+def check_arguments(env_id: Any, sticky_actions: Any, noop_max: Any, frame_skip: Any,
+                    screen_size: Any, frame_stack: Any, **flags: Any) -> None:
+    """Raise ``EnvSpecError`` (a config error, exit 2) naming the first of ``make``'s (or
+    ``make_vector``'s) arguments that cannot be right."""
+    where = "(the Atari env's argument, from env.kwargs or env.eval_kwargs)"
+    if not isinstance(env_id, str):
+        raise EnvSpecError(f"env_id must be an Atari game's id such as 'ALE/Pong-v5', got "
+                           f"{env_id!r} {where}")
+    try:
+        gym.spec(env_id)
+    except gym.error.Error as exc:
+        raise EnvSpecError(f"env_id {env_id!r}: {exc} {where}") from None
+    if isinstance(sticky_actions, bool) or not isinstance(sticky_actions, (int, float)) \
+            or not 0 <= sticky_actions <= 1:
+        raise EnvSpecError(f"sticky_actions must be a probability in [0, 1], got "
+                           f"{sticky_actions!r} {where}")
+    for name, value, low in (("noop_max", noop_max, 0), ("frame_skip", frame_skip, 1),
+                             ("screen_size", screen_size, 1), ("frame_stack", frame_stack, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise EnvSpecError(f"{name} must be an integer >= {low}, got {value!r} {where}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise EnvSpecError(f"{name} must be true or false, got {value!r} {where}")
+
+
 def make(env_id: str = "ALE/Pong-v5", training: bool = True, sticky_actions: float = 0.25,
          noop_max: int = 30, frame_skip: int = 4, screen_size: int = 84, frame_stack: int = 4,
          terminal_on_life_loss: bool = True, clip_rewards: bool = True,
@@ -95,6 +122,9 @@ def make(env_id: str = "ALE/Pong-v5", training: bool = True, sticky_actions: flo
       kwargs: further keyword arguments of ``gymnasium.make`` for the ALE env (such as
         ``render_mode="rgb_array"``, which films the game's colour frames).
     """
+    check_arguments(env_id, sticky_actions, noop_max, frame_skip, screen_size, frame_stack,
+                    training=training, terminal_on_life_loss=terminal_on_life_loss,
+                    clip_rewards=clip_rewards, full_action_space=full_action_space)
     # (AtariPreprocessing reads the screens itself: a grayscale inner observation is the
     # cheapest that it accepts)
     env = gym.make(env_id, frameskip=1, repeat_action_probability=sticky_actions,
@@ -134,6 +164,9 @@ def make_vector(num_envs: int, env_id: str = "ALE/Pong-v5", training: bool = Tru
     """
     from ale_py.vector_env import AtariVectorEnv
 
+    check_arguments(env_id, sticky_actions, noop_max, frame_skip, screen_size, frame_stack,
+                    training=training, terminal_on_life_loss=terminal_on_life_loss,
+                    clip_rewards=clip_rewards, full_action_space=full_action_space)
     rom = gym.spec(env_id).kwargs["game"]  # (the ROM's name: ALE/MsPacman-v5 -> ms_pacman)
     frames = 108_000 if max_episode_steps is None else max_episode_steps * frame_skip
     env = AtariVectorEnv(
