@@ -241,3 +241,16 @@ def test_wrong_atari_arguments_are_config_errors(tmp_path, capsys, setting, mess
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith(f"error: {message}") and error.endswith(
         "(the Atari env's argument, from env.kwargs or env.eval_kwargs)"), error
+
+
+def test_the_banner_names_what_the_vector_backend_builds(tmp_path, capsys):
+    """With env.backend = "vector" the envs come from env.vector_id, whatever env.id says."""
+    from batchrl.train import main
+
+    code = main(["--config", "cartpole", "--logdir", str(tmp_path / "r"), "--no-progress",
+                 "--steps", "64", "--set", "env.backend=vector", "--set", "env.num_agents=2",
+                 "--set", "env.vector_id=batchrl.envs.atari:make_vector",
+                 "--set", "train.eval_episodes=0", "--set", "train.device=cpu"])
+    assert code == 0
+    assert capsys.readouterr().out.startswith(
+        "Training batchrl.envs.atari:make_vector with 2 agents for 64 steps (env backend vector)")
