@@ -9,7 +9,6 @@ run), so these tests check that runs work and learn, not that they repeat.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,9 @@ import torch
 
 from batchrl.checkpoint import list_checkpoints
 from batchrl.evaluate import evaluate
+from batchrl.metrics import read_metrics
 from batchrl.train import main as train_main
+from helpers import sets
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -29,20 +30,12 @@ PIXEL_TASK = ["env.id=batchrl.testing.envs:pixel_side", "env.kwargs={length=10}"
               "train.eval_episodes=16"]
 
 
-def sets(*overrides: str) -> list[str]:
-    return [part for override in overrides for part in ("--set", override)]
-
-
 def train(logdir: Path, config: str, *overrides: str, steps: int | None = None) -> None:
     args = ["--config", config, "--logdir", str(logdir), "--no-progress",
             *sets("train.device=cuda", *overrides)]
     if steps is not None:
         args += ["--steps", str(steps)]
     assert train_main(args) == 0
-
-
-def records(logdir: Path) -> list[dict]:
-    return [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
 
 
 def saved(logdir: Path) -> dict:
@@ -56,7 +49,7 @@ def on_the_gpu(state: dict) -> bool:
 
 
 def last_eval(logdir: Path) -> float:
-    return [r for r in records(logdir) if r["phase"] == "eval"][-1]["score"]
+    return [r for r in read_metrics(logdir) if r["phase"] == "eval"][-1]["score"]
 
 
 def write_config(path: Path, text: str) -> str:
@@ -68,7 +61,7 @@ def test_ppo_on_the_gpu_learns_cartpole_and_its_checkpoint_evaluates_and_resumes
         tmp_path):
     logdir = tmp_path / "run"
     train(logdir, "cartpole", *CARTPOLE, "train.steps=30000", "train.eval_every=25")
-    assert last_eval(logdir) >= 150, records(logdir)
+    assert last_eval(logdir) >= 150, read_metrics(logdir)
     assert on_the_gpu(saved(logdir)["policy"])
     on_cpu = evaluate(logdir, episodes=4, device="cpu")
     assert on_cpu["score"] >= 150, on_cpu
@@ -77,7 +70,7 @@ def test_ppo_on_the_gpu_learns_cartpole_and_its_checkpoint_evaluates_and_resumes
     # train.device is a machine key: a GPU run goes on on the CPU
     assert train_main(["--config", "cartpole", "--logdir", str(logdir), "--no-progress",
                        "--steps", "32000", *sets("train.device=cpu")]) == 0
-    assert records(logdir)[-1]["step"] >= 32000
+    assert read_metrics(logdir)[-1]["step"] >= 32000
 
 
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
@@ -89,7 +82,7 @@ def test_the_atari_network_and_objective_learn_the_pixel_task_on_the_gpu(tmp_pat
           "train.steps=4000", "train.eval_every=2", "algorithm.rollout_length=32",
           "algorithm.minibatch_size=64", "algorithm.policy_lr=1e-3", "algorithm.value_lr=1e-3",
           "algorithm.discount=0.9", "algorithm.lr_schedule=constant")
-    assert last_eval(logdir) >= 19.0, records(logdir)
+    assert last_eval(logdir) >= 19.0, read_metrics(logdir)
     assert on_the_gpu(saved(logdir)["policy"])
 
 
@@ -98,7 +91,7 @@ def test_impala_with_collector_processes_feeds_a_gpu_learner(tmp_path):
     logdir = tmp_path / "impala"
     train(logdir, "impala/cartpole", "train.collectors=2", "train.steps=60000",
           "train.eval_every=25")
-    assert last_eval(logdir) >= 100, records(logdir)
+    assert last_eval(logdir) >= 100, read_metrics(logdir)
     assert on_the_gpu(saved(logdir)["policy"])
     assert evaluate(logdir, episodes=4, device="cpu")["episodes"] == 4
 
@@ -129,7 +122,7 @@ def test_dqn_with_a_convolutional_torso_learns_the_pixel_task_on_the_gpu(tmp_pat
                           'exploration_steps = 2000\ntarget_update_every = 100\n')
     logdir = tmp_path / "dqn"
     train(logdir, config)
-    assert last_eval(logdir) >= 9.0, records(logdir)  # (a random policy: 5 of 10)
+    assert last_eval(logdir) >= 9.0, read_metrics(logdir)  # (a random policy: 5 of 10)
     frames = saved(logdir)["buffer"]["tensors"]["observ"]
     assert frames.device.type == "cuda" and frames.dtype == torch.uint8
 
@@ -184,4 +177,4 @@ def test_a_checkpoint_from_a_machine_with_more_gpus_resumes(tmp_path):
     state["rng"]["cuda"] = [*state["rng"]["cuda"], state["rng"]["cuda"][0]]
     torch.save(state, path)
     train(logdir, "cartpole", *CARTPOLE, steps=1200)
-    assert records(logdir)[-1]["step"] >= 1200
+    assert read_metrics(logdir)[-1]["step"] >= 1200
