@@ -75,9 +75,10 @@ class StopSignals:
 
 def die_with_parent() -> None:
     """Make this process exit when the process that created the worker dies, even while
-    stuck in a ``step()`` that never reads the pipe: by ``prctl(PR_SET_PDEATHSIG)`` (Linux),
-    and since under ``forkserver`` that parent is the fork server (which outlives a busy
-    worker's creator), by a thread waiting on ``multiprocessing.parent_process()`` too."""
+    stuck in a ``step()`` that never reads the pipe: by ``prctl(PR_SET_PDEATHSIG)`` (Linux;
+    under ``forkserver`` the parent is the fork server, which ends with the worker's creator:
+    ``batchrl.envs.process.forkserver_signals``), and elsewhere by a thread waiting on
+    ``multiprocessing.parent_process()``."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             import ctypes

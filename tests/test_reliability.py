@@ -74,6 +74,73 @@ def test_sigkilled_train_py_leaves_no_process_behind(backend, tmp_path):
         kill_all(children)
 
 
+STUCK_ENV = textwrap.dedent("""
+    import gymnasium as gym
+    import numpy as np
+
+    class HoldsTheGil(gym.Env):
+        observation_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+        action_space = gym.spaces.Discrete(2)
+
+        def reset(self, seed=None, options=None):
+            return np.zeros(1, np.float32), {}
+
+        def step(self, action):
+            sum(range(10**13))  # one C call that never lets another thread run
+            return np.zeros(1, np.float32), 0.0, False, False, {}
+""")
+
+STUCK_PARENT = textwrap.dedent("""
+    import sys, threading
+    import numpy as np
+    from batchrl.envs.factory import make_batch_env
+
+    if __name__ == "__main__":
+        batch = None
+
+        def build():  # a thread starts the fork server, then ends
+            global batch
+            batch = make_batch_env("stuck_env:HoldsTheGil", 2, workers=2, share_main=False)
+            batch.reset(seed=0)
+
+        thread = threading.Thread(target=build)
+        thread.start()
+        thread.join()
+        batch.reset(seed=1)  # the fork server and its workers outlived that thread
+        print("ready", flush=True)
+        batch.step(np.zeros(2, np.int64))
+""")
+
+
+@pytest.mark.timeout(60)
+def test_sigkilled_parent_takes_workers_stuck_holding_the_gil_with_it(tmp_path):
+    """A worker stuck in a C call that holds the GIL cannot run its watchdog thread, and it
+    keeps the fork server's "alive" pipe open: the fork server must still end with the
+    killed parent (its own parent-death signal), and so take the worker with it. The fork
+    server must not end when only the thread that started it ends."""
+    (tmp_path / "stuck_env.py").write_text(STUCK_ENV)
+    (tmp_path / "parent.py").write_text(STUCK_PARENT)
+    environ = dict(ENVIRON, PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path}")
+    process = subprocess.Popen([sys.executable, str(tmp_path / "parent.py")], env=environ,
+                               start_new_session=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    children: list[int] = []
+    try:
+        assert process.stdout.readline() == "ready\n", process.communicate()
+        children = [p.pid for p in psutil.Process(process.pid).children(recursive=True)]
+        assert len(children) >= 4  # the fork server, 2 workers, the resource tracker
+        time.sleep(0.5)  # the workers are inside step() now
+        assert running(children) == children
+        os.kill(process.pid, signal.SIGKILL)
+        assert process.wait(10) == -signal.SIGKILL
+        assert wait_gone(children, timeout=15) == []
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+        kill_all(children)
+
+
 # --- signals to the whole process group ------------------------------------------------
 
 GROUP_SIGNAL_SCRIPT = textwrap.dedent("""

@@ -1,13 +1,55 @@
 """Imported only by multiprocessing's fork server, as a preload module. A ``kill -TERM`` to
 the process group (a job scheduler, ``timeout``) also reaches the fork server, whose death
 would kill every env worker (their parent-death signal): the trainer would see crashed envs
-instead of stopping cleanly. So it ignores SIGTERM, as the workers do; it still exits when
-the process that started it does (its pipe from that process closes). It ignores Ctrl-C too,
+instead of stopping cleanly. So it ignores SIGTERM, as the workers do. It ignores Ctrl-C too,
 and so do the processes it starts from their first instruction: the fork server gives them
 the signal handlers it had after this module, and a Ctrl-C while one still imports (before
-``interrupt.start_worker`` ignores it) would kill it, a crash where the trainer stops."""
+``interrupt.start_worker`` ignores it) would kill it, a crash where the trainer stops.
 
+It exits when the process that started it (the trainer) dies, even if that process was
+killed. multiprocessing alone does not ensure that: every child holds the fork server's
+"alive" pipe open, so a worker stuck in a call that holds the GIL (where its own watchdog
+thread cannot run) would keep the fork server alive, and the fork server would keep the
+worker alive, since the worker's parent-death signal fires only when the fork server ends.
+So the fork server asks the kernel for ``SIGUSR1`` when its parent dies
+(``PR_SET_PDEATHSIG``, Linux), gives idle workers a moment to exit on their pipes' EOF,
+and exits; the kernel then kills the busy ones."""
+
+import contextlib
+import os
 import signal
+import sys
+import time
+
+# How long the fork server waits for its workers to exit by themselves once the trainer is
+# gone (an idle worker reads EOF at once and closes its envs).
+GRACE_SECONDS = 1.0
+_SERVER = os.getpid()
+_TRAINER = os.getppid()
+
+
+def _parent_died(signum, frame) -> None:
+    # The workers inherit this handler: in them it does nothing. The fork server's parent
+    # "dies" for the kernel also when the thread that started it ends while the trainer
+    # lives on (the parent-death signal follows threads): then its parent is unchanged.
+    if os.getpid() != _SERVER or os.getppid() == _TRAINER:
+        return
+    deadline = time.monotonic() + GRACE_SECONDS
+    while time.monotonic() < deadline:
+        try:
+            os.waitpid(-1, os.WNOHANG)  # (reaps the workers that exited)
+        except ChildProcessError:
+            break  # none left
+        time.sleep(0.02)
+    os._exit(0)
+
 
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 signal.signal(signal.SIGINT, signal.SIG_IGN)
+if sys.platform.startswith("linux"):
+    signal.signal(signal.SIGUSR1, _parent_died)
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGUSR1, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != _TRAINER:  # the trainer died before the signal was armed
+        os._exit(0)
