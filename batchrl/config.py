@@ -445,6 +445,9 @@ def _convert(key: str, value: Any, annotation: Any) -> Any:
     # bool is an int, but not a valid value of an int, float, str or dict key.
     if not isinstance(value, annotation) or (isinstance(value, bool) and annotation is not bool):
         raise ConfigError(f"{key}: expected {expected[annotation]}, got {value!r}")
+    if annotation is int and not -2**63 <= value < 2**63:  # (counters and seeds are int64)
+        raise ConfigError(f"{key}: {value:.3g} is out of range; integers must fit in 64 bits "
+                          f"(at most {2**63 - 1:,})")
     return value
 
 

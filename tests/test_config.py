@@ -165,6 +165,8 @@ def test_a_section_that_is_not_a_table(tmp_path, section):
     ("env.num_agents=2.5", "expected an integer"),
     ("train.steps=true", "expected an integer"),
     ("train.steps=1.5", "expected an integer"),          # integral floats only
+    ("train.steps=1e30", "1e+30 is out of range; integers must fit in 64 bits"),
+    ("train.seed=-9223372036854775809", "out of range"),
     ("algorithm.update_every=2.5", "expected an integer"),
     ("algorithm.rollout_length=2.5", "expected"),
     ("env.share_main=yes", "expected bool"),
