@@ -501,6 +501,12 @@ def build_config(values: dict[str, Any]) -> Config:
         raise ConfigError(f"algorithm.class must be a string 'package.module:Class', got "
                           f"{path!r}")
     algorithm = AlgorithmConfig(path=path, keys=_algorithm_keys(path, section))
+    env, train = sections["env"], sections["train"]
+    if env.ray_address and env.backend != "ray" and not train.collectors and train.learners == 1:
+        raise ConfigError(f"env.ray_address = {env.ray_address!r} but nothing in this run uses "
+                          f"Ray: it is the cluster of env.backend = 'ray', of train.collectors "
+                          f"and of train.learners > 1; set one of them, or leave "
+                          f"env.ray_address empty")
     return Config(**sections, algorithm=algorithm)
 
 

@@ -601,6 +601,16 @@ def test_bad_env_id_writes_nothing_to_the_logdir(tmp_path):
     assert not (tmp_path / "run" / "config.json").exists()
 
 
+@pytest.mark.parametrize("overrides", [["env.backend=ray"], ["train.collectors=2"],
+                                       ["train.learners=2"]])
+def test_ray_address_is_for_a_run_that_uses_ray(overrides):
+    with pytest.raises(ConfigError, match=r"^env.ray_address = 'auto' but nothing in this run "
+                                          r"uses Ray: .*or leave env.ray_address empty$"):
+        load_config("halfcheetah", ["env.ray_address=auto"])
+    config = load_config("halfcheetah", ["env.ray_address=auto", *overrides])
+    assert config.env.ray_address == "auto"
+
+
 def test_ray_backend_keys_from_the_command_line():
     config = load_config("halfcheetah", ["env.backend=ray", "env.ray_address=auto",
                                          "env.ray_resources={CPU=1, env_node=0.5}",
