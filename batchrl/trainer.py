@@ -132,6 +132,17 @@ def _collector_env(config: Config, index: int, num_envs: int, seed: int) -> Any:
         ray_address=env.ray_address, ray_resources=env.ray_resources, vector_id=env.vector_id)
 
 
+def _check_eval_spaces(training: Any, evaluation: Any) -> None:
+    """``ConfigError`` unless the evaluation envs (``env.eval_kwargs``) have the training
+    envs' observation and action spaces."""
+    for name in ("observation_space", "action_space"):
+        ours, theirs = getattr(training, name), getattr(evaluation, name)
+        if ours != theirs:
+            raise ConfigError(f"env.eval_kwargs builds envs whose {name.replace('_', ' ')} is "
+                              f"{theirs}, not the training envs' {ours}: one policy cannot act "
+                              f"in both")
+
+
 def _collector_algorithm(config: Config, observation_space: Any, action_space: Any,
                          num_agents: int) -> Algorithm:
     """A collector's acting copy of the configured algorithm, on the CPU."""
@@ -592,13 +603,14 @@ class Trainer:
         try:
             if separate_eval:
                 eval_batch_env = build(env_config.evaluation_kwargs)
-                for name in ("observation_space", "action_space"):
-                    ours, theirs = getattr(batch_env, name), getattr(eval_batch_env, name)
-                    if ours != theirs:
-                        raise ConfigError(
-                            f"env.eval_kwargs builds envs whose {name.replace('_', ' ')} is "
-                            f"{theirs}, not the training envs' {ours}: one policy cannot act "
-                            f"in both")
+                _check_eval_spaces(batch_env, eval_batch_env)
+            elif config.train.collectors and env_config.eval_kwargs:
+                # This env is the evaluation one: compare one of the collectors' envs.
+                probe = _collector_env(config, 0, 1, config.train.seed)
+                try:
+                    _check_eval_spaces(probe, batch_env)
+                finally:
+                    probe.close()
             self._batch_envs = [batch_env] + ([eval_batch_env] if eval_batch_env else [])
             env = TensorBatchEnv(batch_env, self.device)
             algo = config.make_algorithm(env.observation_space, env.action_space, len(env),

@@ -266,6 +266,19 @@ def test_a_collector_whose_inline_env_hangs_ends_itself_and_is_replaced(tmp_path
     assert "Final evaluation" in stdout
 
 
+def test_evaluation_envs_of_other_spaces_than_the_collectors_are_refused_at_once(tmp_path):
+    """With collectors the learner's envs only evaluate: env.eval_kwargs that change the
+    spaces are a config error before the log directory holds the run, as without them."""
+    values = config()
+    values["env"].update(id="HalfCheetah-v5", max_length=50,
+                         eval_kwargs={"exclude_current_positions_from_observation": False})
+    with pytest.raises(ConfigError, match=r"^env.eval_kwargs builds envs whose observation "
+                                          r"space is Box\(-inf, inf, \(18,\), float32\), "
+                                          r"not the training envs' Box\(-inf, inf, \(17,\)"):
+        Trainer(build_config(values), tmp_path / "run", progress=False).run()
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_collector_that_cannot_start_stops_the_run_with_its_error(tmp_path):
     values = config()
     values["env"].update(id="batchrl.testing.faults:make", kwargs={
