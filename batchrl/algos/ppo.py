@@ -625,10 +625,10 @@ class BatchPPO(Algorithm):
 
     def _gradient_step(self, loss: torch.Tensor, modules: tuple[nn.Module, ...],
                        optimizers: tuple[torch.optim.Optimizer | None, ...],
-                       norm: bool = False) -> float | None:
+                       norm: bool = False) -> torch.Tensor | None:
         """One Adam step on ``loss``, the gradient of ``modules`` clipped to
-        ``max_grad_norm``; returns the norm before clipping when measured (``norm`` or
-        clipping)."""
+        ``max_grad_norm``; returns the norm before clipping (a scalar tensor on the device)
+        when measured (``norm`` or clipping)."""
         for optimizer in optimizers:
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)
@@ -639,15 +639,15 @@ class BatchPPO(Algorithm):
         grad_norm = None
         if norm or self.config.max_grad_norm:
             parameters = {id(p): p for module in modules for p in module.parameters()}
-            grad_norm = float(nn.utils.clip_grad_norm_(
-                list(parameters.values()), self.config.max_grad_norm or float("inf")))
+            grad_norm = nn.utils.clip_grad_norm_(
+                list(parameters.values()), self.config.max_grad_norm or float("inf"))
         for optimizer in optimizers:
             if optimizer is not None:
                 optimizer.step()
         return grad_norm
 
     def _policy_step(self, batch: dict[str, torch.Tensor], mask: torch.Tensor
-                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], float]:
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         """One gradient step of the policy: its loss, terms and gradient norm."""
         loss, terms = self._policy_loss(batch, mask)
         grad_norm = self._gradient_step(loss, (self.policy,), (self.policy_optimizer,),
@@ -662,7 +662,7 @@ class BatchPPO(Algorithm):
         return loss
 
     def _joint_step(self, batch: dict[str, torch.Tensor], mask: torch.Tensor
-                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], float, torch.Tensor]:
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
         """One gradient step of networks that share a torso, on the sum of both losses:
         the policy's loss, terms and gradient norm (of both networks), and the value loss."""
         features = None
@@ -677,7 +677,7 @@ class BatchPPO(Algorithm):
         return loss, terms, grad_norm, values
 
     def _both_steps(self, batch: dict[str, torch.Tensor], mask: torch.Tensor
-                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], float, torch.Tensor]:
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
         """The policy's and the value network's gradient steps with one all-reduce of both
         gradients (several learners; the networks share nothing, so each step is what
         ``_policy_step`` and ``_value_step`` take): as ``_joint_step`` returns."""
@@ -689,7 +689,7 @@ class BatchPPO(Algorithm):
         self.learners.average_gradients(
             p for network in (self.policy, self.value) for p in network.parameters())
         limit = self.config.max_grad_norm or float("inf")
-        grad_norm = float(nn.utils.clip_grad_norm_(list(self.policy.parameters()), limit))
+        grad_norm = nn.utils.clip_grad_norm_(list(self.policy.parameters()), limit)
         if self.config.max_grad_norm:
             nn.utils.clip_grad_norm_(list(self.value.parameters()), limit)
         self.policy_optimizer.step()
@@ -767,8 +767,11 @@ class BatchPPO(Algorithm):
         size = config.minibatch_size or config.batch_size or rows
         if self.learners is not None and (config.minibatch_size or config.batch_size):
             size //= self.learners.size  # a gradient step's batch is over all learners
-        totals = {"policy_loss": 0.0, "value_loss": 0.0, "grad_norm": 0.0}
-        steps = 0
+        # Each gradient step's loss, value loss, gradient norm and terms, read once after the
+        # loop: a read per step would make the host wait for a GPU at every step instead of
+        # queueing the next one.
+        names: list[str] = []
+        read: list[torch.Tensor] = []
         for _ in range(config.update_epochs):
             order = torch.randperm(rows, device=self.device)
             for start in range(0, rows, size):  # every row once per epoch
@@ -788,14 +791,15 @@ class BatchPPO(Algorithm):
                     value_step = pool.submit(self._value_step, batch, batch_mask)
                     policy_loss, terms, grad_norm = self._policy_step(batch, batch_mask)
                     values = value_step.result()
-                totals["policy_loss"] += float(policy_loss.detach())
-                totals["value_loss"] += float(values.detach())
-                totals["grad_norm"] += float(grad_norm)
-                for name, term in terms.items():
-                    totals[name] = totals.get(name, 0.0) + float(term.detach())
-                steps += 1
+                step = {"policy_loss": policy_loss, "value_loss": values,
+                        "grad_norm": grad_norm, **terms}
+                names = list(step)
+                read.append(torch.stack([term.detach() for term in step.values()]))
 
-        summary.update({f"ppo/{name}": total / steps for name, total in totals.items()})
+        totals = [0.0] * len(names)
+        for row in torch.stack(read).tolist():  # (summed in this order, as floats)
+            totals = [total + value for total, value in zip(totals, row)]
+        summary.update({f"ppo/{name}": total / len(read) for name, total in zip(names, totals)})
         summary["ppo/total_loss"] = summary["ppo/policy_loss"] + summary["ppo/value_loss"]
         with torch.no_grad():  # the updated networks on every row (a shared torso runs once)
             features = None
