@@ -21,8 +21,8 @@ The algorithm is the classic Monte-Carlo policy gradient: the policy takes a gra
 ``log pi(a_t | s_t) * (G_t - V(s_t))``, where ``G_t`` is the discounted return from step ``t`` and
 the value network ``V``, trained to predict it, lowers the variance of the gradient.
 
-The README's "Writing an algorithm" runs it on CartPole-v1 with ``simulate()`` (returns near 500
-after about 4000 calls), and ``configs/cartpole_reinforce.toml`` trains it with ``train.py``.
+The README's "Writing an algorithm" runs it on CartPole-v1 with ``Simulation(env).step`` (returns
+near 500 after about 4000 calls), and ``configs/cartpole_reinforce.toml`` trains it with ``train.py``.
 """
 
 from __future__ import annotations
