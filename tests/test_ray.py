@@ -327,6 +327,34 @@ def test_private_ray_instance_dies_with_a_sigkilled_trainer(tmp_path):
             process.wait()
 
 
+@pytest.mark.timeout(180)
+def test_sigterm_stops_a_run_on_a_private_ray_instance_with_its_checkpoint(tmp_path):
+    """ray.init replaces the SIGTERM handler (with sys.exit, or with killing the Ray it
+    started): the trainer's own comes back, so a scheduler's SIGTERM stops the run as on
+    any backend, with a checkpoint, and Ray's processes go with it."""
+    from batchrl.metrics import read_metrics
+    from helpers import finish, sets, start_train_py, wait_for, wait_gone
+
+    logdir = tmp_path / "run"
+    process = start_train_py(
+        "--config", "cartpole", "--logdir", str(logdir),
+        *sets("env.backend=ray", "env.workers=1", "env.num_agents=4", "train.device=cpu",
+              "algorithm.update_every=4", "train.eval_episodes=4", "train.steps=1000000"))
+    try:
+        wait_for(lambda: len(read_metrics(logdir)) >= 2 or process.poll() is not None, 120,
+                 "two phases")
+        assert process.poll() is None, process.communicate()
+        children = [p.pid for p in psutil.Process(process.pid).children(recursive=True)]
+        os.kill(process.pid, signal.SIGTERM)
+        code, stdout, stderr = finish(process, 60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert code == 143, (stdout, stderr)
+    assert "Stopped by SIGTERM; checkpoint at step" in stdout, (stdout, stderr)
+    assert wait_gone(children, timeout=30) == []
+
+
 class TextEnv(gym.Env):
     """Text observations: no array of a fixed shape holds them."""
 

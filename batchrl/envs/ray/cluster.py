@@ -5,11 +5,13 @@ connection: a Ray the user initialised is used as it is, never shut down."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import threading
 from types import ModuleType
-from typing import Any
+from typing import Any, Iterator
 
 from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.ray.guard import RayGuard
@@ -33,6 +35,24 @@ def require_ray() -> ModuleType:
     return ray
 
 
+@contextlib.contextmanager
+def _handlers_kept() -> Iterator[None]:
+    """Around ``ray.init``, which replaces the SIGTERM handler of the main thread (with
+    ``sys.exit``, or for a head it starts here, with killing Ray and exiting): the
+    trainer's own handlers come back, so that a scheduler's SIGTERM stops the run with its
+    checkpoint. (Ray's processes are stopped by ``release`` then, or by the guard.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            if handler is not None:  # (None: not set from Python; nothing to put back)
+                signal.signal(signum, handler)
+
+
 def acquire(address: str = "") -> ModuleType:
     """Connect this process to Ray unless it is already; count one user (every ``acquire`` needs one
     ``release``); returns the ``ray`` module. ``address``: ``""`` starts a private Ray instance here
@@ -48,7 +68,8 @@ def acquire(address: str = "") -> ModuleType:
                 # ("" is a private instance: Ray's default would join a cluster that
                 # 'ray start' left running on this machine.)
                 target = address or os.environ.get("RAY_ADDRESS") or "local"
-                ray.init(address=target, logging_level=logging.WARNING)
+                with _handlers_kept():
+                    ray.init(address=target, logging_level=logging.WARNING)
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 if guard:
                     guard.stop()
