@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import multiprocessing.resource_tracker
 import os
 import signal
 import sys
 import threading
 import time
 from types import FrameType
-from typing import Any
+from typing import Any, Iterator
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -95,10 +96,31 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, name="batchrl-parent-watchdog", daemon=True).start()
 
 
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Around starting a process by exec (a spawned learner, the fork server): SIGINT and
+    SIGTERM blocked in this thread, so that the new process starts with them blocked (the
+    mask outlives exec): a Ctrl-C while it still imports Python would kill it with a
+    traceback; it ignores them, then unblocks them (``start_worker``, the fork server's
+    preload). Here a signal that arrives meanwhile waits until the block ends."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    # multiprocessing's resource tracker (which every start makes sure of) unblocks both
+    # signals once it started, instead of restoring the mask: it starts first.
+    multiprocessing.resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def start_worker(parent_pid: int) -> bool:
     """First thing a worker does: tie its life to the parent's and ignore
     Ctrl-C and SIGTERM (sent to the whole process group, but the parent
     decides how to stop). Returns ``False`` when the parent is already gone."""
+    ignore_stop_signals()
     die_with_parent()
     if parent_pid != os.getppid():
         try:
@@ -107,6 +129,13 @@ def start_worker(parent_pid: int) -> bool:
             return False  # the parent died before prctl was armed
         except PermissionError:
             pass  # alive, but another user's
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return True
+
+
+def ignore_stop_signals() -> None:
+    """Ignore SIGINT and SIGTERM, then unblock them (held by ``signals_held`` if this process
+    was started by exec): one that arrived while they were blocked is dropped."""
+    for signum in SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)

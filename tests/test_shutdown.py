@@ -125,6 +125,65 @@ def test_ctrl_c_while_a_worker_starts_leaves_it_to_the_parent(tmp_path):
     assert result.returncode == 0 and result.stdout == "(4,)\n", result.stderr
 
 
+FORK_SERVER_SCRIPT = textwrap.dedent("""
+    import os, signal, time
+    import psutil
+    from batchrl.envs import EnvWorker
+    from batchrl.envs.process.channel import context
+
+    if __name__ == "__main__":
+        signal.signal(signal.SIGINT, lambda *_: None)  # this parent handles Ctrl-C itself
+        context()  # starts the fork server, which imports batchrl before it ignores signals
+        for _ in range(400):
+            found = [p for p in psutil.Process().children()
+                     if "forkserver" in " ".join(p.cmdline())]
+            if found:
+                break
+            time.sleep(0.005)
+        server, = found
+        for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, a scheduler's SIGTERM
+            os.kill(server.pid, signum)
+        worker = EnvWorker(["CartPole-v1"])
+        print(worker.observation_space.shape, server.is_running(), flush=True)
+        worker.close()
+""")
+
+
+def test_ctrl_c_and_sigterm_while_the_fork_server_starts_leave_it_to_the_parent(tmp_path):
+    result = run_script(tmp_path / "fork_server.py", FORK_SERVER_SCRIPT)
+    assert result.returncode == 0 and result.stdout == "(4,) True\n", result.stderr
+
+
+SPAWNED_SCRIPT = textwrap.dedent("""
+    import multiprocessing as mp
+    import os, signal, sys, time
+    from batchrl.interrupt import ignore_stop_signals, signals_held
+
+    def child(results):
+        time.sleep(1.0)  # a spawned learner's imports, before it ignores Ctrl-C
+        ignore_stop_signals()
+        results.put("alive")
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        process = ctx.Process(target=child, args=(results,))
+        with signals_held():
+            process.start()
+        time.sleep(0.3)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            os.kill(process.pid, signum)
+        print(results.get(timeout=20), flush=True)
+        process.join(10)
+        print(process.exitcode, flush=True)
+""")
+
+
+def test_a_process_started_with_signals_held_survives_ctrl_c_until_it_ignores_it(tmp_path):
+    result = run_script(tmp_path / "spawned.py", SPAWNED_SCRIPT)
+    assert result.returncode == 0 and result.stdout == "alive\n0\n", result.stderr
+
+
 def test_ppo_update_stops_between_gradient_steps():
     observation_space = gym.spaces.Box(-1, 1, (3,), np.float32)
     action_space = gym.spaces.Box(-1, 1, (2,), np.float32)

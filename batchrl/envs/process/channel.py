@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import pickle
@@ -18,6 +19,7 @@ from typing import Any, Callable
 from batchrl.envs.errors import EnvCrashedError, EnvError, EnvTimeoutError, error_from_answer
 from batchrl.envs.process.main_guard import check_main_guard, main_not_reimported
 from batchrl.envs.worker import Closeable
+from batchrl.interrupt import signals_held
 
 _POLL_SECONDS = 0.2
 # The fork server imports these before it forks any worker.
@@ -26,10 +28,14 @@ _WORKER_MODULES = ["batchrl.envs.process.forkserver_signals",
 
 
 def context() -> mp.context.BaseContext:
-    """The multiprocessing context workers are started with."""
+    """The multiprocessing context workers are started with (the fork server running)."""
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(_WORKER_MODULES)
+        # Started (once) with Ctrl-C and SIGTERM held until its preload ignores them: it
+        # imports batchrl first, and a signal then would kill it with a traceback.
+        with signals_held():
+            multiprocessing.forkserver.ensure_running()
         return ctx
     return mp.get_context("spawn")
 

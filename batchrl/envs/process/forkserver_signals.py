@@ -1,7 +1,8 @@
 """Imported only by multiprocessing's fork server, as a preload module. A ``kill -TERM`` to
 the process group (a job scheduler, ``timeout``) also reaches the fork server, whose death
 would kill every env worker (their parent-death signal): the trainer would see crashed envs
-instead of stopping cleanly. So it ignores SIGTERM, as the workers do. It ignores Ctrl-C too,
+instead of stopping cleanly. So it ignores SIGTERM, as the workers do (it starts with both
+signals blocked, until this module ignores them: ``channel.context``). It ignores Ctrl-C too,
 and so do the processes it starts from their first instruction: the fork server gives them
 the signal handlers it had after this module, and a Ctrl-C while one still imports (before
 ``interrupt.start_worker`` ignores it) would kill it, a crash where the trainer stops.
@@ -20,6 +21,8 @@ import os
 import signal
 import sys
 import time
+
+from batchrl.interrupt import ignore_stop_signals
 
 # How long the fork server waits for its workers to exit by themselves once the trainer is
 # gone (an idle worker reads EOF at once and closes its envs).
@@ -44,8 +47,8 @@ def _parent_died(signum, frame) -> None:
     os._exit(0)
 
 
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
-signal.signal(signal.SIGINT, signal.SIG_IGN)
+# (started with both blocked, ``channel.context``: one that came while Python started is dropped)
+ignore_stop_signals()
 if sys.platform.startswith("linux"):
     signal.signal(signal.SIGUSR1, _parent_died)
     with contextlib.suppress(OSError, AttributeError):
