@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
@@ -22,7 +24,7 @@ from batchrl.envs.factory import make_batch_env
 from batchrl.metrics import read_metrics
 from batchrl.testing.envs import uint8_cartpole
 from batchrl.trainer import Trainer, check_collectors, collector_plan
-from helpers import descendants, finish, sets, start_train_py, wait_for, wait_gone
+from helpers import REPO, descendants, finish, sets, start_train_py, wait_for, wait_gone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -277,6 +279,30 @@ def test_evaluation_envs_of_other_spaces_than_the_collectors_are_refused_at_once
                                           r"not the training envs' Box\(-inf, inf, \(17,\)"):
         Trainer(build_config(values), tmp_path / "run", progress=False).run()
     assert not (tmp_path / "run").exists()
+
+
+STDIN_SCRIPT = """
+import sys
+from batchrl.config import build_config
+from batchrl.trainer import Trainer
+values = {"env": {"id": "Pendulum-v1", "num_agents": 4, "max_length": 200, "backend": "inline"},
+          "train": {"steps": 640, "eval_episodes": 0, "device": "cpu", "collectors": 2},
+          "algorithm": {"rollout_length": 40, "update_epochs": 1, "inference": "eager",
+                        "update_threads": 1}}
+Trainer(build_config(values), sys.argv[1], progress=False).run()
+print("trained", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_collectors_start_from_a_script_read_from_stdin(tmp_path):
+    """``python - <<EOF`` has no main file that the collector processes could import again:
+    they start without it, as env workers do."""
+    result = subprocess.run([sys.executable, "-", str(tmp_path / "run")], input=STDIN_SCRIPT,
+                            capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert result.returncode == 0 and result.stdout == "trained\n", result.stderr
+    assert read_metrics(tmp_path / "run")[-1]["step"] == 640
 
 
 def test_a_collector_that_cannot_start_stops_the_run_with_its_error(tmp_path):

@@ -191,6 +191,27 @@ def test_preemption_cuts_the_slow_learners_rollouts_and_keeps_the_weights_identi
     assert fast["collected"] == slow["collected"] and min(fast["collected"]) < 1.0
 
 
+STDIN_SCRIPT = """
+import sys
+from batchrl.config import load_config
+from batchrl.learners import run
+config = load_config("halfcheetah", sys.argv[2:])
+run(config, sys.argv[1], progress=False)
+print("trained", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_local_learners_start_from_a_script_read_from_stdin(tmp_path):
+    """``python - <<EOF`` has no main file that the spawned learners could import again:
+    they start without it, as env workers do."""
+    result = subprocess.run(
+        [sys.executable, "-", str(tmp_path / "run"), *CHEETAH, "train.learners=2",
+         "train.steps=2000", "env.backend=inline"], input=STDIN_SCRIPT, capture_output=True,
+        text=True, timeout=180, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert result.returncode == 0 and result.stdout.endswith("trained\n"), result.stderr
+
+
 # --- train.py with two learners -----------------------------------------------------------
 
 def train(logdir: Path, *args: str, timeout: float = 180) -> tuple[int, str, str]:

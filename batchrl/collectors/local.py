@@ -29,6 +29,7 @@ import torch.multiprocessing  # noqa: F401  (shares tensors between processes wh
 
 from batchrl.collectors.collector import CollectorSpec, Link, Replacements, collect
 from batchrl.envs.process.channel import context
+from batchrl.envs.process.main_guard import check_main_guard, main_not_reimported
 from batchrl.interrupt import start_worker
 from batchrl.parts.packing import stored_observations
 from batchrl.parts.rollout import Fields, Rollout, RolloutBuffer, rollout_tensors
@@ -166,6 +167,7 @@ class LocalCollectors:
                     tensor.share_memory_()
         weights = {name: value.detach().to("cpu", copy=True).share_memory_()
                    for name, value in acting_state.items()}
+        check_main_guard()
         self._ctx = context()
         self.shared = _Shared(self._ctx, slots, weights, max_policy_lag)
         self.version = -1
@@ -186,7 +188,8 @@ class LocalCollectors:
             target=_collector_main, name=f"batchrl-collector-{index}",
             args=(self.spec, index, self.shared, self.shared.slots[index],
                   self.replacements.incarnations[index], os.getpid()))
-        process.start()
+        with main_not_reimported():
+            process.start()
         self._processes[index] = process
 
     @property
@@ -267,6 +270,7 @@ class LocalCollectors:
                     " (a step that outlasted env.timeout? see its traceback on stderr)"
                     if process.exitcode == 1 and self.spec.step_timeout else "")))
             process.close()
+            self._processes[index] = None  # (close() skips it if its successor fails to start)
             self._renew(index)
             self._start(index)
 

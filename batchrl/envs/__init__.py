@@ -9,6 +9,7 @@ from batchrl.envs.errors import (EnvAttributeError, EnvCrashedError, EnvError,
 from batchrl.envs.infos import InfoList
 from batchrl.envs.local import LocalWorker
 from batchrl.envs.process.external import ExternalProcess
+from batchrl.envs.process.main_guard import check_main_guard, main_not_reimported
 from batchrl.envs.process.shared_memory import EnvWorker
 from batchrl.envs.ray.worker import RayEnvWorker
 from batchrl.envs.vector import BatchVectorEnv, make_vec
@@ -21,6 +22,6 @@ __all__ = [
     "EnvWorker", "RayEnvWorker",
     "WorkerEnv", "InfoList", "RemoteAttribute",
     "EnvError", "EnvRaisedError", "EnvAttributeError", "EnvCrashedError", "EnvTimeoutError",
-    "RayWorkerCrashedError", "UnguardedMainError",
+    "RayWorkerCrashedError", "UnguardedMainError", "check_main_guard", "main_not_reimported",
     "ClipAction", "TimeLimit", "convert_to_32bit", "range_normalize", "wrap_env",
 ]

@@ -32,9 +32,10 @@ import torch
 
 from batchrl.checkpoint import CheckpointError
 from batchrl.config import Config, ConfigError
+from batchrl.envs import check_main_guard, main_not_reimported
 from batchrl.envs.errors import EnvSpecError, SpaceMismatchError, UnsupportedSpaceError
 from batchrl.hardware import usable_cores
-from batchrl.interrupt import Interrupted, start_worker
+from batchrl.interrupt import Interrupted, signals_held, start_worker
 from batchrl.parts.distributed import LearnerGroup, launched_by_torchrun, preemption_count
 from batchrl.trainer import Trainer, check_learner_support, on_a_cluster, resolve_device
 
@@ -198,12 +199,14 @@ def _run_local(config: Config, logdir: Path, progress: bool,
     processes = []
     own_cores = os.sched_getaffinity(0)
     finished = False
+    check_main_guard()
     try:
         for rank in range(1, size):
             process = ctx.Process(target=_learner_main, name=f"batchrl-learner-{rank}",
                                   args=(config, logdir, rank, size, port, os.getpid(),
                                         shares[rank], errors))
-            process.start()
+            with main_not_reimported(), signals_held():
+                process.start()
             processes.append(process)
         pids = [os.getpid()] + [process.pid for process in processes]
         print(f"{size} learners, cores {shares}: pids {', '.join(map(str, pids))}", flush=True)
