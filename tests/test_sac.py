@@ -150,6 +150,41 @@ def test_bfloat16_layers_keep_float32_parameters_and_outputs():
     env.close()
 
 
+def test_stored_actions_are_the_squashed_ones_perform_chose_or_the_callers_mapped_back():
+    torque = gym.spaces.Box(-2.0, 2.0, (1,), np.float32)
+    algo = SAC(gym.spaces.Box(-1.0, 1.0, (3,), np.float32), torque, 2, **SMALL)
+    stored = algo.buffer.tensors["action"]
+    observ = torch.zeros(2, 3)
+    reward, flags = torch.zeros(2), torch.zeros(2, dtype=torch.bool)
+    # Transitions perform() did not choose (a caller's own, after a training perform that
+    # the next experience() used up): their env actions, mapped back into [-1, 1].
+    algo.experience(torch.arange(2), observ, torch.tensor([[1.0], [-2.0]]), reward, flags,
+                    observ, flags)
+    assert stored[0].tolist() == [[0.5], [-1.0]]
+    action, _ = algo.perform(torch.arange(2), observ)
+    squashed = algo._last_action.clone()
+    algo.experience(torch.arange(2), observ, action, reward, flags, observ, flags)
+    assert torch.equal(stored[1], squashed)  # exactly what perform chose
+
+
+def test_bfloat16_hidden_layers_leave_large_q_values_their_float32_resolution():
+    """bfloat16 keeps about 3 significant digits: Q-values near 1,000 would move in steps of
+    8. The output layer computes in float32."""
+    from batchrl.algos.sac import EnsembleMLP
+
+    torch.manual_seed(0)
+    network = EnsembleMLP(2, 8, [64, 64], 1)
+    with torch.no_grad():
+        network.biases[-1].add_(1000.0)
+    inputs = torch.randn(256, 8)
+    exact = network(inputs)
+    network.compute_dtype = torch.bfloat16
+    out = network(inputs)
+    assert out.dtype == torch.float32 and out.shape == (2, 256, 1)
+    assert len(torch.unique(out)) > 400  # (in bfloat16 they would all round to 1,000)
+    assert (out - exact).abs().max() < 0.05
+
+
 def test_bad_input_is_a_clear_error():
     box = gym.spaces.Box(-1, 1, (3,))
     with pytest.raises(UnsupportedSpaceError, match="SAC needs a 1-D Box action space, got "
@@ -186,9 +221,9 @@ def test_actions_span_the_range_the_wrapped_env_acts_in(normalize_ranges):
     env = wrap_env(gym.make("Pendulum-v1"), normalize_ranges=normalize_ranges)
     bound = 1.0 if normalize_ranges else 2.0
     assert env.action_space == gym.spaces.Box(-bound, bound, (1,), np.float32)
+    torch.manual_seed(0)  # (the initial policy: what other tests drew before must not matter)
     algo = SAC(env.observation_space, env.action_space, 4, learning_starts=0)
     algo.train()
-    torch.manual_seed(0)
     actions = torch.cat([algo.perform(torch.arange(4), torch.full((4, 3), 5.0))[0]
                          for _ in range(200)])
     assert actions.abs().max() <= bound and actions.abs().max() > 0.6 * bound

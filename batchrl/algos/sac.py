@@ -31,7 +31,9 @@ class EnsembleMLP(nn.Module):
     batched matrix product per layer: ``(B, inputs)`` -> ``(members, B, outputs)``, float32.
     Each member is initialised as ``nn.Linear`` initialises its layers. ``compute_dtype``
     (``torch.bfloat16``: cheaper matrix products on CPUs and GPUs that have them) is the
-    dtype the layers compute in; the parameters and the output stay float32."""
+    dtype the hidden layers compute in; the output layer computes in float32 (bfloat16 keeps
+    about 3 significant digits: a Q-value near 1,000 would move in steps of 8, the size of a
+    reward), and the parameters stay float32."""
 
     compute_dtype = torch.float32
 
@@ -52,10 +54,11 @@ class EnsembleMLP(nn.Module):
         x = inputs.to(dtype).unsqueeze(0).expand(len(self.weights[0]), *inputs.shape)
         last = len(self.weights) - 1
         for index, (weight, bias) in enumerate(zip(self.weights, self.biases)):
-            x = torch.baddbmm(bias.to(dtype), x, weight.to(dtype))
             if index < last:
-                x = F.relu(x)
-        return x.float()
+                x = F.relu(torch.baddbmm(bias.to(dtype), x, weight.to(dtype)))
+            else:
+                x = torch.baddbmm(bias, x.float(), weight)
+        return x
 
 
 class SquashedGaussian(nn.Module):
@@ -195,7 +198,13 @@ class SAC(ReplayAlgorithm):
         return self._low + (squashed + 1.0) * self._scale, {}
 
     def stored_action(self, action: torch.Tensor) -> torch.Tensor:
-        return self._last_action  # (the squashed one, in [-1, 1])
+        """The squashed action in [-1, 1] that ``perform`` chose for this step (exactly), or
+        for transitions it did not choose (a caller's own), ``action`` mapped back to it."""
+        squashed, self._last_action = self._last_action, None
+        if squashed is None or squashed.shape != action.shape:
+            scale = torch.where(self._scale > 0, self._scale, 1.0)  # (low == high: any value)
+            squashed = ((action.float() - self._low) / scale - 1.0).clamp(-1.0, 1.0)
+        return squashed
 
     def gradient_step(self) -> dict[str, torch.Tensor]:
         """One step of the critics, the policy and the temperature, and the targets' Polyak
