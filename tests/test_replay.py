@@ -239,3 +239,38 @@ def test_bad_input_is_a_clear_error():
     with pytest.raises(ValueError, match=r"'action' must have shape \(2, 2\), got \(2, 3\)"):
         buffer.add(reward=torch.zeros(2), terminated=torch.zeros(2), done=torch.zeros(2),
                    observ=torch.zeros(2), next_observ=torch.zeros(2), action=torch.zeros(2, 3))
+
+
+def test_a_rejected_add_writes_nothing():
+    buffer = ReplayBuffer(1, 2, {"observ": ((2,), torch.uint8), "next_observ": ((2,), torch.uint8),
+                                 "action": ((), torch.float32)})
+    step = dict(observ=torch.full((1, 2), 7, dtype=torch.uint8),
+                next_observ=torch.full((1, 2), 8, dtype=torch.uint8), action=torch.ones(1),
+                terminated=torch.zeros(1), done=torch.zeros(1))
+    buffer.add(reward=torch.ones(1), **step)
+    buffer.add(reward=torch.ones(1), **step)  # full: the next add overwrites row 0
+    with pytest.raises(ValueError, match=r"'reward' must have shape \(1,\), got \(2,\)"):
+        buffer.add(reward=torch.ones(2), **{**step, "observ": torch.zeros(1, 2, dtype=torch.uint8)})
+    with pytest.raises(ValueError, match=r"'observ' is stored as torch.uint8, got torch.float32 "
+                                         r"values \(pixels are stored as bytes\)"):
+        buffer.add(reward=torch.ones(1), **{**step, "observ": torch.rand(1, 2)})
+    assert buffer.tensors["observ"].tolist() == [[[7, 7]], [[7, 7]]]
+    assert buffer.position == 0 and len(buffer) == 2
+
+
+def test_the_storage_is_allocated_when_the_first_transitions_arrive():
+    """An algorithm that only evaluates (batchrl.evaluate) never allocates its buffer: here
+    one of 4 TB, which no machine here could hold, is built, saved and loaded empty."""
+    huge = ReplayBuffer(1, 10**12, FIELDS)
+    empty = huge.state_dict()
+    assert empty["filled"] == 0 and empty["tensors"]["action"].shape == (0, 1, 2)
+    huge.load_state_dict(empty)
+    assert len(huge) == 0 and huge.capacity == 10**12
+    small = ReplayBuffer(2, 4, FIELDS)
+    small.load_state_dict(small.state_dict())
+    small.add(reward=torch.ones(2), terminated=torch.zeros(2), done=torch.zeros(2),
+              observ=torch.zeros(2), next_observ=torch.ones(2), action=torch.ones(2, 2))
+    assert small.tensors["reward"].shape == (2, 2) and len(small) == 2
+    with pytest.raises(ValueError, match=r"replay buffer 'observ': saved \(1000000000000, 1\), "
+                                         r"this buffer \(2, 2\) \(another capacity"):
+        small.load_state_dict(empty)

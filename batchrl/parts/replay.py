@@ -2,8 +2,9 @@
 uniformly, with n-step returns.
 
 Transitions arrive one batch step at a time (all ``N`` agents) and are kept time-major in
-preallocated tensors of ``capacity // N`` rows of ``N`` agents on one device, overwritten
-oldest first. Each transition keeps its own next observation, so that a truncated episode
+tensors of ``capacity // N`` rows of ``N`` agents on one device, allocated whole when the
+first transitions arrive (an algorithm that only evaluates never allocates them) and
+overwritten oldest first. Each transition keeps its own next observation, so that a truncated episode
 (a time limit) bootstraps from its last observation, while a terminated one does not.
 """
 
@@ -62,17 +63,34 @@ class ReplayBuffer:
         shapes = {**{name: (tuple(shape), dtype) for name, (shape, dtype) in fields.items()},
                   "reward": ((), torch.float32), "terminated": ((), torch.bool),
                   "done": ((), torch.bool)}
-        self.tensors = {name: torch.zeros((self.rows, num_agents, *shape), dtype=dtype,
-                                          device=self.device)
+        self._shapes = {name: ((self.rows, num_agents, *shape), dtype)
                         for name, (shape, dtype) in shapes.items()}
+        self._tensors: dict[str, torch.Tensor] | None = None
         self.position = 0   # the row the next add writes
         self.filled = 0     # rows written, up to self.rows
-        # Steps sample() must not draw (see add's ``lost``), and how many each row holds
-        # (kept on the host: sampling checks nothing on the device while there are none).
-        self.valid = torch.ones((self.rows, num_agents), dtype=torch.bool, device=self.device)
+        self._valid: torch.Tensor | None = None
+        # How many steps each row holds that sample() must not draw (see add's ``lost``),
+        # kept on the host: sampling checks nothing on the device while there are none.
         self._lost_per_row: dict[int, int] = {}
         self._powers = discount ** torch.arange(n_step + 1, device=self.device,
                                                 dtype=torch.float32)
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """name -> ``(rows, N, *shape)``: every field's storage, allocated on first use."""
+        if self._tensors is None:
+            self._tensors = {name: torch.zeros(shape, dtype=dtype, device=self.device)
+                             for name, (shape, dtype) in self._shapes.items()}
+        return self._tensors
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``(rows, N)`` bool: the stored steps ``sample`` may draw (see ``add``'s ``lost``);
+        allocated on first use, as the storage is."""
+        if self._valid is None:
+            self._valid = torch.ones(self._shapes["reward"][0], dtype=torch.bool,
+                                     device=self.device)
+        return self._valid
 
     @property
     def capacity(self) -> int:
@@ -94,13 +112,18 @@ class ReplayBuffer:
             expected = sorted(self.tensors.keys() - {"reward", "terminated", "done"})
             raise KeyError(f"add needs the fields {expected}, got {sorted(values)}")
         row = self.position
-        for name, value in (*values.items(), ("reward", reward), ("terminated", terminated),
-                            ("done", done)):
+        fields = (*values.items(), ("reward", reward), ("terminated", terminated),
+                  ("done", done))
+        for name, value in fields:  # (all checked before any is written)
             target = self.tensors[name][row]
             if value.shape != target.shape:
                 raise ValueError(f"add: {name!r} must have shape {tuple(target.shape)}, got "
                                  f"{tuple(value.shape)}")
-            target.copy_(value.detach())
+            if value.is_floating_point() and target.dtype == torch.uint8:
+                raise ValueError(f"add: {name!r} is stored as {target.dtype}, got "
+                                 f"{value.dtype} values (pixels are stored as bytes)")
+        for name, value in fields:
+            self.tensors[name][row].copy_(value.detach())
         if self._lost_per_row.pop(row, 0):
             self.valid[row] = True
         if lost is not None and len(lost):
@@ -114,7 +137,8 @@ class ReplayBuffer:
     def clear(self) -> None:
         """Forget every stored transition (the memory stays allocated)."""
         self.position = self.filled = 0
-        self.valid.fill_(True)
+        if self._valid is not None:
+            self._valid.fill_(True)
         self._lost_per_row.clear()
 
     def cut(self, agents: torch.Tensor) -> None:
@@ -169,25 +193,31 @@ class ReplayBuffer:
         resumption. A full buffer's tensors are the live ones, not copies (a copy would
         double the memory of a buffer of gigabytes): serialise the state before the buffer
         takes another step, as the trainer's checkpoints do."""
-        tensors = (dict(self.tensors) if self.filled == self.rows else  # (a copy, not a view:
-                   {name: value[:self.filled].clone()                   # torch.save would
-                    for name, value in self.tensors.items()})           # write all rows)
+        if self._tensors is None:  # (nothing stored yet: no storage to allocate for it)
+            tensors = {name: torch.zeros((0, *shape[1:]), dtype=dtype, device=self.device)
+                       for name, (shape, dtype) in self._shapes.items()}
+        else:
+            tensors = (dict(self._tensors) if self.filled == self.rows else  # (a copy, not
+                       {name: value[:self.filled].clone()    # a view: torch.save would write
+                        for name, value in self._tensors.items()})  # all rows)
         return {"tensors": tensors, "rows": self.rows, "position": self.position,
-                "filled": self.filled, "valid": self.valid[:self.filled].clone()}
+                "filled": self.filled, "valid": self.valid[:self.filled].clone()
+                if self.filled else torch.ones((0, self.num_agents), dtype=torch.bool)}
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         tensors, filled = state["tensors"], int(state["filled"])
-        for name, tensor in self.tensors.items():
+        for name, (shape, _) in self._shapes.items():
             rows = state.get("rows", len(tensors[name]))  # (older checkpoints: every row)
             saved = (int(rows), *tensors[name].shape[1:])
-            if saved != tensor.shape:
+            if saved != shape:
                 raise ValueError(f"replay buffer {name!r}: saved {saved}, this buffer "
-                                 f"{tuple(tensor.shape)} (another capacity or number of "
-                                 f"agents)")
+                                 f"{shape} (another capacity or number of agents)")
+        self.clear()
+        if not filled:
+            return
         for name, tensor in self.tensors.items():
             tensor[:filled] = tensors[name][:filled]
         self.position, self.filled = int(state["position"]), filled
-        self.valid.fill_(True)
         if "valid" in state:  # (older checkpoints: every step valid)
             self.valid[:filled] = state["valid"][:filled]
         lost = (~self.valid).sum(1)
