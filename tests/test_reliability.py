@@ -39,6 +39,24 @@ def kill_all(pids: list[int]) -> None:
             pass
 
 
+def sigkill_leaves_nothing(process: subprocess.Popen, children: list[int],
+                           timeout: float) -> None:
+    """SIGKILL ``process``, which has no chance to clean up: its ``children``, all running,
+    must exit by themselves within ``timeout`` seconds."""
+    assert running(children) == children
+    os.kill(process.pid, signal.SIGKILL)
+    assert process.wait(10) == -signal.SIGKILL
+    assert wait_gone(children, timeout=timeout) == []
+
+
+def reap(process: subprocess.Popen, children: list[int]) -> None:
+    """Whatever a test left running: ``process`` and its ``children``."""
+    if process.poll() is None:
+        process.kill()
+    process.communicate()
+    kill_all(children)
+
+
 # --- SIGKILL of the trainer ------------------------------------------------------------
 
 @pytest.mark.timeout(120)
@@ -63,15 +81,9 @@ def test_sigkilled_train_py_leaves_no_process_behind(backend, tmp_path):
         children = [p.pid for p in psutil.Process(process.pid).children(recursive=True)]
         envs = 2 if backend == "workers" else 4
         assert len(children) >= envs + 1  # the env processes and the fork server
-        assert running(children) == children
-        os.kill(process.pid, signal.SIGKILL)
-        assert process.wait(10) == -signal.SIGKILL
-        assert wait_gone(children, timeout=20) == []
+        sigkill_leaves_nothing(process, children, timeout=20)
     finally:
-        if process.poll() is None:
-            process.kill()
-        process.communicate()
-        kill_all(children)
+        reap(process, children)
 
 
 STUCK_ENV = textwrap.dedent("""
@@ -130,15 +142,9 @@ def test_sigkilled_parent_takes_workers_stuck_holding_the_gil_with_it(tmp_path):
         children = [p.pid for p in psutil.Process(process.pid).children(recursive=True)]
         assert len(children) >= 4  # the fork server, 2 workers, the resource tracker
         time.sleep(0.5)  # the workers are inside step() now
-        assert running(children) == children
-        os.kill(process.pid, signal.SIGKILL)
-        assert process.wait(10) == -signal.SIGKILL
-        assert wait_gone(children, timeout=15) == []
+        sigkill_leaves_nothing(process, children, timeout=15)
     finally:
-        if process.poll() is None:
-            process.kill()
-        process.communicate()
-        kill_all(children)
+        reap(process, children)
 
 
 # --- signals to the whole process group ------------------------------------------------
