@@ -117,6 +117,8 @@ def test_bad_input_is_a_clear_error():
         DQN(box, box, 2)
     with pytest.raises(ValueError, match="final_epsilon must be in"):
         DQN(box, gym.spaces.Discrete(2), 2, final_epsilon=2)
+    with pytest.raises(ValueError, match=r"buffer_size \(1\) must hold at least one transition"):
+        DQN(box, gym.spaces.Discrete(2), 2, buffer_size=1)
     with pytest.raises(ValueError, match="target_update_every must be >= 1, got 0"):
         DQN(box, gym.spaces.Discrete(2), 2, target_update_every=0)
     with pytest.raises(UnsupportedSpaceError, match="torso 'nature_cnn' needs image "

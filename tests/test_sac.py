@@ -198,6 +198,9 @@ def test_bad_input_is_a_clear_error():
             SAC(box, box, 2, **{key: value})
     with pytest.raises(ValueError, match=r"hidden must be layer sizes >= 1, got \[0\]"):
         SAC(box, box, 2, hidden=[0])
+    with pytest.raises(ValueError, match=r"buffer_size \(3\) must hold at least one transition "
+                                         r"per agent \(4 agents: env.num_agents\)"):
+        SAC(box, box, 4, buffer_size=3)
     with pytest.raises(ValueError, match="target_entropy must be finite, got nan"):
         SAC(box, box, 2, target_entropy=math.nan)
     with pytest.raises(ValueError, match=r"tau must be in \(0, 1\], got 2"):

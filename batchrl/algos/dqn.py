@@ -16,7 +16,8 @@ from torch.nn import functional as F
 
 from batchrl.algos.base import Summary
 from batchrl.algos.networks import build_torso, mlp
-from batchrl.algos.replay import ReplayAlgorithm, check_hyperparameters, observation_field
+from batchrl.algos.replay import (ReplayAlgorithm, check_buffer_size, check_hyperparameters,
+                                  observation_field)
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.parts.replay import ReplayBuffer
 
@@ -75,6 +76,7 @@ class DQN(ReplayAlgorithm):
             raise ValueError(f"final_epsilon must be in [0, 1], got {final_epsilon}")
         check_hyperparameters({"learning_rate": learning_rate, "max_grad_norm": max_grad_norm},
                               hidden)
+        check_buffer_size(buffer_size, num_agents)
         obs_size = math.prod(observation_space.shape)
         flat = observation_field(observation_space)
         super().__init__(device, eval_actions, num_agents, ReplayBuffer(

@@ -24,6 +24,14 @@ def check_hyperparameters(positive: dict[str, float], layers: Sequence[int] = ()
         raise ValueError(f"hidden must be layer sizes >= 1, got {list(layers)}")
 
 
+def check_buffer_size(buffer_size: int, num_agents: int) -> None:
+    """Raise ``ValueError`` unless a buffer of ``buffer_size`` transitions holds at least one
+    batch step of ``num_agents`` agents."""
+    if buffer_size < num_agents:
+        raise ValueError(f"buffer_size ({buffer_size}) must hold at least one transition per "
+                         f"agent ({num_agents} agents: env.num_agents)")
+
+
 def observation_field(space: gym.spaces.Box) -> tuple[tuple[int], torch.dtype]:
     """The replay buffer's field of flattened ``space`` observations: ``uint8`` pixels stay
     ``uint8`` (a quarter of the bytes), other observations are ``float32``."""

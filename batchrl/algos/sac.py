@@ -17,7 +17,8 @@ from torch.nn import functional as F
 from batchrl.algos.base import Summary
 from batchrl.algos.networks import build_torso
 from batchrl.algos.ppo_config import PRECISIONS
-from batchrl.algos.replay import ReplayAlgorithm, check_hyperparameters, observation_field
+from batchrl.algos.replay import (ReplayAlgorithm, check_buffer_size, check_hyperparameters,
+                                  observation_field)
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.parts.replay import ReplayBuffer
 
@@ -144,6 +145,7 @@ class SAC(ReplayAlgorithm):
             raise ValueError(f"tau must be in (0, 1], got {tau}")
         check_hyperparameters({"init_alpha": init_alpha, "learning_rate": learning_rate},
                               hidden)
+        check_buffer_size(buffer_size, num_agents)
         if target_entropy is not None and not math.isfinite(target_entropy):
             raise ValueError(f"target_entropy must be finite, got {target_entropy}")
         if precision not in PRECISIONS:
