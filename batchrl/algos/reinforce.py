@@ -22,7 +22,8 @@ The algorithm is the classic Monte-Carlo policy gradient: the policy takes a gra
 the value network ``V``, trained to predict it, lowers the variance of the gradient.
 
 The README's "Writing an algorithm" runs it on CartPole-v1 with ``Simulation(env).step`` (returns
-near 500 after about 4000 calls), and ``configs/cartpole_reinforce.toml`` trains it with ``train.py``.
+near 500 after about 4000 calls), and ``configs/cartpole_reinforce.toml`` trains it with
+``train.py``.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ uniformly, with n-step returns.
 Transitions arrive one batch step at a time (all ``N`` agents) and are kept time-major in
 tensors of ``capacity // N`` rows of ``N`` agents on one device, allocated whole when the
 first transitions arrive (an algorithm that only evaluates never allocates them) and
-overwritten oldest first. Each transition keeps its own next observation, so that a truncated episode
-(a time limit) bootstraps from its last observation, while a terminated one does not.
+overwritten oldest first. Each transition keeps its own next observation, so that a
+truncated episode (a time limit) bootstraps from its last observation, while a terminated
+one does not.
 """
 
 from __future__ import annotations
@@ -202,7 +203,8 @@ class ReplayBuffer:
                         for name, value in self._tensors.items()})  # all rows)
         return {"tensors": tensors, "rows": self.rows, "position": self.position,
                 "filled": self.filled, "valid": self.valid[:self.filled].clone()
-                if self.filled else torch.ones((0, self.num_agents), dtype=torch.bool)}
+                if self.filled else torch.ones((0, self.num_agents), dtype=torch.bool,
+                                               device=self.device)}
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         tensors, filled = state["tensors"], int(state["filled"])

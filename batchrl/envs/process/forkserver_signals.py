@@ -16,11 +16,14 @@ So the fork server asks the kernel for ``SIGUSR1`` when its parent dies
 (``PR_SET_PDEATHSIG``, Linux), gives idle workers a moment to exit on their pipes' EOF,
 and exits; the kernel then kills the busy ones."""
 
+from __future__ import annotations
+
 import contextlib
 import os
 import signal
 import sys
 import time
+import types
 
 from batchrl.interrupt import ignore_stop_signals
 
@@ -31,7 +34,7 @@ _SERVER = os.getpid()
 _TRAINER = os.getppid()
 
 
-def _parent_died(signum, frame) -> None:
+def _parent_died(signum: int, frame: types.FrameType | None) -> None:
     # The workers inherit this handler: in them it does nothing. The fork server's parent
     # "dies" for the kernel also when the thread that started it ends while the trainer
     # lives on (the parent-death signal follows threads): then its parent is unchanged.
