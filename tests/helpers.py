@@ -290,6 +290,14 @@ def run_script(path: Path, source: str, timeout: float = 60) -> subprocess.Compl
                           env=dict(os.environ, PYTHONPATH=str(REPO)))
 
 
+def run_stdin_script(source: str, *args: str, timeout: float = 120
+                     ) -> subprocess.CompletedProcess:
+    """``source`` run as ``python - ARGS`` (a main script without a file, which child
+    processes cannot import again), with this checkout's batchrl; its output as text."""
+    return subprocess.run([sys.executable, "-", *args], input=source, capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ, PYTHONPATH=str(REPO)))
+
+
 def start_train_py(*args: str, cwd: Path = REPO) -> subprocess.Popen:
     """train.py in its own process group (so that a signal to the group
     reaches it and its children as Ctrl-C in a terminal would)."""

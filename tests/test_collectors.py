@@ -7,8 +7,6 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
@@ -24,7 +22,8 @@ from batchrl.envs.factory import make_batch_env
 from batchrl.metrics import read_metrics
 from batchrl.testing.envs import uint8_cartpole
 from batchrl.trainer import Trainer, check_collectors, collector_plan
-from helpers import REPO, descendants, finish, sets, start_train_py, wait_for, wait_gone
+from helpers import (descendants, finish, run_stdin_script, sets, start_train_py, wait_for,
+                     wait_gone)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -298,9 +297,7 @@ print("trained", flush=True)
 def test_collectors_start_from_a_script_read_from_stdin(tmp_path):
     """``python - <<EOF`` has no main file that the collector processes could import again:
     they start without it, as env workers do."""
-    result = subprocess.run([sys.executable, "-", str(tmp_path / "run")], input=STDIN_SCRIPT,
-                            capture_output=True, text=True, timeout=120,
-                            env=dict(os.environ, PYTHONPATH=str(REPO)))
+    result = run_stdin_script(STDIN_SCRIPT, str(tmp_path / "run"))
     assert result.returncode == 0 and result.stdout == "trained\n", result.stderr
     assert read_metrics(tmp_path / "run")[-1]["step"] == 640
 

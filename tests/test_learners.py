@@ -29,7 +29,7 @@ from batchrl.parts.distributed import LearnerGroup
 from batchrl.parts.normalize import StreamingNormalizer
 from batchrl.simulation import simulate
 from helpers import (REPO, assert_same, descendants, finish, in_session, seeded_tensor_env,
-                     sets, start_train_py, wait_for, wait_gone)
+                     run_stdin_script, sets, start_train_py, wait_for, wait_gone)
 
 # HalfCheetah with 4 agents in 50-step rollouts: a training phase of 2,000 steps in a second
 # or two; minibatches of 100 steps over both learners.
@@ -205,10 +205,8 @@ print("trained", flush=True)
 def test_local_learners_start_from_a_script_read_from_stdin(tmp_path):
     """``python - <<EOF`` has no main file that the spawned learners could import again:
     they start without it, as env workers do."""
-    result = subprocess.run(
-        [sys.executable, "-", str(tmp_path / "run"), *CHEETAH, "train.learners=2",
-         "train.steps=2000", "env.backend=inline"], input=STDIN_SCRIPT, capture_output=True,
-        text=True, timeout=180, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    result = run_stdin_script(STDIN_SCRIPT, str(tmp_path / "run"), *CHEETAH, "train.learners=2",
+                              "train.steps=2000", "env.backend=inline", timeout=180)
     assert result.returncode == 0 and result.stdout.endswith("trained\n"), result.stderr
 
 
