@@ -300,6 +300,41 @@ def test_a_learner_that_dies_or_ctrl_c_stops_every_learner(tmp_path, how):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("how", ["kill learner 1", "stop learner 1, then ctrl-c"])
+def test_the_learners_meeting_ends_at_once_when_one_dies_or_ctrl_c(tmp_path, how):
+    # Learner 1 is still importing torch when the launcher prints its pid: it never joins.
+    # Learner 0 used to wait in C for the full connect timeout (2 minutes), deaf to Ctrl-C.
+    logdir = tmp_path / "run"
+    process = start_train_py("--config", "halfcheetah", "--logdir", str(logdir),
+                             *sets(*CHEETAH, "train.learners=2", "train.steps=10000000"))
+    try:
+        line = process.stdout.readline()
+        while "learners, cores" not in line:
+            assert line, process.communicate()
+            line = process.stdout.readline()
+        other = int(line.rsplit(", ", 1)[1])
+        children = descendants(process.pid)
+        if how == "kill learner 1":
+            os.kill(other, signal.SIGKILL)
+        else:
+            os.kill(other, signal.SIGSTOP)
+            time.sleep(1.0)
+            os.killpg(process.pid, signal.SIGINT)
+        code, stdout, stderr = finish(process, 45)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert wait_gone(children, timeout=15) == []
+    assert "Traceback" not in stderr, stderr
+    if how == "kill learner 1":
+        assert code == 1, (stdout, stderr)
+        assert re.search(rf"error: learner 1 \(pid {other}\) was killed by signal 9", stderr)
+    else:
+        assert code == 130, (stdout, stderr)
+        assert "Interrupted before training started" in stderr
+
+
+@pytest.mark.slow
 def test_torchrun_starts_the_learners(tmp_path):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     assert torchrun is not None

@@ -143,7 +143,7 @@ def _run_ray(config: Config, logdir: Path, progress: bool,
                           for rank, (node, _) in enumerate(remote.nodes, 1))
         print(f"{size} learners: learner 0 here, {nodes}", flush=True)
         result = _lead(config, logdir, progress, handle_signals, address, port,
-                       remote.failure)
+                       remote.failure, lambda: remote.failure(0.0) is not None)
         finished = True
         return result
     finally:
@@ -153,13 +153,15 @@ def _run_ray(config: Config, logdir: Path, progress: bool,
 
 
 def _lead(config: Config, logdir: Path, progress: bool, handle_signals: bool, address: str,
-          port: int, failure: Callable[[], str | None]) -> dict[str, Any]:
+          port: int, failure: Callable[[], str | None],
+          gone: Callable[[], bool]) -> dict[str, Any]:
     """Learner 0: meet the others at ``address:port`` and train. An error that another
-    learner caused becomes a ``LearnerError`` naming it (``failure()`` says which, if any)."""
+    learner caused becomes a ``LearnerError`` naming it (``failure()`` says which, if any);
+    ``gone()`` says, without waiting, whether one of them has stopped."""
     learners = None
     try:
         learners = LearnerGroup.connect(0, config.train.learners, address, port,
-                                        resolve_device(config.train.device))
+                                        resolve_device(config.train.device), gone=gone)
         return Trainer(config, logdir, progress, handle_signals, learners=learners).run()
     except (ConfigError, EnvSpecError, UnsupportedSpaceError, SpaceMismatchError,
             CheckpointError, Interrupted, KeyboardInterrupt):
@@ -212,7 +214,8 @@ def _run_local(config: Config, logdir: Path, progress: bool,
         print(f"{size} learners, cores {shares}: pids {', '.join(map(str, pids))}", flush=True)
         os.sched_setaffinity(0, shares[0])
         result = _lead(config, logdir, progress, handle_signals, "127.0.0.1", port,
-                       functools.partial(_failure, processes, errors))
+                       functools.partial(_failure, processes, errors),
+                       lambda: any(process.exitcode is not None for process in processes))
         finished = True
         return result
     finally:

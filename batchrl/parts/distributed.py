@@ -12,7 +12,8 @@ from __future__ import annotations
 import datetime
 import math
 import os
-from typing import Any, Iterable
+import time
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,8 @@ from batchrl.parts.normalize import Statistics, StreamingNormalizer
 DEFAULT_TIMEOUT = datetime.timedelta(hours=1)
 # How long the learners of a run may take to meet (start their processes, import torch).
 CONNECT_TIMEOUT = datetime.timedelta(minutes=2)
+# The store's count of the learners (other than learner 0) that reached it.
+_JOINED = "batchrl/joined"
 # DD-PPO's preemption cuts a learner's rollout only once it holds this fraction of it.
 PREEMPT_FEWEST = 0.25
 # What torchrun sets in every process it starts.
@@ -55,13 +58,22 @@ class LearnerGroup:
     @classmethod
     def connect(cls, rank: int, size: int, address: str, port: int, device: torch.device,
                 timeout: datetime.timedelta = DEFAULT_TIMEOUT,
-                local_rank: int | None = None) -> "LearnerGroup":
-        """Join the ``size`` learners that meet at ``address:port`` (learner 0 listens there)."""
+                local_rank: int | None = None,
+                gone: Callable[[], bool] | None = None) -> "LearnerGroup":
+        """Join the ``size`` learners that meet at ``address:port`` (learner 0 listens there).
+
+        Learner 0 waits for the others in Python, so that Ctrl-C acts at once, and gives up
+        with ``RuntimeError`` as soon as ``gone()`` says that one of them stopped (the
+        launcher knows its processes) or after ``CONNECT_TIMEOUT``."""
         _use_gpu(device, rank if local_rank is None else local_rank)
         # Meeting is bounded by CONNECT_TIMEOUT (a learner that failed to start must not keep
         # the others waiting for an hour); the collectives after it by ``timeout``.
         store = dist.TCPStore(address, port, size, rank == 0, timeout=CONNECT_TIMEOUT,
-                              wait_for_workers=True)
+                              wait_for_workers=False)
+        if rank == 0:
+            _wait_for_joins(store, size - 1, gone or (lambda: False))
+        else:
+            store.add(_JOINED, 1)
         dist.init_process_group(_backend(device), store=store, rank=rank, world_size=size,
                                 timeout=timeout)
         return cls(rank, size, local_rank, store)
@@ -227,3 +239,16 @@ def _to(value: Any, device: torch.device | str) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_to(item, device) for item in value)
     return value
+
+
+def _wait_for_joins(store: dist.Store, others: int, gone: Callable[[], bool]) -> None:
+    """Wait until ``others`` learners added themselves to ``_JOINED`` in ``store``."""
+    deadline = time.monotonic() + CONNECT_TIMEOUT.total_seconds()
+    while (joined := int(store.add(_JOINED, 0))) < others:
+        if gone():
+            raise RuntimeError(f"a learner stopped before all learners met ({joined} of "
+                               f"{others} had joined learner 0)")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {joined} of {others} learners joined learner 0 within "
+                               f"{CONNECT_TIMEOUT.total_seconds():.0f} s")
+        time.sleep(0.05)
