@@ -178,9 +178,11 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
     except TrainingInterrupted as stop:
         print(_interrupted_message(stop, command, args.config, logdir), flush=True)
         return stop.exit_code
-    except KeyboardInterrupt:  # before the trainer took over Ctrl-C
+    except KeyboardInterrupt:  # before the trainer took over Ctrl-C, or after it let go
         _remove_if_empty(created)
-        print("Interrupted before training started", file=sys.stderr)
+        # (torchrun's other learners: the writer says how the run stopped)
+        if os.environ.get("RANK", "0") == "0":
+            print(_interrupted_anyhow(command, args.config, logdir), file=sys.stderr)
         return 130
     except user_errors as exc:
         _remove_if_empty(created)
@@ -359,6 +361,17 @@ def _interrupted_message(stop: Any, command: str, config: str, logdir: Path | No
                 f"Run again to start over: {resume}")
     return (f"Stopped by {stop.signal_name}; checkpoint at step {stop.step:,}: "
             f"{stop.checkpoint}\nResume with: {resume}")
+
+
+def _interrupted_anyhow(command: str, config: str, logdir: Path) -> str:
+    """After a Ctrl-C the trainer did not handle (while the run started or closed): what
+    the run's directory holds, and the command that resumes it."""
+    from batchrl.checkpoint import latest_checkpoint
+    checkpoint = latest_checkpoint(logdir) if logdir.is_dir() else None
+    if checkpoint is None:
+        return "Interrupted before the run's first checkpoint"
+    return (f"Interrupted; the run's latest checkpoint is {checkpoint}. Resume it with: "
+            f"{_resume_command(command, config, logdir)}")
 
 
 def cli() -> int:

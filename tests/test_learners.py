@@ -331,7 +331,7 @@ def test_the_learners_meeting_ends_at_once_when_one_dies_or_ctrl_c(tmp_path, how
         assert re.search(rf"error: learner 1 \(pid {other}\) was killed by signal 9", stderr)
     else:
         assert code == 130, (stdout, stderr)
-        assert "Interrupted before training started" in stderr
+        assert "Interrupted before the run's first checkpoint" in stderr
 
 
 @pytest.mark.slow
@@ -351,6 +351,35 @@ def test_torchrun_starts_the_learners(tmp_path):
     checkpoint = torch.load(sorted(logdir.glob("ckpt-*.pt"))[-1], weights_only=False)
     assert len(checkpoint["learners"]) == 2
     assert json.loads((logdir / "config.json").read_text())["train"]["learners"] == 2
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_torchruns_learners_with_the_writers_checkpoint(tmp_path):
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    logdir = tmp_path / "run"
+    process = subprocess.Popen(
+        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "batchrl.train",
+         "--config", "halfcheetah", "--logdir", str(logdir), "--no-progress",
+         *sets(*CHEETAH, "train.steps=10000000")],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: any(logdir.glob("ckpt-*.pt")) or process.poll() is not None, 120,
+                 "the first checkpoint")
+        assert process.poll() is None, process.communicate()
+        children = descendants(process.pid)
+        os.killpg(process.pid, signal.SIGINT)  # (a terminal's Ctrl-C)
+        _, stdout, stderr = finish(process, 60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert wait_gone(children, timeout=15) == []
+    assert stdout.count("Stopped by SIGINT; checkpoint at step") == 1, (stdout, stderr)
+    assert "Resume with:" in stdout
+    # The other learner stops quietly (torchrun, hit by the signal too, raises its own
+    # SignalException with a traceback).
+    assert "Interrupted" not in stderr, stderr
+    assert "KeyboardInterrupt" not in stderr and stderr.count("Traceback") <= 1, stderr
 
 
 @pytest.mark.slow
