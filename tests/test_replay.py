@@ -228,6 +228,10 @@ def test_bad_input_is_a_clear_error():
         ReplayBuffer(2, 1, FIELDS)
     with pytest.raises(ValueError, match="must include 'next_observ'"):
         ReplayBuffer(2, 4, {"observ": ((), torch.float32)})
+    with pytest.raises(TypeError, match=r"n_step must be an integer, got 2\.5"):
+        ReplayBuffer(2, 4, FIELDS, n_step=2.5)
+    with pytest.raises(TypeError, match=r"capacity must be an integer, got 1000000\.0"):
+        ReplayBuffer(2, 1e6, FIELDS)
     with pytest.raises(ValueError, match=r"must not name \['reward'\]"):
         ReplayBuffer(2, 4, {**FIELDS, "reward": ((), torch.float32)})
     buffer = ReplayBuffer(2, 4, FIELDS)

@@ -43,6 +43,10 @@ class ReplayBuffer:
 
     def __init__(self, num_agents: int, capacity: int, fields: Fields, discount: float = 0.99,
                  n_step: int = 1, device: str | torch.device = "cpu"):
+        for name, value in (("num_agents", num_agents), ("capacity", capacity),
+                            ("n_step", n_step)):
+            if isinstance(value, bool) or not hasattr(value, "__index__"):
+                raise TypeError(f"{name} must be an integer, got {value!r}")
         if num_agents < 1:
             raise ValueError(f"num_agents must be >= 1, got {num_agents}")
         if capacity < num_agents:
