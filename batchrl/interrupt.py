@@ -10,6 +10,7 @@ import multiprocessing as mp
 import multiprocessing.resource_tracker
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -35,12 +36,22 @@ class StopSignals:
     ``KeyboardInterrupt`` or killing the process; a second signal kills it at once, by that
     signal (a shell sees the usual status, 130 or 143). Exit restores the previous handlers.
     Outside the main thread (where Python cannot install handlers) it does nothing. ``notice``
-    is printed to stderr at the first signal (e.g. that a second one quits at once)."""
+    is printed to stderr at the first signal (e.g. that a second one quits at once).
+
+    Python runs a handler only when the main thread runs Python, not while it waits in C (a
+    collective on a learner that stopped answering can wait for an hour). A thread therefore
+    watches the signals too (``signal.set_wakeup_fd``) and, when the handler has not acted on
+    a second signal within ``STUCK_S`` seconds, kills the process by that signal itself."""
+
+    # How long a second signal may wait for the main thread's handler.
+    STUCK_S = 1.0
 
     def __init__(self, notice: str | None = None) -> None:
         self.notice = notice
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
+        self._wakeup: tuple[socket.socket, socket.socket] | None = None
+        self._previous_wakeup = -1
 
     @property
     def requested(self) -> bool:
@@ -66,12 +77,49 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
+            reader, writer = socket.socketpair()
+            writer.setblocking(False)
+            self._previous_wakeup = signal.set_wakeup_fd(writer.fileno(),
+                                                         warn_on_full_buffer=False)
+            self._wakeup = reader, writer
+            threading.Thread(target=self._watch, args=(reader,), daemon=True,
+                             name="batchrl-stop-signals").start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            reader, writer = self._wakeup
+            with contextlib.suppress(OSError):
+                reader.shutdown(socket.SHUT_RDWR)  # (ends the watching thread's recv)
+            writer.close()
+            self._wakeup = None
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+
+    def _watch(self, reader: socket.socket) -> None:
+        """The watching thread: counts the stop signals the C handler saw."""
+        seen = 0
+        with reader:
+            while data := reader.recv(64):
+                for signum in data:
+                    if signum not in SIGNALS:
+                        continue
+                    seen += 1
+                    if seen >= 2:
+                        time.sleep(self.STUCK_S)  # (the handler kills it meanwhile if it can)
+                        self._kill_stuck(signum)
+
+    @staticmethod
+    def _kill_stuck(signum: int) -> None:
+        with contextlib.suppress(OSError):
+            os.write(2, f"\n{signal.Signals(signum).name} again: quitting now (the run waits "
+                        f"in a call that Python cannot interrupt)\n".encode())
+        # Only the main thread may reset a handler through Python: libc's signal() does it.
+        import ctypes
+        ctypes.CDLL(None).signal(signum, ctypes.c_void_p(0))  # SIG_DFL
+        os.kill(os.getpid(), signum)
 
 
 def die_with_parent() -> None:

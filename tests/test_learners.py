@@ -354,6 +354,37 @@ def test_torchrun_starts_the_learners(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_second_ctrl_c_quits_while_learner_0_waits_in_a_collective(tmp_path):
+    # Learner 1 stops answering: learner 0 waits in gloo's all-reduce (C, up to an hour),
+    # where Python runs no signal handler; the second Ctrl-C still ends it at once.
+    logdir = tmp_path / "run"
+    process = start_train_py("--config", "halfcheetah", "--logdir", str(logdir),
+                             *sets(*CHEETAH, "train.learners=2", "train.steps=10000000"))
+    try:
+        line = process.stdout.readline()
+        while "learners, cores" not in line:
+            assert line, process.communicate()
+            line = process.stdout.readline()
+        other = int(line.rsplit(", ", 1)[1])
+        wait_for(lambda: any(logdir.glob("ckpt-*.pt")) or process.poll() is not None, 120,
+                 "the first checkpoint")
+        children = descendants(process.pid)
+        os.kill(other, signal.SIGSTOP)
+        time.sleep(3.0)  # learner 0 reaches its next collective meanwhile
+        os.kill(process.pid, signal.SIGINT)
+        time.sleep(2.0)
+        assert process.poll() is None  # (the first only asks for a stop)
+        os.kill(process.pid, signal.SIGINT)
+        code, stdout, stderr = finish(process, 30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert code == -signal.SIGINT, (stdout, stderr)
+    assert "SIGINT again: quitting now" in stderr, stderr
+    assert wait_gone(children, timeout=15) == []
+
+
+@pytest.mark.slow
 def test_ctrl_c_stops_torchruns_learners_with_the_writers_checkpoint(tmp_path):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     logdir = tmp_path / "run"
