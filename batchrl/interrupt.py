@@ -164,12 +164,17 @@ def signals_held() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def start_worker(parent_pid: int) -> bool:
+def start_worker(parent_pid: int, own_group: bool = False) -> bool:
     """First thing a worker does: tie its life to the parent's and ignore
     Ctrl-C and SIGTERM (sent to the whole process group, but the parent
-    decides how to stop). Returns ``False`` when the parent is already gone."""
+    decides how to stop). With ``own_group`` it leads a process group of its own, which
+    the processes it starts join: ``kill_group`` ends them with it. Returns ``False``
+    when the parent is already gone."""
     ignore_stop_signals()
     die_with_parent()
+    if own_group and hasattr(os, "setpgid"):
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
     if parent_pid != os.getppid():
         try:
             os.kill(parent_pid, 0)
@@ -178,6 +183,15 @@ def start_worker(parent_pid: int) -> bool:
         except PermissionError:
             pass  # alive, but another user's
     return True
+
+
+def kill_group(leader: int) -> None:
+    """SIGKILL the process group that process ``leader`` leads (``start_worker`` with
+    ``own_group``): what the worker started and left running, and the worker if it still
+    runs. Nothing if there is no such group (it has ended, or the worker never led one)."""
+    if hasattr(os, "killpg"):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(leader, signal.SIGKILL)
 
 
 def ignore_stop_signals() -> None:

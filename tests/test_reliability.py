@@ -147,6 +147,82 @@ def test_sigkilled_parent_takes_workers_stuck_holding_the_gil_with_it(tmp_path):
         reap(process, children)
 
 
+SPAWNING_ENV = textwrap.dedent("""
+    import subprocess, sys
+    import gymnasium as gym
+    import numpy as np
+
+    class Spawns(gym.Env):
+        \"\"\"Starts a helper process (as a simulator's server would) and never stops it.\"\"\"
+        observation_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+        action_space = gym.spaces.Discrete(2)
+
+        def __init__(self):
+            self.helper = subprocess.Popen([sys.executable, "-c",
+                                            "import time; time.sleep(600)"])
+
+        def reset(self, seed=None, options=None):
+            return np.zeros(1, np.float32), {}
+
+        def step(self, action):
+            return np.zeros(1, np.float32), 0.0, False, False, {}
+""")
+
+SPAWNING_PARENT = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from batchrl.envs.factory import make_batch_env
+
+    if __name__ == "__main__":
+        batch = make_batch_env("spawning_env:Spawns", 2, workers=2, share_main=False)
+        batch.reset(seed=0)
+        print("ready", flush=True)
+        sys.stdin.readline()
+        if sys.argv[1] == "crashed":  # the test killed a worker meanwhile
+            try:
+                batch.step(np.zeros(2, np.int64))
+            except Exception as exc:
+                print(type(exc).__name__, flush=True)
+        batch.close()
+        print("closed", flush=True)
+        sys.stdin.readline()
+""")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["close", "crashed", "sigkill"])
+def test_what_an_env_started_ends_with_its_worker(tmp_path, how):
+    """An env that starts a process of its own and never stops it: closing the batch (after
+    one of its workers was killed, too) or a SIGKILLed parent leave none of those processes
+    behind."""
+    (tmp_path / "spawning_env.py").write_text(SPAWNING_ENV)
+    (tmp_path / "parent.py").write_text(SPAWNING_PARENT)
+    environ = dict(ENVIRON, PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path}")
+    process = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), how],
+                               env=environ, start_new_session=True, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    children: list[int] = []
+    try:
+        assert process.stdout.readline() == "ready\n", process.communicate()
+        children = [p.pid for p in psutil.Process(process.pid).children(recursive=True)]
+        helpers = [pid for pid in children if "time.sleep(600)" in
+                   " ".join(psutil.Process(pid).cmdline())]
+        assert len(helpers) == 2
+        if how == "sigkill":
+            sigkill_leaves_nothing(process, children, timeout=15)
+        else:
+            if how == "crashed":
+                os.kill(psutil.Process(helpers[0]).ppid(), signal.SIGKILL)  # its worker
+            process.stdin.write("\n")
+            process.stdin.flush()
+            if how == "crashed":
+                assert process.stdout.readline() == "EnvCrashedError\n", process.communicate()
+            assert process.stdout.readline() == "closed\n", process.communicate()
+            assert wait_gone(helpers, timeout=10) == []
+    finally:
+        reap(process, children)
+
+
 # --- signals to the whole process group ------------------------------------------------
 
 GROUP_SIGNAL_SCRIPT = textwrap.dedent("""

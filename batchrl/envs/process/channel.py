@@ -19,7 +19,7 @@ from typing import Any, Callable
 from batchrl.envs.errors import EnvCrashedError, EnvError, EnvTimeoutError, error_from_answer
 from batchrl.envs.process.main_guard import check_main_guard, main_not_reimported
 from batchrl.envs.worker import Closeable
-from batchrl.interrupt import signals_held
+from batchrl.interrupt import kill_group, signals_held
 
 _POLL_SECONDS = 0.2
 # The fork server imports these before it forks any worker.
@@ -41,7 +41,10 @@ def context() -> mp.context.BaseContext:
 
 
 def _shutdown(process, conn, timeout: float) -> None:
-    """Stop a worker: ask politely, then kill (workers ignore SIGTERM)."""
+    """Stop a worker: ask politely, then kill (workers ignore SIGTERM); then kill what its
+    envs started and left running (a simulator's server, say): the worker leads their
+    process group (``_serve``)."""
+    pid = process.pid
     try:
         if process.is_alive():
             with contextlib.suppress(OSError, EOFError, ValueError):
@@ -50,12 +53,14 @@ def _shutdown(process, conn, timeout: float) -> None:
                     conn.recv()
             process.join(timeout)
         if process.is_alive():
+            kill_group(pid)
             process.kill()
             process.join(1.0)
         if not process.is_alive():
             process.close()  # frees its sentinel descriptor now, not at garbage collection
     finally:
         conn.close()
+        kill_group(pid)
 
 
 _HEADER = struct.Struct("!i")  # multiprocessing.Connection's length prefix

@@ -14,18 +14,20 @@ thread cannot run) would keep the fork server alive, and the fork server would k
 worker alive, since the worker's parent-death signal fires only when the fork server ends.
 So the fork server asks the kernel for ``SIGUSR1`` when its parent dies
 (``PR_SET_PDEATHSIG``, Linux), gives idle workers a moment to exit on their pipes' EOF,
-and exits; the kernel then kills the busy ones."""
+kills the workers that are still busy, with the process groups they lead (what their envs
+started), and exits."""
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import signal
 import sys
 import time
 import types
 
-from batchrl.interrupt import ignore_stop_signals
+from batchrl.interrupt import ignore_stop_signals, kill_group
 
 # How long the fork server waits for its workers to exit by themselves once the trainer is
 # gone (an idle worker reads EOF at once and closes its envs).
@@ -40,6 +42,7 @@ def _parent_died(signum: int, frame: types.FrameType | None) -> None:
     # lives on (the parent-death signal follows threads): then its parent is unchanged.
     if os.getpid() != _SERVER or os.getppid() == _TRAINER:
         return
+    workers = _children()
     deadline = time.monotonic() + GRACE_SECONDS
     while time.monotonic() < deadline:
         try:
@@ -47,7 +50,19 @@ def _parent_died(signum: int, frame: types.FrameType | None) -> None:
         except ChildProcessError:
             break  # none left
         time.sleep(0.02)
+    for worker in workers:  # (and what their envs started, in the groups they lead)
+        kill_group(worker)
     os._exit(0)
+
+
+def _children() -> list[int]:
+    """The fork server's child processes (the workers), from ``/proc`` (Linux)."""
+    pids = []
+    for path in glob.glob(f"/proc/{_SERVER}/task/*/children"):
+        with contextlib.suppress(OSError, ValueError):
+            with open(path) as file:
+                pids += [int(pid) for pid in file.read().split()]
+    return pids
 
 
 # (started with both blocked, ``channel.context``: one that came while Python started is dropped)

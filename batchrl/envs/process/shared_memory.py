@@ -52,8 +52,9 @@ def _pickled(answer: tuple) -> bytes:
 
 
 def _serve(conn, payload: bytes, parent_pid: int) -> None:
-    """Child process main loop: build the envs, attach the block, serve until ``close`` or EOF."""
-    if not start_worker(parent_pid):
+    """Child process main loop: build the envs, attach the block, serve until ``close`` or EOF.
+    It leads a process group, so that what its envs start dies with it (``kill_group``)."""
+    if not start_worker(parent_pid, own_group=True):
         return
     shm = arrays = host = None
     try:
