@@ -205,10 +205,15 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
         print(f"error: {exc}", file=sys.stderr)
         _print_resume(logdir, command, args.config)
         return 1
-    except (LearnerError, CollectorError) as exc:
+    except (LearnerError, CollectorError, MemoryError) as exc:
         from batchrl.checkpoint import latest_checkpoint
-        checkpoint = latest_checkpoint(logdir)
+        _remove_if_empty(created)
+        if isinstance(exc, MemoryError):
+            exc = f"out of memory: {exc}" if str(exc) else (
+                "out of memory: lower what the config makes large (env.num_agents, an "
+                "algorithm's buffer_size or rollout_length)")
         print(f"error: {exc}", file=sys.stderr)
+        checkpoint = latest_checkpoint(logdir) if logdir.is_dir() else None
         if checkpoint is not None:
             print(f"\nThe run's latest checkpoint is {checkpoint}. Resume it with: "
                   f"{_resume_command(command, args.config, logdir)}", file=sys.stderr)

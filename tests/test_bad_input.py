@@ -233,6 +233,26 @@ def test_train_py_read_only_logdir(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def _address_space_limit(limit: int) -> None:
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def test_a_replay_buffer_larger_than_the_memory_is_one_line(tmp_path):
+    """A buffer that cannot be allocated (here 10.6 GB under an 8 GB address-space limit)
+    says how large it is and which setting makes it so."""
+    logdir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, str(TRAIN_PY), "--config", "sac/hopper", "--logdir", str(logdir),
+         "--no-progress", "--set", "algorithm.buffer_size=100000000"],
+        env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
+        timeout=120, preexec_fn=lambda: _address_space_limit(8 * 2**30))
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert ("error: out of memory: a replay buffer of 100,000,000 transitions needs 10.6 GB "
+            "on cpu (106 bytes each)") in result.stderr, result.stderr[-2000:]
+    assert "buffer_size" in result.stderr and "Traceback" not in result.stderr
+
+
 @pytest.mark.slow
 def test_evaluate_cli_bad_logdirs(tmp_path):
     """``python -m batchrl.evaluate`` on a log directory without checkpoints,

@@ -11,6 +11,7 @@ one does not.
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 import torch
@@ -84,9 +85,24 @@ class ReplayBuffer:
     def tensors(self) -> dict[str, torch.Tensor]:
         """name -> ``(rows, N, *shape)``: every field's storage, allocated on first use."""
         if self._tensors is None:
-            self._tensors = {name: torch.zeros(shape, dtype=dtype, device=self.device)
-                             for name, (shape, dtype) in self._shapes.items()}
+            try:
+                self._tensors = {name: torch.zeros(shape, dtype=dtype, device=self.device)
+                                 for name, (shape, dtype) in self._shapes.items()}
+            except (MemoryError, RuntimeError) as exc:
+                if not isinstance(exc, MemoryError) and "alloc" not in str(exc):
+                    raise
+                raise MemoryError(
+                    f"a replay buffer of {self.capacity:,} transitions needs "
+                    f"{self.nbytes / 1e9:,.1f} GB on {self.device} "
+                    f"({self.nbytes // (self.rows * self.num_agents):,} bytes each), more than "
+                    f"it can get: lower its capacity (an algorithm's buffer_size)") from None
         return self._tensors
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the buffer's storage takes once allocated (every field, every row)."""
+        return sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                   for shape, dtype in self._shapes.values())
 
     @property
     def valid(self) -> torch.Tensor:
