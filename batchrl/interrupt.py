@@ -6,6 +6,7 @@ with its parent and leaves Ctrl-C to it."""
 from __future__ import annotations
 
 import contextlib
+import math
 import multiprocessing as mp
 import multiprocessing.resource_tracker
 import os
@@ -38,20 +39,29 @@ class StopSignals:
     Outside the main thread (where Python cannot install handlers) it does nothing. ``notice``
     is printed to stderr at the first signal (e.g. that a second one quits at once).
 
-    Python runs a handler only when the main thread runs Python, not while it waits in C (a
-    collective on a learner that stopped answering can wait for an hour). A thread therefore
-    watches the signals too (``signal.set_wakeup_fd``) and, when the handler has not acted on
-    a second signal within ``STUCK_S`` seconds, kills the process by that signal itself."""
+    One stop may arrive twice within microseconds (GNU ``timeout`` signals its child, then
+    the child's process group): a signal within ``DEBOUNCE_S`` of the one before counts as
+    the same request.
 
-    # How long a second signal may wait for the main thread's handler.
+    Python runs a handler only when the main thread runs Python, not while it waits in a C
+    call that released the GIL (a collective on a learner that stopped answering can wait for
+    an hour). A thread therefore watches the signals too (``signal.set_wakeup_fd``): when the
+    process still lives ``STUCK_S`` seconds after a second request, it kills the process by
+    that signal itself."""
+
+    # Signals closer together than this are one request.
+    DEBOUNCE_S = 0.25
+    # How long a second request may wait for the main thread's handler.
     STUCK_S = 1.0
 
     def __init__(self, notice: str | None = None) -> None:
         self.notice = notice
         self.signum: int | None = None
+        self._last = -math.inf  # when the handler counted its last request
         self._previous: dict[int, Any] = {}
         self._wakeup: tuple[socket.socket, socket.socket] | None = None
         self._previous_wakeup = -1
+        self._closed = threading.Event()
 
     @property
     def requested(self) -> bool:
@@ -64,6 +74,10 @@ class StopSignals:
             raise Interrupted(self.signum)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        now = time.monotonic()
+        if now - self._last < self.DEBOUNCE_S:
+            return  # (the same request, delivered twice)
+        self._last = now
         if self.signum is not None:  # the user insists: die now, by the signal itself
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
@@ -74,19 +88,27 @@ class StopSignals:
                 os.write(2, f"\n{signal.Signals(signum).name}: {self.notice}\n".encode())
 
     def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():
-            for signum in SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
+        if threading.current_thread() is not threading.main_thread() or self._previous:
+            return self
+        self._closed.clear()
+        try:
             reader, writer = socket.socketpair()
+        except OSError:  # (no descriptors left: the handlers alone still stop cleanly)
+            pass
+        else:
+            reader.settimeout(None)  # (whatever socket.setdefaulttimeout says)
             writer.setblocking(False)
             self._previous_wakeup = signal.set_wakeup_fd(writer.fileno(),
                                                          warn_on_full_buffer=False)
             self._wakeup = reader, writer
             threading.Thread(target=self._watch, args=(reader,), daemon=True,
                              name="batchrl-stop-signals").start()
+        for signum in SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._closed.set()
         if self._wakeup is not None:
             signal.set_wakeup_fd(self._previous_wakeup)
             reader, writer = self._wakeup
@@ -99,27 +121,34 @@ class StopSignals:
         self._previous.clear()
 
     def _watch(self, reader: socket.socket) -> None:
-        """The watching thread: counts the stop signals the C handler saw."""
-        seen = 0
+        """The watching thread: counts the stop requests the C handler saw."""
+        requests, last = 0, -math.inf
         with reader:
             while data := reader.recv(64):
                 for signum in data:
-                    if signum not in SIGNALS:
+                    now = time.monotonic()
+                    if signum not in SIGNALS or now - last < self.DEBOUNCE_S:
                         continue
-                    seen += 1
-                    if seen >= 2:
-                        time.sleep(self.STUCK_S)  # (the handler kills it meanwhile if it can)
-                        self._kill_stuck(signum)
+                    requests, last = requests + 1, now
+                    if requests >= 2:
+                        # (the handler kills the process meanwhile if the main thread runs)
+                        if not self._closed.wait(self.STUCK_S):
+                            _kill_by(signum)
 
-    @staticmethod
-    def _kill_stuck(signum: int) -> None:
-        with contextlib.suppress(OSError):
-            os.write(2, f"\n{signal.Signals(signum).name} again: quitting now (the run waits "
-                        f"in a call that Python cannot interrupt)\n".encode())
-        # Only the main thread may reset a handler through Python: libc's signal() does it.
+
+def _kill_by(signum: int) -> None:
+    """End this process by ``signum``'s default action, from any thread."""
+    with contextlib.suppress(OSError):
+        os.write(2, f"\n{signal.Signals(signum).name} again: quitting now (the run waits in "
+                    f"a call that Python cannot interrupt)\n".encode())
+    try:  # (only the main thread may reset a handler through Python: libc's signal() does)
         import ctypes
         ctypes.CDLL(None).signal(signum, ctypes.c_void_p(0))  # SIG_DFL
         os.kill(os.getpid(), signum)
+        time.sleep(0.5)
+    except Exception:  # noqa: S110 - no ctypes or libc here: the exit status says it instead
+        pass
+    os._exit(128 + signum)  # (PID 1 in a container ignores its own default-action signals)
 
 
 def die_with_parent() -> None:
@@ -175,6 +204,9 @@ def start_worker(parent_pid: int, own_group: bool = False) -> bool:
     if own_group and hasattr(os, "setpgid"):
         with contextlib.suppress(OSError):
             os.setpgid(0, 0)
+            # (a group apart from the terminal's foreground: its output must not stop it)
+            signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+            signal.signal(signal.SIGTTIN, signal.SIG_IGN)
     if parent_pid != os.getppid():
         try:
             os.kill(parent_pid, 0)
@@ -185,13 +217,24 @@ def start_worker(parent_pid: int, own_group: bool = False) -> bool:
     return True
 
 
-def kill_group(leader: int) -> None:
+def kill_group(leader: int, reaped: bool = False) -> None:
     """SIGKILL the process group that process ``leader`` leads (``start_worker`` with
     ``own_group``): what the worker started and left running, and the worker if it still
-    runs. Nothing if there is no such group (it has ended, or the worker never led one)."""
-    if hasattr(os, "killpg"):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(leader, signal.SIGKILL)
+    runs. Nothing if there is no such group (it has ended, or the worker never led one).
+
+    ``reaped``: the worker has exited and was reaped, so its pid is free again. Its group
+    keeps the id while members remain (the kernel reuses no pid that names a group), but a
+    new process may have the pid once the group is empty: then nothing is killed."""
+    if not hasattr(os, "killpg"):
+        return
+    if reaped:
+        try:
+            os.getpgid(leader)
+            return  # a live process has the pid: not the worker
+        except ProcessLookupError:
+            pass
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(leader, signal.SIGKILL)
 
 
 def ignore_stop_signals() -> None:

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
     user_errors = (ConfigError, EnvSpecError, CheckpointError, UnsupportedSpaceError,
                    SpaceMismatchError)
     try:
-        if os.environ.get("RANK", "0") == "0":  # (torchrun's learners: the writer's line)
+        if not _another_learner():  # (torchrun's learners: the writer's line)
             learners = (f" ({config.train.learners} learners)" if config.train.learners > 1
                         else "")
             env = config.env
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
     except KeyboardInterrupt:  # before the trainer took over Ctrl-C, or after it let go
         _remove_if_empty(created)
         # (torchrun's other learners: the writer says how the run stopped)
-        if os.environ.get("RANK", "0") == "0":
+        if not _another_learner():
             print(_interrupted_anyhow(command, args.config, logdir), file=sys.stderr)
         return 130
     except user_errors as exc:
@@ -366,6 +366,12 @@ def _interrupted_message(stop: Any, command: str, config: str, logdir: Path | No
                 f"Run again to start over: {resume}")
     return (f"Stopped by {stop.signal_name}; checkpoint at step {stop.step:,}: "
             f"{stop.checkpoint}\nResume with: {resume}")
+
+
+def _another_learner() -> bool:
+    """Whether this process is one of torchrun's learners other than the writer."""
+    from batchrl.parts.distributed import launched_by_torchrun
+    return launched_by_torchrun() and os.environ["RANK"] != "0"
 
 
 def _interrupted_anyhow(command: str, config: str, logdir: Path) -> str:

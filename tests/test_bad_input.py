@@ -238,13 +238,15 @@ def _address_space_limit(limit: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS is Linux's")
 def test_a_replay_buffer_larger_than_the_memory_is_one_line(tmp_path):
     """A buffer that cannot be allocated (here 10.6 GB under an 8 GB address-space limit)
     says how large it is and which setting makes it so."""
     logdir = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, str(TRAIN_PY), "--config", "sac/hopper", "--logdir", str(logdir),
-         "--no-progress", "--set", "algorithm.buffer_size=100000000"],
+         "--no-progress", "--set", "algorithm.buffer_size=100000000", "--set",
+         "train.device=cpu"],
         env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
         timeout=120, preexec_fn=lambda: _address_space_limit(8 * 2**30))
     assert result.returncode == 1, result.stderr[-2000:]

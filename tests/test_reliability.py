@@ -251,9 +251,10 @@ GROUP_SIGNAL_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("backend", ["workers", "process"])
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_group_signal_leaves_the_workers_to_the_parent(backend, signum):
-    """Ctrl-C and ``kill -TERM -PGID`` reach every process of the group; the
-    env workers and the fork server must survive them, so that the parent can
-    finish its step, write its checkpoint and close them itself."""
+    """Ctrl-C and ``kill -TERM -PGID`` reach every process of the group (the fork server;
+    the env workers lead groups of their own, which a scheduler signals too); the fork server
+    and the workers must survive them, so that the parent can finish its step, write its
+    checkpoint and close them itself."""
     process = subprocess.Popen([sys.executable, "-c", GROUP_SIGNAL_SCRIPT, backend],
                                env=ENVIRON, start_new_session=True, stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -262,6 +263,10 @@ def test_group_signal_leaves_the_workers_to_the_parent(backend, signum):
         assert process.stdout.readline() == "ready\n", process.communicate()
         children = [p.pid for p in psutil.Process(process.pid).children(recursive=True)]
         os.killpg(process.pid, signum)
+        # A scheduler signals every process of the job: the workers ignore it too.
+        for pid in children:
+            if os.getpgid(pid) == pid:
+                os.killpg(pid, signum)
         time.sleep(0.5)  # a killed fork server takes its workers with it at once
         stdout, stderr = process.communicate("go\n", timeout=30)
     finally:

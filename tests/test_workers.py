@@ -10,6 +10,7 @@ SIGKILL, timeout) with their batch indices, attribute access through
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pickle
@@ -506,17 +507,27 @@ SUSPEND_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.timeout(60)
 def test_a_suspended_run_is_not_a_hung_worker():
-    """Ctrl-Z then fg (SIGSTOP then SIGCONT of the process group, workers included) in the
-    middle of a step: the time spent stopped does not count against the step's timeout."""
+    """The whole run suspended and resumed (SIGSTOP then SIGCONT of every process, as a job
+    scheduler suspends a job) in the middle of a step: the time spent stopped does not count
+    against the step's timeout. (A terminal's Ctrl-Z stops the run's process group; the env
+    workers lead groups of their own, so it leaves them, idle, running.)"""
     process = subprocess.Popen([sys.executable, "-c", SUSPEND_SCRIPT], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True,
                                stdin=subprocess.DEVNULL)
+
+    def signal_the_run(signum: int) -> None:
+        os.killpg(process.pid, signum)
+        for child in psutil.Process(process.pid).children(recursive=True):
+            with contextlib.suppress(OSError):
+                if os.getpgid(child.pid) == child.pid:  # an env worker's group
+                    os.killpg(child.pid, signum)
+
     try:
         assert process.stdout.readline() == "stepping\n"
         time.sleep(0.3)
-        os.killpg(process.pid, signal.SIGSTOP)
+        signal_the_run(signal.SIGSTOP)
         time.sleep(2.5)  # longer than the timeout (2 s) and the step (1 s)
-        os.killpg(process.pid, signal.SIGCONT)
+        signal_the_run(signal.SIGCONT)
         out, err = process.communicate(timeout=30)
     finally:
         if process.poll() is None:

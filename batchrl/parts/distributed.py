@@ -64,7 +64,9 @@ class LearnerGroup:
 
         Learner 0 waits for the others in Python, so that Ctrl-C acts at once, and gives up
         with ``RuntimeError`` as soon as ``gone()`` says that one of them stopped (the
-        launcher knows its processes) or after ``CONNECT_TIMEOUT``."""
+        launcher knows its processes) or after ``CONNECT_TIMEOUT``. (A learner that stops
+        after it joined, while the process group connects, still holds the others in C for
+        up to ``CONNECT_TIMEOUT``.)"""
         _use_gpu(device, rank if local_rank is None else local_rank)
         # Meeting is bounded by CONNECT_TIMEOUT (a learner that failed to start must not keep
         # the others waiting for an hour); the collectives after it by ``timeout``.

@@ -89,13 +89,16 @@ class ReplayBuffer:
                 self._tensors = {name: torch.zeros(shape, dtype=dtype, device=self.device)
                                  for name, (shape, dtype) in self._shapes.items()}
             except (MemoryError, RuntimeError) as exc:
-                if not isinstance(exc, MemoryError) and "alloc" not in str(exc):
+                # (torch's CPU allocator raises a RuntimeError that says so)
+                if not isinstance(exc, (MemoryError, torch.OutOfMemoryError)) and (
+                        "can't allocate memory" not in str(exc)
+                        and "not enough memory" not in str(exc)):
                     raise
                 raise MemoryError(
                     f"a replay buffer of {self.capacity:,} transitions needs "
                     f"{self.nbytes / 1e9:,.1f} GB on {self.device} "
                     f"({self.nbytes // (self.rows * self.num_agents):,} bytes each), more than "
-                    f"it can get: lower its capacity (an algorithm's buffer_size)") from None
+                    f"it can get: lower its capacity (an algorithm's buffer_size)") from exc
         return self._tensors
 
     @property

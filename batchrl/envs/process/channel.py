@@ -45,6 +45,7 @@ def _shutdown(process, conn, timeout: float) -> None:
     envs started and left running (a simulator's server, say): the worker leads their
     process group (``_serve``)."""
     pid = process.pid
+    alive = False  # (unknown after an error: then only a group no process leads is killed)
     try:
         if process.is_alive():
             with contextlib.suppress(OSError, EOFError, ValueError):
@@ -56,11 +57,12 @@ def _shutdown(process, conn, timeout: float) -> None:
             kill_group(pid)
             process.kill()
             process.join(1.0)
-        if not process.is_alive():
+        alive = process.is_alive()
+        if not alive:
             process.close()  # frees its sentinel descriptor now, not at garbage collection
     finally:
         conn.close()
-        kill_group(pid)
+        kill_group(pid, reaped=not alive)
 
 
 _HEADER = struct.Struct("!i")  # multiprocessing.Connection's length prefix
@@ -206,8 +208,9 @@ class Channel:
     def _wait(self, operation: str) -> bytes:
         """``receive``'s wait for the answer's frame."""
         # The time waited, counting at most two poll intervals per interval: a wait this
-        # process spent suspended (Ctrl-Z then fg, SIGSTOP then SIGCONT, workers with it) is
-        # no delay of the worker's, which resumes with it and must not be declared hung.
+        # process spent suspended (Ctrl-Z then fg, a scheduler's SIGSTOP then SIGCONT of the
+        # job) is no delay of the worker's, which resumes with it (or, idle in its own process
+        # group, never stopped) and must not be declared hung.
         waited = 0.0
         last = time.monotonic()
         frames = self._frames

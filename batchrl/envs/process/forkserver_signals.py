@@ -42,13 +42,11 @@ def _parent_died(signum: int, frame: types.FrameType | None) -> None:
     # lives on (the parent-death signal follows threads): then its parent is unchanged.
     if os.getpid() != _SERVER or os.getppid() == _TRAINER:
         return
+    # The workers are not reaped here: a zombie keeps its pid, so the groups they lead cannot
+    # be mistaken for another's when they are killed below.
     workers = _children()
     deadline = time.monotonic() + GRACE_SECONDS
-    while time.monotonic() < deadline:
-        try:
-            os.waitpid(-1, os.WNOHANG)  # (reaps the workers that exited)
-        except ChildProcessError:
-            break  # none left
+    while time.monotonic() < deadline and any(map(_running, workers)):
         time.sleep(0.02)
     for worker in workers:  # (and what their envs started, in the groups they lead)
         kill_group(worker)
@@ -63,6 +61,15 @@ def _children() -> list[int]:
             with open(path) as file:
                 pids += [int(pid) for pid in file.read().split()]
     return pids
+
+
+def _running(pid: int) -> bool:
+    """Whether child ``pid`` still runs (it is neither gone nor a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 # (started with both blocked, ``channel.context``: one that came while Python started is dropped)
