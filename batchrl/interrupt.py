@@ -168,6 +168,7 @@ def die_with_parent() -> None:
     def watch() -> None:
         parent.join()  # returns once the parent is gone
         time.sleep(1.0)  # an idle worker exits cleanly on the pipe's EOF meanwhile
+        end_own_group()
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="batchrl-parent-watchdog", daemon=True).start()
@@ -235,6 +236,18 @@ def kill_group(leader: int, reaped: bool = False) -> None:
             pass
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(leader, signal.SIGKILL)
+
+
+def end_own_group() -> None:
+    """The last act of a worker whose parent is gone, if it leads a process group
+    (``start_worker`` with ``own_group``): SIGKILL that group, itself and what its envs
+    started and left running, after flushing its output. Nothing otherwise."""
+    if not hasattr(os, "killpg") or os.getpgid(0) != os.getpid():
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os.killpg(0, signal.SIGKILL)
 
 
 def ignore_stop_signals() -> None:

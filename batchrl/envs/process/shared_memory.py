@@ -19,7 +19,7 @@ import numpy as np
 from batchrl.envs.errors import EnvError, UnsupportedSpaceError
 from batchrl.envs.host import ACTION_ITEMSIZE, EnvHost, StepArrays, error_answer
 from batchrl.envs.process.channel import Channel, Frames, WorkerHandle
-from batchrl.interrupt import start_worker
+from batchrl.interrupt import end_own_group, start_worker
 from batchrl.envs.spaces import check_space, worker_spaces
 from batchrl.envs.worker import RemoteWorker
 from batchrl.nested import copy_nested, take
@@ -57,6 +57,7 @@ def _serve(conn, payload: bytes, parent_pid: int) -> None:
     if not start_worker(parent_pid, own_group=True):
         return
     shm = arrays = host = None
+    orphaned = False  # the parent went away without asking this worker to close
     try:
         try:
             constructors, prefetch_reset, send_infos, cpu = cloudpickle.loads(payload)
@@ -93,7 +94,8 @@ def _serve(conn, payload: bytes, parent_pid: int) -> None:
             try:
                 message = frames.recv()
             except (EOFError, OSError):
-                break  # the parent is gone
+                orphaned = True  # the parent is gone
+                break
             if message[:1] == _STEP:
                 view = actions.get(message)
                 if view is None:
@@ -116,9 +118,10 @@ def _serve(conn, payload: bytes, parent_pid: int) -> None:
                     answer = error_answer(ValueError(f"unknown command {command!r}"))
                 frames.send(_pickled(answer))
             except (BrokenPipeError, ConnectionError):
+                orphaned = True
                 break
     except (EOFError, OSError):
-        pass  # the parent went away during start-up
+        orphaned = True  # the parent went away during start-up
     finally:
         if host is not None:
             host.close()
@@ -128,6 +131,8 @@ def _serve(conn, payload: bytes, parent_pid: int) -> None:
             with contextlib.suppress(BufferError):  # a view lives on: unmapped at exit
                 shm.close()
         conn.close()
+        if orphaned:  # (no parent to end what the envs started: the fork server may have
+            end_own_group()  # reaped this worker before it learnt that the trainer died)
 
 
 class EnvWorker(WorkerHandle, RemoteWorker):
