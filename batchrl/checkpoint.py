@@ -53,7 +53,7 @@ def save_checkpoint(logdir: Path, step: int, state: dict[str, Any] | bytes,
             torch.save(state, file)
     for old in list_checkpoints(logdir)[:-keep]:
         old.unlink(missing_ok=True)
-    for stray in Path(logdir).glob("ckpt-*.pt.tmp"):
+    for stray in Path(logdir).glob("ckpt-*.pt.*tmp"):  # (NAME.PID.tmp; older: NAME.tmp)
         stray.unlink(missing_ok=True)
     return path
 

@@ -13,9 +13,11 @@ from typing import IO, Iterator
 def atomic_write(path: Path, mode: str = "w") -> Iterator[IO]:
     """Open a temporary file beside ``path`` (``mode``: ``"w"`` or ``"wb"``) for the caller
     to write; on a clean exit flush it to disk and rename it over ``path`` (then make the
-    rename durable); on an error remove it and leave ``path`` as it was."""
+    rename durable); on an error remove it and leave ``path`` as it was. The temporary
+    file's name (``NAME.PID.tmp``) is this process's: processes that write the same file at
+    once (torchrun's learners) each rename a whole one."""
     path = Path(path)
-    temporary = path.with_name(path.name + ".tmp")
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         with open(temporary, mode) as file:
             yield file

@@ -374,12 +374,33 @@ def test_damaged_latest_checkpoint_is_named_and_nothing_is_overwritten(finished_
     assert read_metrics(logdir) == records
 
 
+SAME_FILE_WRITER = textwrap.dedent("""
+    import sys
+    from batchrl.files import atomic_write
+
+    for round_ in range(300):  # (torchrun's learners each record the run's start)
+        with atomic_write(sys.argv[1]) as file:
+            file.write(f"{sys.argv[2]} {round_}\\n")
+""")
+
+
+def test_processes_writing_one_file_at_once_each_write_it_whole(tmp_path):
+    path = tmp_path / "started_with.json"
+    writers = [subprocess.Popen([sys.executable, "-c", SAME_FILE_WRITER, str(path), name],
+                                env=ENVIRON, stderr=subprocess.PIPE, text=True)
+               for name in ("a", "b")]
+    errors = [writer.communicate(timeout=60)[1] for writer in writers]
+    assert [writer.returncode for writer in writers] == [0, 0], errors
+    assert path.read_text() in ("a 299\n", "b 299\n")
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 def test_partial_tmp_file_is_not_taken_for_a_checkpoint(finished_run, tmp_path):
     logdir = copy_run(finished_run, tmp_path / "run")
     latest = list_checkpoints(logdir)[-1]
     step = load_checkpoint(latest)["counters"]["steps"]
     # A write of a later checkpoint that a crash cut short.
-    partial = logdir / f"ckpt-{step + 1000:012d}.pt.tmp"
+    partial = logdir / f"ckpt-{step + 1000:012d}.pt.4242.tmp"
     partial.write_bytes(latest.read_bytes()[:1000])
     assert latest_checkpoint(logdir) == latest
     config = load_config("cartpole", CARTPOLE + ["train.steps=600"])
