@@ -104,7 +104,7 @@ class ReplayBuffer:
     @property
     def nbytes(self) -> int:
         """The bytes the buffer's storage takes once allocated (every field, every row)."""
-        return sum(math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return sum(math.prod(shape) * dtype.itemsize
                    for shape, dtype in self._shapes.values())
 
     @property

@@ -123,16 +123,18 @@ def _serve(conn, payload: bytes, parent_pid: int) -> None:
     except (EOFError, OSError):
         orphaned = True  # the parent went away during start-up
     finally:
-        if host is not None:
-            host.close()
-        if shm is not None:
-            if arrays is not None:
-                arrays.detach()
-            with contextlib.suppress(BufferError):  # a view lives on: unmapped at exit
-                shm.close()
-        conn.close()
-        if orphaned:  # (no parent to end what the envs started: the fork server may have
-            end_own_group()  # reaped this worker before it learnt that the trainer died)
+        try:
+            if host is not None:
+                host.close()
+            if shm is not None:
+                if arrays is not None:
+                    arrays.detach()
+                with contextlib.suppress(BufferError):  # a view lives on: unmapped at exit
+                    shm.close()
+            conn.close()
+        finally:
+            if orphaned:  # (no parent to end what the envs started: the fork server may
+                end_own_group()  # have reaped this worker before it learnt of the death)
 
 
 class EnvWorker(WorkerHandle, RemoteWorker):
