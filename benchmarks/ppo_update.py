@@ -7,9 +7,10 @@ the table gives each one's median milliseconds per update and per 1,000 samples,
 median of its per-round ratios to the first row. Variants:
 
 * ``config``: the config as it is (float32; policy and value steps side by side in threads);
-* ``fused_adam``: both optimisers replaced by ``torch.optim.Adam(fused=True)`` (not
+* ``fused_adam``: ``algorithm.fused_adam = true`` (``torch.optim.Adam(fused=True)``, not
   bit-identical to the default per-parameter Adam);
 * ``bfloat16``: ``train.precision = "bfloat16"``;
+* ``bfloat16_fused``: both;
 * ``one_thread``: ``algorithm.update_threads = 1`` (the two steps one after the other).
 
     python benchmarks/ppo_update.py                       # halfcheetah; an idle machine
@@ -33,7 +34,9 @@ from batchrl.envs.factory import make_batch_env
 from batchrl.simulation import simulate
 from batchrl.tensor_env import TensorBatchEnv
 
-VARIANTS = {"config": [], "fused_adam": [], "bfloat16": ['train.precision="bfloat16"'],
+VARIANTS = {"config": [], "fused_adam": ["algorithm.fused_adam=true"],
+            "bfloat16": ['train.precision="bfloat16"'],
+            "bfloat16_fused": ['train.precision="bfloat16"', "algorithm.fused_adam=true"],
             "one_thread": ["algorithm.update_threads=1"]}
 
 
@@ -53,11 +56,6 @@ def update_times(config_name: str, variant: str, updates: int) -> tuple[list[flo
         if not length:
             raise SystemExit(f"{config_name}: this benchmark needs fixed-length rollouts "
                              f"(algorithm.rollout_length)")
-        if variant == "fused_adam":
-            for name in ("policy_optimizer", "value_optimizer"):
-                old = getattr(algo, name)
-                setattr(algo, name, torch.optim.Adam(old.param_groups[0]["params"],
-                                                     lr=old.param_groups[0]["lr"], fused=True))
         times: list[float] = []
         update = algo.update
 

@@ -306,12 +306,14 @@ def test_cast_weights_are_copied_only_after_they_change():
     assert torch.equal(copy[2].bias, module[2].bias.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("pixels", [True, False])
-def test_bfloat16_acting_keeps_weights_cast_only_when_they_change(pixels):
+@pytest.mark.parametrize("pixels,fused", [(True, False), (False, False), (True, True)])
+def test_bfloat16_acting_keeps_weights_cast_only_when_they_change(pixels, fused):
     """Acting in bfloat16 runs a copy of the policy with weights cast once per change: the
-    same numbers as autocast over the policy, after updates and loads too."""
+    same numbers as autocast over the policy, after updates and loads too, also after the
+    steps of a fused Adam (which leave the weights' version counters as they were)."""
     if pixels:
-        algo, other = pixel_ppo(2, precision="bfloat16"), pixel_ppo(3, precision="bfloat16")
+        algo, other = (pixel_ppo(seed, precision="bfloat16", fused_adam=fused)
+                       for seed in (2, 3))
         observ = torch.randint(0, 256, (4, *PIXELS.shape), dtype=torch.uint8)
     else:  # a Gaussian policy over vectors (its log std is not cast)
         space = gym.spaces.Box(-1.0, 1.0, (5,), np.float32)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import List, Sequence
+from typing import Any, List, Sequence
 
 import gymnasium as gym
 import torch
@@ -345,7 +345,9 @@ class CastWeights:
     them anew when an in-place change (an optimiser step, ``load_state_dict``) bumped a
     weight's version counter. It does not see writes through ``.data`` or ``set_()``, nor
     weights that ``module`` replaced (``module.to(...)``, ``load_state_dict(assign=True)``):
-    build a new copy after those. Run the copy under autocast (its inputs stay float32).
+    build a new copy after those, nor steps of a fused optimiser (``Adam(fused=True)``
+    writes the weights without bumping their versions): ``watch`` it. Run the copy under
+    autocast (its inputs stay float32).
     """
 
     def __init__(self, module: nn.Module, dtype: torch.dtype):
@@ -364,6 +366,13 @@ class CastWeights:
                         self._pairs.append((weight, cast))
         self._versions: list[int] = []
         self.current()
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Copy the weights anew after every step of ``optimizer`` too."""
+        optimizer.register_step_post_hook(self._forget)
+
+    def _forget(self, *_: Any) -> None:
+        self._versions = []
 
     def current(self) -> nn.Module:
         """The copy, its cast weights those of ``module`` now."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
 import math
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -179,8 +180,14 @@ class BatchPPO(Algorithm):
                                          else self._cast_policy.module), inference)
         # A TorchScript module's forward, called directly, skips nn.Module's hook handling.
         self._act = self.actor.forward if inference == "script" else self.actor
-        self.policy_optimizer = torch.optim.Adam(policy_params, lr=config.policy_lr)
-        self.value_optimizer = torch.optim.Adam(value_params, lr=config.value_lr)
+        # fused: one kernel per step over all parameters instead of several per parameter
+        # (cheaper for small networks; it rounds differently, so it is a setting of its own).
+        adam = functools.partial(torch.optim.Adam, fused=True if config.fused_adam else None)
+        self.policy_optimizer = adam(policy_params, lr=config.policy_lr)
+        self.value_optimizer = adam(value_params, lr=config.value_lr)
+        if self._cast_policy is not None:  # (a shared torso is in both)
+            for optimizer in (self.policy_optimizer, self.value_optimizer):
+                self._cast_policy.watch(optimizer)
         self.observ_normalizer = StreamingNormalizer(
             (normalized_size,), center=True, scale=True, clip=5.0).to(self.device)
         # Read only by update(): the rewards of 64 steps are merged at once.

@@ -65,6 +65,7 @@ class PPOConfig:
     reward_scale: str = "reward"              # or "return": whose std normalize_reward divides by
     inference: str = "script"                 # "script", "eager" or "compile"
     update_threads: int | None = None         # None: policy and value steps side by side
+    fused_adam: bool = False                  # Adam's step in one kernel for all parameters
 
     def __post_init__(self) -> None:
         for name, choices in (("network", NETWORKS), ("activation", ACTIVATIONS),
