@@ -735,6 +735,25 @@ def test_side_by_side_update_equals_one_thread_bit_for_bit(space, network):
         assert torch.equal(value, one_params[name]), name
 
 
+def test_fused_adam_steps_in_one_kernel_and_repeats_itself():
+    """``fused_adam``: both optimisers fused; the same seed gives the same update, side by
+    side in two threads or in one."""
+    results = []
+    for threads in (None, 1, None):
+        algo = make(BOX, update_epochs=2, batch_size=2, gae_lambda=0.95, fused_adam=True,
+                    update_threads=threads)
+        assert algo.policy_optimizer.defaults["fused"] and algo.value_optimizer.defaults["fused"]
+        fill_memory(algo, [8, 5, 3], seed=4, mean_shift=0.5)
+        before = {name: value.clone() for name, value in params_of(algo).items()}
+        results.append((algo.update(), params_of(algo)))
+        assert not torch.equal(results[-1][1]["value.out.weight"], before["value.out.weight"])
+    for summary, params in results[1:]:
+        assert summary == results[0][0]
+        for name, value in params.items():
+            assert torch.equal(value, results[0][1][name]), name
+    assert not make(BOX).policy_optimizer.defaults["fused"]
+
+
 def test_an_error_in_the_side_by_side_update_reaches_the_caller():
     algo = make(BOX, update_epochs=1)
     fill_memory(algo, [8, 5, 3], seed=3)
