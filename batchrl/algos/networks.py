@@ -345,9 +345,9 @@ class CastWeights:
     them anew when an in-place change (an optimiser step, ``load_state_dict``) bumped a
     weight's version counter. It does not see writes through ``.data`` or ``set_()``, nor
     weights that ``module`` replaced (``module.to(...)``, ``load_state_dict(assign=True)``):
-    build a new copy after those, nor steps of a fused optimiser (``Adam(fused=True)``
-    writes the weights without bumping their versions): ``watch`` it. Run the copy under
-    autocast (its inputs stay float32).
+    build a new copy after those. Nor does it see the steps of a fused optimiser
+    (``Adam(fused=True)`` writes the weights without bumping their versions): ``watch``
+    such an optimiser. Run the copy under autocast (its inputs stay float32).
     """
 
     def __init__(self, module: nn.Module, dtype: torch.dtype):
