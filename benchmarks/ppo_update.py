@@ -11,6 +11,8 @@ median of its per-round ratios to the first row. Variants:
   bit-identical to the default per-parameter Adam);
 * ``bfloat16``: ``train.precision = "bfloat16"``;
 * ``bfloat16_fused``: both;
+* ``bfloat16_fused_relu``: both, with ReLU networks (``algorithm.activation = "relu"``): what
+  the activation costs (it changes what the networks learn);
 * ``one_thread``: ``algorithm.update_threads = 1`` (the two steps one after the other).
 
     python benchmarks/ppo_update.py                       # halfcheetah; an idle machine
@@ -37,6 +39,8 @@ from batchrl.tensor_env import TensorBatchEnv
 VARIANTS = {"config": [], "fused_adam": ["algorithm.fused_adam=true"],
             "bfloat16": ['train.precision="bfloat16"'],
             "bfloat16_fused": ['train.precision="bfloat16"', "algorithm.fused_adam=true"],
+            "bfloat16_fused_relu": ['train.precision="bfloat16"', "algorithm.fused_adam=true",
+                                    'algorithm.activation="relu"'],
             "one_thread": ["algorithm.update_threads=1"]}
 
 
