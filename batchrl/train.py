@@ -46,24 +46,39 @@ STARTED_WITH = "started_with.json"  # in a run's logdir: the --config it was sta
 def _config_help(name: str | None) -> str:
     """The epilog of ``--help``: the configs, the keys of [env] and [train], and the
     [algorithm] keys of the class the config ``name`` trains (of each shipped algorithm
-    without one)."""
+    without one). With a config that loads, each key shows the config's value, and the
+    default after it where the two differ."""
     import inspect
 
     from batchrl.config import (BATCHPPO, SECTIONS, SHIPPED_ALGORITHMS, ConfigError,
                                 algorithm_keys, available_configs, load_config)
-    lines = [f"available configs: {', '.join(available_configs())}", "",
-             "config keys (--set section.key=value; values are TOML: 3e-4, true, [64, 64], "
-             "\"Hopper-v5\"):"]
-    for section, factory in SECTIONS.items():
-        default = factory()
-        lines += [f"  {section}.{field.name} = {_toml(getattr(default, field.name))}"
-                  for field in dataclasses.fields(default)]
-    classes = SHIPPED_ALGORITHMS
+    config, problem = None, None
     if name is not None:
         try:
-            classes = (load_config(name).algorithm.path,)
+            config = load_config(name)
         except ConfigError as exc:
-            lines += ["", f"(--config {name}: {exc})"]
+            problem = f"(--config {name}: {exc})"
+
+    def line(key: str, default: object, value: object) -> str:
+        shown = "(required)" if value is inspect.Parameter.empty else _toml(value)
+        if (config is None or default is inspect.Parameter.empty
+                or shown == _toml(default)):
+            return f"  {key} = {shown}"
+        return f"  {key} = {shown}  # default {_toml(default)}"
+
+    values = ("" if config is None else
+              f" with {name}'s values (after #, the default where it differs)")
+    lines = [f"available configs: {', '.join(available_configs())}", "",
+             f"config keys{values} (--set section.key=value; values are TOML: 3e-4, true, "
+             f"[64, 64], \"Hopper-v5\"):"]
+    for section, factory in SECTIONS.items():
+        default = factory()
+        ours = default if config is None else getattr(config, section)
+        lines += [line(f"{section}.{field.name}", getattr(default, field.name),
+                       getattr(ours, field.name)) for field in dataclasses.fields(default)]
+    classes = SHIPPED_ALGORITHMS if config is None else (config.algorithm.path,)
+    if problem is not None:
+        lines += ["", problem]
     for path in classes:
         what = "the default" if path == BATCHPPO else "algorithm.class = " + _toml(path)
         try:
@@ -71,9 +86,9 @@ def _config_help(name: str | None) -> str:
         except ConfigError as exc:
             lines += ["", f"[algorithm] of {path}: {exc}"]
             continue
+        given = {} if config is None else config.algorithm.keys
         lines += ["", f"[algorithm] keys of {path.rpartition(':')[2]} ({what}):"]
-        lines += [f"  algorithm.{key} = "
-                  f"{'(required)' if value is inspect.Parameter.empty else _toml(value)}"
+        lines += [line(f"algorithm.{key}", value, given.get(key, value))
                   for key, value in keys.items()]
     return "\n".join(lines)
 

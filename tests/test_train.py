@@ -583,7 +583,11 @@ def test_train_main_help_with_a_config_lists_its_algorithms_keys(train_main, cap
         train_main(["--config", "cartpole_reinforce", "--help"])
     assert info.value.code == 0
     text = capsys.readouterr().out
-    assert "  env.num_agents = 30" in text and "  train.phase_steps = 0" in text
+    # The config's values, each default after "#" where the two differ.
+    assert "with cartpole_reinforce's values" in text
+    assert "  env.num_agents = 8  # default 30\n" in text
+    assert "  train.phase_steps = 8000  # default 0\n" in text
+    assert '  env.id = "CartPole-v1"\n' in text and "  algorithm.discount = 0.99\n" in text
     assert algorithm_sections(text) == {algorithm_header(reinforce): [
         "discount", "learning_rate", "update_every", "hidden", "seed"]}
     assert "BatchPPO" not in text.partition("config keys")[2]
@@ -600,6 +604,7 @@ def test_train_main_help_with_a_config_lists_its_algorithms_keys(train_main, cap
     assert info.value.code == 0
     text = capsys.readouterr().out
     assert "(--config nosuch: no config named 'nosuch'" in text
+    assert "  env.num_agents = 30\n" in text and "# default" not in text
     assert list(algorithm_sections(text)) == [algorithm_header(path)
                                               for path in SHIPPED_ALGORITHMS]
 

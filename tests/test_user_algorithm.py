@@ -181,7 +181,7 @@ def test_help_lists_the_keys_of_a_user_algorithm_in_the_working_directory(projec
                            cwd=project, capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr
     assert "[algorithm] keys of Hill (algorithm.class = \"user_algos:Hill\"):" in shown.stdout
-    assert "  algorithm.step_size = 0.1" in shown.stdout
+    assert "  algorithm.step_size = 0.5  # default 0.1\n" in shown.stdout  # hill.toml's
     assert "cannot import" not in shown.stdout
 
 
