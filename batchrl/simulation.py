@@ -249,7 +249,12 @@ class Simulation:
 
         An algorithm that samples in evaluation (``eval_actions="sample"``) draws from torch's
         global generators seeded with ``seed`` inside a fork of them: the same seed gives the
-        same episodes, and the training run's random stream goes on as if no evaluation ran."""
+        same episodes, and the training run's random stream goes on as if no evaluation ran.
+
+        An algorithm keeps its per-agent state (a recurrent state, running returns) by agent
+        index, whatever env the agent is in: evaluating it in another env's simulation begins
+        episodes for those indices there, so the training simulation should begin new ones
+        afterwards (``step(reset=True)``, as every training phase of the trainer does)."""
         if episodes < 1:
             raise ValueError(f"episodes must be >= 1, got {episodes}")
         quota = episode_quota(episodes, len(self.env))
