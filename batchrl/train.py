@@ -61,8 +61,7 @@ def _config_help(name: str | None) -> str:
 
     def line(key: str, default: object, value: object) -> str:
         shown = "(required)" if value is inspect.Parameter.empty else _toml(value)
-        if (config is None or default is inspect.Parameter.empty
-                or shown == _toml(default)):
+        if default is inspect.Parameter.empty or shown == _toml(default):
             return f"  {key} = {shown}"
         return f"  {key} = {shown}  # default {_toml(default)}"
 
@@ -77,6 +76,7 @@ def _config_help(name: str | None) -> str:
         lines += [line(f"{section}.{field.name}", getattr(default, field.name),
                        getattr(ours, field.name)) for field in dataclasses.fields(default)]
     classes = SHIPPED_ALGORITHMS if config is None else (config.algorithm.path,)
+    given = {} if config is None else config.algorithm.keys  # (without one: the defaults)
     if problem is not None:
         lines += ["", problem]
     for path in classes:
@@ -86,7 +86,6 @@ def _config_help(name: str | None) -> str:
         except ConfigError as exc:
             lines += ["", f"[algorithm] of {path}: {exc}"]
             continue
-        given = {} if config is None else config.algorithm.keys
         lines += ["", f"[algorithm] keys of {path.rpartition(':')[2]} ({what}):"]
         lines += [line(f"algorithm.{key}", value, given.get(key, value))
                   for key, value in keys.items()]
