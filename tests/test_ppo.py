@@ -556,6 +556,18 @@ def test_eval_mode_acts_with_the_mean_and_learns_nothing(space):
     assert float(algo.observ_normalizer.count) == count + 3
 
 
+@pytest.mark.parametrize("rollout_length", [None, 4])
+def test_observations_are_not_counted_without_normalize_observ(rollout_length):
+    # Acting and learning alike leave the statistics alone (they would cost a pass per step
+    # and an all-gather per update with several learners, for statistics nothing reads).
+    algo = make(BOX, num_agents=2, rollout_length=rollout_length, normalize_observ=False)
+    initial = {name: value.clone() for name, value in algo.observ_normalizer.state_dict().items()}
+    drive(algo, steps=9, seed=0)
+    assert algo.updates > 0
+    for name, value in algo.observ_normalizer.state_dict().items():
+        assert torch.equal(value, initial[name]), name
+
+
 # -- configuration -----------------------------------------------------------------------
 
 

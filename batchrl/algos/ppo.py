@@ -343,7 +343,7 @@ class BatchPPO(Algorithm):
                                     "mean_or_logits": mean_or_logits, "log_std": log_std,
                                     "state": state})
             # Only now: this step's data and action used the statistics before it.
-            if not self.pixels:
+            if self.config.normalize_observ and not self.pixels:
                 self.observ_normalizer.update(self._statistics_input(flat))
         return action, {}
 
@@ -495,7 +495,7 @@ class BatchPPO(Algorithm):
 
     def _merge_statistics(self) -> None:
         """Give this learner's normalisers the statistics of every learner's data."""
-        if not self.pixels:
+        if self.config.normalize_observ and not self.pixels:
             self._merged["observ"] = self.learners.merge(self.observ_normalizer,
                                                          self._merged["observ"])
         self._merged["reward"] = self.learners.merge(self.reward_normalizer,
