@@ -107,8 +107,44 @@ def test_every_atari_config_plays_a_game_with_pixels():
         env = make(**config.env.kwargs)
         try:
             assert env.observation_space.shape == (84, 84, 4)
+            observ, _ = env.reset(seed=0)
+            env.action_space.seed(0)
+            frames = [observ] + [env.step(env.action_space.sample())[0] for _ in range(30)]
+            assert all(frame.dtype == np.uint8 and frame.shape == (84, 84, 4)
+                       for frame in frames), name
+            assert len({frame.tobytes() for frame in frames}) > 1, name  # the game moves
         finally:
             env.close()
+
+
+@pytest.mark.parametrize("backend", ["workers", "vector"])
+def test_training_rewards_are_clipped_evaluation_rewards_are_the_raw_scores(backend):
+    # Space Invaders scores 5 to 30 points an alien: random play lands some at once.
+    from batchrl.envs.atari import make_vector
+
+    rewards = {}
+    for training in (True, False):
+        seen = set()
+        if backend == "workers":
+            env = make("ALE/SpaceInvaders-v5", training=training, sticky_actions=0.0)
+            env.reset(seed=0)
+            env.action_space.seed(0)
+            for _ in range(300):
+                _, reward, terminated, truncated, _ = env.step(env.action_space.sample())
+                seen.add(float(reward))
+                if terminated or truncated:
+                    env.reset()
+        else:
+            env = make_vector(1, "ALE/SpaceInvaders-v5", training=training, sticky_actions=0.0)
+            env.reset(seed=0)
+            actions = np.random.default_rng(0).integers(0, 6, (300, 1))
+            for action in actions:  # (next-step autoreset: an ended game starts anew)
+                seen.add(float(env.step(action)[1][0]))
+        env.close()
+        rewards[training] = seen
+    assert rewards[True] == {0.0, 1.0}
+    assert max(rewards[False]) >= 5.0 and rewards[False] <= {0.0, 5.0, 10.0, 15.0, 20.0,
+                                                               25.0, 30.0, 200.0}
 
 
 def vector_pong(num_envs: int, max_length: int | None = None, **kwargs):

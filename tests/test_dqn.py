@@ -104,8 +104,10 @@ def test_a_resume_without_the_buffer_learns_again_once_it_is_full():
     assert algo.buffer.capacity == 9 and algo.updates > 0
     resumed = DQN(env.observation_space, env.action_space, 3, **options)
     resumed.load_state_dict(algo.state_dict())
-    for _ in range(3):
+    for _ in range(2):
         simulate(env, resumed)
+    assert resumed.updates == algo.updates  # 6 of 9 transitions: it waits
+    simulate(env, resumed)
     assert resumed.updates > algo.updates
     env.close()
 

@@ -143,10 +143,12 @@ def test_uint8_observations_stay_uint8():
                done=torch.zeros(3, dtype=torch.bool), observ=frames, next_observ=frames,
                action=torch.tensor([0, 1, 2]))
     assert buffer.tensors["observ"].dtype == torch.uint8
-    assert buffer.tensors["observ"].element_size() * buffer.tensors["observ"][0, 0].numel() \
-        == 4 * 84 * 84  # a byte per pixel
+    stored = sum(tensor.nbytes for tensor in buffer.tensors.values())
+    assert stored < 2 * 30 * 4 * 84 * 84 + 4096  # a byte per pixel in both fields
     batch = buffer.sample(5)
     assert batch["observ"].dtype == torch.uint8 and batch["action"].dtype == torch.int64
+    # each sampled frame is its agent's, byte for byte (the action is the agent's index)
+    assert torch.equal(batch["observ"], frames[batch["action"]])
 
 
 @pytest.mark.parametrize("algorithm", ["DQN", "SAC"])
@@ -186,6 +188,12 @@ def test_off_policy_algorithms_store_pixels_as_bytes_and_learn_from_them_scaled(
         features = algo.q[0](features)
     assert features.dtype == torch.float32 and 0 <= float(features.min())
     assert float(features.max()) <= 1 and float(features.max()) > 0.2
+    if algorithm == "SAC":  # the critics too: their inputs are the observation, then actions
+        critic_inputs = []
+        algo.critics.register_forward_pre_hook(lambda _, inputs: critic_inputs.append(inputs[0]))
+        algo.gradient_step()
+        observ = torch.cat([batch[:, :algo.obs_size].detach() for batch in critic_inputs])
+        assert 0 <= float(observ.min()) and 0.2 < float(observ.max()) <= 1
     env.close()
 
 

@@ -32,11 +32,15 @@ def filled_sac(steps: int = 30, **options) -> tuple[SAC, object]:
 
 
 def test_random_actions_until_learning_starts_then_the_policy_learns():
-    algo, env = filled_sac(20)  # 40 env steps: no gradient step yet
-    assert algo.updates == 0 and len(algo.buffer) == 40
+    algo, env = filled_sac(0)
+    acted = []
+    algo.policy.register_forward_hook(lambda *_: acted.append(algo.env_steps))
+    for _ in range(20):
+        simulate(env, algo)  # 40 env steps: uniform actions, no gradient step yet
+    assert algo.updates == 0 and len(algo.buffer) == 40 and acted == []
     policy = copy.deepcopy(algo.policy.state_dict())
     simulate(env, algo)  # 42 steps: 2 gradient steps (one per env step past the first 40)
-    assert algo.updates == 2
+    assert algo.updates == 2 and acted[0] == 40  # the policy acts from then on
     assert any(not torch.equal(policy[k], v) for k, v in algo.policy.state_dict().items())
     env.close()
 
@@ -152,7 +156,9 @@ def test_bfloat16_layers_keep_float32_parameters_and_outputs():
 
 def test_stored_actions_are_the_squashed_ones_perform_chose_or_the_callers_mapped_back():
     torque = gym.spaces.Box(-2.0, 2.0, (1,), np.float32)
-    algo = SAC(gym.spaces.Box(-1.0, 1.0, (3,), np.float32), torque, 2, **SMALL)
+    torch.manual_seed(0)
+    algo = SAC(gym.spaces.Box(-1.0, 1.0, (3,), np.float32), torque, 2,
+               **{**SMALL, "learning_starts": 0})  # (the policy's actions, not uniform ones)
     stored = algo.buffer.tensors["action"]
     observ = torch.zeros(2, 3)
     reward, flags = torch.zeros(2), torch.zeros(2, dtype=torch.bool)
@@ -163,6 +169,7 @@ def test_stored_actions_are_the_squashed_ones_perform_chose_or_the_callers_mappe
     assert stored[0].tolist() == [[0.5], [-1.0]]
     action, _ = algo.perform(torch.arange(2), observ)
     squashed = algo._last_action.clone()
+    assert not torch.equal((action + 2.0) / 2.0 - 1.0, squashed)  # (mapping back rounds)
     algo.experience(torch.arange(2), observ, action, reward, flags, observ, flags)
     assert torch.equal(stored[1], squashed)  # exactly what perform chose
 
@@ -242,13 +249,11 @@ def test_sac_learns_pendulum(precision):
     for _ in range(3200):  # 12,800 env steps
         simulate(env, algo)
     algo.eval()
-    returns = torch.zeros(4)
     simulate(env, algo, reset=True)
-    for _ in range(199):
+    for _ in range(199):  # the whole 200-step episode: score is its return
         _, score, _ = simulate(env, algo)
-    returns = score
     env.close()
-    assert float(returns.mean()) > -400, returns  # random actions: about -1,200
+    assert float(score.mean()) > -400, score  # random actions: about -1,200
 
 
 @pytest.mark.slow

@@ -75,7 +75,7 @@ def test_a_tuple_observation_given_as_a_list_keeps_its_parts_through_steps_and_r
         np.testing.assert_array_equal(fresh[0], np.zeros((2, 3), np.float32))
 
 
-def test_every_transport_keeps_scalar_observations_scalars():
+def test_external_process_keeps_scalar_observations_scalars():
     """(A Discrete observation is a numpy integer, not a 0-d array, as from the env itself.)"""
     with ExternalProcess("CliffWalking-v1") as env:
         observ, _ = env.reset(seed=0)

@@ -127,12 +127,20 @@ def test_ratios_above_the_truncation_act_as_on_policy():
     inputs["log_rho"] = np.abs(inputs["log_rho"]) + 0.01
     for ours, theirs in zip(run(inputs, 0.9), run(on_policy, 0.9)):
         assert torch.equal(ours, theirs)
-    # Above rho_bar the advantage grows with rho_bar, and with c_bar -> 0 the targets are
-    # one-step: V + rho (r + gamma next_value - V).
+    # Above rho_bar = 1 the ratios count up to rho_bar, and with c_bar -> 0 the targets are
+    # one-step: V + rho (r + gamma next_value - V); the advantages bootstrap from the next
+    # step's target inside an episode, from next_value where a step ends one or the rollout.
     vs, advantage = run(inputs, 0.9, rho_bar=3.0, c_bar=1e-12)
     rho = np.minimum(3.0, np.exp(inputs["log_rho"]))
     one_step = rho * (inputs["reward"] + 0.9 * inputs["next_value"] - inputs["value"])
     np.testing.assert_allclose(vs.numpy(), inputs["value"] + one_step, rtol=1e-9, atol=1e-9)
+    going_on = ~inputs["ends"]
+    going_on[:, -1] = False
+    after = np.where(going_on, np.roll(inputs["value"] + one_step, -1, axis=1),
+                     inputs["next_value"])
+    expected = rho * (inputs["reward"] + 0.9 * after - inputs["value"])
+    np.testing.assert_allclose(advantage.numpy(), expected, rtol=1e-9, atol=1e-9)
+    assert (rho > 1).any()
 
 
 def test_a_policy_that_never_takes_the_actions_learns_nothing_from_them():
@@ -186,6 +194,12 @@ def test_shapes_dtypes_and_no_gradient():
     assert not vs.requires_grad and not advantage.requires_grad
     torch.testing.assert_close(vs, vs64.float(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(advantage, advantage64.float(), rtol=1e-5, atol=1e-5)
+    # Computed in float64 and rounded once: exactly the float64 result of the same inputs
+    # (float32 arithmetic would round at every step and differ in the last bits).
+    doubles = {name: t.detach().double() for name, t in floats.items()}
+    exact = vtrace(**doubles, discount=0.9)
+    assert torch.equal(vs, exact.vs.float()) and torch.equal(advantage,
+                                                             exact.pg_advantage.float())
     with pytest.raises(ValueError, match=r"\(B, T\) tensors of one shape"):
         vtrace(**{**tensors, "value": tensors["value"][:, :-1]}, discount=0.9)
     with pytest.raises(ValueError, match=r"\(B, T\)"):
