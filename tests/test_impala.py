@@ -116,8 +116,12 @@ def test_box_and_discrete_actions_act_and_learn_on_policy(name):
     torch.manual_seed(1)
     algo = IMPALA(env.observation_space, env.action_space, len(env), rollout_length=8)
     assert algo.collector_support() is None and algo.rollout_length == 8
+    initial = {k: v.clone() for k, v in weights(algo).items()}
     summaries = train(env, algo, 8 * 30)  # Pendulum: its 200-step episodes are truncated
     assert len(summaries) == 30
+    for network in ("policy.", "value."):  # both learned
+        assert any(not torch.equal(value, initial[name]) for name, value in weights(algo).items()
+                   if name.startswith(network)), network
     assert all(math.isfinite(value) for s in summaries for value in s.values())
     assert set(summaries[0]) == {f"impala/{name}" for name in (
         "policy_loss", "value_loss", "entropy", "loss", "grad_norm", "value_grad_norm",

@@ -203,9 +203,13 @@ def test_discounted_cumsum_matches_the_loop(steps):
         expected[:, t] = running
     result = discounted_cumsum(torch.from_numpy(values), torch.from_numpy(factors))
     np.testing.assert_allclose(result.numpy(), expected, rtol=1e-10, atol=1e-12)
-    # float32 in, float32 out (computed in float64)
-    result = discounted_cumsum(torch.from_numpy(values).float(), torch.from_numpy(factors))
+    # float32 in, float32 out, computed in float64: the float64 result of the same inputs
+    # rounded once
+    floats = torch.from_numpy(values).float()
+    result = discounted_cumsum(floats, torch.from_numpy(factors))
     assert result.dtype == torch.float32
+    assert torch.equal(result, discounted_cumsum(floats.double(),
+                                                 torch.from_numpy(factors)).float())
 
 
 def test_gae_at_episode_ends_and_the_rollout_cut_by_hand():

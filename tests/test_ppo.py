@@ -278,7 +278,11 @@ def test_first_update_step_matches_hand_computation_with_cutoff(space):
     first gradient step's losses equal the formula of the paper."""
     algo = make(SPACES[space], update_epochs=1, normalize_reward=False, kl_init_penalty=0.7,
                 discount=0.9)
-    data = fill_memory(algo, [8, 3, 6], seed=3, mean_shift=1.0, log_std_shift=0.5)
+    # (box: shifts small enough that the cutoff does not dwarf the other two terms, whose
+    # sum is checked on its own below)
+    shifts = dict(mean_shift=0.15, log_std_shift=0.1) if space == "box" else dict(
+        mean_shift=1.0, log_std_shift=0.5)
+    data = fill_memory(algo, [8, 3, 6], seed=3, **shifts)
     expected = expected_first_step(algo, data)
     threshold = algo.config.kl_cutoff_factor * algo.config.kl_target
     assert expected["kl"] > threshold + 0.1
@@ -286,6 +290,8 @@ def test_first_update_step_matches_hand_computation_with_cutoff(space):
     summary = algo.update()
     assert summary["ppo/kl_cutoff"] == pytest.approx(expected["cutoff"], rel=1e-4)
     assert summary["ppo/policy_loss"] == pytest.approx(expected["policy_loss"], rel=1e-4)
+    assert summary["ppo/policy_loss"] - summary["ppo/kl_cutoff"] == pytest.approx(
+        expected["surrogate"] + 0.7 * expected["kl"], abs=2e-3)
     assert summary["ppo/value_loss"] == pytest.approx(expected["value_loss"], rel=1e-4)
     assert summary["ppo/beta"] == 0.7
     # The KL after the step is still far above 1.3 * target: beta grows.
@@ -313,15 +319,17 @@ def test_cutoff_is_exactly_zero_below_threshold(space):
 
 
 def test_cutoff_coefficient_scales_the_term():
-    """Same data, same seeds, kl_cutoff_coef 1000 vs 0: the reported policy loss
-    differs exactly by the cutoff term."""
+    """Same data, same seeds, kl_cutoff_coef 1000, 250 and 0: the term scales with the
+    coefficient (the first step's KL is the same in each), and the reported policy loss
+    differs exactly by it."""
     summaries = []
-    for coef in (1000.0, 0.0):
+    for coef in (1000.0, 0.0, 250.0):
         algo = make(BOX, update_epochs=1, kl_cutoff_coef=coef, normalize_reward=False)
         fill_memory(algo, [8, 3, 6], seed=5, mean_shift=0.8)
         torch.manual_seed(0)
         summaries.append(algo.update())
-    with_cutoff, without = summaries
+    with_cutoff, without, quarter = summaries
+    assert quarter["ppo/kl_cutoff"] == pytest.approx(with_cutoff["ppo/kl_cutoff"] / 4, rel=1e-5)
     assert without["ppo/kl_cutoff"] == 0.0
     assert with_cutoff["ppo/kl_cutoff"] > 1.0
     assert with_cutoff["ppo/policy_loss"] - without["ppo/policy_loss"] == pytest.approx(
@@ -994,7 +1002,10 @@ def test_activation_and_orthogonal_init():
     assert all(isinstance(m, torch.nn.Tanh) for m in algo.value.net
                if not isinstance(m, torch.nn.Linear))
     # Orthogonal rows (the smaller side) scaled by the gain; zero biases.
+    value_hidden = [m for m in algo.value.net if isinstance(m, torch.nn.Linear)]
+    assert len(layers) == 2 and len(value_hidden) == 1
     for layer, gain in [(layers[0], math.sqrt(2)), (layers[1], math.sqrt(2)),
+                        (value_hidden[0], math.sqrt(2)),
                         (algo.policy.head.mean, 0.01), (algo.value.out, 1.0)]:
         weight = layer.weight.detach()
         small = weight if weight.shape[0] <= weight.shape[1] else weight.T

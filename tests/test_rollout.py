@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy as copy_module
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -106,9 +108,13 @@ def collect(actor, steps=6):
 def test_ppo_learns_from_its_own_rollout_with_unit_importance_weights():
     torch.manual_seed(0)
     learner = ppo()
+    before = copy_module.deepcopy(learner)
     summary = learner.learn(collect(learner))
     assert summary["ppo/importance_weight"] == pytest.approx(1.0)
     assert summary["ppo/updates"] == 1.0 and learner.env_steps == 24
+    for network in ("policy", "value"):  # both took their steps
+        assert any(not torch.equal(a, b) for a, b in zip(
+            getattr(before, network).parameters(), getattr(learner, network).parameters()))
 
 
 def test_ppo_counts_a_rollout_whose_every_step_was_lost_and_learns_nothing_from_it():
@@ -134,9 +140,23 @@ def test_ppo_weights_a_lagged_rollout_by_its_truncated_importance_ratio():
         for parameter in actor.policy.parameters():
             parameter.add_(0.3 * torch.randn_like(parameter))
     before = [p.clone() for p in learner.policy.parameters()]
-    summary = learner.learn(collect(actor))
-    assert 0.0 < summary["ppo/importance_weight"] < 1.0
+    lagged = collect(actor)
+    # The same steps as if the learner had acted them: its own distributions as behaviour.
+    _, own = learner.act(lagged.observ[:, :-1].reshape(-1, 3))
+    on_policy = Rollout(**{**vars(lagged), "behaviour": {
+        name: value.reshape(4, 6, *value.shape[1:]) for name, value in own.items()}})
+    copy = copy_module.deepcopy(learner)
+    torch.manual_seed(1)
+    summary = learner.learn(lagged)
+    assert 0.0 < summary["ppo/importance_weight"] < 0.5
     assert any(not torch.equal(a, b) for a, b in zip(before, learner.policy.parameters()))
+    torch.manual_seed(1)  # (the same minibatches)
+    assert copy.learn(on_policy)["ppo/importance_weight"] == pytest.approx(1.0, abs=1e-3)
+    # Only the weights differ: the value steps are the same, the policy steps are not.
+    assert all(torch.equal(a, b) for a, b in zip(copy.value.parameters(),
+                                                 learner.value.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(copy.policy.parameters(),
+                                                     learner.policy.parameters()))
 
 
 def test_acting_state_round_trip_acts_alike():
