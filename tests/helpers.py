@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import cloudpickle
 import gymnasium as gym
@@ -129,6 +130,45 @@ def rollout(batch: BatchEnv, dtype) -> list[tuple]:
         if t % 4 == 0:
             log.append(("reset again", indices, batch.reset(indices)))
     return log
+
+
+class Sequential:
+    """The reference of every batch env: plain Gymnasium envs in this process, stepped one
+    after the other and batched as ``BatchEnv`` documents it (env ``i`` of a seeded reset
+    gets ``seed + i``; Dict and Tuple observations as Gymnasium's vector envs batch them).
+    None of batchrl's env code runs in it."""
+
+    def __init__(self, envs: list[gym.Env]):
+        self.envs = envs
+        self.observation_space = envs[0].observation_space
+        self.action_space = envs[0].action_space
+
+    def __len__(self) -> int:
+        return len(self.envs)
+
+    def _batch(self, observations: list) -> Any:
+        if isinstance(self.observation_space, (gym.spaces.Dict, gym.spaces.Tuple)):
+            out = gym.vector.utils.create_empty_array(self.observation_space, len(observations))
+            return gym.vector.utils.concatenate(self.observation_space, observations, out)
+        return np.stack(observations)
+
+    def reset(self, indices=None, seed=None):
+        indices = range(len(self.envs)) if indices is None else indices
+        return self._batch([self.envs[i].reset(seed=None if seed is None else seed + i)[0]
+                            for i in indices])
+
+    def step(self, actions, autoreset=None):
+        results = [env.reset()[:1] + (0.0, False, False, {"reset": True})
+                   if autoreset is not None and autoreset[i] else env.step(action)
+                   for i, (env, action) in enumerate(zip(self.envs, actions))]
+        obs, rewards, terminated, truncated, infos = zip(*results)
+        return (self._batch(list(obs)), np.asarray(rewards, np.float64),
+                np.asarray(terminated, bool), np.asarray(truncated, bool),
+                InfoList([(len(infos), list(infos))]))
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
 
 
 def assert_same_log(got: list[tuple], expected: list[tuple]) -> None:

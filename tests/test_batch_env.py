@@ -13,6 +13,7 @@ from gymnasium.wrappers import RescaleAction, TransformObservation
 
 from batchrl.envs import BatchEnv, ExternalProcess, wrap_env
 from batchrl.envs.errors import SpaceMismatchError, UnsupportedSpaceError
+from helpers import Sequential
 
 # Ship this module's env classes and constructors to the workers by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -41,31 +42,6 @@ def sample_actions(space: gym.Space, n: int, rng: np.random.Generator) -> np.nda
     return rng.uniform(low, high, size=(n, *space.shape)).astype(space.dtype)
 
 
-class Sequential:
-    """The reference: the same envs, in this process, one after the other,
-    batched the way BatchEnv documents it."""
-
-    def __init__(self, envs):
-        self.envs = envs
-        self.observation_space = envs[0].observation_space
-        self.action_space = envs[0].action_space
-
-    def reset(self, indices=None, seed=None):
-        indices = range(len(self.envs)) if indices is None else indices
-        return np.stack([self.envs[i].reset(seed=None if seed is None else seed + i)[0]
-                         for i in indices])
-
-    def step(self, actions):
-        results = [env.step(action) for env, action in zip(self.envs, actions)]
-        obs, rewards, terminated, truncated, infos = zip(*results)
-        return (np.stack(obs), np.asarray(rewards, np.float64), np.asarray(terminated, bool),
-                np.asarray(truncated, bool), list(infos))
-
-    def close(self):
-        for env in self.envs:
-            env.close()
-
-
 def rollout(env, n: int, num_steps: int = NUM_STEPS) -> list[tuple]:
     """Reset with SEED, step with seeded random actions, reset the finished envs
     (and, every 5 steps, one more env mid-episode); log every result."""
@@ -75,7 +51,7 @@ def rollout(env, n: int, num_steps: int = NUM_STEPS) -> list[tuple]:
         actions = sample_actions(env.action_space, n, rng)
         obs, rewards, terminated, truncated, infos = env.step(actions)
         assert len(infos) == n and all(isinstance(info, dict) for info in infos)
-        log.append(("step", obs, rewards, terminated, truncated))
+        log.append(("step", obs, rewards, terminated, truncated, list(infos)))
         finished = terminated | truncated
         if t % 5 == 2:
             finished[(t // 5) % n] = True

@@ -122,6 +122,8 @@ def test_auto_backend_is_native_where_it_steps_the_env():
     workers = make_batch_env("HalfCheetah-v5", 2, max_restarts=1)
     try:
         assert not native.workers and workers.workers  # (in this process; worker processes)
+        assert isinstance(native.envs[0], MujocoBatch)  # (not the inline backend's envs)
+        assert len({id(env) for env in native.envs}) == 1
         np.testing.assert_array_equal(native.reset(seed=3), workers.reset(seed=3))
     finally:
         native.close()

@@ -3,7 +3,8 @@
 The same envs, seeds and actions go through envs in this process, one child
 process per env (``ExternalProcess``), shared-memory workers (``EnvWorker``)
 and Ray actors (``RayEnvWorker``, on a real cluster on 127.0.0.1). Each must
-give the trajectories of plain in-process envs, be driven through the same
+give the trajectories of plain Gymnasium envs stepped one after the other
+(``helpers.Sequential``), be driven through the same
 ``step_async``/``step_wait`` and ``reset_async``/``reset_wait`` pairs, raise the
 same errors for the same faults, forward attribute access, reset the envs it is
 told to reset instead of stepping them, and (except in-process envs) restart a
@@ -27,8 +28,8 @@ from batchrl.envs import (BatchEnv, BatchVectorEnv, EnvRaisedError, EnvWorker, E
                           LocalWorker, RayEnvWorker)
 from batchrl.nested import leaf_spaces, leaves
 from batchrl.testing.envs import ImageAndFlag, PixelSide
-from helpers import (CountingEnv, assert_same_log, assert_same_vector_steps, fails_at,
-                     make_cartpole, make_cheetah, raise_site, rollout)
+from helpers import (CountingEnv, Sequential, assert_same_log, assert_same_vector_steps,
+                     fails_at, make_cartpole, make_cheetah, raise_site, rollout)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -86,7 +87,7 @@ def transport(request):
 @pytest.mark.parametrize("make, dtype", [(make_cartpole, None), (make_cheetah, np.float32)],
                          ids=["CartPole", "HalfCheetah"])
 def test_trajectories_are_those_of_in_process_envs(transport, make, dtype):
-    reference = BatchEnv([make() for _ in range(4)])
+    reference = Sequential([make() for _ in range(4)])
     try:
         expected = rollout(reference, dtype)
     finally:
@@ -96,7 +97,7 @@ def test_trajectories_are_those_of_in_process_envs(transport, make, dtype):
 
 def test_uint8_images_travel_as_uint8(transport):
     """Pixels cross every transport as bytes (shared memory, pipes, Ray's object store)."""
-    reference = BatchEnv([PixelSide() for _ in range(4)])
+    reference = Sequential([PixelSide() for _ in range(4)])
     try:
         expected = rollout(reference, None)
     finally:
@@ -113,7 +114,7 @@ def test_uint8_images_travel_as_uint8(transport):
 def test_dict_and_tuple_observations_travel_part_by_part(transport, make):
     """Structured observations cross every transport as dicts and tuples of arrays, each part
     in its space's dtype, in the space's order (not the order an env builds its dicts in)."""
-    reference = BatchEnv([make() for _ in range(4)])
+    reference = Sequential([make() for _ in range(4)])
     try:
         expected = rollout(reference, None)
     finally:
@@ -178,6 +179,10 @@ def test_attributes_and_methods_reach_the_env(transport):
     batch.step(np.zeros(4, np.int64))
     assert [env.count for env in batch.envs] == [1, 1, 1, 1]
     assert batch.envs[2].double(3, offset=1) == 7
+    batch.reset([1, 2])  # (counts that tell the envs apart)
+    batch.step(np.zeros(4, np.int64))
+    assert [env.count for env in batch.envs] == [2, 1, 1, 2]
+    assert [env.get_wrapper_attr("count") for env in batch.envs] == [2, 1, 1, 2]
 
 
 def test_a_failed_worker_restarts_or_in_process_envs_raise(transport):
@@ -188,10 +193,13 @@ def test_a_failed_worker_restarts_or_in_process_envs_raise(transport):
         with pytest.raises(EnvRaisedError, match="boom at step 2"):
             batch.step(np.zeros(4, np.int64))
         return
+    old = batch.workers[-1]
     observ, reward, *_ = batch.step(np.zeros(4, np.int64))
     rows, first = batch.restarted
-    # The failed env's worker was replaced: its envs are in new episodes.
+    # The failed env's worker was replaced (a new process or actor): its envs are in new
+    # episodes, whose first observation is CountingEnv's zeros.
     assert 3 in rows.tolist() and batch.restarts == 1
+    assert batch.workers[-1] is not old and old.closed and not first.any()
     assert np.array_equal(observ[rows], first) and not reward[rows].any()
     kept = [i for i in range(4) if i not in rows.tolist()]
     assert observ[kept, 0].tolist() == [2.0] * len(kept)
@@ -224,7 +232,7 @@ def test_an_ended_episode_is_reset_once_when_stepped_with_autoreset(transport):
         observ = [batch.step(np.ones(4, np.int64), terminated | truncated)[0]]
         return observ + [batch.step(np.zeros(4, np.int64))[0]]
 
-    reference = BatchEnv([make() for _ in range(4)])
+    reference = Sequential([make() for _ in range(4)])
     try:
         expected = steps(reference)
     finally:

@@ -168,8 +168,12 @@ def test_call_get_attr_set_attr_and_render_as_sync_vector_env():
         assert env.get_attr("spec") == reference.get_attr("spec")
         assert env.get_attr("gravity") == reference.get_attr("gravity")  # a wrapped env's
         assert env.np_random_seed == reference.np_random_seed
-        env.set_attr("gravity", [1.0, 2.0, 3.0])
-        assert env.get_attr("gravity") == (1.0, 2.0, 3.0)
+        for target in (env, reference):
+            target.set_attr("gravity", [1.0, 2.0, 30.0])
+        assert env.get_attr("gravity") == reference.get_attr("gravity") == (1.0, 2.0, 30.0)
+        for t in range(5):  # the physics use it (not an attribute of an outer wrapper)
+            assert_same_value(env.step(np.ones(3, np.int64)),
+                              reference.step(np.ones(3, np.int64)), f"step {t}")
         env.set_attr("gravity", 5.0)
         assert env.call("gravity") == (5.0, 5.0, 5.0)
         with pytest.raises(ValueError, match="one value per env"):

@@ -598,6 +598,10 @@ def test_call_reaches_the_right_env_of_a_worker(closing):
     assert worker.env(2).call("double", 4, offset=1) == 9
     assert worker.call("double", 21, index=1) == 42
     assert worker.get_attr("count", index=2) == 1
+    # (calls whose answer tells the envs apart: env 1 alone was reset)
+    assert [worker.env(i).call("get_wrapper_attr", "count") for i in range(3)] == [1, 0, 1]
+    assert [worker.call("get_wrapper_attr", "count", index=i) for i in range(3)] == [1, 0, 1]
+    assert [worker.get_attr("count", index=i) for i in range(3)] == [1, 0, 1]
 
 
 # -- infos ------------------------------------------------------------------------------

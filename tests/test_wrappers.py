@@ -44,11 +44,18 @@ def test_pendulum_observations_are_normalized_to_unit_range():
     (1.7, 2.0), (5.0, 2.0), (-3.0, -2.0),  # clipped to [-1, 1] before rescaling
 ])
 def test_pendulum_actions_are_rescaled_and_clipped(action, raw_action):
-    raw, env = gym.make("Pendulum-v1"), wrap_env(gym.make("Pendulum-v1"))
+    class LastAction(gym.ActionWrapper):  # (Pendulum would clip a torque past 2 itself)
+        def action(self, action):
+            self.last = np.array(action)
+            return action
+
+    inner = LastAction(gym.make("Pendulum-v1"))
+    raw, env = gym.make("Pendulum-v1"), wrap_env(inner)
     assert env.action_space.shape == (1,) and env.action_space.dtype == np.float32
     env.reset(seed=1)
     raw.reset(seed=1)
     obs, reward, *_ = env.step(np.array([action], np.float32))
+    np.testing.assert_allclose(inner.last, [raw_action], rtol=0, atol=1e-6)  # what Pendulum got
     raw_obs, raw_reward, *_ = raw.step(np.array([raw_action], np.float32))
     np.testing.assert_allclose(obs, raw_obs / np.float32([1, 1, 8]), rtol=0, atol=1e-6)
     assert reward == pytest.approx(raw_reward, rel=1e-6)
