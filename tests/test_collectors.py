@@ -69,14 +69,25 @@ def test_every_batch_is_one_rollout_of_every_agent_in_order():
 def test_a_rollout_continues_the_episodes_of_the_last():
     collectors, learner = pool(collectors=1)
     with collectors:
-        first, _ = collectors.receive()
-        second, _ = collectors.receive()
-    # The observation after the first rollout is the one the second starts from.
-    running = first.done[:, -1] == 0
-    assert torch.equal(first.observ[running, -1], second.observ[running, 0])
-    # Where an episode ended, final_observ holds its last observation and the next step
-    # starts a new one.
-    assert torch.all((first.final_observ.abs().sum(-1) > 0) == first.done.bool())
+        rollouts = [collectors.receive()[0]]
+        while not rollouts[-1].done.any() and len(rollouts) < 20:  # (until an episode ends)
+            collectors.publish(learner.acting_state())
+            rollouts.append(collectors.receive()[0])
+        collectors.publish(learner.acting_state())
+        rollouts.append(collectors.receive()[0])
+    for first, second in zip(rollouts, rollouts[1:]):
+        # The observation after a rollout is the one the next starts from.
+        running = first.done[:, -1] == 0
+        assert torch.equal(first.observ[running, -1], second.observ[running, 0])
+    # Where an episode ended, final_observ holds its last observation, and the observation
+    # after the step is the new episode's first (CartPole's resets are within 0.05 of 0).
+    ended = rollouts[-2]
+    done = ended.done.bool()
+    assert done.any()
+    assert torch.all((ended.final_observ.abs().sum(-1) > 0) == done)
+    after = ended.observ[:, 1:][done]
+    assert bool((after.abs() <= 0.05).all())
+    assert bool((ended.final_observ[done] != after).any(-1).all())
 
 
 @pytest.mark.parametrize("limit", [0, 1])

@@ -13,7 +13,7 @@ from batchrl.algos import Reinforce
 from batchrl.parts import discounted_return
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.simulation import simulate
-from helpers import seeded_tensor_env
+from helpers import assert_same, seeded_tensor_env
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -146,19 +146,37 @@ def test_a_state_saved_on_another_kind_of_device_loads():
     algo = Reinforce(space, gym.spaces.Discrete(2), 2, max_length=10, seed=0)
     state = algo.state_dict()
     state["generator"] = torch.zeros(16, dtype=torch.uint8)
+    state["memory_size"] = 1  # (a state that differs from the fresh one's beyond its weights)
     fresh = Reinforce(space, gym.spaces.Discrete(2), 2, max_length=10, seed=1)
     fresh.load_state_dict(state)
-    assert torch.equal(fresh.state_dict()["policy"]["0.weight"], state["policy"]["0.weight"])
+    loaded = fresh.state_dict()
+    assert loaded["generator"].numel() != 16  # a CPU generator, freshly seeded
+    del loaded["generator"], state["generator"]
+    assert_same(loaded, state)
+    action, _ = fresh.train().perform(torch.arange(2), torch.zeros(2, 3))  # it samples
+    assert action.shape == (2,)
 
 
-def test_box_actions_update_with_truncation():
-    """Pendulum: Gaussian policy, episodes always truncated at 200 steps."""
+def test_box_actions_update_with_truncation(monkeypatch):
+    """Pendulum: Gaussian policy, episodes always truncated at 200 steps, whose returns
+    bootstrap from the value of their last observation (not from 0, as after a terminal
+    state)."""
+    from batchrl.algos import reinforce
+
+    bootstraps = []
+
+    def recording(reward, length, discount, bootstrap):
+        bootstraps.append(bootstrap.clone())
+        return discounted_return(reward, length, discount, bootstrap)
+
+    monkeypatch.setattr(reinforce, "discounted_return", recording)
     env = seeded_tensor_env("Pendulum-v1", 2, seed=4)
     algo = Reinforce(env.observation_space, env.action_space, len(env), max_length=200,
                      update_every=2, seed=4)
     summaries = train(env, algo, 400)
     updates = [s for s in summaries if s]
     assert len(updates) == 2
+    assert len(bootstraps) == 2 and all(bool((b != 0).all()) for b in bootstraps)
     assert all(math.isfinite(value) for s in updates for value in s.values())
     algo.eval()
     action, _ = algo.perform(torch.arange(2), env.observ)

@@ -24,7 +24,7 @@ from batchrl.checkpoint import (CheckpointError, latest_checkpoint, list_checkpo
 from batchrl.config import load_config
 from batchrl.metrics import read_metrics
 from batchrl.trainer import Trainer
-from helpers import REPO, TRAIN_PY, running, sets, wait_gone
+from helpers import REPO, TRAIN_PY, assert_same, running, sets, wait_gone
 
 ENVIRON = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
 CARTPOLE = ["env.num_agents=4", "algorithm.update_every=4", "train.eval_episodes=4",
@@ -434,6 +434,31 @@ def test_env_failure_saves_the_last_phase_boundary(tmp_path):
         (records[-1]["phase"] == "train" and state["counters"]["steps"] == records[-2]["step"])
     assert state["counters"]["phases"] == sum(r["step"] <= state["counters"]["steps"]
                                               for r in records)
+
+
+def test_a_run_resumed_after_an_env_failure_equals_one_without_it(tmp_path):
+    """The state written when an env raises is the last boundary's, not the live one: the
+    resumed run ends exactly as a run the fault never hit (it fires once: ``once_file``)."""
+    from batchrl.envs.errors import EnvRaisedError
+    once = tmp_path / "fired"
+    config = load_config("cartpole", CARTPOLE + [
+        "env.id=batchrl.testing.faults:make",
+        f'env.kwargs={{fault = "raise", at_step = 300, once_file = "{once}"}}',
+        "train.checkpoint_every=1000", "train.steps=2000"])
+    with pytest.raises(EnvRaisedError, match="injected fault in step 300"):
+        Trainer(config, tmp_path / "run", progress=False).run()
+    Trainer(config, tmp_path / "run", progress=False).run()  # resumes
+    Trainer(config, tmp_path / "straight", progress=False).run()  # (the fault is spent)
+
+    def outcome(logdir: Path) -> tuple[list, dict]:
+        records = [(r["step"], r["phase"], r["score"], r["length"], r["episodes"])
+                   for r in read_metrics(logdir)]
+        return records, load_checkpoint(list_checkpoints(logdir)[-1])["algorithm"]
+
+    (records, state), (expected_records, expected_state) = map(
+        outcome, (tmp_path / "run", tmp_path / "straight"))
+    assert records == expected_records
+    assert_same(state, expected_state, "algorithm")
 
 
 def test_a_due_checkpoint_is_written_from_the_live_state_without_a_copy_in_memory(
