@@ -13,7 +13,7 @@ from gymnasium.wrappers import RescaleAction, TransformObservation
 
 from batchrl.envs import BatchEnv, ExternalProcess, wrap_env
 from batchrl.envs.errors import SpaceMismatchError, UnsupportedSpaceError
-from helpers import Sequential
+from helpers import Sequential, assert_same_log
 
 # Ship this module's env classes and constructors to the workers by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -59,19 +59,6 @@ def rollout(env, n: int, num_steps: int = NUM_STEPS) -> list[tuple]:
         if indices:
             log.append(("reset", indices, env.reset(indices)))
     return log
-
-
-def assert_same_log(got: list[tuple], expected: list[tuple]) -> None:
-    assert len(got) == len(expected)
-    for step, (g, e) in enumerate(zip(got, expected)):
-        assert g[0] == e[0], f"entry {step}"
-        for g_item, e_item in zip(g[1:], e[1:]):
-            if isinstance(e_item, list):
-                assert g_item == e_item, f"entry {step}"
-            else:
-                assert g_item.dtype == e_item.dtype, f"entry {step}"
-                assert g_item.shape == e_item.shape, f"entry {step}"
-                np.testing.assert_array_equal(g_item, e_item, err_msg=f"entry {step}")
 
 
 @pytest.mark.parametrize("wrapped", [False, True], ids=["raw", "wrapped"])

@@ -138,6 +138,8 @@ class BatchPPO(Algorithm):
         self.observation_space = observation_space
         # uint8 observations stay bytes up to the network, without running statistics.
         self.pixels = is_pixel_space(observation_space)
+        # Whether observations are normalised with running statistics, kept and merged.
+        self.normalizes_observ = config.normalize_observ and not self.pixels
         # Dict and Tuple observations: one uint8 row each, whose float part is normalised.
         self.packing = packing_for(observation_space)
         observ_dtype = torch.uint8 if self.pixels or self.packing else torch.float32
@@ -281,7 +283,7 @@ class BatchPPO(Algorithm):
         to the float parts of packed rows, to none of pixels."""
         if self.packing is None or not isinstance(observ, torch.Tensor):  # (else packed)
             observ = self._flatten(observ)
-        if self.pixels or not self.config.normalize_observ:
+        if not self.normalizes_observ:
             return observ
         if self.packing is not None:
             return self.packing.with_floats(
@@ -343,7 +345,7 @@ class BatchPPO(Algorithm):
                                     "mean_or_logits": mean_or_logits, "log_std": log_std,
                                     "state": state})
             # Only now: this step's data and action used the statistics before it.
-            if self.config.normalize_observ and not self.pixels:
+            if self.normalizes_observ:
                 self.observ_normalizer.update(self._statistics_input(flat))
         return action, {}
 
@@ -495,7 +497,7 @@ class BatchPPO(Algorithm):
 
     def _merge_statistics(self) -> None:
         """Give this learner's normalisers the statistics of every learner's data."""
-        if self.config.normalize_observ and not self.pixels:
+        if self.normalizes_observ:
             self._merged["observ"] = self.learners.merge(self.observ_normalizer,
                                                          self._merged["observ"])
         self._merged["reward"] = self.learners.merge(self.reward_normalizer,
@@ -932,7 +934,7 @@ class BatchPPO(Algorithm):
                     "terminated": rollout.terminated[ends]}
             # Only now, as perform() does: the data was normalised as the weights that acted
             # on it (without lag) normalised it.
-            if self.config.normalize_observ and not self.pixels:
+            if self.normalizes_observ:
                 self.observ_normalizer.update(self._statistics_input(observ[:, :steps][valid]))
         summary = self.update(data)
         if valid.any():
