@@ -89,9 +89,15 @@ def _learner(rank: int, port: int, results) -> None:
                         value_layers=(16,), reward_scale="return", inference="eager")
         initial = {k: v.clone() for k, v in algo.policy.state_dict().items()}
         algo.join_learners(learners)
+        advantages = torch.randn(10 + 7 * rank, generator=generator) * (1 + rank) + rank
+        moments = [float(m) for m in algo._advantage_moments(advantages)]
         torch.manual_seed(1 + rank)
+        update_terms = []
         for _ in range(16 * 3):
-            simulate(env, algo)
+            _, _, summary = simulate(env, algo)
+            if "ppo/kl" in summary:
+                update_terms.append((summary["ppo/kl"], summary["ppo/entropy"],
+                                     summary["ppo/beta_next"]))
         env.close()
         state = algo.state_dict()
         _put(results, rank, {
@@ -100,7 +106,9 @@ def _learner(rank: int, port: int, results) -> None:
             "observ_normalizer": state["observ_normalizer"],
             "reward_normalizer": state["reward_normalizer"], "objective": state["objective"],
             "updates": state["updates"], "env_steps": state["env_steps"],
-            "running_return": state["running_return"], "initial": initial})
+            "running_return": state["running_return"], "initial": initial,
+            "advantages": advantages, "moments": moments,
+            "update_terms": update_terms})
     finally:
         learners.close()
 
@@ -110,7 +118,7 @@ def two_learners() -> dict[int, dict]:
     return _run_two(_learner)
 
 
-def test_learners_hold_identical_weights_after_every_update(two_learners):
+def test_learners_hold_identical_weights_after_their_updates(two_learners):
     first, second = two_learners[0], two_learners[1]
     assert first["updates"] == second["updates"] == 3
     for name in ("policy", "value", "observ_normalizer", "reward_normalizer", "objective"):
@@ -125,6 +133,18 @@ def test_learners_hold_identical_weights_after_every_update(two_learners):
 def test_a_gradient_one_learner_lacks_is_averaged_with_zeros_on_both(two_learners):
     for rank in (0, 1):
         assert two_learners[rank]["grads"] == [[1.5, 1.5], [2.0, 2.0, 2.0], None]
+
+
+def test_the_kl_penalty_adapts_to_the_kl_over_all_learners(two_learners):
+    first, second = two_learners[0]["update_terms"], two_learners[1]["update_terms"]
+    assert len(first) == 3 and first == second
+
+
+def test_advantages_are_normalised_with_the_moments_of_all_learners(two_learners):
+    union = torch.cat([two_learners[rank]["advantages"] for rank in (0, 1)])
+    for rank in (0, 1):
+        assert two_learners[rank]["moments"] == pytest.approx(
+            [float(union.mean()), float(union.std())], rel=1e-5)
 
 
 def test_merged_statistics_are_one_normalisers_over_the_union(two_learners):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+import batchrl.algos.ppo as ppo_module
 from batchrl.algos.ppo import BatchPPO
 from batchrl.parts.rollout import Rollout, RolloutBuffer, rollout_tensors
 
@@ -132,19 +133,26 @@ def test_ppo_counts_a_rollout_whose_every_step_was_lost_and_learns_nothing_from_
     assert learner.learn(collect(learner))["ppo/updates"] == 2.0
 
 
-def test_ppo_weights_a_lagged_rollout_by_its_truncated_importance_ratio():
-    torch.manual_seed(0)
-    learner, actor = ppo(), ppo()
+def lagged_and_on_policy(learner: BatchPPO) -> tuple[Rollout, Rollout]:
+    """A rollout of a policy behind ``learner``'s, and the same steps with the learner's own
+    distributions as behaviour (as if it had acted them)."""
+    actor = ppo()
     actor.load_acting_state(learner.acting_state())
     with torch.no_grad():  # the behaviour policy differs from the learner's
         for parameter in actor.policy.parameters():
             parameter.add_(0.3 * torch.randn_like(parameter))
-    before = [p.clone() for p in learner.policy.parameters()]
     lagged = collect(actor)
-    # The same steps as if the learner had acted them: its own distributions as behaviour.
     _, own = learner.act(lagged.observ[:, :-1].reshape(-1, 3))
-    on_policy = Rollout(**{**vars(lagged), "behaviour": {
+    return lagged, Rollout(**{**vars(lagged), "behaviour": {
         name: value.reshape(4, 6, *value.shape[1:]) for name, value in own.items()}})
+
+
+@pytest.mark.parametrize("normalization", ["update", "minibatch"])
+def test_ppo_weights_a_lagged_rollout_by_its_truncated_importance_ratio(normalization):
+    torch.manual_seed(0)
+    learner = ppo(advantage_normalization=normalization)
+    before = [p.clone() for p in learner.policy.parameters()]
+    lagged, on_policy = lagged_and_on_policy(learner)
     copy = copy_module.deepcopy(learner)
     torch.manual_seed(1)
     summary = learner.learn(lagged)
@@ -188,6 +196,29 @@ def test_ppo_with_vtrace_targets_learns_from_a_lagged_rollout():
         learned[targets] = torch.cat([p.detach().flatten() for p in learner.value.parameters()])
     # V-trace's targets differ from the uncorrected returns where the policies differ
     assert not torch.allclose(learned["vtrace"], learned["gae"])
+
+
+def test_vtrace_advantages_are_weighted_once(monkeypatch):
+    """V-trace's policy-gradient advantages carry their truncated ratio already: the learner
+    takes them as they are, not weighted by the behaviour ratio again."""
+    found = {}
+
+    def vtrace(*args, **kwargs):
+        found["vtrace"] = result = real_vtrace(*args, **kwargs)
+        return result
+
+    def advantages(self, *args, **kwargs):
+        found["data"], found["mask"] = result = real_advantages(self, *args, **kwargs)
+        return result
+
+    real_vtrace, real_advantages = ppo_module.vtrace, BatchPPO._advantages
+    monkeypatch.setattr(ppo_module, "vtrace", vtrace)
+    monkeypatch.setattr(BatchPPO, "_advantages", advantages)
+    torch.manual_seed(0)
+    learner = ppo(value_targets="vtrace", advantage_normalization="none")
+    lagged, _ = lagged_and_on_policy(learner)
+    assert learner.learn(lagged)["ppo/importance_weight"] < 0.5  # (weighting twice shows)
+    assert torch.equal(found["data"]["advantage"], found["vtrace"].pg_advantage * found["mask"])
 
 
 def test_vtrace_targets_without_lag_are_the_returns_of_gae_with_lambda_one():
