@@ -13,8 +13,10 @@ import psutil
 import pytest
 import torch
 
+import batchrl.trainer as trainer_module
 from batchrl.algos.ppo import BatchPPO
 from batchrl.collectors import CollectorError, CollectorSpec, LocalCollectors, collector_seed
+from batchrl.collectors.collector import Replacements
 from batchrl.checkpoint import list_checkpoints, load_checkpoint
 from batchrl.config import ConfigError, available_configs, build_config, load_config
 from batchrl.envs import BatchEnv
@@ -153,25 +155,66 @@ def test_weights_reach_the_collectors_with_their_version():
 
 
 @pytest.mark.slow
-def test_a_collector_killed_while_it_waits_for_a_slot_is_replaced():
+def test_a_collector_killed_while_it_waits_for_a_slot_is_replaced_after_its_queued_rollouts():
     """SIGKILL where a collector spends its time when the learner is behind: waiting on its
-    queue of free slots (whose lock it then takes to its grave)."""
+    queue of free slots (whose lock it then takes to its grave), with two finished rollouts
+    the learner has not taken yet. Its successor keeps them and starts at the round after."""
     reports = []
-    collectors, learner = pool(queue_size=1, max_restarts=2, report=reports.append)
+    collectors, learner = pool(queue_size=1, max_restarts=1, report=reports.append)
     with collectors:
-        wait_for(lambda: collectors.queued == 4, 60, "the queues to fill")
-        time.sleep(0.3)
+        wait_for(lambda: collectors.queued == 4, 60, "the queues to fill")  # rounds 0 and 1
         os.kill(collectors.pids[0], signal.SIGKILL)
-        versions = []
-        for _ in range(6):
-            rollout, _ = collectors.receive()
+        wait_for(lambda: collectors._processes[0].exitcode is not None, 10, "its exit")
+        # (receive() supervises only while it waits, and rounds 0 and 1 wait for it: noticed
+        # here, the replacement is rebuilt around the rollouts still queued)
+        collectors._supervise()
+        assert len(reports) == 1 and "collector 0 failed (exited with code -9); replaced" \
+            in reports[0], reports
+        assert collectors.restarts == 1
+        # Its successor gets no slot that holds a rollout the learner has not copied yet,
+        # and begins at the first round not received.
+        assert collectors.shared.free[0].qsize() == 0 and collectors.shared.rounds[0] == 2
+        rollouts, metas = [], []
+        for _ in range(4):
+            rollout, meta = collectors.receive()
             assert rollout.agents.tolist() == [0, 1, 2, 3]
-            versions.append(rollout.version.tolist())
+            rollouts.append(rollout)
+            metas.append(meta)
             learner.learn(rollout)
             collectors.publish(learner.acting_state())
-    assert len(reports) == 1 and "collector 0 failed (exited with code -9); replaced" \
-        in reports[0], reports
-    assert collectors.restarts == 1
+    # Rounds 0 and 1 are the dead collector's own, intact: round 1 continues round 0.
+    first, second = rollouts[0], rollouts[1]
+    running = first.done[:2, -1] == 0
+    assert torch.equal(first.observ[:2][running, -1], second.observ[:2][running, 0])
+    # Its successor starts at round 2 (new envs), not earlier, not later...
+    assert [meta[0]["fresh"] for meta in metas] == [True, False, True, False]
+    assert [meta[1]["fresh"] for meta in metas] == [True, False, False, False]
+    # ... with seeds of its own: its envs' first states are not its predecessor's.
+    assert not torch.equal(rollouts[2].observ[:2, 0], rollouts[0].observ[:2, 0])
+
+
+def test_collectors_of_one_seed_collect_the_same_first_rollout():
+    first = []
+    for _ in range(2):
+        collectors, _ = pool(collectors=1)
+        with collectors:
+            first.append(collectors.receive()[0])
+    assert torch.equal(first[0].observ, first[1].observ)
+    assert torch.equal(first[0].action, first[1].action)
+
+
+def test_replacements_end_at_max_restarts_and_a_first_collector_that_never_delivered_fails():
+    lines = []
+    replacements = Replacements(2, 1, lines.append)
+    with pytest.raises(CollectorError, match="^collector 1 failed before its first rollout: "
+                                             "boom$"):
+        replacements.failed(1, "boom")
+    replacements.delivered[0] = True
+    assert replacements.failed(0, "x") == 1 and replacements.count == 1
+    assert lines == ["collector 0 failed (x); replaced [1 of at most 1]"]
+    with pytest.raises(CollectorError, match=r"^collector 0 failed \(y\) after 1 replacements "
+                                             r"\(at most 1: env.max_restarts\)$"):
+        replacements.failed(0, "y")
 
 
 def test_uint8_observations_travel_as_uint8():
@@ -206,7 +249,10 @@ def config(**train):
 
 
 @pytest.mark.slow
-def test_training_with_collectors_logs_the_lag_and_resumes(tmp_path):
+def test_training_with_collectors_logs_the_lag_and_resumes(tmp_path, monkeypatch):
+    sessions = []  # each pool's session: a resumed run's collectors seed their envs anew
+    monkeypatch.setattr(trainer_module, "LocalCollectors", lambda spec, *args, **kwargs: (
+        sessions.append(spec.session) or LocalCollectors(spec, *args, **kwargs)))
     values = config()
     record = Trainer(build_config(values), tmp_path, progress=False).run()
     assert record["phase"] == "eval" and record["episodes"] == 2
@@ -214,6 +260,8 @@ def test_training_with_collectors_logs_the_lag_and_resumes(tmp_path):
     updates = [r for r in records if r["phase"] == "update"]
     assert len(updates) == 3200 // 160
     assert all(r["collectors_lag_mean"] <= r["collectors_lag_max"] <= 3 for r in updates)
+    # The collectors act on while the learner takes its 2 epochs: rollouts lag behind it.
+    assert max(r["collectors_lag_max"] for r in updates) >= 1
     assert all(r["collectors_steps_per_s"] > 0 and r["learner_steps_per_s"] > 0
                for r in updates)
     trains = [r for r in records if r["phase"] == "train"]
@@ -223,6 +271,7 @@ def test_training_with_collectors_logs_the_lag_and_resumes(tmp_path):
     Trainer(build_config(values), tmp_path, progress=False).run()
     steps = [r["step"] for r in read_metrics(tmp_path) if r["phase"] == "train"]
     assert steps == [1600, 3200, 4800]
+    assert len(sessions) == 2 and sessions[0] == 0 < sessions[1], sessions
 
 
 @pytest.mark.parametrize("fault, why", [("exit", "exited with code 3"),

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import batchrl.algos.impala as impala_module
 from batchrl.algos import IMPALA, BatchPPO, IMPALAConfig
 from batchrl.checkpoint import list_checkpoints
 from batchrl.config import IMPALA as IMPALA_PATH
@@ -284,6 +285,25 @@ def test_vtrace_false_ignores_the_behaviour_policy():
     assert same(results[False, "same"], results[False, "other"])
     # With V-trace the other behaviour's ratios (e times larger) are truncated otherwise.
     assert not same(results[True, "same"], results[True, "other"])
+
+
+def test_vtrace_gets_the_log_ratio_to_the_behaviour_both_truncations_and_the_cut_steps(
+        monkeypatch):
+    calls = []
+    real = impala_module.vtrace
+    monkeypatch.setattr(impala_module, "vtrace", lambda *args, **kwargs: calls.append(
+        (args, kwargs)) or real(*args, **kwargs))
+    algo = image_algorithm(8, rho_bar=2.0, c_bar=0.5)
+    rollout = hand_rollout(algo, torch.float32, seed=9)
+    behind = Rollout(**{**vars(rollout),  # mu = pi / e: the learner's ratio is e everywhere
+                        "behaviour": {"log_prob": rollout.behaviour["log_prob"] - 1.0}})
+    algo.learn(behind)
+    (log_rho, *_, rho_bar, c_bar), options = calls[0]  # (the first gradient step's)
+    torch.testing.assert_close(log_rho, torch.ones_like(log_rho), atol=1e-4, rtol=0)
+    assert (rho_bar, c_bar) == (2.0, 0.5)
+    # The cut step adds nothing to the targets before it.
+    assert not behind.valid.all()
+    assert options.get("valid") is not None and torch.equal(options["valid"], behind.valid)
 
 
 # -- checkpoints ------------------------------------------------------------------------
