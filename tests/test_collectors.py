@@ -196,11 +196,13 @@ def test_a_collector_killed_while_it_waits_for_a_slot_is_replaced_after_its_queu
 def test_collectors_of_one_seed_collect_the_same_first_rollout():
     first = []
     for _ in range(2):
+        torch.manual_seed(0)  # (the learner's initial weights, which the collectors act with)
         collectors, _ = pool(collectors=1)
         with collectors:
             first.append(collectors.receive()[0])
     assert torch.equal(first[0].observ, first[1].observ)
     assert torch.equal(first[0].action, first[1].action)
+    assert torch.equal(first[0].behaviour["mean_or_logits"], first[1].behaviour["mean_or_logits"])
 
 
 def test_replacements_end_at_max_restarts_and_a_first_collector_that_never_delivered_fails():
