@@ -569,9 +569,9 @@ def save_config(config: Config, logdir: Path) -> None:
 
 def load_saved_config(logdir: Path, overrides: list[str] = ()) -> Config:
     """The config a run in ``logdir`` was started with, with ``section.key=value``
-    ``overrides`` applied (on resume ``train.py`` allows only ``train.steps`` and the keys
-    of where a run goes on: ``train.device``, ``train.threads``, ``env.workers``,
-    ``env.timeout``)."""
+    ``overrides`` applied (on resume ``train.py`` allows only the keys of where a run goes
+    on: ``train.device``, ``train.threads``, ``env.workers``, ``env.timeout``; its
+    budget changes with ``--steps``)."""
     path = Path(logdir) / CONFIG_FILE
     try:
         with open(path) as file:

@@ -4,8 +4,9 @@
   batchrl-train --config pendulum --logdir logs/pendulum --set algorithm.policy_lr=3e-4
 
 Running again with an existing --logdir resumes that run from its latest
-checkpoint, with the config saved there; --steps N (unlike --set) may then
-raise its budget to train a finished run further:
+checkpoint, with the config saved there; --steps N may then raise its budget
+to train a finished run further (--set may then change only where the run
+goes on: train.device, train.threads, env.workers, env.timeout):
 
   batchrl-train --config pendulum --logdir logs/pendulum --steps 600000
 
@@ -147,8 +148,10 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
                         help="override a config key, e.g. algorithm.discount=0.98 (--help "
                              "--config NAME lists the keys of its algorithm)")
     parser.add_argument("--steps", type=_count, default=None, metavar="N",
-                        help="training budget in env steps (train.steps); unlike --set also "
-                             "allowed when resuming, to train a run further")
+                        help="training budget in env steps (train.steps); also allowed when "
+                             "resuming, to train a run further (where --set may change "
+                             "only train.device, train.threads, env.workers and "
+                             "env.timeout)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
