@@ -148,3 +148,39 @@ def test_range_normalize_and_convert_to_32bit_on_their_own():
     assert obs.dtype == np.float32
     _, reward, *_ = converted.step(np.zeros(6, np.float32))
     assert type(reward) is np.float32
+
+
+def test_wrap_env_shows_the_algorithms_the_bounded_action_range():
+    # ClipAction alone would show an unbounded Box: the algorithms see the range the env acts in.
+    assert wrap_env(gym.make("Pendulum-v1")).action_space == gym.spaces.Box(-1.0, 1.0, (1,),
+                                                                            np.float32)
+    cheetah = wrap_env(gym.make("HalfCheetah-v5")).action_space
+    assert np.all(cheetah.low == -1.0) and np.all(cheetah.high == 1.0)
+
+
+class IntegerBoxEnv(gym.Env):
+    """Observations in a finite int64 Box (not pixels)."""
+
+    observation_space = gym.spaces.Box(0, 10, (3,), np.int64)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.array([0, 5, 10]), {}
+
+    def step(self, action):
+        return np.array([4, 10, 1]), 1.0, False, False, {}
+
+
+def test_convert_to_32bit_makes_integer_boxes_other_than_uint8_float32():
+    env = convert_to_32bit(IntegerBoxEnv())
+    assert env.observation_space == gym.spaces.Box(0.0, 10.0, (3,), np.float32)
+    observ, _ = env.reset(seed=0)
+    assert observ.dtype == np.float32 and observ.tolist() == [0.0, 5.0, 10.0]
+
+
+def test_wrap_env_rescales_finite_integer_boxes_as_floats():
+    env = wrap_env(IntegerBoxEnv())
+    assert env.observation_space == gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
+    observ, _ = env.reset(seed=0)
+    np.testing.assert_allclose(observ, [-1.0, 0.0, 1.0], atol=1e-6)

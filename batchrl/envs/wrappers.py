@@ -19,17 +19,20 @@ def _finite_box(space: gym.Space) -> bool:
 
 def range_normalize(env: gym.Env) -> gym.Env:
     """Rescale finite Box observation and action ranges to ``[-1, 1]``; other spaces (like
-    most MuJoCo observations, with infinite bounds) and ``uint8`` pixels stay as they are."""
-    if _finite_box(env.observation_space):
+    most MuJoCo observations, with infinite bounds) and ``uint8`` pixels stay as they are.
+    Integer observations become ``float32`` first (rescaled as integers they would round)."""
+    space = env.observation_space
+    if _finite_box(space):
+        if not np.issubdtype(space.dtype, np.floating):
+            env = _float32_observations(env)
         env = RescaleObservation(env, np.float32(-1), np.float32(1))
     if _finite_box(env.action_space):
         env = RescaleAction(env, np.float32(-1), np.float32(1))
     return env
 
 
-def convert_to_32bit(env: gym.Env) -> gym.Env:
-    """Make Box observations other than ``uint8`` pixels (``is_pixel_space``) ``float32``,
-    and rewards ``np.float32``."""
+def _float32_observations(env: gym.Env) -> gym.Env:
+    """``env`` with its Box observations as ``float32``, unless they are that or pixels."""
     space = env.observation_space
     if (isinstance(space, gym.spaces.Box) and space.dtype != np.float32
             and not is_pixel_space(space)):
@@ -38,7 +41,13 @@ def convert_to_32bit(env: gym.Env) -> gym.Env:
         space32 = gym.spaces.Box(space.low.astype(np.float32), space.high.astype(np.float32),
                                  dtype=np.float32)
         env = TransformObservation(env, lambda obs: np.asarray(obs, np.float32), space32)
-    return TransformReward(env, np.float32)
+    return env
+
+
+def convert_to_32bit(env: gym.Env) -> gym.Env:
+    """Make Box observations other than ``uint8`` pixels (``is_pixel_space``) ``float32``,
+    and rewards ``np.float32``."""
+    return TransformReward(_float32_observations(env), np.float32)
 
 
 def check_time_limit(max_episode_steps: int) -> None:
