@@ -9,6 +9,7 @@ import torch
 
 from batchrl.parts import (EpisodeMemory, RolloutMemory, StreamingNormalizer, discounted_cumsum,
                            discounted_return, gae, generalized_advantage, numpy_views)
+from batchrl.parts.normalize import Statistics
 
 
 def t64(values) -> torch.Tensor:
@@ -739,3 +740,61 @@ def test_rollout_memory_state_dict_round_trip():
     append_step(other, agents, 3)
     append_step(other, agents, 4)
     assert other.full
+
+
+def test_statistics_add_and_subtract_are_those_of_the_union_and_the_rest():
+    rng = np.random.default_rng(8)
+    first, second = rng.normal(2.0, 3.0, size=(7, 3)), rng.normal(-1.0, 0.5, size=(12, 3))
+
+    def stats(values):
+        values = torch.from_numpy(values)
+        return Statistics(torch.tensor(float(len(values)), dtype=torch.float64),
+                          values.mean(0), ((values - values.mean(0)) ** 2).sum(0))
+
+    union, a, b = stats(np.concatenate([first, second])), stats(first), stats(second)
+    for got, want in zip(a + b, union):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for got, want in zip(union - a, b):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    for got, want in zip(Statistics.from_flat(union.flat(), (3,)), union):
+        assert torch.equal(got, want)
+
+
+def test_normalizer_load_statistics_renews_what_transform_uses(host_path, defer):
+    source = StreamingNormalizer((2,), defer=defer)
+    source.update(torch.tensor([[0.0, 10.0], [2.0, 10.0], [4.0, 16.0]]))
+    target = StreamingNormalizer((2,), defer=defer)
+    target.update(torch.tensor([[100.0, -5.0], [300.0, 5.0]]))
+    probe = torch.tensor([[3.0, 12.0], [1.0, -1.0]])
+    target.transform(probe)  # derived statistics made before the load
+    target.load_statistics(source.statistics())
+    assert float(target.count) == 3
+    assert torch.equal(target.transform(probe), source.transform(probe))
+
+
+def test_normalizer_clip_alone_clips_a_float32_input(host_path, defer):
+    normalizer = StreamingNormalizer((), center=False, scale=False, clip=2.0, defer=defer)
+    normalizer.update(torch.tensor([1.0, 5.0]))
+    values = torch.tensor([-7.0, 1.5, 9.0])
+    assert normalizer.transform(values).tolist() == [-2.0, 1.5, 2.0]
+    assert values.tolist() == [-7.0, 1.5, 9.0]  # the input is left as it was
+
+
+def test_discounted_cumsum_of_float32_values_and_factors_is_computed_in_float64():
+    rng = np.random.default_rng(9)
+    values = torch.from_numpy(rng.normal(size=(5, 1000))).float()
+    factors = torch.from_numpy(rng.uniform(0.9, 1.0, size=(5, 1000))).float()
+    result = discounted_cumsum(values, factors)
+    assert result.dtype == torch.float32
+    assert torch.equal(result, discounted_cumsum(values.double(), factors.double()).float())
+
+
+def test_gae_of_float32_inputs_is_float32_computed_in_float64():
+    rng = np.random.default_rng(10)
+    reward, value, next_value = (torch.from_numpy(rng.normal(size=(4, 300))).float()
+                                 for _ in range(3))
+    ends = torch.from_numpy(rng.uniform(size=(4, 300)) < 0.05)
+    result = gae(reward, value, next_value, ends, 0.99, 0.95)
+    assert result.dtype == torch.float32
+    expected = gae(reward.double(), value.double(), next_value.double(), ends, 0.99, 0.95)
+    assert torch.equal(result, expected.float())

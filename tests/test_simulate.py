@@ -510,3 +510,19 @@ def test_overlap_trains_batchppo_exactly_as_without_it():
         return a == b
 
     assert same(state, lag_state)
+
+
+def test_the_returned_scores_are_a_copy_the_next_step_leaves_alone():
+    env, algo = make_env(), Recorder()
+    _, first, _ = simulate(env, algo)
+    _, second, _ = simulate(env, algo)
+    assert first.tolist() == [1, 2, 3, 4] and second.tolist() == [1, 4, 6, 8]
+
+
+def test_reset_with_overlap_delivers_the_late_experience_before_begin_episodes():
+    env, algo = TensorBatchEnv(BatchEnv([CountdownEnv(0, 10, 1.0)])), LaggingRecorder()
+    simulate(env, algo, overlap=True)  # its experience is held back
+    algo.calls.clear()
+    simulate(env, algo, overlap=True, reset=True)
+    assert [name for name, _ in algo.calls][:3] == ["experience", "begin", "perform"]
+    assert algo.transitions[0]["observ"] == [[0, 0, -1]]

@@ -393,3 +393,19 @@ def test_a_numpy_vector_env_is_a_batch_member():
         restarted.close()
     finally:
         batch.close()
+
+
+def test_with_floats_returns_new_rows_and_leaves_the_stored_ones_as_they_were():
+    packing = PackedObservations(SPACE)
+    batch = map_nested(torch.as_tensor, stack_as(SPACE, [SPACE.sample() for _ in range(4)]))
+    packed = packing.pack_all(batch)
+    before = packed.clone()
+    halved = packing.with_floats(packed, packing.unpack(packed) / 2)
+    assert torch.equal(packed, before)  # (an algorithm normalises rows its memory keeps)
+    assert torch.equal(packing.unpack(halved), packing.unpack(before) / 2)
+
+
+def test_rows_already_a_multiple_of_four_bytes_get_no_padding():
+    space = gym.spaces.Dict({"image": gym.spaces.Box(0, 255, (2, 4), np.uint8),
+                             "x": gym.spaces.Box(-1, 1, (3,), np.float32)})
+    assert PackedObservations(space).size == 3 * 4 + 8

@@ -173,3 +173,13 @@ def test_reset_rejects_masks_and_bad_indices():
             env.reset([1, 1])
         torch.testing.assert_close(env.observ, first, rtol=0, atol=0)  # nothing was reset
         assert env.reset(np.array([1], np.int32)).shape == (1, 4)
+
+
+def test_step_rejects_float_actions_for_a_discrete_space():
+    # Copied into the int64 action buffer they would be truncated silently (0.9 -> 0).
+    with TensorBatchEnv(BatchEnv([ExternalProcess("CartPole-v1") for _ in range(2)])) as env:
+        env.reset(seed=0)
+        with pytest.raises(TypeError, match=r"actions for Discrete\(2\) must be integers, "
+                                            r"got torch.float32"):
+            env.step(torch.tensor([0.9, 1.0]))
+        assert env.step(torch.tensor([0, 1]))[0].shape == (2, 4)

@@ -18,8 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from batchrl.algos import Algorithm
 from batchrl.checkpoint import list_checkpoints, load_checkpoint
+from batchrl.config import load_config
 from batchrl.metrics import read_metrics
+from batchrl.trainer import phase_plan
 from helpers import REPO, TRAIN_PY
 
 USER_MODULE = textwrap.dedent('''
@@ -227,3 +230,53 @@ def test_an_algorithm_that_does_not_fit_is_a_user_error(project, setting, messag
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr  # one line, no traceback
     assert re.search(message, done.stderr.strip()), done.stderr
     assert not (project / "bad").exists()
+
+
+class Minimal(Algorithm):
+    """Only the abstract methods: every optional attribute left at its default."""
+
+    def begin_episodes(self, agent_indices):
+        return {}
+
+    def perform(self, agent_indices, observ):
+        return torch.zeros(len(agent_indices), dtype=torch.int64), {}
+
+    def experience(self, *args):
+        return {}
+
+    def end_episodes(self, agent_indices):
+        return {}
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_the_algorithm_defaults_of_a_minimal_subclass():
+    algo = Minimal()
+    assert algo.training and not algo.acting_deterministically
+    assert algo.eval() is algo and not algo.training and algo.acting_deterministically
+    sampling = Minimal(eval_actions="sample").eval()
+    assert not sampling.acting_deterministically  # evaluation samples
+    with pytest.raises(ValueError, match="eval_actions must be one of"):
+        Minimal(eval_actions="greedy")
+    assert algo.rollout_length is None and not algo.experience_may_lag
+    assert algo.collector_support() == (
+        "Minimal does not implement behaviour_fields, act, acting_state, load_acting_state, "
+        "learn, which an algorithm needs to act in collector processes (see Algorithm's "
+        "docstring)")
+    with pytest.raises(NotImplementedError, match="Minimal cannot run with collectors"):
+        algo.act(torch.zeros(1, 4))
+
+
+def test_an_algorithm_naming_no_update_length_gets_the_default_phase_plan():
+    # phase_steps 0: max(50,000, 10 x eval_episodes x max_length) env steps, in batch steps
+    # rounded up; eval_every is the config's.
+    config = load_config("cartpole_reinforce", ["train.phase_steps=0", "train.eval_episodes=30",
+                                                "env.max_length=200", "train.eval_every=3"])
+    assert phase_plan(config, Minimal(), 4) == (None, 15_000, 3)
+    assert phase_plan(config, Minimal(), 7) == (None, 8_572, 3)  # 60,000 / 7, rounded up
+    config = load_config("cartpole_reinforce", ["train.phase_steps=1000"])
+    assert phase_plan(config, Minimal(), 3) == (None, 334, 1)
