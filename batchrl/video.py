@@ -470,8 +470,10 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
                 # WebP at quality 60: a preview of a few hundred KB that still looks sharp.
                 options = {"quality": 60} if path.suffix.lower() == ".webp" else {}
                 kept, durations = animation_timing(len(animation), fps)
+                # (Pillow writes a single frame as a still image, whose duration is a number)
+                duration = durations if len(kept) > 1 else durations[0]
                 iio.imwrite(partial, np.stack([animation[index] for index in kept]),
-                            duration=durations, loop=0, extension=path.suffix, **options)
+                            duration=duration, loop=0, extension=path.suffix, **options)
                 os.replace(partial, path)
         except Exception as exc:
             if completed:  # else the error on the way out says more

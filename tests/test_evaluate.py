@@ -177,6 +177,24 @@ def test_main_without_run_exits_2(tmp_path, capsys):
     assert "is empty" in capsys.readouterr().err
 
 
+def test_ten_episodes_by_default(cartpole_run):
+    result = evaluate(cartpole_run, device="cpu")  # (the run has 4 agents)
+    assert result["episodes"] == len(result["scores"]) == 10 and result["agents"] == 4
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--agents", "0"], "agents must be >= 1, got 0"),
+    (["--agents", "2", "--video", "v.gif"], "--agents sets the envs stepped in lockstep "
+                                             "without a video"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+])
+def test_bad_arguments_exit_2_before_any_run_is_read(tmp_path, capsys, args, message):
+    # (checked first: the log directory need not even exist)
+    assert main([str(tmp_path / "missing"), *args]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and message in error, error
+
+
 def test_classic_control_video_needs_pygame_or_works(cartpole_run, tmp_path, monkeypatch,
                                                     capfd):
     problem = video_writer_problem()
@@ -212,6 +230,96 @@ def test_a_video_without_pygame_names_the_video_extra(cartpole_run, tmp_path):
     assert len(lines) == 1, process.stderr
     assert lines[0].startswith("error: cannot render CartPole-v1: pygame is not installed")
     assert 'pip install "batchrl[video]"' in lines[0] and not video.exists()
+
+
+@pytest.fixture
+def pygame_video(monkeypatch):
+    """CartPole filmed with pygame; MUJOCO_GL pinned so that no OpenGL backend is probed."""
+    pytest.importorskip("pygame")
+    monkeypatch.setenv("MUJOCO_GL", "egl")
+
+
+def test_the_filmed_episodes_are_the_evaluations(cartpole_run, tmp_path, pygame_video):
+    """A video's episode i is reset with seed + i and acts as the evaluation does: it films
+    the episodes that as many agents as episodes run side by side."""
+    plain = evaluate(cartpole_run, episodes=3, agents=3, seed=5, device="cpu")
+    assert len(set(plain["lengths"])) > 1  # (the seeds make different episodes)
+    filmed = evaluate(cartpole_run, episodes=3, seed=5, device="cpu",
+                      video=tmp_path / "v.gif", max_frames=2)
+    assert filmed["actions"] == "mean"
+    assert filmed["lengths"] == plain["lengths"] and filmed["scores"] == plain["scores"]
+
+
+def test_a_sampled_video_follows_its_seed_alone(cartpole_run, tmp_path, pygame_video):
+    """With sampled actions the video draws from torch's generators seeded by the seed:
+    the same episode whatever the global random state, and the evaluation's."""
+    lengths = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        lengths.append(evaluate(cartpole_run, episodes=1, seed=3, device="cpu",
+                                actions="sample", video=tmp_path / f"{global_seed}.gif",
+                                max_frames=2)["lengths"])
+    plain = evaluate(cartpole_run, episodes=1, agents=1, seed=3, device="cpu",
+                     actions="sample")
+    assert lengths[0] == lengths[1] == plain["lengths"]
+
+
+def test_an_mp4_plays_at_the_envs_frame_rate(cartpole_run, tmp_path, pygame_video):
+    problem = video_writer_problem()
+    if problem:
+        pytest.skip(problem)
+    import imageio_ffmpeg
+
+    path = tmp_path / "v.mp4"
+    result = evaluate(cartpole_run, episodes=1, device="cpu", video=path, max_frames=25)
+    assert result["video_frames"] == 25
+    frames, seconds = imageio_ffmpeg.count_frames_and_secs(str(path))
+    fps = gym.make("CartPole-v1").metadata["render_fps"]  # 50
+    assert frames == 25 and seconds == pytest.approx(25 / fps, abs=0.05)
+
+
+class RenderFails(gym.Wrapper):
+    """Renders ``frames`` frames, then fails (a renderer that breaks halfway)."""
+
+    def __init__(self, env: gym.Env, frames: int):
+        super().__init__(env)
+        self.left = frames
+
+    def render(self):
+        if self.left == 0:
+            raise RuntimeError("the renderer broke")
+        self.left -= 1
+        return self.env.render()
+
+
+def cartpole_whose_renderer_breaks(**kwargs) -> gym.Env:
+    return RenderFails(gym.make("CartPole-v1", **kwargs), frames=3)
+
+
+def test_a_video_that_fails_midway_leaves_no_file(cartpole_run, tmp_path, pygame_video):
+    problem = video_writer_problem()
+    if problem:
+        pytest.skip(problem)
+    run = tmp_path / "run"
+    shutil.copytree(cartpole_run, run)
+    saved = json.loads((run / "config.json").read_text())
+    saved["env"]["id"] = f"{__name__}:cartpole_whose_renderer_breaks"
+    (run / "config.json").write_text(json.dumps(saved))
+    path = tmp_path / "out" / "v.mp4"
+    with pytest.raises(EvaluationError, match="the renderer broke"):
+        evaluate(run, episodes=1, device="cpu", video=path)
+    assert list(path.parent.iterdir()) == []  # neither the video nor its partial file
+
+
+def test_a_one_frame_gif(cartpole_run, tmp_path, pygame_video):
+    """Pillow writes one frame as a still image, whose duration is a number, not a list."""
+    from PIL import Image
+
+    path = tmp_path / "still.gif"
+    result = evaluate(cartpole_run, episodes=1, device="cpu", video=path, max_frames=1)
+    assert result["video_frames"] == 1
+    with Image.open(path) as image:
+        assert getattr(image, "n_frames", 1) == 1
 
 
 def test_the_video_extra_brings_what_each_config_needs_to_be_filmed():
