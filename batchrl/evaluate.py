@@ -9,7 +9,9 @@ which loads the checkpoint and acts with its mean (mode) action, or with sampled
 ``episodes`` whole episodes between them, so short episodes bias nothing. With ``--video``
 the episodes are rendered one after another into an MP4 instead (``batchrl.video``; MuJoCo
 cameras follow the agent; classic control renders with pygame, which the ``video`` extra
-brings); episode ``i`` is reset with seed ``seed + i`` either way.
+brings). Agent ``i``'s first episode is reset with seed ``seed + i`` and its later ones
+continue that env's random stream; a video's episode ``i`` is reset with ``seed + i``, so it
+films the episodes that ``agents = episodes`` evaluates.
 """
 
 from __future__ import annotations
