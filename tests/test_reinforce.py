@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 
@@ -215,3 +216,116 @@ def test_rejects_unsupported_spaces():
         Reinforce(box, gym.spaces.MultiDiscrete([2, 2]), 1, 10)
     with pytest.raises(TypeError, match="observation space"):
         Reinforce(gym.spaces.Discrete(3), gym.spaces.Discrete(2), 1, 10)
+
+
+def test_one_update_is_the_textbook_reinforce_step():
+    """Two hand-made episodes through the Algorithm calls: agent 1's truncated after 2 steps
+    (its return bootstraps from the value of the observation after its last step), agent 0's
+    terminal after 3 (no bootstrap). The reported losses and the gradients are those of
+    -mean(log pi(a|s) * normalised(G - V(s))) + 0.5 * mean((G - V(s))^2) over the 5 recorded
+    steps, G discounted by ``discount``, and the actions keep the space's ``start``."""
+    gamma = 0.9
+    observation_space = gym.spaces.Box(-1, 1, (3,))
+    action_space = gym.spaces.Discrete(3, start=-1)  # actions -1, 0, 1
+    kwargs = dict(max_length=4, update_every=2, discount=gamma, hidden=(8,), seed=0)
+    algo = Reinforce(observation_space, action_space, 2, **kwargs)
+    twin = Reinforce(observation_space, action_space, 2, **kwargs)  # (the same weights)
+    generator = torch.Generator().manual_seed(0)
+    observ = torch.randn(3, 2, 3, generator=generator)  # [step, agent]
+    after = torch.randn(3, 2, 3, generator=generator)  # the next observations
+    actions = torch.tensor([[-1, 1], [0, -1], [1, 0]])
+    rewards = torch.tensor([[1.0, -2.0], [0.5, 3.0], [2.0, 0.0]])
+    both, first = torch.arange(2), torch.tensor([0])
+    # (``done`` and ``terminated`` are float32 flags, as the Algorithm contract has them)
+
+    algo.train()
+    algo.begin_episodes(both)
+    algo.experience(both, observ[0], actions[0], rewards[0], torch.tensor([0.0, 0.0]),
+                    after[0], torch.tensor([0.0, 0.0]))
+    algo.experience(both, observ[1], actions[1], rewards[1], torch.tensor([0.0, 1.0]),
+                    after[1], torch.tensor([0.0, 0.0]))  # agent 1: truncated
+    assert algo.end_episodes(torch.tensor([1])) == {}  # 1 episode of 2: no update yet
+    algo.experience(first, observ[2, :1], actions[2, :1], rewards[2, :1], torch.tensor([1.0]),
+                    after[2, :1], torch.tensor([1.0]))  # agent 0: terminal
+    summary = algo.end_episodes(first)
+    assert summary["reinforce/episodes"] == 2.0
+
+    # The reference, with the twin's networks (what the algorithm held before its step).
+    with torch.no_grad():
+        bootstrap1 = twin.value(after[1, 1]).item()
+    episodes = [  # (agent, steps, bootstrap)
+        (0, 3, 0.0),
+        (1, 2, bootstrap1)]
+    states, taken, returns = [], [], []
+    for agent, steps, bootstrap in episodes:
+        running = bootstrap
+        episode_returns = []
+        for t in reversed(range(steps)):
+            running = rewards[t, agent].item() + gamma * running
+            episode_returns.insert(0, running)
+        returns += episode_returns
+        states += [observ[t, agent] for t in range(steps)]
+        taken += [int(actions[t, agent]) + 1 for t in range(steps)]  # index = action - start
+    states, taken, returns = torch.stack(states), torch.tensor(taken), torch.tensor(returns)
+    value = twin.value(states).squeeze(1)
+    log_prob = torch.distributions.Categorical(logits=twin.policy(states)).log_prob(taken)
+    advantage = (returns - value).detach()
+    advantage = (advantage - advantage.mean()) / (advantage.std(unbiased=False) + 1e-8)
+    policy_loss = -(log_prob * advantage).mean()
+    value_loss = 0.5 * ((returns - value) ** 2).mean()
+    (policy_loss + value_loss).backward()
+
+    assert summary["reinforce/loss"] == pytest.approx(policy_loss.item(), rel=1e-5, abs=1e-6)
+    assert summary["reinforce/value_loss"] == pytest.approx(value_loss.item(), rel=1e-5)
+    for network in ("policy", "value"):
+        for (name, ours), theirs in zip(getattr(algo, network).named_parameters(),
+                                        getattr(twin, network).parameters()):
+            assert torch.allclose(ours.grad, theirs.grad, rtol=1e-4, atol=1e-6), \
+                f"{network}.{name}"
+
+
+def test_actions_of_a_discrete_space_that_does_not_start_at_0():
+    """Discrete(3, start=5) has actions 5, 6 and 7, sampled or most likely."""
+    algo = Reinforce(gym.spaces.Box(-1, 1, (3,)), gym.spaces.Discrete(3, start=5), 64,
+                     max_length=10, seed=0)
+    observ = torch.randn(64, 3, generator=torch.Generator().manual_seed(0))
+    for mode in (algo.train, algo.eval):
+        mode()
+        action, _ = algo.perform(torch.arange(64), observ)
+        assert set(action.tolist()) <= {5, 6, 7}, action
+    assert set(algo.train().perform(torch.arange(64), observ)[0].tolist()) == {5, 6, 7}
+
+
+def test_evaluation_records_nothing():
+    """In eval() the algorithm records nothing: its whole state is left as it was, and
+    evaluation episodes longer than max_length (which bounds only what training records)
+    run to their end."""
+    env = seeded_tensor_env("CartPole-v1", 2, seed=3)
+    algo = Reinforce(env.observation_space, env.action_space, len(env), max_length=5,
+                     update_every=2, seed=3)
+    before = algo.state_dict()
+    algo.eval()
+    finished = 0
+    for step in range(60):  # CartPole episodes last at least 8 steps
+        done, _, _ = simulate(env, algo, reset=step == 0)
+        finished += int(done.sum())
+    assert finished >= 1
+    assert_same(algo.state_dict(), before)
+    env.close()
+
+
+def test_state_dict_is_a_snapshot_that_training_on_does_not_change():
+    env = seeded_tensor_env("Pendulum-v1", 2, seed=4)
+    algo = Reinforce(env.observation_space, env.action_space, len(env), max_length=200,
+                     update_every=2, seed=4)
+    assert torch.equal(algo.log_std.exp(), torch.ones(1))  # std starts at 1
+    algo.train()
+    for step in range(200):  # one update
+        simulate(env, algo, reset=step == 0)
+    state = algo.state_dict()
+    kept = copy.deepcopy(state)
+    for step in range(200):  # another one, and new episodes recorded
+        _, _, summary = simulate(env, algo)
+    assert "reinforce/loss" in summary
+    assert_same(state, kept)
+    env.close()
