@@ -20,6 +20,30 @@ pytest.importorskip("mjbatch")
 from batchrl.envs.mujoco_batch import MujocoBatch  # noqa: E402
 
 
+def step_both(native: MujocoBatch, envs: list[gym.Env], ended: np.ndarray, steps: int,
+              rng: np.random.Generator) -> tuple[int, int, np.ndarray]:
+    """``steps`` random steps of the native batch and of Gymnasium's ``envs`` (those
+    ``ended`` start anew first, as next-step autoreset does), checked to be the same bit for
+    bit. Returns the terminations, the truncations and the envs that ended at the last."""
+    terminations = truncations = 0
+    for _ in range(steps):
+        # (beyond the action bounds too: both clip)
+        actions = rng.uniform(-1.5, 1.5, (len(envs), *native.single_action_space.shape))
+        observ, reward, terminated, truncated, _ = native.step(actions.astype(np.float32))
+        for index, env in enumerate(envs):
+            if ended[index]:  # next-step autoreset, from the env's own generator
+                want = (env.reset()[0], 0.0, False, False)
+            else:
+                want = env.step(actions[index].astype(np.float32))[:4]
+            got = (observ[index], reward[index], terminated[index], truncated[index])
+            np.testing.assert_array_equal(got[0], want[0])
+            assert got[1:] == want[1:], (index, got[1:], want[1:])
+        ended = terminated | truncated
+        terminations += int(terminated.sum())
+        truncations += int(truncated.sum())
+    return terminations, truncations, ended
+
+
 @pytest.mark.parametrize("env_id, kwargs, limit", [
     ("HalfCheetah-v5", {}, 60),
     ("Hopper-v5", {}, 25),
@@ -45,24 +69,8 @@ def test_native_trajectories_are_gymnasiums(env_id, kwargs, limit):
     expected = np.stack([env.reset(seed=seed)[0] for env, seed in zip(envs, seeds)])
     np.testing.assert_array_equal(observ, expected)
     assert native.single_observation_space == envs[0].observation_space
-    rng = np.random.default_rng(0)
-    ended = np.zeros(count, bool)
-    terminations = truncations = 0
-    for _ in range(300):
-        # (beyond the action bounds too: both clip)
-        actions = rng.uniform(-1.5, 1.5, (count, *native.single_action_space.shape))
-        observ, reward, terminated, truncated, _ = native.step(actions.astype(np.float32))
-        for index, env in enumerate(envs):
-            if ended[index]:  # next-step autoreset, from the env's own generator
-                want = (env.reset()[0], 0.0, False, False)
-            else:
-                want = env.step(actions[index].astype(np.float32))[:4]
-            got = (observ[index], reward[index], terminated[index], truncated[index])
-            np.testing.assert_array_equal(got[0], want[0])
-            assert got[1:] == want[1:], (index, got[1:], want[1:])
-        ended = terminated | truncated
-        terminations += int(terminated.sum())
-        truncations += int(truncated.sum())
+    terminations, truncations, _ = step_both(native, envs, np.zeros(count, bool), 300,
+                                             np.random.default_rng(0))
     terminates = (env_id not in ("HalfCheetah-v5", "Reacher-v5")
                   and kwargs.get("terminate_when_unhealthy", True))
     assert truncations and (terminations > 0) == terminates
@@ -71,6 +79,67 @@ def test_native_trajectories_are_gymnasiums(env_id, kwargs, limit):
     observ, _ = native.reset(seed=np.array([5, -1]), options={"reset_mask": mask})
     np.testing.assert_array_equal(observ[1], envs[1].reset(seed=5)[0])
     np.testing.assert_array_equal(observ[2], envs[2].reset()[0])
+    native.close()
+
+
+INF = float("inf")
+
+
+@pytest.mark.parametrize("env_id, kwargs, limit", [
+    # Hopper falls below its (default) healthy height when its angle may be anything.
+    ("Hopper-v5", {"healthy_angle_range": (-INF, INF)}, 200),
+    # Walker2d tilts beyond its (default) healthy angle when its height may be anything.
+    ("Walker2d-v5", {"healthy_z_range": (-INF, INF)}, 200),
+    # Hopper's state range covers the state after its x position and height only.
+    ("Hopper-v5", {"healthy_state_range": (-1.0, 1.0)}, 100),
+])
+def test_each_health_condition_ends_episodes_as_gymnasiums(env_id, kwargs, limit):
+    seeds = [11, 12, 13]
+    native = MujocoBatch(env_id, len(seeds), max_episode_steps=limit, **kwargs)
+    envs = [wrap_env(gym.make(env_id, max_episode_steps=limit, **kwargs)) for _ in seeds]
+    observ, _ = native.reset(seed=np.array(seeds))
+    np.testing.assert_array_equal(
+        observ, np.stack([env.reset(seed=seed)[0] for env, seed in zip(envs, seeds)]))
+    terminations, _, _ = step_both(native, envs, np.zeros(len(seeds), bool), 300,
+                                   np.random.default_rng(0))
+    assert terminations > 0
+    native.close()
+
+
+def test_a_seed_of_zero_seeds_the_first_env():
+    """``reset(seed=0)`` seeds the envs 0, 1, ... as Gymnasium's vector envs do: the first
+    env's seed 0 is a seed (only -1 keeps an env's generator)."""
+    native = MujocoBatch("HalfCheetah-v5", 2)
+    first, _ = native.reset(seed=0)
+    again, _ = native.reset(seed=0)
+    np.testing.assert_array_equal(first, again)
+    for index in range(2):
+        np.testing.assert_array_equal(
+            first[index], wrap_env(gym.make("HalfCheetah-v5")).reset(seed=index)[0])
+    observ, _ = native.reset(seed=np.array([0]), options={"reset_mask": np.array([True, False])})
+    np.testing.assert_array_equal(observ[0], first[0])
+    native.close()
+
+
+def test_a_partial_reset_leaves_an_ended_env_to_its_autoreset():
+    """Env 0's episode ends (the time limit) while env 1 is reset alone: env 0 still starts
+    anew at the next step, as Gymnasium's next-step autoreset does (the reset mask clears
+    only the masked envs' autoreset)."""
+    native = MujocoBatch("HalfCheetah-v5", 2, max_episode_steps=5)
+    envs = [wrap_env(gym.make("HalfCheetah-v5", max_episode_steps=5)) for _ in range(2)]
+    native.reset(seed=np.array([1, 2]))
+    for env, seed in zip(envs, [1, 2]):
+        env.reset(seed=seed)
+    rng = np.random.default_rng(0)
+    step_both(native, envs, np.zeros(2, bool), 2, rng)
+    mask = np.array([False, True])
+    observ, _ = native.reset(seed=np.array([7]), options={"reset_mask": mask})
+    np.testing.assert_array_equal(observ[1], envs[1].reset(seed=7)[0])
+    _, _, ended = step_both(native, envs, np.zeros(2, bool), 3, rng)
+    assert ended.tolist() == [True, False]  # env 0 reached its limit
+    observ, _ = native.reset(seed=np.array([8]), options={"reset_mask": mask})
+    np.testing.assert_array_equal(observ[1], envs[1].reset(seed=8)[0])
+    step_both(native, envs, np.array([True, False]), 3, rng)
     native.close()
 
 
