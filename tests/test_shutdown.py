@@ -23,10 +23,10 @@ import torch
 
 from batchrl.algos.ppo import BatchPPO, PPOConfig
 from batchrl.checkpoint import list_checkpoints, load_checkpoint
-from batchrl.interrupt import Interrupted
+from batchrl.interrupt import Interrupted, kill_group
 from batchrl.metrics import read_metrics
-from helpers import (REPO, assert_same, descendants, finish, run_script, sets,
-                     start_train_py, wait_for, wait_gone)
+from helpers import (REPO, assert_same, descendants, finish, run_script, run_stdin_script,
+                     sets, start_train_py, wait_for, wait_gone)
 
 # CartPole with 4 agents and an update every 4 episodes: a phase takes ~0.1 s.
 CARTPOLE = ["env.num_agents=4", "algorithm.update_every=4", "train.eval_episodes=4",
@@ -77,13 +77,83 @@ def test_stop_signals_flag_the_first_signal_and_die_on_the_second(first, second,
     lines = result.stdout.splitlines()
     assert lines[0] == f"{code} SIG{first}", result.stderr
     if second and gap:
-        # The second signal ends the process by its default action at once.
+        # The second signal's handler ends the process by the signal's default action at
+        # once (the watching thread, which says so, is for a main thread stuck in C).
         assert result.returncode == -getattr(signal, f"SIG{second}"), result
-        assert lines == [f"{code} SIG{first}"]
+        assert lines == [f"{code} SIG{first}"] and "quitting now" not in result.stderr
     else:
         assert result.returncode == 0, result.stderr
         assert lines == [f"{code} SIG{first}", *["still alive after a second signal"] * bool(
             second), "handlers restored"]
+
+
+STUCK_SCRIPT = """
+import ctypes, os, signal, threading, time
+from batchrl.interrupt import StopSignals
+
+def signal_twice():
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.5)  # (beyond the debounce)
+    os.kill(os.getpid(), signal.SIGINT)
+
+with StopSignals():
+    # The main thread waits in C, as in a collective that stopped answering: a locked mutex
+    # locked again, through ctypes (which releases the GIL; no Python handler runs).
+    mutex = ctypes.create_string_buffer(64)  # (zeroed: PTHREAD_MUTEX_INITIALIZER)
+    lock = ctypes.CDLL(None).pthread_mutex_lock
+    lock(mutex)
+    threading.Thread(target=signal_twice, daemon=True).start()
+    lock(mutex)
+    print("unreachable", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_watching_thread_kills_a_main_thread_stuck_in_c_by_the_signal():
+    began = time.monotonic()
+    result = run_stdin_script(STUCK_SCRIPT, timeout=12)
+    assert result.returncode == -signal.SIGINT, result
+    assert "SIGINT again: quitting now" in result.stderr, result
+    assert time.monotonic() - began < 10  # (about STUCK_S after the second signal)
+
+
+EXIT_SCRIPT = """
+import os, signal
+from batchrl.interrupt import StopSignals
+
+stop = StopSignals()
+with stop:
+    pass
+assert signal.set_wakeup_fd(-1) == -1, "a wakeup descriptor was left behind"
+with stop:  # (entered again: it handles the signals again)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert stop.signum == signal.SIGTERM
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_exit_leaves_no_wakeup_descriptor_and_stop_signals_can_be_entered_again():
+    result = run_stdin_script(EXIT_SCRIPT)
+    assert result.returncode == 0 and result.stdout == "ok\n", result
+
+
+def test_kill_group_spares_a_live_process_that_has_a_reaped_workers_pid():
+    """``reaped``: the worker's pid may be another process's by now; while a live process
+    has it, nothing is killed. Without ``reaped`` the group it leads is killed."""
+    leader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              start_new_session=True)  # (it leads a group, as a worker does)
+    try:
+        kill_group(leader.pid, reaped=True)
+        time.sleep(0.3)
+        assert leader.poll() is None
+        kill_group(leader.pid)
+        assert leader.wait(10) == -signal.SIGKILL
+    finally:
+        if leader.poll() is None:
+            leader.kill()
+            leader.wait()
 
 
 # --- an interruptible PPO update ---------------------------------------------------------
