@@ -13,6 +13,7 @@ import pytest
 
 from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.factory import batch_env_from, choose_backend, make_batch_env
+from batchrl.envs.infos import info_row
 from batchrl.envs.wrappers import wrap_env
 from helpers import finish, sets, start_train_py
 
@@ -20,24 +21,36 @@ pytest.importorskip("mjbatch")
 from batchrl.envs.mujoco_batch import MujocoBatch  # noqa: E402
 
 
+def assert_same_info(got: dict, want: dict) -> None:
+    """One env's info from the native batch is Gymnasium's env's: its keys, dtypes and values
+    (the terms in the last bits: numpy sums a batch's rows in its own order)."""
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        np.testing.assert_allclose(got[key], value, rtol=1e-12, atol=1e-15, err_msg=key)
+        assert np.asarray(got[key]).dtype == np.asarray(value).dtype, key
+
+
 def step_both(native: MujocoBatch, envs: list[gym.Env], ended: np.ndarray, steps: int,
               rng: np.random.Generator) -> tuple[int, int, np.ndarray]:
     """``steps`` random steps of the native batch and of Gymnasium's ``envs`` (those
     ``ended`` start anew first, as next-step autoreset does), checked to be the same bit for
-    bit. Returns the terminations, the truncations and the envs that ended at the last."""
+    bit, infos too. Returns the terminations, the truncations and the envs that ended at the
+    last."""
     terminations = truncations = 0
     for _ in range(steps):
         # (beyond the action bounds too: both clip)
         actions = rng.uniform(-1.5, 1.5, (len(envs), *native.single_action_space.shape))
-        observ, reward, terminated, truncated, _ = native.step(actions.astype(np.float32))
+        observ, reward, terminated, truncated, info = native.step(actions.astype(np.float32))
         for index, env in enumerate(envs):
             if ended[index]:  # next-step autoreset, from the env's own generator
-                want = (env.reset()[0], 0.0, False, False)
+                first, reset_info = env.reset()
+                want = (first, 0.0, False, False, reset_info)
             else:
-                want = env.step(actions[index].astype(np.float32))[:4]
+                want = env.step(actions[index].astype(np.float32))
             got = (observ[index], reward[index], terminated[index], truncated[index])
             np.testing.assert_array_equal(got[0], want[0])
-            assert got[1:] == want[1:], (index, got[1:], want[1:])
+            assert got[1:] == tuple(want[1:4]), (index, got[1:], want[1:4])
+            assert_same_info(info_row(info, index), want[4])
         ended = terminated | truncated
         terminations += int(terminated.sum())
         truncations += int(truncated.sum())
@@ -65,9 +78,11 @@ def test_native_trajectories_are_gymnasiums(env_id, kwargs, limit):
     count, seeds = 3, [11, 12, 13]
     native = MujocoBatch(env_id, count, max_episode_steps=limit, **kwargs)
     envs = [wrap_env(gym.make(env_id, max_episode_steps=limit, **kwargs)) for _ in seeds]
-    observ, _ = native.reset(seed=np.array(seeds))
-    expected = np.stack([env.reset(seed=seed)[0] for env, seed in zip(envs, seeds)])
-    np.testing.assert_array_equal(observ, expected)
+    observ, info = native.reset(seed=np.array(seeds))
+    resets = [env.reset(seed=seed) for env, seed in zip(envs, seeds)]
+    np.testing.assert_array_equal(observ, np.stack([first for first, _ in resets]))
+    for index, (_, reset_info) in enumerate(resets):
+        assert_same_info(info_row(info, index), reset_info)
     assert native.single_observation_space == envs[0].observation_space
     terminations, truncations, _ = step_both(native, envs, np.zeros(count, bool), 300,
                                              np.random.default_rng(0))
@@ -76,9 +91,11 @@ def test_native_trajectories_are_gymnasiums(env_id, kwargs, limit):
     assert truncations and (terminations > 0) == terminates
     # A seeded reset of some envs, as BatchEnv resets them.
     mask = np.array([False, True, True])
-    observ, _ = native.reset(seed=np.array([5, -1]), options={"reset_mask": mask})
-    np.testing.assert_array_equal(observ[1], envs[1].reset(seed=5)[0])
-    np.testing.assert_array_equal(observ[2], envs[2].reset()[0])
+    observ, info = native.reset(seed=np.array([5, -1]), options={"reset_mask": mask})
+    assert info_row(info, 0) == {}
+    for index, reset in ((1, envs[1].reset(seed=5)), (2, envs[2].reset())):
+        np.testing.assert_array_equal(observ[index], reset[0])
+        assert_same_info(info_row(info, index), reset[1])
     native.close()
 
 

@@ -12,8 +12,9 @@ each step with ``mj_rnePostConstraint``, which mjbatch does not call, so these s
 Each simulation is a persistent ``MjData`` stepped by ``mj_step`` as Gymnasium's env steps
 its own, so a trajectory is Gymnasium's v5 one (``wrap_env``'s action clipping and 32-bit
 observations included) for the same initial state and actions; resets draw their noise from
-one generator per env seeded as Gymnasium seeds its env's. Observations, rewards and
-terminations are computed for the whole batch in numpy.
+one generator per env seeded as Gymnasium seeds its env's. Observations, rewards,
+terminations and the infos (Gymnasium's vector env's: an env that starts anew has its reset
+infos) are computed for the whole batch in numpy.
 """
 
 from __future__ import annotations
@@ -58,10 +59,16 @@ class Task:
         """The observations ``(num_envs, obs_size)`` float64."""
         raise NotImplementedError
 
+    def state_info(self, sims: Any) -> dict[str, np.ndarray]:
+        """Gymnasium's reset infos of the current states (``(num_envs, ...)`` arrays), which
+        its step infos hold too: none by default."""
+        return {}
+
     def outcome(self, sims: Any, before: np.ndarray,
                 action: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
         """Each env's reward and whether it terminated, after a step from ``before`` with the
-        clipped ``action``, and the step's infos (arrays)."""
+        clipped ``action``, and the step's infos as Gymnasium's env gives them (arrays;
+        ``state_info``'s among them)."""
         raise NotImplementedError
 
 
@@ -82,7 +89,9 @@ class Locomotion(Task):
     (``healthy_*``, ``None`` where the task has no such condition) a healthy state.
     ``velocity_noise``: Gymnasium's reset draws ``qvel`` noise from a ``"normal"`` or
     ``"uniform"`` distribution; ``clip_velocity``: observed velocities are clipped to
-    [-10, 10] (these two are the task's, not keyword arguments)."""
+    [-10, 10]; ``stands`` (Hopper, Walker2d): the infos have the survival reward and the
+    torso's height from its initial one (these three are the task's, not keyword
+    arguments)."""
 
     forward_reward_weight: float = 1.0
     ctrl_cost_weight: float = 1e-3
@@ -95,6 +104,7 @@ class Locomotion(Task):
     exclude_current_positions_from_observation: bool = True
     velocity_noise: str = dataclasses.field(default="uniform", metadata={"fixed": True})
     clip_velocity: bool = dataclasses.field(default=True, metadata={"fixed": True})
+    stands: bool = dataclasses.field(default=False, metadata={"fixed": True})
 
     def reset_state(self, rng: np.random.Generator, init_qpos: np.ndarray,
                     init_qvel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -124,16 +134,20 @@ class Locomotion(Task):
         x_velocity = (qpos[:, 0] - before) / sims.dt
         forward = self.forward_reward_weight * x_velocity
         ctrl_cost = self.ctrl_cost_weight * np.square(action).sum(axis=1)
-        info = {"x_position": qpos[:, 0].copy(), "x_velocity": x_velocity,
+        info = {**self.state_info(sims), "x_velocity": x_velocity,
                 "reward_forward": forward, "reward_ctrl": -ctrl_cost}
-        if not (self.healthy_reward or self.terminate_when_unhealthy):  # (HalfCheetah's)
+        if not self.stands:  # (HalfCheetah)
             return forward - ctrl_cost, np.zeros(len(qpos), bool), info
         healthy = self._healthy(qpos, qvel)
-        survive = healthy * self.healthy_reward
-        if self.healthy_reward:
-            info["reward_survive"] = survive
+        info["reward_survive"] = survive = healthy * self.healthy_reward
         return (forward + survive - ctrl_cost, ~healthy & self.terminate_when_unhealthy,
                 info)
+
+    def state_info(self, sims: Any) -> dict[str, np.ndarray]:
+        info = {"x_position": sims.qpos[:, 0].copy()}
+        if self.stands:
+            info["z_distance_from_origin"] = sims.qpos[:, 1] - sims.init_qpos[1]
+        return info
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +227,11 @@ class Ant(Task):
             parts.append(self._clipped_forces(sims)[:, 1:].reshape(sims.num_envs, -1))
         return np.concatenate(parts, axis=1)
 
+    def state_info(self, sims: Any) -> dict[str, np.ndarray]:
+        qpos = sims.qpos
+        return {"x_position": qpos[:, 0].copy(), "y_position": qpos[:, 1].copy(),
+                "distance_from_origin": np.linalg.norm(qpos[:, :2], axis=1)}
+
     def outcome(self, sims: Any, before: np.ndarray,
                 action: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
         qpos, qvel = sims.qpos, sims.qvel
@@ -225,10 +244,10 @@ class Ant(Task):
         ctrl_cost = self.ctrl_cost_weight * np.square(action).sum(axis=1)
         forces = self._clipped_forces(sims).reshape(sims.num_envs, -1)
         contact_cost = self.contact_cost_weight * np.square(forces).sum(axis=1)
-        info = {"x_position": qpos[:, 0].copy(), "y_position": qpos[:, 1].copy(),
-                "x_velocity": velocity[:, 0], "y_velocity": velocity[:, 1],
-                "reward_forward": forward, "reward_ctrl": -ctrl_cost,
-                "reward_contact": -contact_cost, "reward_survive": survive}
+        info = {**self.state_info(sims), "x_velocity": velocity[:, 0],
+                "y_velocity": velocity[:, 1], "reward_forward": forward,
+                "reward_ctrl": -ctrl_cost, "reward_contact": -contact_cost,
+                "reward_survive": survive}
         return ((forward + survive) - (ctrl_cost + contact_cost),
                 ~healthy & self.terminate_when_unhealthy, info)
 
@@ -281,6 +300,13 @@ class Humanoid(Task):
             parts.append(sims.field("cfrc_ext")[:, 1:].reshape(count, -1))
         return np.concatenate(parts, axis=1)
 
+    def state_info(self, sims: Any) -> dict[str, np.ndarray]:
+        qpos = sims.qpos
+        return {"x_position": qpos[:, 0].copy(), "y_position": qpos[:, 1].copy(),
+                "tendon_length": sims.field("ten_length").copy(),
+                "tendon_velocity": sims.field("ten_velocity").copy(),
+                "distance_from_origin": np.linalg.norm(qpos[:, :2], axis=1)}
+
     def outcome(self, sims: Any, before: np.ndarray,
                 action: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict]:
         qpos = sims.qpos
@@ -294,10 +320,10 @@ class Humanoid(Task):
         forces = sims.field("cfrc_ext").reshape(sims.num_envs, -1)
         contact_cost = np.clip(self.contact_cost_weight * np.square(forces).sum(axis=1),
                                *self.contact_cost_range)
-        info = {"x_position": qpos[:, 0].copy(), "y_position": qpos[:, 1].copy(),
-                "x_velocity": velocity[:, 0], "y_velocity": velocity[:, 1],
-                "reward_survive": survive, "reward_forward": forward,
-                "reward_ctrl": -ctrl_cost, "reward_contact": -contact_cost}
+        info = {**self.state_info(sims), "x_velocity": velocity[:, 0],
+                "y_velocity": velocity[:, 1], "reward_survive": survive,
+                "reward_forward": forward, "reward_ctrl": -ctrl_cost,
+                "reward_contact": -contact_cost}
         return ((forward + survive) - (ctrl_cost + contact_cost),
                 ~healthy & self.terminate_when_unhealthy, info)
 
@@ -308,9 +334,10 @@ TASKS: dict[str, Task] = {
     "Hopper-v5": Locomotion(healthy_reward=1.0, terminate_when_unhealthy=True,
                             healthy_z_range=(0.7, float("inf")),
                             healthy_angle_range=(-0.2, 0.2),
-                            healthy_state_range=(-100.0, 100.0)),
+                            healthy_state_range=(-100.0, 100.0), stands=True),
     "Walker2d-v5": Locomotion(healthy_reward=1.0, terminate_when_unhealthy=True,
-                              healthy_z_range=(0.8, 2.0), healthy_angle_range=(-1.0, 1.0)),
+                              healthy_z_range=(0.8, 2.0), healthy_angle_range=(-1.0, 1.0),
+                              stands=True),
     "Reacher-v5": Reacher(),
     "Ant-v5": Ant(),
     "Humanoid-v5": Humanoid(),
@@ -560,7 +587,7 @@ class MujocoBatch(gym.vector.VectorEnv):
                 if value >= 0:  # (-1: this env keeps its generator)
                     self._rngs[index] = seeding.np_random(int(value))[0]
         self._reset(indices)
-        return self._observe(), {}
+        return self._observe(), self._masked(self.task.state_info(self), mask)
 
     def step(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                  np.ndarray, dict]:
@@ -596,10 +623,18 @@ class MujocoBatch(gym.vector.VectorEnv):
             truncated = (np.zeros(self.num_envs, bool) if self.max_episode_steps is None
                          else (self._elapsed >= self.max_episode_steps) & stepping)
             reward[ended] = 0.0
+            # (as Gymnasium's vector env: the envs that started anew have their reset infos)
+            state = self.task.state_info(self)
+            info = {**self._masked(info, stepping), **self._masked(state, np.ones_like(ended))}
         self._ended = terminated | truncated
         self._any_ended = bool(self._ended.any())
         # (float32 as wrap_env's rewards)
         return self._observe(), reward.astype(np.float32), terminated, truncated, info
+
+    @staticmethod
+    def _masked(info: dict[str, np.ndarray], mask: np.ndarray) -> dict[str, np.ndarray]:
+        """``info`` with Gymnasium's ``_key`` masks: the envs whose entries count."""
+        return {**info, **{f"_{key}": mask for key in info}}
 
     def close(self, **kwargs: Any) -> None:
         if isinstance(self.batch, ThreadedSims):
