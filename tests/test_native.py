@@ -18,7 +18,7 @@ from batchrl.envs.wrappers import wrap_env
 from helpers import finish, sets, start_train_py
 
 pytest.importorskip("mjbatch")
-from batchrl.envs.mujoco_batch import MujocoBatch  # noqa: E402
+from batchrl.envs.mujoco_batch import TASKS, MujocoBatch, task_arguments  # noqa: E402
 
 
 def assert_same_info(got: dict, want: dict) -> None:
@@ -121,6 +121,22 @@ def test_each_health_condition_ends_episodes_as_gymnasiums(env_id, kwargs, limit
                                    np.random.default_rng(0))
     assert terminations > 0
     native.close()
+
+
+@pytest.mark.parametrize("env_id", sorted(TASKS))
+def test_native_defaults_are_gymnasiums(env_id):
+    """Each keyword argument a native task computes with defaults to Gymnasium's value (which
+    its env keeps as ``_name``); those it lacks are conditions the task does not have."""
+    env = gym.make(env_id).unwrapped
+    task = TASKS[env_id]
+    for name in sorted(task_arguments(env_id)):
+        ours = getattr(task, name)
+        if not hasattr(env, f"_{name}"):
+            assert ours in (None, False, 0.0), name
+            continue
+        theirs = getattr(env, f"_{name}")
+        assert (tuple(theirs) if isinstance(ours, tuple) else theirs) == ours, name
+    env.close()
 
 
 def test_a_seed_of_zero_seeds_the_first_env():
