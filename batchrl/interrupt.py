@@ -31,6 +31,9 @@ class Interrupted(Exception):
         self.exit_code = 128 + signum
         super().__init__(f"interrupted by {self.signal_name}")
 
+    def __reduce__(self) -> tuple:
+        return Interrupted, (self.signum,)  # (args holds the message, not the signal)
+
 
 class StopSignals:
     """Context manager: while active, SIGINT and SIGTERM set ``signum`` instead of raising

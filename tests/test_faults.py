@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -120,6 +121,10 @@ def test_a_fault_is_a_clear_error_within_seconds(closing, backend, fault, error_
         assert error.env_index == 2
     else:  # the whole worker hosting envs 2 and 3 died or hangs
         assert error.env_indices == range(2, 4) and text.startswith("envs 2-3 (counting")
+    # Pickled whole (a Ray collector's error reaches the driver so): the same error.
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is error_type and str(again) == text
+    assert again.__dict__ == error.__dict__
 
 
 def test_an_env_stepped_in_this_process_names_itself(closing):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -137,6 +138,12 @@ print("ok", flush=True)
 def test_exit_leaves_no_wakeup_descriptor_and_stop_signals_can_be_entered_again():
     result = run_stdin_script(EXIT_SCRIPT)
     assert result.returncode == 0 and result.stdout == "ok\n", result
+
+
+def test_interrupted_is_pickled_whole():
+    again = pickle.loads(pickle.dumps(Interrupted(signal.SIGTERM)))
+    assert (again.signum, again.signal_name, again.exit_code) == (signal.SIGTERM, "SIGTERM", 143)
+    assert str(again) == "interrupted by SIGTERM"
 
 
 def test_kill_group_spares_a_live_process_that_has_a_reaped_workers_pid():

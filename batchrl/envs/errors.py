@@ -27,6 +27,11 @@ class EnvError(RuntimeError):
         self.env_indices: range | None = None
         self.together = "one worker process"  # what env_indices failed together in
 
+    def __reduce__(self) -> tuple:
+        # Pickled whole (to the driver from a Ray actor, for one): the subclasses' __init__
+        # take other arguments than the message that ``args`` holds.
+        return _unpickled, (type(self), self.args), self.__dict__
+
     def __str__(self) -> str:
         if self.env_index is not None:
             where = f"env {self.env_index} ({self.label})"
@@ -36,6 +41,14 @@ class EnvError(RuntimeError):
         else:
             where = self.label
         return f"{where} failed in {self.operation}(): {self.detail}"
+
+
+def _unpickled(cls: type[EnvError], args: tuple) -> EnvError:
+    """An ``EnvError`` of class ``cls`` without its ``__init__``: ``__reduce__``'s state
+    (its ``__dict__``) is set next."""
+    error = cls.__new__(cls)
+    error.args = args
+    return error
 
 
 class EnvRaisedError(EnvError):
