@@ -7,6 +7,7 @@ actors by value (cloudpickle), so that they need not be importable there.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import cloudpickle
 import gymnasium as gym
@@ -28,6 +29,21 @@ from batchrl.envs import BatchEnv, InfoList
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 SEED = 123
+
+
+@contextlib.contextmanager
+def ray_pickles_by_value(module_name: str) -> Iterator[None]:
+    """Within: Ray ships the functions of test module ``module_name`` by value (its own
+    cloudpickle, with which Ray's workers unpickle collectors' and learners' callables; they
+    cannot import tests/)."""
+    from ray import cloudpickle as ray_cloudpickle
+
+    module = sys.modules[module_name]
+    ray_cloudpickle.register_pickle_by_value(module)
+    try:
+        yield
+    finally:
+        ray_cloudpickle.unregister_pickle_by_value(module)
 NUM_STEPS = 200
 make_cartpole = functools.partial(gym.make, "CartPole-v1")
 make_cheetah = functools.partial(gym.make, "HalfCheetah-v5", max_episode_steps=30)

@@ -9,6 +9,7 @@ import os
 import signal
 import time
 
+import gymnasium as gym
 import psutil
 import pytest
 import torch
@@ -23,9 +24,10 @@ from batchrl.envs import BatchEnv
 from batchrl.envs.factory import make_batch_env
 from batchrl.metrics import read_metrics
 from batchrl.testing.envs import uint8_cartpole
+from batchrl.testing.faults import FaultyEnv
 from batchrl.trainer import Trainer, check_collectors, collector_plan
-from helpers import (descendants, finish, run_stdin_script, sets, start_train_py, wait_for,
-                     wait_gone)
+from helpers import (descendants, finish, ray_pickles_by_value, run_stdin_script, sets,
+                     start_train_py, wait_for, wait_gone)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -543,6 +545,80 @@ def test_more_collectors_than_the_cluster_holds_is_an_error_before_work_starts(c
         Trainer(build_config(values), tmp_path, progress=False).run()
     assert not (tmp_path / "config.json").exists()  # (nothing written: start it again)
     cluster.wait_idle()
+
+
+@pytest.fixture
+def ray_pool(cluster):
+    """``pool``'s collectors as Ray actors on the test cluster (2 CPUs on the head, 1 on the
+    second node), driven directly: no training loop."""
+    from batchrl.collectors.ray import RayCollectors
+
+    def make(spec_env=None, agents=4, collectors=2, **options):
+        env = make_env("CartPole-v1", "inline", 0, agents, 0)
+        learner = make_algorithm(env.observation_space, env.action_space, agents)
+        spec = CollectorSpec(spec_env or functools.partial(make_env, "CartPole-v1", "inline"),
+                             make_algorithm, num_agents=agents, collectors=collectors,
+                             rollout_length=8, seed=3)
+        env.close()
+        return RayCollectors(spec, env.observation_space, env.action_space,
+                             learner.behaviour_fields(), learner.acting_state(),
+                             address=cluster.address, **options), learner
+
+    with ray_pickles_by_value(__name__):
+        yield make
+    cluster.wait_idle()  # every actor is gone, failed ones too
+
+
+@pytest.mark.parametrize("limit", [0, 1])
+def test_ray_collectors_hold_the_lag_limit(ray_pool, limit):
+    collectors, learner = ray_pool(max_policy_lag=limit, queue_size=3)
+    with collectors:
+        wait_for(lambda: collectors.queued >= 2 * (limit + 1), 60, "the first rounds")
+        time.sleep(1.0)
+        assert collectors.queued == 2 * (limit + 1)  # then they wait for new weights
+        lags = []
+        for _ in range(4):
+            rollout, metas = collectors.receive()
+            lags += (collectors.version - rollout.version).tolist()
+            assert {meta["version"] for meta in metas} == set(rollout.version.tolist())
+            collectors.publish(learner.acting_state())
+    assert max(lags) == limit
+
+
+def test_ray_collectors_without_a_limit_fill_only_their_queue(ray_pool):
+    collectors, _ = ray_pool(queue_size=1)
+    with collectors:
+        wait_for(lambda: collectors.queued >= 4, 60, "the queues to fill")
+        time.sleep(1.0)
+        assert collectors.queued == 4  # 1 + queue_size rounds of 2 collectors, no more
+        assert collectors.receive()[0].agents.tolist() == [0, 1, 2, 3]
+
+
+def failing_cartpoles(path, index: int, num_envs: int, seed: int) -> BatchEnv:
+    """CartPoles that raise at their 20th step; each collector process's seed is noted in
+    ``path`` (the test cluster's nodes share this machine)."""
+    with open(path, "a") as seeds:
+        seeds.write(f"{seed}\n")
+    return BatchEnv([FaultyEnv(gym.make("CartPole-v1"), "raise", at_step=20)
+                     for _ in range(num_envs)], blocking=True)
+
+
+def test_a_failed_ray_collector_is_replaced_with_seeds_of_its_own_and_its_error(ray_pool,
+                                                                               tmp_path):
+    reports = []
+    collectors, learner = ray_pool(functools.partial(failing_cartpoles, tmp_path / "seeds"),
+                                   agents=1, collectors=1, max_restarts=1,
+                                   report=reports.append)
+    with collectors, pytest.raises(CollectorError) as error:
+        for _ in range(20):  # 2 rounds, a failure, a replacement's 2 rounds, a failure
+            collectors.receive()
+            collectors.publish(learner.acting_state())
+    replaced = [line for line in reports if "replaced" in line]
+    assert len(replaced) == 1 and collectors.restarts == 1, reports
+    assert "RuntimeError: injected fault in step 20" in replaced[0], replaced  # the env's own
+    seeds = (tmp_path / "seeds").read_text().split()
+    assert len(seeds) == 2 and seeds[0] != seeds[1], seeds  # the replacement's own seeds
+    assert "after 1 replacements (at most 1: env.max_restarts)" in str(error.value)
 
 
 def test_agents_split_unevenly_still_make_one_batch_of_all():

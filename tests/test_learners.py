@@ -4,6 +4,7 @@ resume, a killed learner, Ctrl-C, torchrun, and the errors before work starts.""
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import multiprocessing as mp
@@ -29,8 +30,9 @@ from batchrl.learners import run
 from batchrl.parts.distributed import LearnerGroup
 from batchrl.parts.normalize import StreamingNormalizer
 from batchrl.simulation import simulate
-from helpers import (REPO, assert_same, descendants, finish, in_session, seeded_tensor_env,
-                     run_stdin_script, sets, start_train_py, wait_for, wait_gone)
+from helpers import (REPO, assert_same, descendants, finish, in_session, ray_pickles_by_value,
+                     run_stdin_script, seeded_tensor_env, sets, start_train_py, wait_for,
+                     wait_gone)
 
 # HalfCheetah with 4 agents in 50-step rollouts: a training phase of 2,000 steps in a second
 # or two; minibatches of 100 steps over both learners.
@@ -446,6 +448,44 @@ def test_a_ray_cluster_without_room_for_the_learners_is_an_error(cluster, tmp_pa
                                            r"\{'CPU': 2\}: CPU=4 needed in all, but the Ray "
                                            r"cluster has CPU=3"):
         run(config, tmp_path, progress=False)
+    cluster.wait_idle()
+
+
+def raise_value_error(message: str) -> None:
+    raise ValueError(message)
+
+
+def return_none() -> None:
+    return None
+
+
+def test_a_ray_learner_that_fails_is_named_with_its_node(cluster):
+    from batchrl.learners.ray import RayLearners
+
+    second = cluster.node_id("second")
+    with ray_pickles_by_value(__name__):
+        learners = RayLearners(1, {"CPU": 1, "second_node": 1}, cluster.address)
+        try:
+            learners.start([functools.partial(raise_value_error, "learner bug")])
+            line = learners.failure(wait=30.0)
+        finally:
+            learners.close()
+    assert line == f"learner 1 on node {second[:8]} failed: ValueError: learner bug"
+    cluster.wait_idle()  # the actor and its bundle are gone
+
+
+def test_ray_learners_spread_over_the_nodes_and_leave_no_bundle(cluster):
+    from batchrl.learners.ray import RayLearners
+
+    with ray_pickles_by_value(__name__):
+        learners = RayLearners(2, {"CPU": 1}, cluster.address)
+        try:
+            nodes = {node for node, _ in learners.nodes}
+            learners.start([return_none, return_none])
+            assert learners.failure(wait=10.0) is None  # (both returned)
+        finally:
+            learners.close()
+    assert nodes == {cluster.node_id("head"), cluster.node_id("second")}
     cluster.wait_idle()
 
 
