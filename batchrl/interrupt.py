@@ -32,7 +32,7 @@ class Interrupted(Exception):
         super().__init__(f"interrupted by {self.signal_name}")
 
     def __reduce__(self) -> tuple:
-        return Interrupted, (self.signum,)  # (args holds the message, not the signal)
+        return type(self), (self.signum,)  # (args holds the message, not the signal)
 
 
 class StopSignals:
