@@ -328,6 +328,43 @@ def test_a_learner_that_dies_or_ctrl_c_stops_every_learner(tmp_path, how):
         assert "Resume it with:" in stderr
 
 
+# Put on the path of a run, it makes every process that multiprocessing spawns (the learners
+# other than learner 0) fail as its training begins: a bug in one learner.
+FAILING_LEARNERS = textwrap.dedent("""
+    import sys
+    if "--multiprocessing-fork" in sys.argv:
+        import batchrl.trainer
+        def run(self):
+            raise ValueError("learner bug\\nits second line")
+        batchrl.trainer.Trainer.run = run
+""")
+
+
+@pytest.mark.slow
+def test_a_learner_that_raises_is_named_with_its_error(tmp_path):
+    # Learner 1 sends its error's first line to learner 0, which ends the run with it (not
+    # with gloo's lost connection, nor learner 1's exit code alone).
+    (tmp_path / "sitecustomize.py").write_text(FAILING_LEARNERS)
+    logdir = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), "--config", "halfcheetah", "--logdir",
+         str(logdir), "--no-progress", *sets(*CHEETAH, "train.learners=2",
+                                             "train.steps=10000000")],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path}",
+                           PYTHONUNBUFFERED="1"),
+        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        code, stdout, stderr = finish(process, 90)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert wait_gone(in_session(process.pid), timeout=15) == []
+    assert "2 learners, cores" in stdout, (stdout, stderr)
+    assert code == 1, (stdout, stderr)
+    assert "error: learner 1 failed: ValueError: learner bug\n" in stderr, stderr
+    assert "its second line" not in stderr and "Traceback" not in stderr, stderr
+
+
 # Put on the path of a run, it holds every process that multiprocessing spawns (the learners
 # other than learner 0) for a minute before Python goes on: a learner that is slow to start.
 SLOW_LEARNERS = textwrap.dedent("""
@@ -417,6 +454,8 @@ def test_ctrl_c_stops_torchruns_learners_with_the_writers_checkpoint(tmp_path):
     assert wait_gone(children, timeout=15) == []
     assert stdout.count("Stopped by SIGINT; checkpoint at step") == 1, (stdout, stderr)
     assert "Resume with:" in stdout
+    # The saved config holds torchrun's learners: a resume without torchrun starts as many.
+    assert json.loads((logdir / "config.json").read_text())["train"]["learners"] == 2
     # The other learner stops quietly (torchrun, hit by the signal too, raises its own
     # SignalException with a traceback).
     assert "Interrupted" not in stderr, stderr
@@ -499,6 +538,35 @@ def test_a_preemption_threshold_that_waits_for_all_suggests_one_that_does_not():
             preemption_count(0.95, size)
         assert str(suggested) in str(error.value)
         assert preemption_count(suggested, size) == size - 1
+
+def test_only_torchruns_whole_environment_makes_a_process_one_of_its_learners(monkeypatch):
+    # A batch system's RANK or WORLD_SIZE alone (SLURM, MPI) leaves a plain run as it is.
+    from batchrl.parts.distributed import TORCHRUN_VARIABLES, launched_by_torchrun
+    for name in TORCHRUN_VARIABLES:
+        monkeypatch.setenv(name, "0" if name == "RANK" else "1")
+    assert launched_by_torchrun()
+    for name in TORCHRUN_VARIABLES:
+        with monkeypatch.context() as patch:
+            patch.delenv(name)
+            assert not launched_by_torchrun(), name
+
+
+@pytest.mark.slow
+def test_train_learners_that_torchrun_does_not_start_is_an_error(tmp_path):
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    process = subprocess.Popen(
+        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "batchrl.train",
+         "--config", "halfcheetah", "--logdir", str(tmp_path / "run"), "--no-progress",
+         *sets(*CHEETAH, "train.learners=4")],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    code, stdout, stderr = finish(process, 120)
+    assert code != 0, (stdout, stderr)
+    assert ("error: train.learners = 4, but torchrun started 2 processes: set "
+            "--nproc-per-node (times the nodes) to train.learners") in stderr, stderr
+    assert not (tmp_path / "run").exists()
+    assert wait_gone(in_session(process.pid), 10) == []
+
 
 @pytest.mark.parametrize("overrides, message", [
     (["train.learners=0"], "learners must be >= 1, got 0"),
