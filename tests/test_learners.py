@@ -224,22 +224,26 @@ def test_preemption_cuts_the_slow_learners_rollouts_and_keeps_the_weights_identi
 
 
 STDIN_SCRIPT = """
-import sys
+import os, sys
 from batchrl.config import load_config
 from batchrl.learners import run
 config = load_config("halfcheetah", sys.argv[2:])
+cores = os.sched_getaffinity(0)
 run(config, sys.argv[1], progress=False)
-print("trained", flush=True)
+print("trained on", "all its cores again" if os.sched_getaffinity(0) == cores else
+      f"{os.sched_getaffinity(0)} of {cores}", flush=True)
 """
 
 
 @pytest.mark.slow
 def test_local_learners_start_from_a_script_read_from_stdin(tmp_path):
     """``python - <<EOF`` has no main file that the spawned learners could import again:
-    they start without it, as env workers do."""
+    they start without it, as env workers do. Learner 0 (the calling process) runs on its
+    share of the cores, and has all of them back when ``run`` returns."""
     result = run_stdin_script(STDIN_SCRIPT, str(tmp_path / "run"), *CHEETAH, "train.learners=2",
                               "train.steps=2000", "env.backend=inline", timeout=180)
-    assert result.returncode == 0 and result.stdout.endswith("trained\n"), result.stderr
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith("trained on all its cores again\n"), result.stdout
 
 
 # --- train.py with two learners -----------------------------------------------------------
