@@ -541,6 +541,7 @@ class MujocoBatch(gym.vector.VectorEnv):
         self._elapsed = np.zeros(num_envs, np.int64)
         self._ended = np.zeros(num_envs, bool)  # episodes that ended at the last step
         self._any_ended = False
+        self._reset_keys = tuple(self.task.state_info(self))  # (the reset infos' keys)
 
     def field(self, name: str) -> np.ndarray:
         """The ``MjData`` field ``name`` of each simulation, ``(num_envs, ...)``."""
@@ -623,8 +624,9 @@ class MujocoBatch(gym.vector.VectorEnv):
             truncated = (np.zeros(self.num_envs, bool) if self.max_episode_steps is None
                          else (self._elapsed >= self.max_episode_steps) & stepping)
             reward[ended] = 0.0
-            # (as Gymnasium's vector env: the envs that started anew have their reset infos)
-            state = self.task.state_info(self)
+            # (as Gymnasium's vector env: the envs that started anew have their reset infos,
+            # which the step's infos hold, computed after the reset)
+            state = {key: info[key] for key in self._reset_keys}
             info = {**self._masked(info, stepping), **self._masked(state, np.ones_like(ended))}
         self._ended = terminated | truncated
         self._any_ended = bool(self._ended.any())
