@@ -119,9 +119,9 @@ class SAC(ReplayAlgorithm):
         its policy but takes no gradient step until the buffer holds ``learning_starts``
         transitions again (not exact).
       eval_actions: ``"mean"`` or ``"sample"`` (``train.eval_actions``).
-      precision: ``"float32"``, or ``"bfloat16"``: the networks' layers compute in bfloat16
-        (``EnsembleMLP.compute_dtype``), in acting and in updates; parameters, optimiser
-        states and losses stay float32 (``train.precision``).
+      precision: ``"float32"``, or ``"bfloat16"``: the networks' hidden layers compute in
+        bfloat16 (``EnsembleMLP.compute_dtype``), in acting and in updates; output layers,
+        parameters, optimiser states and losses stay float32 (``train.precision``).
     """
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, num_agents: int,

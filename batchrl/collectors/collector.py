@@ -33,7 +33,8 @@ class CollectorError(RuntimeError):
 
 class Replacements:
     """What every transport does with a collector that failed: replace it, up to
-    ``max_restarts`` times in the run, unless it is a first one that never delivered a rollout
+    ``max_restarts`` times in this object's life (a session of the run: the count starts
+    anew when the run resumes), unless it is a first one that never delivered a rollout
     (it would fail again: a bad env id, a bug). Transports set ``delivered[i]`` when collector
     ``i``'s current process delivers."""
 

@@ -6,13 +6,15 @@ algorithm; after every backward pass the gradients are averaged over all learner
 update. Learner 0, the writer, keeps the run's log, checkpoints and evaluations. Launches:
 
 - ``python train.py --config NAME --set train.learners=M``: this process becomes learner 0
-  and starts the others here, joined by gloo over 127.0.0.1, each pinned to its share of the
-  usable cores. Ctrl-C stops all of them, a learner that fails stops the run with an error
-  naming it, and none outlives the launching process.
+  and starts the others here, joined over 127.0.0.1 (gloo on the CPU, NCCL between GPUs),
+  each pinned to its share of the cores in this process's affinity mask. Ctrl-C stops all of
+  them, a learner that fails stops the run with an error naming it, and none outlives the
+  launching process.
 - The same on a Ray cluster (``env.ray_address``, or ``env.backend = "ray"``): learners 1 to
   M-1 are Ray actors, one per bundle of a placement group spread over the nodes, each
-  reserving ``train.learner_resources``; they step their envs in worker processes of their
-  node. Learner 0 is the launching process.
+  reserving ``train.learner_resources``; they step their envs on their node (the ``ray``
+  backend becomes worker processes there; another backend stays as it is). Learner 0 is the
+  launching process.
 - ``torchrun --standalone --nproc-per-node M -m batchrl.train --config NAME``: every process
   torchrun starts is a learner (its ``RANK``); torchrun places and stops them.
 """
