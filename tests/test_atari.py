@@ -15,7 +15,7 @@ pytest.importorskip("ale_py")
 import gymnasium as gym  # noqa: E402
 
 from batchrl.config import available_configs, load_config  # noqa: E402
-from batchrl.envs.atari import make  # noqa: E402
+from batchrl.envs.atari import make, make_vector  # noqa: E402
 from batchrl.envs.errors import EnvSpecError  # noqa: E402
 from batchrl.envs.factory import choose_backend, make_batch_env  # noqa: E402
 from helpers import finish, start_train_py  # noqa: E402
@@ -120,8 +120,6 @@ def test_every_atari_config_plays_a_game_with_pixels():
 @pytest.mark.parametrize("backend", ["workers", "vector"])
 def test_training_rewards_are_clipped_evaluation_rewards_are_the_raw_scores(backend):
     # Space Invaders scores 5 to 30 points an alien: random play lands some at once.
-    from batchrl.envs.atari import make_vector
-
     rewards = {}
     for training in (True, False):
         seen = set()
@@ -195,8 +193,6 @@ def test_ale_vector_env_is_a_batch_member_with_the_worker_protocol():
 def test_the_vector_env_finds_every_games_rom():
     """The ROM's name comes from the env's registration (ALE/TicTacToe3D-v5 is
     tic_tac_toe_3d, not what splitting the id at capitals gives)."""
-    from batchrl.envs.atari import make_vector
-
     for game in ("ALE/TicTacToe3D-v5", "ALE/MsPacman-v5"):
         env = make_vector(1, game)
         try:
@@ -290,3 +286,245 @@ def test_the_banner_names_what_the_vector_backend_builds(tmp_path, capsys):
     assert code == 0
     assert capsys.readouterr().out.startswith(
         "Training batchrl.envs.atari:make_vector with 2 agents for 64 steps (env backend vector)")
+
+
+# --- every argument of make and make_vector, and what it promises ---------------------------
+
+def play(env, actions, seed, vector=False):
+    """Observations and infos of ``actions`` played from ``env.reset(seed=seed)`` (a
+    ``make_vector`` env of one game with ``vector``; an ended episode is reset unseeded, as
+    training does: a training env plays on after a lost life)."""
+    observ, info = env.reset(seed=seed)
+    frames, infos = [observ], [info]
+    for action in actions:
+        observ, _, terminated, truncated, info = env.step(
+            np.array([action]) if vector else int(action))
+        frames.append(observ)
+        infos.append(info)
+        if not vector and (terminated or truncated):  # (a vector env resets itself)
+            observ, info = env.reset()
+            frames.append(observ)
+    return np.stack(frames), infos
+
+
+def test_the_stack_holds_the_preprocessed_screens_oldest_first_on_the_last_axis():
+    """With frame_skip=1 the newest frame is the screen resized as AtariPreprocessing does
+    (cv2 INTER_AREA), and each step shifts the stack by one frame."""
+    import cv2
+
+    env = make("ALE/Breakout-v5", training=False, sticky_actions=0.0, noop_max=0, frame_skip=1)
+    ale = env.unwrapped.ale
+    try:
+        previous, _ = env.reset(seed=0)
+        for action in np.random.default_rng(0).integers(0, 4, 40):
+            observ = env.step(int(action))[0]
+            screen = cv2.resize(ale.getScreenGrayscale(), (84, 84), interpolation=cv2.INTER_AREA)
+            np.testing.assert_array_equal(observ[..., -1], screen)
+            np.testing.assert_array_equal(observ[..., :-1], previous[..., 1:])
+            previous = observ
+    finally:
+        env.close()
+
+
+def test_the_vector_backends_steps_return_channels_last_stacks_too():
+    """The steps through ale-py's send/recv (VectorWorker's path), not only the resets."""
+    env = vector_pong(2)
+    try:
+        previous = env.reset(seed=0)
+        for _ in range(8):
+            observ = env.step(np.array([2, 3]))[0]
+            assert observ.shape == (2, 84, 84, 4) and observ.dtype == np.uint8
+            np.testing.assert_array_equal(observ[..., :-1], previous[..., 1:])
+            previous = observ
+        assert not np.array_equal(observ[..., 0], observ[..., -1])  # (the game moved)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("backend", ["workers", "vector"])
+def test_the_preprocessing_arguments_shape_the_observations_and_actions(backend):
+    kwargs = dict(env_id="ALE/Breakout-v5", screen_size=64, frame_stack=2, frame_skip=3,
+                  noop_max=0, sticky_actions=0.0, full_action_space=True)
+    vector = backend == "vector"
+    env = make_vector(1, **kwargs) if vector else make(**kwargs)
+    try:
+        space = env.single_observation_space if vector else env.observation_space
+        assert space.shape == (64, 64, 2)
+        assert (env.single_action_space if vector else env.action_space).n == 18
+        frames, infos = play(env, [0, 1, 2], seed=0, vector=vector)
+        assert frames.shape[-3:] == (64, 64, 2)
+        numbers = [np.ravel(info["episode_frame_number"])[0] for info in infos]
+        assert numbers == [0, 3, 6, 9]  # (no no-op start, 3 frames a step)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("backend", ["workers", "vector"])
+def test_sticky_actions_and_no_op_starts_follow_their_arguments(backend):
+    """Without sticky actions and no-op starts a game is the same from every seed; either of
+    them makes the seed matter."""
+    vector = backend == "vector"
+    actions = np.random.default_rng(0).integers(0, 6, 60)
+
+    def same_from_seeds_0_and_1(**kwargs):  # (Pong's ball moves during the no-ops)
+        env = (make_vector(1, "ALE/Pong-v5", training=False, **kwargs) if vector
+               else make("ALE/Pong-v5", training=False, **kwargs))
+        try:
+            return np.array_equal(play(env, actions, 0, vector)[0],
+                                  play(env, actions, 1, vector)[0])
+        finally:
+            env.close()
+
+    assert same_from_seeds_0_and_1(sticky_actions=0.0, noop_max=0)
+    assert not same_from_seeds_0_and_1(sticky_actions=0.25, noop_max=0)
+    assert not same_from_seeds_0_and_1(sticky_actions=0.0, noop_max=30)
+    assert not same_from_seeds_0_and_1(noop_max=0)  # (v5's 0.25 by default)
+
+
+def test_the_defaults_are_v5_sticky_actions_and_up_to_30_no_ops():
+    env = make("ALE/Breakout-v5")
+    try:
+        assert env.unwrapped.ale.getFloat("repeat_action_probability") == pytest.approx(0.25)
+        starts = {env.reset(seed=seed)[1]["episode_frame_number"] for seed in range(8)}
+        assert len(starts) > 2 and all(1 <= start <= 30 for start in starts)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_seeded_resets_repeat_the_game(training):
+    """Sticky actions and no-op starts drawn from the reset's seed, through every wrapper
+    (PlayOnAfterLifeLoss too): the same seed and actions give the same frames."""
+    actions = np.random.default_rng(1).integers(0, 4, 50)
+    first, second = make("ALE/Breakout-v5", training=training), make("ALE/Breakout-v5",
+                                                                     training=training)
+    try:
+        frames = play(first, actions, seed=3)[0]
+        np.testing.assert_array_equal(play(second, actions, seed=3)[0], frames)
+        np.testing.assert_array_equal(play(first, actions, seed=3)[0], frames)
+        assert not np.array_equal(play(first, actions, seed=4)[0], frames)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_training_envs_without_life_episodes_or_clipping_when_asked():
+    env = make("ALE/Breakout-v5", terminal_on_life_loss=False)
+    rng = np.random.default_rng(0)
+    try:
+        assert "PlayOnAfterLifeLoss" not in wrappers(env)
+        env.reset(seed=0)
+        for _ in range(2000):
+            _, _, terminated, _, info = env.step(int(rng.integers(4)))
+            if info["lives"] < 5:
+                break
+        assert info["lives"] == 4 and not terminated
+    finally:
+        env.close()
+    env = make("ALE/SpaceInvaders-v5", clip_rewards=False, sticky_actions=0.0)
+    try:
+        env.reset(seed=0)
+        env.action_space.seed(0)
+        rewards = {env.step(env.action_space.sample())[1] for _ in range(300)}
+        assert max(rewards) >= 5.0
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("backend", ["workers", "vector"])
+def test_rewards_are_clipped_per_step_and_below_too(backend):
+    """Skiing pays about -6 a step of 4 frames: a training step gets -1 (not 0, not the
+    sum of clipped frames), an evaluation step the raw score."""
+    for training in (True, False):
+        if backend == "vector":
+            env = make_vector(1, "ALE/Skiing-v5", training=training, sticky_actions=0.0)
+            env.reset(seed=0)
+            rewards = {float(env.step(np.array([a]))[1][0]) for a in [0, 1, 2] * 10}
+        else:
+            env = make("ALE/Skiing-v5", training=training, sticky_actions=0.0)
+            env.reset(seed=0)
+            rewards = {float(env.step(a)[1]) for a in [0, 1, 2] * 10}
+        env.close()
+        if training:
+            assert rewards == {-1.0}
+        else:
+            assert max(rewards) <= -2.0
+
+
+def test_vector_training_episodes_end_with_a_life_evaluation_episodes_do_not():
+    for training in (True, False):
+        env = make_vector(1, "ALE/Breakout-v5", training=training, sticky_actions=0.0)
+        rng = np.random.default_rng(0)
+        try:
+            env.reset(seed=0)
+            for _ in range(2000):
+                _, _, terminated, truncated, info = env.step(rng.integers(0, 4, 1))
+                if info["lives"][0] < 5 or terminated[0]:
+                    break
+            assert info["lives"][0] == 4 and bool(terminated[0]) == training
+        finally:
+            env.close()
+
+
+def test_no_fire_is_pressed_after_a_reset_or_a_lost_life():
+    """Breakout serves only on FIRE: no-ops alone never lose a life, after a new game's reset
+    (both backends) or the reset that plays on after a lost life (which starts a fresh
+    frame stack)."""
+    env = make("ALE/Breakout-v5", sticky_actions=0.0, noop_max=0)
+    try:
+        env.reset(seed=0)
+        assert not any(env.step(0)[2] for _ in range(150))
+        env.step(1)  # FIRE: served; the no-ops then lose the ball
+        assert any(env.step(0)[2] for _ in range(150)) and env.unwrapped.ale.lives() == 4
+        observ, _ = env.reset()  # (plays on)
+        assert env.unwrapped.ale.lives() == 4
+        assert all(np.array_equal(observ[..., i], observ[..., -1]) for i in range(3))
+        assert not any(env.step(0)[2] for _ in range(150))
+        assert env.unwrapped.ale.lives() == 4
+    finally:
+        env.close()
+    env = make_vector(1, "ALE/Breakout-v5", sticky_actions=0.0, noop_max=0)
+    try:
+        env.reset(seed=0)
+        for _ in range(150):
+            _, _, terminated, truncated, info = env.step(np.zeros(1, np.int64))
+            assert not (terminated[0] or truncated[0])
+        assert info["lives"][0] == 5
+    finally:
+        env.close()
+
+
+def test_videos_film_the_colour_screen_at_the_games_pace():
+    env = make("ALE/Pong-v5", render_mode="rgb_array")
+    try:
+        env.reset(seed=0)
+        env.step(0)
+        frame = env.render()
+        assert frame.shape == (210, 160, 3)
+        np.testing.assert_array_equal(frame, env.unwrapped.ale.getScreenRGB())
+        assert env.metadata["render_fps"] == 15  # (60 Hz, a frame a step of 4)
+    finally:
+        env.close()
+    env = make("ALE/Pong-v5", frame_skip=2)
+    assert env.metadata["render_fps"] == 30
+    env.close()
+
+
+@pytest.mark.parametrize("kwargs", [dict(sticky_actions=1.0), dict(sticky_actions=0),
+                                    dict(noop_max=0), dict(frame_skip=1, frame_stack=1)])
+def test_every_valid_atari_argument_is_accepted(kwargs):
+    make("ALE/Pong-v5", **kwargs).close()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(env_id=5), "env_id must be an Atari game's id such as 'ALE/Pong-v5', got 5"),
+    (dict(sticky_actions=True), "sticky_actions must be a probability in [0, 1], got True"),
+    (dict(frame_stack=True), "frame_stack must be an integer >= 1, got True"),
+    (dict(noop_max=-1), "noop_max must be an integer >= 0, got -1"),
+    (dict(screen_size=0), "screen_size must be an integer >= 1, got 0"),
+])
+@pytest.mark.parametrize("backend", ["workers", "vector"])
+def test_wrong_atari_arguments_are_refused_by_both_makers(kwargs, message, backend):
+    with pytest.raises(EnvSpecError) as info:
+        make_vector(1, **kwargs) if backend == "vector" else make(**kwargs)
+    assert str(info.value).startswith(message), str(info.value)

@@ -19,6 +19,7 @@ from batchrl.algos.networks import Actor, CastWeights, build_torso, image_layout
 from batchrl.config import ConfigError, load_config
 from batchrl import BatchEnv, make_batch_env, wrap_env
 from batchrl.errors import UnsupportedSpaceError
+from batchrl.pixels import is_pixel_space
 from batchrl.parts.losses import ClippedObjective, entropy_bonus, value_loss
 from batchrl.testing.envs import PixelSide
 from batchrl.train import main as train_main
@@ -521,3 +522,15 @@ def test_impala_learns_the_pixel_task_on_a_shared_cnn(tmp_path):
     records = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r["phase"] == "eval"]
     assert evals[-1]["score"] >= 19.0, evals
+
+
+def test_only_uint8_boxes_are_pixels():
+    """Any uint8 Box, of any shape; no other dtype or space."""
+    assert is_pixel_space(gym.spaces.Box(0, 255, (84, 84, 4), np.uint8))
+    assert is_pixel_space(gym.spaces.Box(0, 255, (3,), np.uint8))
+    for space in (gym.spaces.Box(-128, 127, (84, 84), np.int8),
+                  gym.spaces.Box(0, 255, (84, 84), np.int16),
+                  gym.spaces.Box(0.0, 1.0, (84, 84), np.float32),
+                  gym.spaces.MultiDiscrete([4, 4], dtype=np.uint8),
+                  gym.spaces.MultiBinary(4), gym.spaces.Discrete(4)):
+        assert not is_pixel_space(space), space
