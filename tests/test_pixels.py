@@ -20,7 +20,8 @@ from batchrl.config import ConfigError, load_config
 from batchrl import BatchEnv, make_batch_env, wrap_env
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.pixels import is_pixel_space
-from batchrl.parts.losses import ClippedObjective, entropy_bonus, value_loss
+from batchrl.parts.losses import (ClippedObjective, actor_critic_loss, entropy_bonus,
+                                  masked_mean, value_loss)
 from batchrl.testing.envs import PixelSide
 from batchrl.train import main as train_main
 
@@ -534,3 +535,81 @@ def test_only_uint8_boxes_are_pixels():
                   gym.spaces.MultiDiscrete([4, 4], dtype=np.uint8),
                   gym.spaces.MultiBinary(4), gym.spaces.Discrete(4)):
         assert not is_pixel_space(space), space
+
+
+def np_log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_value_clipping_matches_the_per_step_formula_in_both_directions():
+    rng = np.random.default_rng(22)
+    returns, old = rng.normal(size=(4, 6)), rng.normal(size=(4, 6))
+    value = old + rng.normal(scale=0.6, size=(4, 6))  # moves up and down, often past the clip
+    mask = (rng.uniform(size=(4, 6)) < 0.7).astype(np.float64)
+    clip = 0.2
+    total = 0.0
+    for b in range(4):
+        for t in range(6):
+            moved = old[b, t] + min(max(value[b, t] - old[b, t], -clip), clip)
+            total += mask[b, t] * max((returns[b, t] - value[b, t]) ** 2,
+                                      (returns[b, t] - moved) ** 2)
+    expected = 0.5 * total / mask.sum()
+    assert ((value - old) < -clip).any() and ((value - old) > clip).any()
+    got = value_loss(*map(torch.from_numpy, (value, returns, mask, old)), clip=clip)
+    assert float(got) == pytest.approx(expected, rel=1e-12)
+
+
+def test_the_entropy_bonus_is_a_mean_over_the_real_steps_only():
+    logits = np.array([[[2.0, 0.0, 0.0], [0.0, 0.0, 0.0], [5.0, -3.0, 1.0]],
+                       [[1.0, 1.0, -1.0], [0.3, 0.1, 0.0], [-2.0, 4.0, 0.0]]])
+    mask = np.array([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    log_p = np_log_softmax(logits)
+    entropy = -(np.exp(log_p) * log_p).sum(-1)
+    expected = (entropy * mask).sum() / mask.sum()
+    bonus, terms = entropy_bonus(Categorical(logits=torch.from_numpy(logits)),
+                                 torch.from_numpy(mask), 0.1)
+    assert float(terms["entropy"]) == pytest.approx(expected, rel=1e-12)
+    assert float(bonus) == pytest.approx(-0.1 * expected, rel=1e-12)
+
+
+def test_losses_of_a_batch_without_real_steps_are_zero():
+    assert float(masked_mean(torch.tensor([[1.0, 2.0]]), torch.zeros(1, 2))) == 0.0
+    logits = torch.tensor([[[0.5, -0.5], [1.0, 0.0]]], requires_grad=True)
+    new, old = Categorical(logits=logits), Categorical(logits=torch.zeros(1, 2, 2))
+    action, mask = torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 2)
+    loss, terms = ClippedObjective(0.2)(new, old, action, torch.tensor([[1.0, -1.0]]), mask)
+    bonus, entropy = entropy_bonus(new, mask, 0.01)
+    total = loss + bonus
+    assert float(loss.detach()) == 0.0 and float(terms["clip_fraction"]) == 0.0
+    assert float(bonus.detach()) == 0.0 and float(entropy["entropy"].detach()) == 0.0
+    total.backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+    value = torch.tensor([[1.0, 2.0]], requires_grad=True)
+    loss, terms = actor_critic_loss(new.log_prob(action), new.entropy(), value,
+                                    torch.zeros(1, 2), torch.ones(1, 2), mask.bool())
+    assert float(loss.detach()) == 0.0
+    assert all(float(v.detach()) == 0.0 for v in terms.values())
+
+
+def test_the_clipped_objective_reports_the_kl_and_entropy_of_the_updated_policy():
+    rng = np.random.default_rng(23)
+    old_logits, new_logits = rng.normal(size=(2, 4, 3)), rng.normal(size=(2, 4, 3))
+    mask = np.array([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    old_log, new_log = np_log_softmax(old_logits), np_log_softmax(new_logits)
+    kl = (np.exp(old_log) * (old_log - new_log)).sum(-1)
+    entropy = -(np.exp(new_log) * new_log).sum(-1)
+    expected_kl = (kl * mask).sum() / mask.sum()
+    expected_entropy = (entropy * mask).sum() / mask.sum()
+    new = Categorical(logits=torch.from_numpy(new_logits))
+    old = Categorical(logits=torch.from_numpy(old_logits))
+    args = (new, old, torch.zeros(2, 4, dtype=torch.int64), torch.ones(2, 4),
+            torch.from_numpy(mask))
+    summary = ClippedObjective(0.2).end_update(*args)
+    assert summary["kl"] == pytest.approx(expected_kl, rel=1e-12)
+    assert summary["entropy"] == pytest.approx(expected_entropy, rel=1e-12)
+    # With another learner's (kl, entropy) = (1, 2): the mean of the two learners.
+    other = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    summary = ClippedObjective(0.2).end_update(*args, average=lambda t: (t + other) / 2)
+    assert summary["kl"] == pytest.approx((expected_kl + 1.0) / 2, rel=1e-12)
+    assert summary["entropy"] == pytest.approx((expected_entropy + 2.0) / 2, rel=1e-12)

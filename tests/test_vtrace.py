@@ -223,3 +223,32 @@ def test_an_invalid_step_adds_nothing_to_the_steps_before_it():
     assert targets.pg_advantage[0, 0] == pytest.approx(1.0 + 0.9 * 2.0 - 0.5)
     advantage = gae(reward, value, next_value, ends, 0.9, 0.95, valid=valid)
     assert advantage[0, 0] == pytest.approx(1.0 + 0.9 * 2.0 - 0.5)
+
+
+def test_default_truncations_are_those_of_the_paper():
+    # (BatchPPO's value_targets = "vtrace" relies on the defaults rho_bar = c_bar = 1)
+    rng = np.random.default_rng(21)
+    rows, steps = 3, 12
+    log_rho = rng.normal(scale=1.5, size=(rows, steps))  # ratios well above and below 1
+    reward, value = rng.normal(size=(rows, steps)), rng.normal(size=(rows, steps))
+    next_value = np.concatenate([value[:, 1:], rng.normal(size=(rows, 1))], axis=1)
+    ends = np.zeros((rows, steps), dtype=bool)
+    ends[0, 4] = True
+    next_value[0, 4] = 0.0
+    gamma = 0.9
+    # The recursion of section 4.1, rho_bar = c_bar = 1, one step at a time.
+    vs = np.zeros((rows, steps))
+    advantage = np.zeros((rows, steps))
+    for b in range(rows):
+        for t in reversed(range(steps)):
+            rho = c = min(1.0, math.exp(log_rho[b, t]))
+            last = bool(ends[b, t]) or t == steps - 1
+            delta = rho * (reward[b, t] + gamma * next_value[b, t] - value[b, t])
+            correction = 0.0 if last else vs[b, t + 1] - value[b, t + 1]
+            vs[b, t] = value[b, t] + delta + gamma * c * correction
+            after = next_value[b, t] if last else vs[b, t + 1]
+            advantage[b, t] = rho * (reward[b, t] + gamma * after - value[b, t])
+    assert (np.exp(log_rho) > 1.2).sum() > 5
+    got = vtrace(*map(torch.from_numpy, (log_rho, reward, value, next_value, ends)), gamma)
+    np.testing.assert_allclose(got.vs.numpy(), vs, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(got.pg_advantage.numpy(), advantage, rtol=1e-10, atol=1e-10)
