@@ -14,7 +14,7 @@ import torch
 
 from batchrl.files import atomic_write
 
-_NAME = re.compile(r"^ckpt-(\d{12})\.pt$")
+_NAME = re.compile(r"^ckpt-(\d{12,})\.pt$")  # (12 digits, more from step 10**12 on)
 
 
 class CheckpointError(RuntimeError):
@@ -74,15 +74,30 @@ def load_checkpoint(path: Path, device: str | torch.device = "cpu") -> dict[str,
         raise CheckpointError(f"checkpoint {path} does not exist") from None
     except OSError as exc:  # (the file system's error, not the file's content)
         raise CheckpointError(f"cannot read checkpoint {path}: {exc.strerror or exc}") from None
-    except Exception as exc:  # unpickling a damaged file fails with many types
-        if not _NAME.match(Path(path).name):
-            raise CheckpointError(f"{path} is not a batchrl checkpoint (those are the "
-                                  f"ckpt-*.pt files of a run's log directory): "
-                                  f"{type(exc).__name__}: {exc}") from None
+    except (ImportError, AttributeError) as exc:
+        # (pickle finds an object's class by its module and name: code that moved or was
+        # renamed since the checkpoint was written, not a damaged file)
+        missing = isinstance(exc, ImportError) or str(exc).startswith("Can't get attribute")
+        if not (missing and _NAME.match(Path(path).name)):
+            raise _unreadable(path, exc) from None
         raise CheckpointError(
-            f"cannot read checkpoint {path} ({type(exc).__name__}: {exc}); the file is "
-            f"damaged (checkpoints are written atomically, so something else changed it). "
-            f"Delete it to continue from the previous checkpoint") from None
+            f"cannot read checkpoint {path}: it holds an object whose class cannot be found "
+            f"here ({type(exc).__name__}: {exc}); load it with the code that wrote it (its "
+            f"modules importable, e.g. on PYTHONPATH)") from None
+    except Exception as exc:  # unpickling a damaged file fails with many types
+        raise _unreadable(path, exc) from None
     if not isinstance(state, dict) or "algorithm" not in state:
         raise CheckpointError(f"{path} is not a batchrl checkpoint (no 'algorithm' state)")
     return state
+
+
+def _unreadable(path: Path, exc: Exception) -> CheckpointError:
+    """The error for a file ``torch.load`` failed to read with ``exc``: not a checkpoint, or a
+    damaged one."""
+    if not _NAME.match(Path(path).name):
+        return CheckpointError(f"{path} is not a batchrl checkpoint (those are the ckpt-*.pt "
+                               f"files of a run's log directory): {type(exc).__name__}: {exc}")
+    return CheckpointError(
+        f"cannot read checkpoint {path} ({type(exc).__name__}: {exc}); the file is damaged "
+        f"(checkpoints are written atomically, so something else changed it). Delete it to "
+        f"continue from the previous checkpoint")

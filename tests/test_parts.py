@@ -798,3 +798,138 @@ def test_gae_of_float32_inputs_is_float32_computed_in_float64():
     assert result.dtype == torch.float32
     expected = gae(reward.double(), value.double(), next_value.double(), ends, 0.99, 0.95)
     assert torch.equal(result, expected.float())
+
+
+# --- normaliser: eps, constant features, empty statistics, loading -----------------------
+
+def test_normalizer_eps_is_added_to_the_standard_deviation(host_path, defer):
+    """``eps`` is added to the std (not to the variance, not ignored, not fixed at 1e-8)."""
+    normalizer = StreamingNormalizer((1,), eps=0.5, defer=defer)
+    normalizer.update(torch.tensor([[0.0], [2.0]]))  # mean 1, std sqrt(2)
+    result = normalizer.transform(torch.tensor([[3.0], [1.0]]))
+    np.testing.assert_allclose(result.numpy(), [[2.0 / (np.sqrt(2.0) + 0.5)], [0.0]], rtol=1e-6)
+
+
+def test_normalizer_constant_feature_is_finite_and_clipped(host_path, defer):
+    """An observation dimension that never changes (std 0) normalises to finite values: 0 at
+    its value, +-clip elsewhere, never NaN or inf."""
+    normalizer = StreamingNormalizer((2,), clip=5.0, defer=defer)
+    normalizer.update(torch.tensor([[1.0, 7.0], [3.0, 7.0], [2.0, 7.0]]))
+    result = normalizer.transform(torch.tensor([[2.0, 7.0], [2.0, 8.0], [2.0, 6.0]]))
+    assert torch.isfinite(result).all()
+    assert result[:, 1].tolist() == [0.0, 5.0, -5.0]
+    assert result[:, 0].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_statistics_with_nothing_added_change_nothing():
+    """A learner that added nothing since the last merge sends ``current - synced`` with count
+    0: it must be all zeros, and adding it (or adding two empty sets) must leave statistics
+    exact and finite."""
+    values = torch.tensor([[1.0, -2.0], [3.0, 5.0], [4.0, 0.5]], dtype=torch.float64)
+    a = Statistics(torch.tensor(3.0, dtype=torch.float64), values.mean(0),
+                   ((values - values.mean(0)) ** 2).sum(0))
+    nothing = a - a
+    assert float(nothing.count) == 0
+    assert nothing.mean.tolist() == [0.0, 0.0] and nothing.sum_sq.tolist() == [0.0, 0.0]
+    for got, want in zip(a + nothing, a):
+        assert torch.equal(got, want)
+    empty = Statistics(*(torch.zeros_like(value) for value in a))
+    for got, want in zip(empty + empty, empty):
+        assert torch.equal(got, want)
+    for got, want in zip(empty + a, a):
+        assert torch.equal(got, want)
+
+
+def test_normalizer_load_state_dict_renews_what_transform_uses(host_path, defer):
+    """A normaliser that already transformed (its float32 copies derived) and then loads a
+    state dict transforms with the loaded statistics."""
+    source = StreamingNormalizer((2,), defer=defer)
+    source.update(torch.tensor([[0.0, 10.0], [2.0, 10.0], [4.0, 16.0]]))
+    target = StreamingNormalizer((2,), defer=defer)
+    target.update(torch.tensor([[100.0, -5.0], [300.0, 5.0]]))
+    probe = torch.tensor([[3.0, 12.0], [1.0, -1.0]])
+    target.transform(probe)
+    target.load_state_dict(source.state_dict())
+    assert torch.equal(target.transform(probe), source.transform(probe))
+
+
+# --- memories: dtypes, lengths, a loaded memory's bounds ----------------------------------
+
+def pixel_memory(max_length=3):
+    return EpisodeMemory(3, 2, max_length,
+                         step_fields={"observ": ((4,), torch.uint8), "x": ((), torch.float32)},
+                         episode_fields={"last": ((4,), torch.uint8)})
+
+
+def test_memory_keeps_the_dtypes_of_its_fields(host_path):
+    """uint8 pixels stay bytes in the running buffers, the update memory and data() (4x less
+    memory than float32), every byte value exact."""
+    memory = pixel_memory()
+    agents = torch.arange(3)
+    frames = torch.tensor([[0, 1, 128, 255], [7, 200, 254, 3], [9, 9, 9, 9]], dtype=torch.uint8)
+    memory.append(agents, observ=frames, x=torch.ones(3))
+    memory.set_episode(agents, last=frames.flip(0))
+    assert memory.finish(torch.tensor([0, 1])) == 2
+    for buffers in (memory.running, memory.stored):
+        assert buffers["observ"].dtype == buffers["last"].dtype == torch.uint8
+        assert buffers["x"].dtype == torch.float32
+    data, _ = memory.data()
+    assert data["observ"].dtype == data["last"].dtype == torch.uint8
+    assert torch.equal(data["observ"][:, 0], frames[:2])
+    assert torch.equal(data["last"], frames.flip(0)[:2])
+
+
+def test_memory_data_is_cut_to_the_longest_stored_episode(host_path):
+    """data()'s step fields are (count, T', ...) with T' the longest stored episode, not
+    max_length; episode fields are (count, ...)."""
+    memory = pixel_memory(max_length=5)
+    for agents in (torch.arange(3), torch.tensor([0, 2])):
+        memory.append(agents, observ=torch.zeros(len(agents), 4, dtype=torch.uint8),
+                      x=torch.ones(len(agents)))
+    memory.finish(torch.tensor([1, 0]))
+    data, length = memory.data()
+    assert length.tolist() == [1, 2]
+    assert data["observ"].shape == (2, 2, 4) and data["x"].shape == (2, 2)
+    assert data["last"].shape == (2, 4)
+
+
+def test_a_loaded_memory_refuses_a_step_past_max_length(host_path):
+    """After load_state_dict (a resume) a full running episode still refuses another step,
+    instead of writing it into the next agent's first step."""
+    memory = pixel_memory(max_length=2)
+    agents = torch.arange(3)
+    for step in (1, 2):
+        memory.append(agents, observ=torch.full((3, 4), step, dtype=torch.uint8),
+                      x=torch.full((3,), float(step)))
+    loaded = pixel_memory(max_length=2)
+    loaded.load_state_dict(memory.state_dict())
+    with pytest.raises(RuntimeError, match="max_length=2"):
+        loaded.append(torch.tensor([0]), observ=torch.full((1, 4), 9, dtype=torch.uint8),
+                      x=torch.tensor([9.0]))
+    assert loaded.running["x"][:, :2].tolist() == [[1.0, 2.0]] * 3
+
+
+def test_a_loaded_rollout_refuses_a_step_past_its_length(host_path):
+    """The same for RolloutMemory: a full rollout loaded from a checkpoint refuses another
+    step (no write into the next agent's row)."""
+    memory = RolloutMemory(3, 2, {"x": ((), torch.float32)})
+    agents = torch.arange(3)
+    for step in (1, 2):
+        memory.append(agents, x=torch.full((3,), float(step)))
+    loaded = RolloutMemory(3, 2, {"x": ((), torch.float32)})
+    loaded.load_state_dict(memory.state_dict())
+    assert loaded.full
+    with pytest.raises(RuntimeError, match="length=2"):
+        loaded.append(torch.tensor([0]), x=torch.tensor([9.0]))
+    assert loaded.data()["x"].tolist() == [[1.0, 2.0]] * 3
+
+
+@pytest.mark.parametrize("kind", ["episode", "rollout"])
+def test_append_refuses_values_for_another_number_of_agents(host_path, kind):
+    """A value with one row for three agents is an error, not broadcast to all three (numpy
+    would)."""
+    fields = {"x": ((2,), torch.float32)}
+    memory = (EpisodeMemory(3, 1, 4, fields) if kind == "episode"
+              else RolloutMemory(3, 4, fields))
+    with pytest.raises(ValueError, match=r"'x' must have shape \(3, 2\), got \(1, 2\)"):
+        memory.append(torch.arange(3), x=torch.ones(1, 2))

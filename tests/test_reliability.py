@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from batchrl.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints,
-                                load_checkpoint, save_checkpoint)
+                                load_checkpoint, save_checkpoint, serialize)
 from batchrl.config import load_config
 from batchrl.metrics import read_metrics
 from batchrl.trainer import Trainer
@@ -514,3 +514,150 @@ def test_a_checkpoint_loaded_on_the_cpu_is_mapped_not_copied(tmp_path):
     state = load_checkpoint(path)
     assert anonymous_kib() - before < size / 4 / 1024  # (not a resident copy of 64 MiB)
     assert float(state["algorithm"]["buffer"][-1]) == 1.0  # readable all the same
+
+
+# --- checkpoint files: order, pruning, atomic writes, errors -----------------------------
+
+def name(step: int) -> str:
+    return f"ckpt-{step:012d}.pt"
+
+
+def test_the_latest_checkpoint_is_the_highest_step_whatever_the_file_times(tmp_path):
+    """A log directory copied without its times (cp, rsync without -t) gives the files any
+    order of mtimes: the latest is still found by the step in the name."""
+    for step in (10, 20, 30):
+        save_checkpoint(tmp_path, step, {"algorithm": {}, "counters": {"steps": step}}, keep=10)
+    # The oldest checkpoint now looks newest, the newest oldest.
+    for age, step in enumerate((10, 20, 30)):
+        os.utime(tmp_path / name(step), (2e9 - 1000 * age, 2e9 - 1000 * age))
+    assert [p.name for p in list_checkpoints(tmp_path)] == [name(10), name(20), name(30)]
+    assert latest_checkpoint(tmp_path) == tmp_path / name(30)
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_save_checkpoint_keeps_exactly_the_newest_keep(tmp_path, keep):
+    """train.keep_checkpoints: after each write the ``keep`` highest steps remain, the one
+    just written among them, each holding its own state."""
+    for step in range(1, 6):
+        path = save_checkpoint(tmp_path, step, {"algorithm": {"step": torch.tensor(step)}},
+                               keep=keep)
+        assert path == tmp_path / name(step) and path.exists()
+        expected = list(range(max(1, step - keep + 1), step + 1))
+        assert [p.name for p in list_checkpoints(tmp_path)] == [name(s) for s in expected]
+    for step in expected:
+        assert int(load_checkpoint(tmp_path / name(step))["algorithm"]["step"]) == step
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name(s) for s in expected]
+
+
+class FailsToPickle:
+    """A state entry whose serialisation fails after part of the file was written."""
+
+    def __reduce__(self):
+        raise RuntimeError("cannot pickle this")
+
+
+def test_a_checkpoint_write_that_fails_halfway_leaves_no_file_behind(tmp_path):
+    """The write goes to a temporary file renamed only when complete: an error in the middle
+    (here while pickling, after 4 MB of tensors went out) leaves neither a partial
+    ``ckpt-*.pt`` nor a ``.tmp``, and the previous checkpoint stays the latest."""
+    first = save_checkpoint(tmp_path, 1, {"algorithm": {"w": torch.ones(4)}})
+    with pytest.raises(RuntimeError, match="cannot pickle this"):
+        save_checkpoint(tmp_path, 2, {"algorithm": {"w": torch.ones(2**20),
+                                                    "bad": FailsToPickle()}})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name(1)]
+    assert latest_checkpoint(tmp_path) == first
+    assert torch.equal(load_checkpoint(first)["algorithm"]["w"], torch.ones(4))
+
+
+def test_the_next_write_removes_partial_files_of_earlier_writes(tmp_path):
+    """Temporary files a killed writer left (NAME.PID.tmp, and an older version's NAME.tmp)
+    are never listed and are removed by the next write."""
+    save_checkpoint(tmp_path, 1, {"algorithm": {}})
+    for stray in (name(2) + ".4242.tmp", name(2) + ".tmp"):
+        (tmp_path / stray).write_bytes(b"\x00" * 100)
+    assert latest_checkpoint(tmp_path) == tmp_path / name(1)
+    save_checkpoint(tmp_path, 3, {"algorithm": {}})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name(1), name(3)]
+
+
+def test_a_serialized_state_is_written_as_the_same_checkpoint(tmp_path):
+    """The trainer's in-memory snapshot (``serialize``'s bytes) and a streamed dict give the
+    same checkpoint."""
+    state = {"algorithm": {"w": torch.arange(5.0)}, "counters": {"steps": 7}}
+    from_bytes = load_checkpoint(save_checkpoint(tmp_path, 7, serialize(state)))
+    from_dict = load_checkpoint(save_checkpoint(tmp_path, 8, state))
+    for loaded in (from_bytes, from_dict):
+        assert loaded["counters"] == {"steps": 7}
+        assert torch.equal(loaded["algorithm"]["w"], torch.arange(5.0))
+
+
+def test_load_checkpoint_errors_say_what_is_wrong_with_the_file(tmp_path):
+    """Each unreadable file is a CheckpointError naming it, with the right advice: only a
+    damaged ckpt-*.pt is to be deleted."""
+    missing = tmp_path / name(5)
+    with pytest.raises(CheckpointError, match=f"^checkpoint {missing} does not exist$"):
+        load_checkpoint(missing)
+
+    unreadable = tmp_path / name(6)
+    unreadable.mkdir()  # an OSError of the file system, not damage: no "Delete it"
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(unreadable)
+    assert str(error.value) == f"cannot read checkpoint {unreadable}: Is a directory"
+
+    damaged = tmp_path / name(7)
+    damaged.write_bytes(serialize({"algorithm": {"w": torch.ones(1000)}})[:500])
+    with pytest.raises(CheckpointError, match=f"^cannot read checkpoint {damaged} ") as error:
+        load_checkpoint(damaged)
+    assert "Delete it to continue from the previous checkpoint" in str(error.value)
+
+    foreign = tmp_path / "config.json"
+    foreign.write_text('{"train": {}}')
+    with pytest.raises(CheckpointError, match=f"^{foreign} is not a batchrl checkpoint") as error:
+        load_checkpoint(foreign)
+    assert "Delete it" not in str(error.value)
+
+    # A torch file that is not a checkpoint (a user's model weights), under either name.
+    for path in (tmp_path / "policy.pt", tmp_path / name(8)):
+        torch.save({"weights": torch.ones(2)}, path)
+        with pytest.raises(CheckpointError,
+                           match=f"^{path} is not a batchrl checkpoint \\(no 'algorithm' state\\)"):
+            load_checkpoint(path)
+
+
+@pytest.mark.parametrize("change", ["module gone", "class renamed"])
+def test_a_checkpoint_whose_class_moved_is_not_called_damaged(tmp_path, monkeypatch, change):
+    """A user algorithm's state holding an object of the user's own class, loaded where that
+    module or class no longer is: the file is intact, so the error names what is missing and
+    does not tell the user to delete the checkpoint (the one before it would fail alike)."""
+    import importlib
+    import sys
+    module = tmp_path / "my_schedule_module.py"
+    module.write_text("import dataclasses\n\n@dataclasses.dataclass\nclass Schedule:\n"
+                      "    step: int = 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    schedule = importlib.import_module("my_schedule_module").Schedule(5)
+    (tmp_path / "run").mkdir()
+    path = save_checkpoint(tmp_path / "run", 100, {"algorithm": {"schedule": schedule}})
+    monkeypatch.delitem(sys.modules, "my_schedule_module")
+    if change == "module gone":
+        module.unlink()
+        missing = "No module named 'my_schedule_module'"
+    else:
+        module.write_text(module.read_text().replace("Schedule", "LearningSchedule"))
+        missing = "Can't get attribute 'Schedule'"
+    importlib.invalidate_caches()
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(path)
+    message = str(error.value)
+    assert message.startswith(f"cannot read checkpoint {path}: it holds an object whose class "
+                              f"cannot be found here"), message
+    assert missing in message and "load it with the code that wrote it" in message
+    assert "Delete it" not in message and "damaged" not in message
+
+
+def test_checkpoints_past_a_trillion_steps_are_found_and_pruned(tmp_path):
+    # (the file name's 12 digits become 13: still listed in step order, still pruned)
+    for step in (999_999_999_999, 10**12, 10**12 + 1):
+        save_checkpoint(tmp_path, step, {"algorithm": {}}, keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == [
+        "ckpt-1000000000000.pt", "ckpt-1000000000001.pt"]
