@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from gymnasium.wrappers import RescaleAction, TransformObservation
 
-from batchrl.envs import BatchEnv, ExternalProcess, wrap_env
-from batchrl.envs.errors import SpaceMismatchError, UnsupportedSpaceError
+from batchrl.envs import BatchEnv, EnvWorker, ExternalProcess, wrap_env
+from batchrl.envs.errors import EnvError, SpaceMismatchError, UnsupportedSpaceError
 from helpers import Sequential, assert_same_log
 
 # Ship this module's env classes and constructors to the workers by value.
@@ -406,3 +406,22 @@ def test_step_async_misuse_is_named(cartpoles):
     obs = cartpoles.step_wait()[0]  # the step in flight is still collected
     assert obs.shape == (NUM_ENVS, 4)
     cartpoles.step(np.ones(NUM_ENVS, np.int64))
+
+
+def make_pendulum():
+    return gym.make("Pendulum-v1")
+
+
+def make_rescaled_pendulum():
+    return RescaleAction(gym.make("Pendulum-v1"), np.float32(-1), np.float32(1))
+
+
+def test_a_worker_whose_envs_differ_only_in_actions_names_the_env():
+    """The envs of one worker need equal action spaces too; the error names the env that
+    differs by its index in the worker and both spaces."""
+    with pytest.raises(EnvError, match="all envs of a worker need equal spaces") as info:
+        BatchEnv([EnvWorker([make_pendulum, make_pendulum, make_rescaled_pendulum])])
+    message = str(info.value)
+    assert "but env 2 has" in message
+    assert "and Box(-1.0, 1.0, (1,), float32) while env 0 has" in message
+    assert message.endswith("and Box(-2.0, 2.0, (1,), float32)")

@@ -409,3 +409,17 @@ def test_rows_already_a_multiple_of_four_bytes_get_no_padding():
     space = gym.spaces.Dict({"image": gym.spaces.Box(0, 255, (2, 4), np.uint8),
                              "x": gym.spaces.Box(-1, 1, (3,), np.float32)})
     assert PackedObservations(space).size == 3 * 4 + 8
+
+
+def test_unsupported_space_errors_say_what_each_kind_may_be():
+    """An observation may also be a Dict or Tuple of the batchable spaces; an action may not."""
+    with pytest.raises(UnsupportedSpaceError,
+                       match=r"^unsupported observation space Text\(.*\): a batch env needs one of "
+                             r"Box, Discrete, MultiDiscrete, MultiBinary, or a Dict or Tuple of "
+                             r"them$"):
+        check_space("observation", gym.spaces.Text(8))
+    with pytest.raises(UnsupportedSpaceError,
+                       match=r"^unsupported action space Dict\('a': Discrete\(2\)\): a batch env "
+                             r"needs one of Box, Discrete, MultiDiscrete, MultiBinary$"):
+        check_space("action", gym.spaces.Dict({"a": gym.spaces.Discrete(2)}))
+    check_space("observation", gym.spaces.Dict({"a": gym.spaces.MultiBinary(3)}))  # accepted

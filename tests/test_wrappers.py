@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
+
 import gymnasium as gym
 import numpy as np
 import pytest
+from gymnasium.wrappers import TransformObservation
 
 from batchrl.envs import convert_to_32bit, range_normalize, wrap_env
 
@@ -159,17 +162,19 @@ def test_wrap_env_shows_the_algorithms_the_bounded_action_range():
 
 
 class IntegerBoxEnv(gym.Env):
-    """Observations in a finite int64 Box (not pixels)."""
+    """Observations in a finite integer Box of ``dtype`` (not pixels)."""
 
-    observation_space = gym.spaces.Box(0, 10, (3,), np.int64)
     action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, dtype: type = np.int64):
+        self.observation_space = gym.spaces.Box(0, 10, (3,), dtype)
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
-        return np.array([0, 5, 10]), {}
+        return np.array([0, 5, 10], self.observation_space.dtype), {}
 
     def step(self, action):
-        return np.array([4, 10, 1]), 1.0, False, False, {}
+        return np.array([4, 10, 1], self.observation_space.dtype), 1.0, False, False, {}
 
 
 def test_convert_to_32bit_makes_integer_boxes_other_than_uint8_float32():
@@ -179,8 +184,86 @@ def test_convert_to_32bit_makes_integer_boxes_other_than_uint8_float32():
     assert observ.dtype == np.float32 and observ.tolist() == [0.0, 5.0, 10.0]
 
 
-def test_wrap_env_rescales_finite_integer_boxes_as_floats():
-    env = wrap_env(IntegerBoxEnv())
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.uint16, np.int64])
+def test_wrap_env_rescales_finite_integer_boxes_as_floats(dtype):
+    """Any integer Box but uint8 becomes float32 before its range is rescaled to [-1, 1]."""
+    env = wrap_env(IntegerBoxEnv(dtype))
     assert env.observation_space == gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
     observ, _ = env.reset(seed=0)
+    assert observ.dtype == np.float32
     np.testing.assert_allclose(observ, [-1.0, 0.0, 1.0], atol=1e-6)
+    observ, *_ = env.step(0)
+    np.testing.assert_allclose(observ, [-0.2, 1.0, -0.8], atol=1e-6)
+
+
+def pendulum_with_bounds(low, high) -> gym.Env:
+    """Pendulum whose observation space has the given bounds (its observations unchanged)."""
+    env = gym.make("Pendulum-v1")
+    return TransformObservation(env, lambda observ: observ,
+                                gym.spaces.Box(np.float32(low), np.float32(high), dtype=np.float32))
+
+
+@pytest.mark.parametrize("low, high", [
+    ([-1, -1, -8], [1, 1, np.inf]),   # finite below, one dimension unbounded above
+    ([-1, -1, -np.inf], [1, 1, 8]),   # one dimension unbounded below, finite above
+], ids=["unbounded-above", "unbounded-below"])
+def test_a_box_with_one_infinite_bound_is_left_alone(low, high):
+    """A Box is rescaled only when every low and every high bound is finite."""
+    env = wrap_env(pendulum_with_bounds(low, high))
+    assert env.observation_space == gym.spaces.Box(np.float32(low), np.float32(high),
+                                                   dtype=np.float32)
+    raw = gym.make("Pendulum-v1")
+    observ, _ = env.reset(seed=0)
+    np.testing.assert_array_equal(observ, raw.reset(seed=0)[0])
+    observ, *_ = env.step(np.array([0.5], np.float32))
+    np.testing.assert_allclose(observ, raw.step(np.array([1.0], np.float32))[0], atol=1e-6)
+
+
+def test_a_time_limit_of_one_step_truncates_the_first_step():
+    """``max_episode_steps=1`` is a valid limit: every episode is one step long."""
+    env = wrap_env(gym.make("Pendulum-v1"), max_episode_steps=1)
+    for seed in range(2):
+        env.reset(seed=seed)
+        _, _, terminated, truncated, _ = env.step(np.zeros(1, np.float32))
+        assert truncated and not terminated
+
+
+@pytest.mark.parametrize("make", [lambda: gym.make("HalfCheetah-v5"),
+                                  lambda: IntegerBoxEnv(np.int64)],
+                         ids=["float64-unbounded", "int64-bounded"])
+def test_wrap_env_converts_observations_to_float32_without_warnings(make):
+    """Building the float32 observation space warns about no lost bound precision."""
+    env = make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrapped = wrap_env(env)
+    assert wrapped.observation_space.dtype == np.float32
+
+
+class IntegerActionEnv(gym.Env):
+    """Actions in a finite int64 Box (a count per dimension), remembered as the env got them."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gym.spaces.Box(0, 10, (2,), np.int64)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        self.last = np.array(action)
+        return np.zeros(2, np.float32), 0.0, False, False, {}
+
+
+def test_integer_action_boxes_reach_the_env_as_finite_actions_in_range():
+    """An integer action Box is left as it is (rescaled as integers, its scale would round to
+    0 and the env would get infinite actions): the env gets actions in its range."""
+    env = wrap_env(IntegerActionEnv())
+    env.reset(seed=0)
+    low, high = env.action_space.low, env.action_space.high
+    assert env.action_space == gym.spaces.Box(0, 10, (2,), np.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        env.step(((low + high) / 2).astype(env.action_space.dtype))
+    got = env.unwrapped.last
+    assert np.isfinite(got).all() and np.all((got >= 0) & (got <= 10)), got

@@ -20,13 +20,15 @@ def _finite_box(space: gym.Space) -> bool:
 def range_normalize(env: gym.Env) -> gym.Env:
     """Rescale finite Box observation and action ranges to ``[-1, 1]``; other spaces (like
     most MuJoCo observations, with infinite bounds) and ``uint8`` pixels stay as they are.
-    Integer observations become ``float32`` first (rescaled as integers they would round)."""
+    Integer observations become ``float32`` first (rescaled as integers they would round);
+    integer action Boxes stay as they are (the env takes integers in their own range)."""
     space = env.observation_space
     if _finite_box(space):
         if not np.issubdtype(space.dtype, np.floating):
             env = _float32_observations(env)
         env = RescaleObservation(env, np.float32(-1), np.float32(1))
-    if _finite_box(env.action_space):
+    action = env.action_space
+    if _finite_box(action) and np.issubdtype(action.dtype, np.floating):
         env = RescaleAction(env, np.float32(-1), np.float32(1))
     return env
 
