@@ -12,7 +12,9 @@ import textwrap
 import gymnasium as gym
 import numpy as np
 import pytest
+import torch
 
+from batchrl.algos.base import Algorithm
 from batchrl.algos.ppo_config import PPOConfig
 from batchrl.config import (BATCHPPO, CONFIG_DIR, RUN_FACTS, AlgorithmConfig, Config,
                             ConfigError, algorithm_keys, available_configs, build_config,
@@ -729,3 +731,112 @@ def test_restarting_envs_that_step_in_this_process_names_the_backend(backend):
                                           f"in this process"):
         load_config("halfcheetah", [f"env.backend={backend}", "env.restart_crashed_envs=true",
                                     "env.vector_id=batchrl.envs.mujoco_batch:make_vector"])
+
+
+# --- ranges, bare words, saved configs, build_config, **kwargs constructors --------------
+
+@pytest.mark.parametrize("override, expected", [
+    ("train.phase_steps=-1", "train.phase_steps must be >= 0, got -1"),
+    ("train.collectors=-1", "train.collectors must be >= 0, got -1"),
+    ("train.queue_size=-1", "train.queue_size must be >= 0, got -1"),
+    ("train.threads=0", "train.threads must be >= 1, got 0"),
+    ("train.checkpoint_every=0", "train.checkpoint_every must be >= 1, got 0"),
+    ("train.keep_checkpoints=0", "train.keep_checkpoints must be >= 1, got 0"),
+    ("env.max_restarts=0", "env.max_restarts must be >= 1, got 0"),
+    ("env.timeout=1e9", "env.timeout must be a finite number of seconds below 1e9"),
+    ("train.device=cuda:", "train.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'cuda:'"),
+    ("train.steps=9223372036854775808", "train.steps: 9.22e+18 is out of range"),
+])
+def test_every_range_of_the_schema_is_checked(override, expected):
+    """Each key's documented range is enforced when the config is loaded, naming the key."""
+    with pytest.raises(ConfigError) as info:
+        load_config("cartpole", [override])
+    assert expected in str(info.value)
+    # The largest 64-bit integer is still accepted.
+    assert load_config("cartpole", ["train.steps=9223372036854775807"]).train.steps == 2**63 - 1
+
+
+
+@pytest.mark.parametrize("text", ["env.id = Hopper-v5 ", "env.id=  Hopper-v5", "env.id=Hopper-v5\t"])
+def test_a_bare_word_is_stripped_like_a_toml_value(text):
+    """Spaces around a bare-word value are not part of the string."""
+    assert parse_override(text) == (["env", "id"], "Hopper-v5")
+    assert load_config("cartpole", [text.replace("Hopper-v5", "Acrobot-v1")]).env.id == "Acrobot-v1"
+
+
+
+@pytest.mark.parametrize("content", ["[]", "null", '"config"', "3"])
+def test_a_saved_config_that_is_not_an_object_is_a_config_error(tmp_path, content):
+    """A config.json holding valid JSON that is not an object is a one-line ConfigError."""
+    (tmp_path / "config.json").write_text(content)
+    with pytest.raises(ConfigError, match=r"config\.json is not a JSON object; restore the file"):
+        load_saved_config(tmp_path)
+
+
+def test_a_missing_or_invalid_saved_config_is_a_config_error_naming_the_file(tmp_path):
+    """No config.json, or one with a bad value: ConfigError naming the file (and the key)."""
+    with pytest.raises(ConfigError, match=r"cannot read the saved config .*config\.json"):
+        load_saved_config(tmp_path / "nothing-here")
+    (tmp_path / "config.json").write_text(json.dumps({"env": {"num_agents": 0}}))
+    with pytest.raises(ConfigError) as info:
+        load_saved_config(tmp_path)
+    assert str(info.value) == (f"the saved config {tmp_path / 'config.json'}: "
+                               f"env.num_agents must be >= 1, got 0")
+
+
+
+def test_build_config_leaves_its_argument_as_it_was():
+    """build_config reads the nested dict without changing it: the same dict builds the same
+    config again."""
+    values = {"algorithm": {"class": REINFORCE, "learning_rate": 0.005},
+              "env": {"num_agents": 4}}
+    copy = json.loads(json.dumps(values))
+    first = build_config(values)
+    assert values == copy
+    assert build_config(values) == first
+    assert first.algorithm.path == REINFORCE
+
+
+
+class OpenEnded(Algorithm):
+    """An algorithm whose constructor takes any keyword argument; it records them."""
+
+    def __init__(self, observation_space, action_space, num_agents, **kwargs):
+        super().__init__()
+        self.received = dict(kwargs)
+
+    def begin_episodes(self, agent_indices):
+        return {}
+
+    def perform(self, agent_indices, observ):
+        return torch.zeros(len(agent_indices), dtype=torch.int64), {}
+
+    def experience(self, *args):
+        return {}
+
+    def end_episodes(self, agent_indices):
+        return {}
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_a_constructor_with_kwargs_gets_the_first_three_run_facts_and_any_key():
+    """Through **kwargs a class gets max_length, total_steps and device, and any [algorithm]
+    key; precision and eval_actions only by name, so non-neutral values are refused."""
+    observation_space = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
+    values = {"algorithm": {"class": f"{__name__}:OpenEnded", "flavour": "x", "depth": 3},
+              "env": {"max_length": 77}, "train": {"steps": 1234}}
+    config = build_config(values)
+    assert config.algorithm.keys == {"flavour": "x", "depth": 3}
+    algo = config.make_algorithm(observation_space, gym.spaces.Discrete(2), 2, "cpu")
+    assert algo.received == {"max_length": 77, "total_steps": 1234, "device": "cpu",
+                             "flavour": "x", "depth": 3}
+    for key, value in (("precision", "bfloat16"), ("eval_actions", "sample")):
+        config = build_config({**values, "train": {key: value}})
+        with pytest.raises(ConfigError, match=rf"train.{key}='{value}' needs an algorithm whose "
+                                              rf"constructor takes {key}"):
+            config.make_algorithm(observation_space, gym.spaces.Discrete(2), 2, "cpu")

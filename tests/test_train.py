@@ -22,7 +22,7 @@ import torch
 from batchrl.checkpoint import list_checkpoints
 from batchrl.config import (BATCHPPO, RUN_FACTS, SECTIONS, SHIPPED_ALGORITHMS, Config,
                             algorithm_keys, load_config, load_saved_config)
-from batchrl.metrics import read_metrics
+from batchrl.metrics import METRICS_FILE, RunLog, read_metrics
 from batchrl.trainer import Trainer
 from helpers import REPO, TRAIN_PY, scalar_events, sets
 RECORD_KEYS = {"step", "phase", "score", "score_std", "length", "episodes", "wall_time",
@@ -750,3 +750,30 @@ def test_a_run_resumes_when_the_toml_file_it_was_started_with_is_gone(tmp_path):
     config, resumed, created = _configure(argparse.Namespace(
         config=str(toml), logdir=logdir, overrides=[], steps=None), "train.py")
     assert config.env.id == "CartPole-v1" and resumed == logdir and created is None
+
+
+def test_read_metrics_and_truncate_on_resume(tmp_path):
+    """read_metrics: [] without a file, skips blank lines, stops at a line cut by a crash;
+    RunLog.truncate(step) keeps exactly the records at or before step, one per line."""
+    assert read_metrics(tmp_path) == []
+    records = [{"step": 100, "phase": "train", "score": 1.0},
+               {"step": 100, "phase": "eval", "score": 2.0},
+               {"step": 200, "phase": "update", "lag": 1},
+               {"step": 200, "phase": "train", "score": 3.0},
+               {"step": 200, "phase": "eval", "score": 4.0}]
+    lines = [json.dumps(r) for r in records]
+    (tmp_path / METRICS_FILE).write_text("\n".join([*lines[:2], "", *lines[2:]])
+                                         + '\n{"step": 300, "phase": "tr')  # (cut by a crash)
+    assert read_metrics(tmp_path) == records
+    log = RunLog(tmp_path, purge_step=101)
+    try:
+        log.truncate(100)
+        assert (tmp_path / METRICS_FILE).read_text() == "".join(f"{line}\n" for line in lines[:2])
+        log.update({"step": 150, "lag": 0})
+        log.phase({"step": 150, "phase": "train", "score": None})
+        assert read_metrics(tmp_path) == [*records[:2], {"step": 150, "lag": 0, "phase": "update"},
+                                          {"step": 150, "phase": "train", "score": None}]
+        log.truncate(0)
+        assert read_metrics(tmp_path) == [] and (tmp_path / METRICS_FILE).read_text() == ""
+    finally:
+        log.close()
