@@ -29,7 +29,7 @@ from batchrl.envs.factory import batch_env_from
 from batchrl.testing.faults import FaultyEnv, make
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.envs.process.shared_memory import EnvWorker
-from batchrl.simulation import simulate
+from batchrl.simulation import Simulation, flush, simulate
 from batchrl.trainer import Trainer
 from helpers import REPO, TRAIN_PY, scalar_events, sets
 
@@ -420,3 +420,83 @@ def test_the_default_layout_puts_every_env_under_the_timeout_and_the_crash_repor
     resumed = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     assert "Resuming from" in resumed.stdout
+
+
+# --- the simulation's bookkeeping around restarts ------------------------------------------
+
+def crashing_batch(closing, tmp_path: Path, **fault) -> TensorBatchEnv:
+    """Env 0 in-process; envs 1 and 2 share a worker whose env 1 crashes once (``fault``:
+    ``faulty_counting``'s arguments); episodes of 10 steps (env 1's as given)."""
+    once = str(tmp_path / "fired")
+    length = fault.pop("length", 10)
+    worker = EnvWorker([functools.partial(faulty_counting, length=length, once_file=once,
+                                          **fault),
+                        functools.partial(faulty_counting, "raise", 10**9, length=10)],
+                       label="counting", prefetch_reset=False)
+    return TensorBatchEnv(closing(BatchEnv([CountingEnv(10), worker], max_restarts=1)))
+
+
+def test_restarted_agents_score_their_new_episode_from_the_restart_step(closing, tmp_path):
+    """The score returned in the step where an env restarted is the new episode's (zero),
+    not the dropped one's."""
+    env = crashing_batch(closing, tmp_path, fault="segfault", at_step=7)
+    algo, simulation = EpisodeChecker(3), Simulation(env)
+    scores = [simulation.step(algo, reset=step == 0)[1].tolist() for step in range(8)]
+    assert env.restarted is None and env.batch_env.restarts == 1
+    # CountingEnv rewards 1, 2, 3, ...: step 6's running score is 21, step 7's 28.
+    assert scores[5] == [21.0, 21.0, 21.0]
+    assert scores[6] == [28.0, 0.0, 0.0]  # agents 1 and 2 restarted instead of stepping
+    assert scores[7] == [36.0, 1.0, 1.0]
+    assert simulation.episode_length.tolist() == [8, 1, 1]
+
+
+class LaggingChecker(EpisodeChecker):
+    experience_may_lag = True
+
+    def __init__(self, num_agents: int):
+        super().__init__(num_agents)
+        self.calls: list[str] = []
+
+    def begin_episodes(self, agent_indices):
+        self.calls.append(f"begin {agent_indices.tolist()}")
+        return super().begin_episodes(agent_indices)
+
+    def experience(self, *args):
+        self.calls.append("experience")
+        return super().experience(*args)
+
+    def steps_lost(self, agent_indices):
+        self.calls.append(f"steps_lost {agent_indices.tolist()}")
+
+
+def test_a_restart_under_overlap_delivers_its_step_before_the_new_episodes(closing, tmp_path):
+    """With overlap, the step in which envs restarted is delivered at once: steps_lost, its
+    experience, then begin_episodes for the restarted agents, and only whole episodes end."""
+    env = crashing_batch(closing, tmp_path, fault="segfault", at_step=7)
+    algo = LaggingChecker(3)
+    for step in range(25):
+        simulate(env, algo, reset=step == 0, overlap=True)
+    flush(env)
+    assert env.batch_env.restarts == 1
+    crash = algo.calls.index("steps_lost [1, 2]")
+    assert algo.calls[crash:crash + 3] == ["steps_lost [1, 2]", "experience", "begin [1, 2]"]
+    assert algo.begun == [0, 1, 2, 1, 2, 0, 1, 2, 0]
+    assert algo.ended == [(0, 10), (1, 10), (2, 10), (0, 10)]
+
+
+def test_an_env_restarted_by_another_env_s_failed_reset_begins_a_new_episode(closing, tmp_path):
+    """A worker that fails while resetting one env restarts the other envs it holds: those
+    agents begin new episodes there too (begin_episodes, scores and lengths from zero)."""
+    # Env 1 ends after 2 steps; its second reset (at step 3) aborts the worker, which
+    # restarts env 2 in the middle of its episode.
+    env = crashing_batch(closing, tmp_path, fault="abort", at_step=2, in_reset=True, length=2)
+    algo, simulation = EpisodeChecker(3), Simulation(env)
+    scores = [simulation.step(algo, reset=step == 0)[1].tolist() for step in range(3)]
+    assert env.batch_env.restarts == 1
+    assert algo.begun[:3] == [0, 1, 2] and set(algo.begun[3:]) == {1, 2}  # env 2 too
+    assert scores == [[1.0, 1.0, 1.0], [3.0, 3.0, 3.0], [6.0, 1.0, 1.0]]
+    assert simulation.episode_length.tolist() == [3, 1, 1]
+    for _ in range(12):  # only whole episodes end (EpisodeChecker checks each)
+        simulation.step(algo)
+    # Env 1 ends every 2 steps, env 0 at step 10 and env 2 ten steps after its restart.
+    assert algo.ended == [(1, 2)] * 4 + [(0, 10), (1, 2), (1, 2), (2, 10), (1, 2)]

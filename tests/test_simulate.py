@@ -526,3 +526,82 @@ def test_reset_with_overlap_delivers_the_late_experience_before_begin_episodes()
     simulate(env, algo, overlap=True, reset=True)
     assert [name for name, _ in algo.calls][:3] == ["experience", "begin", "perform"]
     assert algo.transitions[0]["observ"] == [[0, 0, -1]]
+
+
+# --- overlap's late experience, evaluation modes and seeds -------------------------------
+
+class SummarisingLaggingRecorder(LaggingRecorder):
+    """Logs a scalar from every experience(), and the mode it was called in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experience_training: list[bool] = []
+
+    def experience(self, *args):
+        super().experience(*args)
+        self.experience_training.append(self.training)
+        return {"learned": float(len(self.experience_training))}
+
+
+def test_a_late_experience_logs_its_summary_in_the_call_that_delivers_it():
+    """With overlap, experience()'s summary is in the summary of the step (or flush) that
+    delivers it, not lost."""
+    env, algo = TensorBatchEnv(BatchEnv([CountdownEnv(0, 10, 1.0)])), SummarisingLaggingRecorder()
+    _, _, summary = simulate(env, algo, overlap=True)
+    assert "learned" not in summary  # held back
+    _, _, summary = simulate(env, algo, overlap=True)
+    assert summary["learned"] == 1.0  # the first step's, delivered while the env stepped
+    assert flush(env) == {"learned": 2.0}
+    assert flush(env) == {}
+
+
+def test_an_evaluation_delivers_the_held_back_experience_while_still_training():
+    """evaluate() first delivers the experience that overlap held back, in training mode:
+    training learns from every step it took."""
+    env, algo = TensorBatchEnv(BatchEnv([CountdownEnv(0, 10, 1.0)])), SummarisingLaggingRecorder()
+    simulation = Simulation(env)
+    simulation.step(algo, overlap=True)
+    assert algo.experience_training == []  # held back
+    simulation.evaluate(algo, 1)
+    assert algo.experience_training[0] is True
+    assert algo.transitions[0]["observ"] == [[0, 0, -1]]
+    assert not any(algo.experience_training[1:])  # the evaluation's own steps
+
+
+def test_an_evaluation_leaves_an_algorithm_in_evaluation_mode_in_it():
+    """evaluate() restores the mode the algorithm had, evaluation included."""
+    simulation, algo = Simulation(make_env()), Recorder()
+    algo.eval()
+    simulation.evaluate(algo, 4)
+    assert not algo.training
+    algo.train()
+    simulation.evaluate(algo, 4)
+    assert algo.training
+
+
+class Sampler(Recorder):
+    """Samples its actions from torch's global generator unless acting deterministically."""
+
+    def __init__(self) -> None:
+        Algorithm.__init__(self, "cpu", eval_actions="sample")
+        self.calls, self.transitions, self.performed_observ = [], [], []
+        self.performed_training, self.actions = [], []
+
+    def perform(self, agent_indices, observ):
+        action = (agent_indices % 2 if self.acting_deterministically
+                  else torch.randint(0, 2, (len(agent_indices),)))
+        self.actions.append(action.tolist())
+        return action, {}
+
+
+def test_a_sampled_evaluation_repeats_with_its_seed_whatever_the_global_generator_state():
+    """The same evaluation seed draws the same actions, whatever draws came before."""
+    def actions(global_seed: int, seed: int) -> list:
+        algo = Sampler()
+        torch.manual_seed(global_seed)
+        Simulation(make_env()).evaluate(algo, 8, seed=seed)
+        return algo.actions
+
+    first = actions(global_seed=1, seed=5)
+    assert len(first) >= 4 and actions(global_seed=2, seed=5) == first
+    assert actions(global_seed=1, seed=6) != first

@@ -280,3 +280,31 @@ def test_an_algorithm_naming_no_update_length_gets_the_default_phase_plan():
     assert phase_plan(config, Minimal(), 7) == (None, 8_572, 3)  # 60,000 / 7, rounded up
     config = load_config("cartpole_reinforce", ["train.phase_steps=1000"])
     assert phase_plan(config, Minimal(), 3) == (None, 334, 1)
+
+
+class CollectingMinimal(Minimal):
+    """Implements the five collection methods but names no rollout length."""
+
+    def behaviour_fields(self):
+        return {}
+
+    def act(self, observ, deterministic=False):
+        return torch.zeros(len(observ), dtype=torch.int64), {}
+
+    def acting_state(self):
+        return {}
+
+    def load_acting_state(self, state):
+        pass
+
+    def learn(self, rollout):
+        return {}
+
+
+def test_an_algorithm_with_the_collection_methods_but_no_rollout_length_cannot_collect():
+    """collector_support() names the missing rollout length; steps_per_update supplies it."""
+    algo = CollectingMinimal()
+    assert algo.collector_support() == ("CollectingMinimal names no rollout_length: "
+                                        "collectors send fixed-length rollouts")
+    algo.steps_per_update = 16
+    assert algo.rollout_length == 16 and algo.collector_support() is None
