@@ -500,3 +500,17 @@ def test_an_env_restarted_by_another_env_s_failed_reset_begins_a_new_episode(clo
         simulation.step(algo)
     # Env 1 ends every 2 steps, env 0 at step 10 and env 2 ten steps after its restart.
     assert algo.ended == [(1, 2)] * 4 + [(0, 10), (1, 2), (1, 2), (2, 10), (1, 2)]
+
+
+def test_rows_restarted_by_another_envs_failed_reset_hold_first_observations(closing, tmp_path):
+    """Env 1's second reset aborts the worker it shares with env 2: env 2, restarted in the
+    middle of its episode, shows its first observation with reward and done zeroed."""
+    env = crashing_batch(closing, tmp_path, fault="abort", at_step=2, in_reset=True, length=2)
+    env.reset(seed=0)
+    for _ in range(2):
+        env.step(torch.zeros(3, dtype=torch.int64))
+    assert env.observ[:, 0].tolist() == [2.0, 2.0, 2.0] and env.done[1] == 1.0
+    env.reset(torch.tensor([1]))
+    assert env.batch_env.restarts == 1 and 2 in env.restarted.tolist()
+    assert env.observ[:, 0].tolist() == [2.0, 0.0, 0.0]
+    assert env.reward.tolist() == [2.0, 0.0, 0.0] and env.done.tolist() == [0.0, 0.0, 0.0]

@@ -16,7 +16,7 @@ from batchrl.algos import BatchPPO
 from batchrl.envs import BatchEnv, EnvWorker, ExternalProcess
 from batchrl.envs.spaces import check_space
 from batchrl.errors import UnsupportedSpaceError
-from batchrl.nested import leaf_spaces, leaves, map_nested, put, stack_as, take
+from batchrl.nested import leaf_spaces, leaves, map_nested, put, stack_as, take, unstack
 from batchrl.parts.packing import PackedObservations, packing_for, stored_observations
 from batchrl.parts.rollout import RolloutBuffer, rollout_tensors
 from batchrl.tensor_env import TensorBatchEnv
@@ -423,3 +423,84 @@ def test_unsupported_space_errors_say_what_each_kind_may_be():
                              r"needs one of Box, Discrete, MultiDiscrete, MultiBinary$"):
         check_space("action", gym.spaces.Dict({"a": gym.spaces.Discrete(2)}))
     check_space("observation", gym.spaces.Dict({"a": gym.spaces.MultiBinary(3)}))  # accepted
+
+
+# --- dict key order, image-only dicts, mixed parts, empty resets ------------------------------
+
+def reordered(value: dict) -> dict:
+    """The same dict with its keys in reverse order (as an env may build it)."""
+    return {key: value[key] for key in reversed(list(value))}
+
+
+def test_map_nested_matches_dicts_by_key_and_leaves_follow_the_space():
+    SPACE.seed(0)
+    rows = [SPACE.sample() for _ in range(3)]
+    batch = stack_as(SPACE, rows)
+    # The leaves come in leaf_spaces' order, tuple parts included.
+    assert [leaf.shape for leaf in leaves(batch)] == [
+        (3, *space.shape) for _, space in leaf_spaces(SPACE)]
+    # A second value with its keys in another order is matched key by key.
+    same = map_nested(lambda a, b: a.shape == b.shape and np.array_equal(a, b),
+                      batch, reordered(batch))
+    assert list(same) == ["camera", "depth", "joints"] and all(leaves(same))
+    # unstack gives every row back.
+    back = unstack(batch)
+    assert len(back) == 3
+    for got, want in zip(back, rows):
+        for a, b in zip(leaves(got), leaves(stack_as(SPACE, [want]))):
+            np.testing.assert_array_equal(a, b[0])
+
+
+def test_packing_takes_a_dict_in_any_key_order():
+    SPACE.seed(1)
+    packing = PackedObservations(SPACE)
+    batch = map_nested(torch.as_tensor, stack_as(SPACE, [SPACE.sample() for _ in range(4)]))
+    floats = packing.floats(reordered(batch), torch.device("cpu"))
+    assert floats.dtype == torch.float32 and floats.shape == (4, packing.float_size)
+    assert torch.equal(floats, packing.floats(batch, torch.device("cpu")))
+    assert torch.equal(packing.pack_all(reordered(batch)), packing.pack_all(batch))
+
+
+class TwoCameras(gym.Env):
+    """A Dict observation of two uint8 images and nothing else."""
+
+    observation_space = gym.spaces.Dict({"left": gym.spaces.Box(0, 255, (2, 3), np.uint8),
+                                         "right": gym.spaces.Box(0, 255, (5,), np.uint8)})
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self.observation_space.sample(), {}
+
+    def step(self, action):
+        return self.observation_space.sample(), 0.0, False, False, {}
+
+
+def test_a_dict_of_images_only_packs_every_row():
+    with BatchEnv([TwoCameras() for _ in range(3)]) as env:
+        observ = env.reset(seed=0)
+    packing = PackedObservations(TwoCameras.observation_space)
+    assert packing.float_size == 0 and packing.size == 12  # 6 + 5 bytes, padded
+    packed = packing.pack_all(observ)
+    assert packed.shape == (3, 12) and packed.dtype == torch.uint8
+    assert torch.equal(packed[:, :6], torch.as_tensor(observ["left"]).reshape(3, 6))
+    assert torch.equal(packed[:, 6:11], torch.as_tensor(observ["right"]))
+
+
+def test_batch_ppo_rejects_a_dict_with_one_part_it_cannot_take():
+    mixed = gym.spaces.Dict({"x": gym.spaces.Box(-1, 1, (3,), np.float32),
+                             "bits": gym.spaces.MultiBinary(3)})
+    with pytest.raises(UnsupportedSpaceError, match=r"a Dict or Tuple of Box and Discrete"):
+        BatchPPO(mixed, gym.spaces.Discrete(2), 2)
+
+
+def test_tensor_batch_env_resets_no_rows_of_a_dict():
+    env = TensorBatchEnv(BatchEnv([EnvWorker([lambda: ImageAndFlag(size=8)] * 2)]))
+    try:
+        env.reset(seed=0)
+        empty = env.reset(torch.tensor([], dtype=torch.int64))
+        assert list(empty) == ["flag", "image"]
+        assert empty["image"].shape == (0, 1, 8, 8) and empty["image"].dtype == torch.uint8
+        assert empty["flag"].shape == (0, 2) and empty["flag"].dtype == torch.float32
+    finally:
+        env.close()

@@ -183,3 +183,27 @@ def test_step_rejects_float_actions_for_a_discrete_space():
                                             r"got torch.float32"):
             env.step(torch.tensor([0.9, 1.0]))
         assert env.step(torch.tensor([0, 1]))[0].shape == (2, 4)
+
+
+def test_infos_are_the_last_steps_and_discrete_observations_become_float32():
+    make = lambda: gym.make("FrozenLake-v1")  # noqa: E731  (its steps' infos hold "prob")
+    reference = BatchEnv([make() for _ in range(3)])
+    with TensorBatchEnv(BatchEnv([make() for _ in range(3)])) as env:
+        observ = env.reset(seed=2)
+        np.testing.assert_array_equal(observ.numpy(), reference.reset(seed=2))
+        assert observ.shape == (3,) and observ.dtype == torch.float32
+        action = torch.tensor([1, 2, 2])
+        observ, reward, done = env.step(action)
+        obs, _, _, _, infos = reference.step(action.numpy())
+        np.testing.assert_array_equal(observ.numpy(), obs)
+        assert all("prob" in info for info in infos) and env.infos == infos
+    reference.close()
+
+
+def test_the_action_buffer_keeps_no_autograd_graph():
+    with TensorBatchEnv(BatchEnv([gym.make("Pendulum-v1") for _ in range(2)])) as env:
+        env.reset(seed=0)
+        weight = torch.ones(2, 1, requires_grad=True)
+        env.step(weight * 0.5)
+        assert not env.action.requires_grad and env.action.grad_fn is None
+        assert env.action.numpy().tolist() == [[0.5], [0.5]]

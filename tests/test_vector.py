@@ -299,3 +299,14 @@ def test_bad_actions_after_an_episode_end_leave_the_autoreset_intact():
         for t in range(8):
             actions = np.full((2, 1), 0.1 * t, np.float32)
             assert_same_value(env.step(actions), reference.step(actions), f"step {t}")
+
+
+def test_returned_observations_are_not_changed_by_later_calls():
+    fns = [functools.partial(gym.make, "CartPole-v1")] * 2
+    with BatchVectorEnv(fns, "disabled", workers=1) as env:
+        env.reset(seed=0)
+        observ = env.step(np.ones(2, np.int64))[0]
+        kept = observ.copy()
+        env.reset(options={"reset_mask": np.array([True, False])})
+        env.step(np.ones(2, np.int64))
+        np.testing.assert_array_equal(observ, kept)
