@@ -19,7 +19,7 @@ from batchrl.algos.ppo_config import PPOConfig
 from batchrl.config import (BATCHPPO, CONFIG_DIR, RUN_FACTS, AlgorithmConfig, Config,
                             ConfigError, algorithm_keys, available_configs, build_config,
                             load_config, load_saved_config, parse_override, save_config)
-from batchrl.envs.errors import EnvSpecError
+from batchrl.envs.errors import EnvRaisedError, EnvSpecError
 from batchrl.envs.factory import make_batch_env, resolve_constructor
 from batchrl.metrics import read_metrics
 from batchrl.trainer import Trainer
@@ -840,3 +840,33 @@ def test_a_constructor_with_kwargs_gets_the_first_three_run_facts_and_any_key():
         with pytest.raises(ConfigError, match=rf"train.{key}='{value}' needs an algorithm whose "
                                               rf"constructor takes {key}"):
             config.make_algorithm(observation_space, gym.spaces.Discrete(2), 2, "cpu")
+
+
+def test_resolving_an_env_leaves_the_callers_kwargs_alone():
+    # A config's env.kwargs serve every batch env built from it (collectors, evaluation).
+    kwargs = {"g": 9.0}
+    resolve_constructor("Pendulum-v1", kwargs, 50)
+    assert kwargs == {"g": 9.0}
+    env = resolve_constructor("Pendulum-v1", kwargs, 60)()  # a second env from the same dict
+    try:
+        assert env.spec.max_episode_steps == 60
+    finally:
+        env.close()
+
+
+def test_make_batch_env_keeps_the_env_ranges_when_asked():
+    raw = make_batch_env("Pendulum-v1", 1, backend="inline", normalize_ranges=False)
+    scaled = make_batch_env("Pendulum-v1", 1, backend="inline")
+    try:
+        assert raw.action_space.high.tolist() == [2.0]
+        assert scaled.action_space.high.tolist() == [1.0]
+    finally:
+        raw.close()
+        scaled.close()
+
+
+def test_an_env_that_fails_to_build_is_named_by_its_id():
+    with pytest.raises(EnvRaisedError, match=r"^batchrl\.testing\.faults:make failed in "
+                                             r"construct\(\)"):
+        make_batch_env("batchrl.testing.faults:make", 1, kwargs={"env_id": "NoSuchEnv-v0"},
+                       backend="inline")

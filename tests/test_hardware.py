@@ -131,3 +131,78 @@ def test_the_quota_is_read_from_the_process_cgroup_and_its_ancestors(tmp_path):
     assert cgroup_cpu_limit(proc, root / "v2") is None
     assert cgroup_cpu_limit(tmp_path / "missing", root) is None
     assert 1 <= usable_cores() <= len(os.sched_getaffinity(0))
+
+
+def _v1_group(root: Path, path: str, quota: str) -> None:
+    (root / path).mkdir(parents=True)
+    (root / path / "cpu.cfs_quota_us").write_text(quota)
+    (root / path / "cpu.cfs_period_us").write_text("100000")
+
+
+def test_the_tightest_quota_among_the_cgroup_and_its_ancestors_applies(tmp_path):
+    # A looser quota below a tighter one does not lift it, whichever level is tighter.
+    root = tmp_path / "cgroup"
+    _v1_group(root, "cpu", "-1")
+    _v1_group(root, "cpu/jobs", "150000")
+    _v1_group(root, "cpu/jobs/run", "300000")
+    _v1_group(root, "cpu/other", "300000")
+    _v1_group(root, "cpu/other/run", "50000")
+    proc = tmp_path / "cgroup-of-process"
+    proc.write_text("1:cpu:/jobs/run\n")
+    assert cgroup_cpu_limit(proc, root) == 1.5
+    proc.write_text("1:cpu:/other/run\n")
+    assert cgroup_cpu_limit(proc, root) == 0.5
+    # cgroup v2: the same rule over cpu.max files.
+    v2 = tmp_path / "v2"
+    (v2 / "a" / "b").mkdir(parents=True)
+    (v2 / "a" / "cpu.max").write_text("200000 100000\n")
+    (v2 / "a" / "b" / "cpu.max").write_text("400000 100000\n")
+    proc.write_text("0::/a/b\n")
+    assert cgroup_cpu_limit(proc, v2) == 2.0
+
+
+def test_a_combined_cpu_cpuacct_hierarchy_is_read_where_it_is_mounted(tmp_path):
+    # cgroup v1 lists the co-mounted controllers ("cpu,cpuacct"); the hierarchy is found
+    # under that name or, where only that link exists, under "cpu".
+    proc = tmp_path / "cgroup-of-process"
+    proc.write_text("3:cpuset:/\n2:cpu,cpuacct:/jobs\n1:name=systemd:/jobs\n")
+    combined = tmp_path / "combined"
+    _v1_group(combined, "cpu,cpuacct", "-1")
+    _v1_group(combined, "cpu,cpuacct/jobs", "250000")
+    assert cgroup_cpu_limit(proc, combined) == 2.5
+    linked = tmp_path / "linked"
+    _v1_group(linked, "cpu", "-1")
+    _v1_group(linked, "cpu/jobs", "250000")
+    assert cgroup_cpu_limit(proc, linked) == 2.5
+
+
+USABLE_UNDER_QUOTAS = """
+import sys
+from pathlib import Path
+from batchrl.hardware import usable_cores
+quota = Path(sys.argv[1]) / "cpu.cfs_quota_us"
+for value in sys.argv[2:]:
+    quota.write_text(value)
+    print(usable_cores())
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two usable cores")
+def test_usable_cores_rounds_a_fractional_quota_up(tmp_path):
+    # A quota of 1.5 CPUs keeps two cores partly busy: two usable cores; 0.5 CPUs: one.
+    group = Path("/sys/fs/cgroup/cpu") / f"batchrl-test-{uuid.uuid4().hex[:8]}"
+    try:
+        group.mkdir()
+        (group / "cpu.cfs_period_us").write_text("100000")
+    except OSError:
+        pytest.skip("cannot create a cgroup v1 cpu group here")
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", USABLE_UNDER_QUOTAS, str(group), "150000", "50000"],
+            capture_output=True, text=True, timeout=60,
+            preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
+    finally:
+        group.rmdir()
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["2", "1"]

@@ -269,3 +269,33 @@ def test_native_backend_trains_exactly_as_the_workers(tmp_path, config):
     key = [[(r["step"], r["phase"], r["score"], r["episodes"]) for r in records[backend]]
            for backend in ("workers", "native")]
     assert key[0] == key[1] and any(r["phase"] == "eval" for r in records["native"])
+
+
+def test_auto_backend_with_share_main_uses_workers():
+    batch = make_batch_env("Hopper-v5", 2, share_main=True, workers=1, pin_workers=False)
+    try:
+        assert batch.workers and not isinstance(batch.envs[0], MujocoBatch)
+    finally:
+        batch.close()
+
+
+def test_the_native_backend_keeps_the_env_ranges_when_asked():
+    # Humanoid's actions span [-0.4, 0.4]; normalize_ranges=False keeps that range.
+    ranges = {}
+    for normalize in (True, False):
+        batch = make_batch_env("Humanoid-v5", 1, backend="native", normalize_ranges=normalize)
+        try:
+            ranges[normalize] = float(batch.action_space.high.max())
+        finally:
+            batch.close()
+    assert ranges == {True: 1.0, False: pytest.approx(0.4)}
+
+
+
+
+def test_vector_kwargs_must_not_set_what_the_config_sets():
+    with pytest.raises(EnvSpecError, match=r"kwargs must not set \['max_episode_steps', "
+                                           r"'num_envs'\]"):
+        make_batch_env("Hopper-v5", 2, 10, {"env_id": "Hopper-v5", "num_envs": 3,
+                                            "max_episode_steps": 5},
+                       backend="vector", vector_id="batchrl.envs.mujoco_batch:make_vector")

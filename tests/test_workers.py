@@ -31,6 +31,7 @@ from batchrl.envs import (BatchEnv, EnvAttributeError, EnvCrashedError, EnvRaise
                           RemoteAttribute, WorkerEnv)
 from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.factory import DEFAULT_TIMEOUT, batch_env_from, split_evenly
+from batchrl.hardware import usable_cores
 from helpers import (CountingEnv, assert_same_log, fails_at, kill_and_wait, make_cartpole,
                      make_cheetah, raise_site, rollout, run_script, sleeps_at, wait_gone)
 
@@ -832,3 +833,37 @@ def test_factory_process_and_inline_backends(closing):
 def test_factory_rejects_bad_arguments(kwargs, message):
     with pytest.raises(EnvSpecError, match=message):
         batch_env_from(make_cartpole, 3, **kwargs)
+
+
+def test_factory_default_workers_leave_a_core_to_a_sharing_main_process(closing):
+    batch = closing(batch_env_from(make_cartpole, 6, share_main=True, pin_workers=False))
+    assert len(batch.workers) == max(1, usable_cores() - 1)
+    assert sum(worker.num_envs for worker in batch.workers) < 6  # this process steps some
+
+
+def test_factory_auto_backend_runs_constructors_in_workers(closing):
+    batch = closing(batch_env_from(make_cartpole, 2, backend="auto", workers=1,
+                                   pin_workers=False))
+    assert len(batch.workers) == 1 and batch.workers[0].num_envs == 2
+
+
+def test_factory_restarts_keep_every_env_in_a_worker(closing):
+    # share_main is dropped with max_restarts: an env in this process could not be restarted.
+    batch = closing(batch_env_from(make_cartpole, 4, workers=1, share_main=True,
+                                   max_restarts=1, pin_workers=False))
+    assert sum(worker.num_envs for worker in batch.workers) == 4
+
+
+def test_factory_gives_construction_longer_than_a_step(closing):
+    def slow_cartpole():  # (nested: pickled by value for the worker)
+        time.sleep(1.0)
+        return gym.make("CartPole-v1")
+
+    batch = closing(batch_env_from(slow_cartpole, 1, workers=1, timeout=0.3,
+                                   pin_workers=False))
+    assert batch.reset(seed=0).shape == (1, 4)
+
+
+def test_factory_rejects_a_num_envs_that_disagrees_with_the_constructors():
+    with pytest.raises(ValueError, match="num_envs=3 but 2 constructors given"):
+        batch_env_from([make_cartpole, make_cartpole], 3, backend="inline")
