@@ -12,9 +12,7 @@ import textwrap
 import gymnasium as gym
 import numpy as np
 import pytest
-import torch
 
-from batchrl.algos.base import Algorithm
 from batchrl.algos.ppo_config import PPOConfig
 from batchrl.config import (BATCHPPO, CONFIG_DIR, RUN_FACTS, AlgorithmConfig, Config,
                             ConfigError, algorithm_keys, available_configs, build_config,
@@ -218,11 +216,25 @@ def test_wrong_type_names_the_key_and_the_type(override, expected):
     ("train.learner_resources={CPU=-1}", "train.learner_resources must map Ray resource names"),
     ("algorithm.policy_layers=[-1]", "algorithm.policy_layers must be layer sizes >= 1"),
     ("algorithm.value_layers=[64, 0]", "algorithm.value_layers must be layer sizes >= 1"),
+    ("train.phase_steps=-1", "train.phase_steps must be >= 0, got -1"),
+    ("train.collectors=-1", "train.collectors must be >= 0, got -1"),
+    ("train.queue_size=-1", "train.queue_size must be >= 0, got -1"),
+    ("train.threads=0", "train.threads must be >= 1, got 0"),
+    ("train.checkpoint_every=0", "train.checkpoint_every must be >= 1, got 0"),
+    ("train.keep_checkpoints=0", "train.keep_checkpoints must be >= 1, got 0"),
+    ("env.max_restarts=0", "env.max_restarts must be >= 1, got 0"),
+    ("env.timeout=1e9", "env.timeout must be a finite number of seconds below 1e9"),
+    ("train.device=cuda:", "train.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'cuda:'"),
+    ("train.steps=9223372036854775808", "train.steps: 9.22e+18 is out of range"),
 ])
 def test_out_of_range_names_the_key_and_what_is_valid(override, expected):
     with pytest.raises(ConfigError) as info:
         load_config("cartpole", [override])
     assert expected in str(info.value)
+
+
+def test_the_largest_64_bit_integer_is_in_range():
+    assert load_config("cartpole", ["train.steps=9223372036854775807"]).train.steps == 2**63 - 1
 
 
 def test_integer_keys_take_integral_floats():
@@ -733,29 +745,7 @@ def test_restarting_envs_that_step_in_this_process_names_the_backend(backend):
                                     "env.vector_id=batchrl.envs.mujoco_batch:make_vector"])
 
 
-# --- ranges, bare words, saved configs, build_config, **kwargs constructors --------------
-
-@pytest.mark.parametrize("override, expected", [
-    ("train.phase_steps=-1", "train.phase_steps must be >= 0, got -1"),
-    ("train.collectors=-1", "train.collectors must be >= 0, got -1"),
-    ("train.queue_size=-1", "train.queue_size must be >= 0, got -1"),
-    ("train.threads=0", "train.threads must be >= 1, got 0"),
-    ("train.checkpoint_every=0", "train.checkpoint_every must be >= 1, got 0"),
-    ("train.keep_checkpoints=0", "train.keep_checkpoints must be >= 1, got 0"),
-    ("env.max_restarts=0", "env.max_restarts must be >= 1, got 0"),
-    ("env.timeout=1e9", "env.timeout must be a finite number of seconds below 1e9"),
-    ("train.device=cuda:", "train.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'cuda:'"),
-    ("train.steps=9223372036854775808", "train.steps: 9.22e+18 is out of range"),
-])
-def test_every_range_of_the_schema_is_checked(override, expected):
-    """Each key's documented range is enforced when the config is loaded, naming the key."""
-    with pytest.raises(ConfigError) as info:
-        load_config("cartpole", [override])
-    assert expected in str(info.value)
-    # The largest 64-bit integer is still accepted.
-    assert load_config("cartpole", ["train.steps=9223372036854775807"]).train.steps == 2**63 - 1
-
-
+# --- bare words, saved configs, build_config ----------------------------------------------
 
 @pytest.mark.parametrize("text", ["env.id = Hopper-v5 ", "env.id=  Hopper-v5", "env.id=Hopper-v5\t"])
 def test_a_bare_word_is_stripped_like_a_toml_value(text):
@@ -796,50 +786,6 @@ def test_build_config_leaves_its_argument_as_it_was():
     assert build_config(values) == first
     assert first.algorithm.path == REINFORCE
 
-
-
-class OpenEnded(Algorithm):
-    """An algorithm whose constructor takes any keyword argument; it records them."""
-
-    def __init__(self, observation_space, action_space, num_agents, **kwargs):
-        super().__init__()
-        self.received = dict(kwargs)
-
-    def begin_episodes(self, agent_indices):
-        return {}
-
-    def perform(self, agent_indices, observ):
-        return torch.zeros(len(agent_indices), dtype=torch.int64), {}
-
-    def experience(self, *args):
-        return {}
-
-    def end_episodes(self, agent_indices):
-        return {}
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
-
-
-def test_a_constructor_with_kwargs_gets_the_first_three_run_facts_and_any_key():
-    """Through **kwargs a class gets max_length, total_steps and device, and any [algorithm]
-    key; precision and eval_actions only by name, so non-neutral values are refused."""
-    observation_space = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
-    values = {"algorithm": {"class": f"{__name__}:OpenEnded", "flavour": "x", "depth": 3},
-              "env": {"max_length": 77}, "train": {"steps": 1234}}
-    config = build_config(values)
-    assert config.algorithm.keys == {"flavour": "x", "depth": 3}
-    algo = config.make_algorithm(observation_space, gym.spaces.Discrete(2), 2, "cpu")
-    assert algo.received == {"max_length": 77, "total_steps": 1234, "device": "cpu",
-                             "flavour": "x", "depth": 3}
-    for key, value in (("precision", "bfloat16"), ("eval_actions", "sample")):
-        config = build_config({**values, "train": {key: value}})
-        with pytest.raises(ConfigError, match=rf"train.{key}='{value}' needs an algorithm whose "
-                                              rf"constructor takes {key}"):
-            config.make_algorithm(observation_space, gym.spaces.Discrete(2), 2, "cpu")
 
 
 def test_resolving_an_env_leaves_the_callers_kwargs_alone():

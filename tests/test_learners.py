@@ -332,6 +332,19 @@ def test_a_learner_that_dies_or_ctrl_c_stops_every_learner(tmp_path, how):
         assert "Resume it with:" in stderr
 
 
+def two_learners_with_site(tmp_path: Path, sitecustomize: str) -> subprocess.Popen:
+    """train.py with two local learners into ``tmp_path / "run"``, in a session of its own,
+    with ``sitecustomize`` run at the start of each of its Python processes."""
+    (tmp_path / "sitecustomize.py").write_text(sitecustomize)
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), "--config", "halfcheetah", "--logdir",
+         str(tmp_path / "run"), "--no-progress", *sets(*CHEETAH, "train.learners=2",
+                                                       "train.steps=10000000")],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path}",
+                           PYTHONUNBUFFERED="1"),
+        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 # Put on the path of a run, it makes every process that multiprocessing spawns (the learners
 # other than learner 0) fail as its training begins: a bug in one learner.
 FAILING_LEARNERS = textwrap.dedent("""
@@ -348,15 +361,7 @@ FAILING_LEARNERS = textwrap.dedent("""
 def test_a_learner_that_raises_is_named_with_its_error(tmp_path):
     # Learner 1 sends its error's first line to learner 0, which ends the run with it (not
     # with gloo's lost connection, nor learner 1's exit code alone).
-    (tmp_path / "sitecustomize.py").write_text(FAILING_LEARNERS)
-    logdir = tmp_path / "run"
-    process = subprocess.Popen(
-        [sys.executable, str(REPO / "train.py"), "--config", "halfcheetah", "--logdir",
-         str(logdir), "--no-progress", *sets(*CHEETAH, "train.learners=2",
-                                             "train.steps=10000000")],
-        cwd=REPO, env=dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path}",
-                           PYTHONUNBUFFERED="1"),
-        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = two_learners_with_site(tmp_path, FAILING_LEARNERS)
     try:
         code, stdout, stderr = finish(process, 90)
     finally:
@@ -382,15 +387,7 @@ SLOW_LEARNERS = textwrap.dedent("""
 def test_the_learners_meeting_ends_at_once_when_a_learner_dies(tmp_path):
     # Learner 1 has not joined yet (SLOW_LEARNERS). Learner 0 used to wait in C for the full
     # connect timeout (2 minutes).
-    (tmp_path / "sitecustomize.py").write_text(SLOW_LEARNERS)
-    logdir = tmp_path / "run"
-    process = subprocess.Popen(
-        [sys.executable, str(REPO / "train.py"), "--config", "halfcheetah", "--logdir",
-         str(logdir), "--no-progress", *sets(*CHEETAH, "train.learners=2",
-                                             "train.steps=10000000")],
-        cwd=REPO, env=dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path}",
-                           PYTHONUNBUFFERED="1"),
-        start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = two_learners_with_site(tmp_path, SLOW_LEARNERS)
     try:
         other = other_learner_pid(process)
         children = descendants(process.pid)

@@ -15,12 +15,14 @@ import sys
 import textwrap
 from pathlib import Path
 
+import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 
 from batchrl.algos import Algorithm
 from batchrl.checkpoint import list_checkpoints, load_checkpoint
-from batchrl.config import load_config
+from batchrl.config import ConfigError, build_config, load_config
 from batchrl.metrics import read_metrics
 from batchrl.trainer import phase_plan
 from helpers import REPO, TRAIN_PY
@@ -308,3 +310,29 @@ def test_an_algorithm_with_the_collection_methods_but_no_rollout_length_cannot_c
                                         "collectors send fixed-length rollouts")
     algo.steps_per_update = 16
     assert algo.rollout_length == 16 and algo.collector_support() is None
+
+
+class OpenEnded(Minimal):
+    """An algorithm whose constructor takes any keyword argument; it records them."""
+
+    def __init__(self, observation_space, action_space, num_agents, **kwargs):
+        super().__init__()
+        self.received = dict(kwargs)
+
+
+def test_a_constructor_with_kwargs_gets_the_first_three_run_facts_and_any_key():
+    """Through **kwargs a class gets max_length, total_steps and device, and any [algorithm]
+    key; precision and eval_actions only by name, so non-neutral values are refused."""
+    observation_space = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
+    values = {"algorithm": {"class": f"{__name__}:OpenEnded", "flavour": "x", "depth": 3},
+              "env": {"max_length": 77}, "train": {"steps": 1234}}
+    config = build_config(values)
+    assert config.algorithm.keys == {"flavour": "x", "depth": 3}
+    algo = config.make_algorithm(observation_space, gym.spaces.Discrete(2), 2, "cpu")
+    assert algo.received == {"max_length": 77, "total_steps": 1234, "device": "cpu",
+                             "flavour": "x", "depth": 3}
+    for key, value in (("precision", "bfloat16"), ("eval_actions", "sample")):
+        config = build_config({**values, "train": {key: value}})
+        with pytest.raises(ConfigError, match=rf"train.{key}='{value}' needs an algorithm whose "
+                                              rf"constructor takes {key}"):
+            config.make_algorithm(observation_space, gym.spaces.Discrete(2), 2, "cpu")

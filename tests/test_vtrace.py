@@ -236,18 +236,7 @@ def test_default_truncations_are_those_of_the_paper():
     ends[0, 4] = True
     next_value[0, 4] = 0.0
     gamma = 0.9
-    # The recursion of section 4.1, rho_bar = c_bar = 1, one step at a time.
-    vs = np.zeros((rows, steps))
-    advantage = np.zeros((rows, steps))
-    for b in range(rows):
-        for t in reversed(range(steps)):
-            rho = c = min(1.0, math.exp(log_rho[b, t]))
-            last = bool(ends[b, t]) or t == steps - 1
-            delta = rho * (reward[b, t] + gamma * next_value[b, t] - value[b, t])
-            correction = 0.0 if last else vs[b, t + 1] - value[b, t + 1]
-            vs[b, t] = value[b, t] + delta + gamma * c * correction
-            after = next_value[b, t] if last else vs[b, t + 1]
-            advantage[b, t] = rho * (reward[b, t] + gamma * after - value[b, t])
+    vs, advantage = reference_vtrace(log_rho, reward, value, next_value, ends, gamma, 1.0, 1.0)
     assert (np.exp(log_rho) > 1.2).sum() > 5
     got = vtrace(*map(torch.from_numpy, (log_rho, reward, value, next_value, ends)), gamma)
     np.testing.assert_allclose(got.vs.numpy(), vs, rtol=1e-10, atol=1e-10)
