@@ -82,6 +82,12 @@ def test_n_step_returns_stop_at_episode_ends_and_at_the_newest_step():
         5.0: (5 + gamma * 6, 6.5, gamma ** 2),
         6.0: (6.0, 6.5, gamma),
     }
+    assert_transitions(batch, expected)
+
+
+def assert_transitions(batch: dict, expected: dict) -> None:
+    """``batch`` holds exactly the transitions of ``expected``'s observations, each with its
+    ``(return, bootstrap observation, discount)``."""
     assert set(batch["observ"].tolist()) == set(expected)
     for value, (ret, bootstrap, discount) in expected.items():
         rows = batch["observ"] == value
@@ -286,3 +292,48 @@ def test_the_storage_is_allocated_when_the_first_transitions_arrive():
     with pytest.raises(ValueError, match=r"replay buffer 'observ': saved \(1000000000000, 1\), "
                                          r"this buffer \(2, 2\) \(another capacity"):
         small.load_state_dict(empty)
+
+
+def test_n_step_returns_stop_at_the_newest_step_after_the_buffer_wraps_around():
+    gamma = 0.5
+    buffer = ReplayBuffer(1, 3, FIELDS, discount=gamma, n_step=3)
+    for value in range(1, 6):  # rows now hold 4, 5, 3 (3 the oldest, 5 the newest)
+        add_step(buffer, value)
+    torch.manual_seed(0)
+    batch = buffer.sample(300)
+    expected = {  # observ -> (return, bootstrap observation, discount)
+        3.0: (3 + gamma * 4 + gamma ** 2 * 5, 5.5, gamma ** 3),
+        4.0: (4 + gamma * 5, 5.5, gamma ** 2),
+        5.0: (5.0, 5.5, gamma),  # not run on into the oldest row
+    }
+    assert_transitions(batch, expected)
+
+
+def test_draws_stay_uniform_over_the_steps_that_were_not_lost():
+    buffer = ReplayBuffer(2, 6, FIELDS)  # 3 batch steps
+    add_pair(buffer, 1)
+    add_pair(buffer, 2)
+    add_pair(buffer, 3, lost=torch.tensor([0]))
+    torch.manual_seed(0)
+    counts = torch.bincount(buffer.sample(5000)["observ"].long())
+    # 5 stored transitions, 1,000 draws each expected (not more for agent 0's or row 3's)
+    for value in (1, 2, 11, 12, 13):
+        assert 900 < int(counts[value]) < 1100, value
+
+
+def test_a_cleared_buffer_forgets_its_lost_steps():
+    buffer = ReplayBuffer(2, 4, FIELDS)  # 2 batch steps
+    add_pair(buffer, 1, lost=torch.tensor([0]))
+    buffer.clear()
+    add_pair(buffer, 5)  # over the lost step's row: agent 0's step is a transition again
+    add_pair(buffer, 6, lost=torch.tensor([1]))
+    torch.manual_seed(0)
+    assert set(buffer.sample(500)["observ"].tolist()) == {5.0, 6.0, 15.0}
+
+
+def test_a_discount_outside_0_1_or_an_n_step_below_1_is_a_clear_error():
+    for discount in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=r"discount must be in \[0, 1\]"):
+            ReplayBuffer(2, 4, FIELDS, discount=discount)
+    with pytest.raises(ValueError, match="n_step must be >= 1, got 0"):
+        ReplayBuffer(2, 4, FIELDS, n_step=0)

@@ -274,3 +274,25 @@ def test_train_py_runs_sac_from_a_config_that_names_only_the_class(tmp_path):
     checkpoint = torch.load(sorted(logdir.glob("ckpt-*.pt"))[-1], weights_only=False)
     assert checkpoint["algorithm"]["env_steps"] == 6000
     assert checkpoint["algorithm"]["updates"] == 6000 - 5000  # learning starts at 5,000
+
+
+def test_a_truncated_step_is_stored_to_bootstrap_from_and_ends_the_n_step_return():
+    box = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    algo = SAC(box, box, 2, hidden=(8,), learning_starts=100, discount=0.5, n_step=2)
+    agents, no = torch.arange(2), torch.zeros(2)
+    # agent 0 terminates and agent 1 is truncated (a time limit) in the first step
+    for observ, done, terminated in ((0.0, torch.ones(2), torch.tensor([1.0, 0.0])),
+                                     (1.0, no, no)):
+        state = torch.tensor([[observ], [observ + 10]])
+        algo.experience(agents, state, torch.zeros(2, 1), torch.ones(2), done, state + 0.5,
+                        terminated)
+    torch.manual_seed(0)
+    batch = algo.buffer.sample(400)
+    first = batch["observ"][:, 0] < 1.0
+    terminated, truncated = first & (batch["observ"][:, 0] == 0.0), batch["observ"][:, 0] == 10.0
+    assert terminated.any() and truncated.any()
+    assert torch.all(batch["discount"][terminated] == 0.0)
+    # the truncated step bootstraps from its own next observation, not from the next episode's
+    assert torch.all(batch["discount"][truncated] == 0.5)
+    assert torch.all(batch["next_observ"][truncated, 0] == 10.5)
+    assert torch.all(batch["reward"][truncated] == 1.0)
