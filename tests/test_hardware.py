@@ -191,6 +191,8 @@ for value in sys.argv[2:]:
                     reason="needs two usable cores")
 def test_usable_cores_rounds_a_fractional_quota_up(tmp_path):
     # A quota of 1.5 CPUs keeps two cores partly busy: two usable cores; 0.5 CPUs: one.
+    if usable_cores() < 2:
+        pytest.skip("this process's own quota leaves it fewer than two cores")
     group = Path("/sys/fs/cgroup/cpu") / f"batchrl-test-{uuid.uuid4().hex[:8]}"
     try:
         group.mkdir()
