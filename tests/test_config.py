@@ -754,7 +754,6 @@ def test_a_bare_word_is_stripped_like_a_toml_value(text):
     assert load_config("cartpole", [text.replace("Hopper-v5", "Acrobot-v1")]).env.id == "Acrobot-v1"
 
 
-
 @pytest.mark.parametrize("content", ["[]", "null", '"config"', "3"])
 def test_a_saved_config_that_is_not_an_object_is_a_config_error(tmp_path, content):
     """A config.json holding valid JSON that is not an object is a one-line ConfigError."""
@@ -774,7 +773,6 @@ def test_a_missing_or_invalid_saved_config_is_a_config_error_naming_the_file(tmp
                                f"env.num_agents must be >= 1, got 0")
 
 
-
 def test_build_config_leaves_its_argument_as_it_was():
     """build_config reads the nested dict without changing it: the same dict builds the same
     config again."""
@@ -785,7 +783,6 @@ def test_build_config_leaves_its_argument_as_it_was():
     assert values == copy
     assert build_config(values) == first
     assert first.algorithm.path == REINFORCE
-
 
 
 def test_resolving_an_env_leaves_the_callers_kwargs_alone():

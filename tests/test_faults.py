@@ -390,7 +390,6 @@ def test_restarts_of_the_evaluation_envs_count_in_the_run(tmp_path, capsys):
     assert scalar_events(tmp_path / "run")["env/restarts"][-1][1] == 1.0
 
 
-
 # The hang waits out the timeout; the segfault checks the same report and resume sooner.
 @pytest.mark.parametrize("fault, detail", [
     pytest.param("hang", "no answer from the env worker", marks=pytest.mark.slow),

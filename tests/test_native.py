@@ -291,8 +291,6 @@ def test_the_native_backend_keeps_the_env_ranges_when_asked():
     assert ranges == {True: 1.0, False: pytest.approx(0.4)}
 
 
-
-
 def test_vector_kwargs_must_not_set_what_the_config_sets():
     with pytest.raises(EnvSpecError, match=r"kwargs must not set \['max_episode_steps', "
                                            r"'num_envs'\]"):

@@ -439,7 +439,6 @@ def test_normalizer_copies_and_loads_keep_their_own_statistics(defer):
     assert target.transform(torch.tensor([[3.0, 4.0]])).tolist() == [[0.0, 1.0]]
 
 
-
 def test_normalizer_defer_holds_values_until_the_statistics_are_read(host_path):
     import copy
     import pickle
