@@ -540,6 +540,7 @@ def test_a_preemption_threshold_that_waits_for_all_suggests_one_that_does_not():
         assert str(suggested) in str(error.value)
         assert preemption_count(suggested, size) == size - 1
 
+
 def test_only_torchruns_whole_environment_makes_a_process_one_of_its_learners(monkeypatch):
     # A batch system's RANK or WORLD_SIZE alone (SLURM, MPI) leaves a plain run as it is.
     from batchrl.parts.distributed import TORCHRUN_VARIABLES, launched_by_torchrun
