@@ -630,7 +630,6 @@ def test_a_checkpoint_whose_class_moved_is_not_called_damaged(tmp_path, monkeypa
     module or class no longer is: the file is intact, so the error names what is missing and
     does not tell the user to delete the checkpoint (the one before it would fail alike)."""
     import importlib
-    import sys
     module = tmp_path / "my_schedule_module.py"
     module.write_text("import dataclasses\n\n@dataclasses.dataclass\nclass Schedule:\n"
                       "    step: int = 0\n")
