@@ -197,9 +197,9 @@ class Simulation:
         if starting is not None:
             tracker.starting = None
             env.reset(starting, seed=seed)
-            _begin(tracker, algo, starting, summary)
             if env.restarted is not None:  # a failed worker restarted other envs as well
-                _begin(tracker, algo, env.restarted, summary)
+                starting = torch.unique(torch.cat([starting, env.restarted]))
+            _begin(tracker, algo, starting, summary)
 
         agents = tracker.agents
         observ = map_nested(torch.clone, env.observ)  # the env overwrites it when it steps
