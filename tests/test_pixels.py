@@ -11,7 +11,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from torch.distributions import Categorical
+from torch.distributions import Categorical, Normal
 
 from batchrl import TensorBatchEnv
 from batchrl.algos import BatchPPO
@@ -20,8 +20,8 @@ from batchrl.config import ConfigError, load_config
 from batchrl import BatchEnv, make_batch_env, wrap_env
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.pixels import is_pixel_space
-from batchrl.parts.losses import (ClippedObjective, actor_critic_loss, entropy_bonus,
-                                  masked_mean, value_loss)
+from batchrl.parts.losses import (ClippedObjective, KLPenalizedObjective, actor_critic_loss,
+                                  entropy_bonus, masked_mean, value_loss)
 from batchrl.testing.envs import PixelSide
 from batchrl.train import main as train_main
 
@@ -571,6 +571,21 @@ def test_the_entropy_bonus_is_a_mean_over_the_real_steps_only():
                                  torch.from_numpy(mask), 0.1)
     assert float(terms["entropy"]) == pytest.approx(expected, rel=1e-12)
     assert float(bonus) == pytest.approx(-0.1 * expected, rel=1e-12)
+
+
+def test_padded_steps_with_infinite_entropy_leave_the_logged_means_finite():
+    """A padded step's distribution may be degenerate (a zero-filled observation, an
+    unbounded scale): its entropy must not reach the means, not even as inf * 0."""
+    scale = torch.tensor([[1.0, float("inf")]])  # the second step is padding
+    new = Normal(torch.zeros(1, 2), scale)
+    old = Normal(torch.zeros(1, 2), torch.ones(1, 2))
+    mask = torch.tensor([[1.0, 0.0]])
+    bonus, terms = entropy_bonus(new, mask, 0.01)
+    expected = float(Normal(0.0, 1.0).entropy())
+    assert float(terms["entropy"]) == pytest.approx(expected) and torch.isfinite(bonus)
+    for objective in (ClippedObjective(0.2), KLPenalizedObjective(0.01)):
+        logged = objective.end_update(new, old, torch.zeros(1, 2), torch.ones(1, 2), mask)
+        assert logged["entropy"] == pytest.approx(expected) and math.isfinite(logged["kl"])
 
 
 def test_losses_of_a_batch_without_real_steps_are_zero():

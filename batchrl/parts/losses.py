@@ -33,8 +33,9 @@ def action_distribution(mean_or_logits: torch.Tensor, log_std: torch.Tensor,
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The mean of ``values`` over the steps where ``mask`` is 1.0 (0 when there are none)."""
-    return (values * mask).sum() / mask.sum().clamp(min=1)
+    """The mean of ``values`` over the steps where ``mask`` is 1.0 (0 when there are none).
+    Padded steps' values are left out, not multiplied by 0: they may be inf (inf * 0 is nan)."""
+    return (torch.where(mask > 0, values, 0.0) * mask).sum() / mask.sum().clamp(min=1)
 
 
 def masked_log_ratio(new: Distribution, old: Distribution, action: torch.Tensor,
@@ -51,10 +52,8 @@ def policy_terms(new: Distribution, old: Distribution, action: torch.Tensor,
     ``-E[ratio * advantage]`` and ``KL(old || new)`` (masked means), and the ``(B, T)``
     log-ratio ``log new(a) - log old(a)`` (zero on padding)."""
     log_ratio = masked_log_ratio(new, old, action, mask)
-    valid = mask > 0
-    count = mask.sum().clamp(min=1)
-    surrogate = -(torch.exp(log_ratio) * advantage * mask).sum() / count
-    kl = (torch.where(valid, kl_divergence(old, new), 0.0) * mask).sum() / count
+    surrogate = -(torch.exp(log_ratio) * advantage * mask).sum() / mask.sum().clamp(min=1)
+    kl = masked_mean(kl_divergence(old, new), mask)
     return surrogate, kl, log_ratio
 
 
@@ -109,7 +108,7 @@ def actor_critic_loss(log_prob: torch.Tensor, entropy: torch.Tensor, value: torc
     weighted = torch.where(mask > 0, log_prob * advantage.detach(), 0.0)
     policy = -masked_mean(weighted, mask)
     baseline = value_loss(value, targets.detach(), mask)
-    mean_entropy = masked_mean(torch.where(mask > 0, entropy, 0.0), mask)
+    mean_entropy = masked_mean(entropy, mask)
     loss = policy + baseline_cost * baseline - entropy_cost * mean_entropy
     return loss, {"policy_loss": policy, "value_loss": baseline, "entropy": mean_entropy}
 
