@@ -5,6 +5,7 @@ bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import gymnasium as gym
@@ -125,15 +126,16 @@ def test_each_health_condition_ends_episodes_as_gymnasiums(env_id, kwargs, limit
 
 @pytest.mark.parametrize("env_id", sorted(TASKS))
 def test_native_defaults_are_gymnasiums(env_id):
-    """Each keyword argument a native task computes with defaults to Gymnasium's value (which
-    its env keeps as ``_name``); those it lacks are conditions the task does not have."""
+    """Each keyword argument a native task computes with is one Gymnasium's env takes, and
+    defaults to Gymnasium's value (which its env keeps as ``_name``); the task's other fields
+    are conditions the env does not have."""
     env = gym.make(env_id).unwrapped
     task = TASKS[env_id]
+    for field in dataclasses.fields(task):
+        if field.name not in task_arguments(env_id) and not field.metadata.get("fixed"):
+            assert getattr(task, field.name) in (None, False, 0.0), field.name
     for name in sorted(task_arguments(env_id)):
         ours = getattr(task, name)
-        if not hasattr(env, f"_{name}"):
-            assert ours in (None, False, 0.0), name
-            continue
         theirs = getattr(env, f"_{name}")
         assert (tuple(theirs) if isinstance(ours, tuple) else theirs) == ours, name
     env.close()
@@ -209,6 +211,14 @@ def test_bad_input_is_a_clear_error():
                                            "Walker2d-v5, Reacher-v5, Ant-v5, Humanoid-v5 in "
                                            "batches, not 'Swimmer-v5'"):
         make_batch_env("Swimmer-v5", 2, backend="native")
+    # Keyword arguments are checked before any env is built: the native batch's own
+    # parameters too, which the factory sets (the env id, its threads).
+    for kwargs, named in [({"healthy_rewards": 2.0}, "healthy_rewards"),
+                          ({"env_id": "Walker2d-v5", "num_threads": 1}, "env_id, num_threads")]:
+        with pytest.raises(EnvSpecError, match=f"env backend 'native' takes no env.kwargs "
+                                               f"{named} for Hopper-v5; it takes "
+                                               f"ctrl_cost_weight, .*xml_file \\(others: "):
+            make_batch_env("Hopper-v5", 2, backend="native", kwargs=kwargs)
 
 
 def test_auto_backend_is_native_where_it_steps_the_env():
@@ -217,6 +227,7 @@ def test_auto_backend_is_native_where_it_steps_the_env():
     # A keyword argument the native task does not compute, an env it lacks, an option only
     # worker processes have: workers. Other backends stay what they are.
     assert choose_backend("Hopper-v5", "auto", {"render_mode": "rgb_array"}) == "workers"
+    assert choose_backend("HalfCheetah-v5", "auto", {"healthy_reward": 1.0}) == "workers"
     assert choose_backend("Swimmer-v5", "auto") == "workers"
     assert choose_backend("Hopper-v5", "auto", worker_layout=True) == "workers"
     assert choose_backend("Hopper-v5", "inline") == "inline"

@@ -15,7 +15,7 @@ import numpy as np
 from batchrl.envs.batch import BatchEnv
 from batchrl.envs.errors import EnvRaisedError, EnvSpecError
 from batchrl.envs.mujoco_batch import TASKS as NATIVE_TASKS
-from batchrl.envs.mujoco_batch import steps_natively
+from batchrl.envs.mujoco_batch import MODEL_ARGUMENTS, steps_natively, task_arguments
 from batchrl.envs.process.external import ExternalProcess
 from batchrl.envs.process.shared_memory import EnvWorker
 from batchrl.envs.ray.cluster import check_resources
@@ -318,10 +318,16 @@ def make_batch_env(env_id: str, num_envs: int, max_length: int | None = None,
             raise EnvSpecError("env backend 'native' steps MuJoCo with mjbatch, which is not "
                                "installed: pip install 'batchrl[native]' (or use backend "
                                "'workers')")
+        known = task_arguments(env_id) | set(MODEL_ARGUMENTS)
+        unknown = sorted(set(kwargs or {}) - known)
+        if unknown:  # (env_id and num_threads too: the config sets those)
+            raise EnvSpecError(f"env backend 'native' takes no env.kwargs {', '.join(unknown)} "
+                               f"for {env_id}; it takes {', '.join(sorted(known))} (others: "
+                               f"backend 'workers')")
         # One batch whose native threads (workers; 0: one per usable core) step every env:
         # several batches in this process would step one after another.
         backend, vector_id = "vector", NATIVE_VECTOR_ID
-        kwargs = {"env_id": env_id, **(kwargs or {}), "num_threads": workers,
+        kwargs = {**(kwargs or {}), "env_id": env_id, "num_threads": workers,
                   "normalize_ranges": normalize_ranges}
         workers = 1
     if backend == "vector":

@@ -20,12 +20,15 @@ infos) are computed for the whole batch in numpy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
+import inspect
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, ClassVar
 
 import gymnasium as gym
 import numpy as np
+from gymnasium.envs.registration import load_env_creator
 from gymnasium.utils import seeding
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space
@@ -346,11 +349,14 @@ TASKS: dict[str, Task] = {
 MODEL_ARGUMENTS = ("xml_file", "frame_skip")
 
 
-def task_arguments(env_id: str) -> set[str]:
+@functools.cache
+def task_arguments(env_id: str) -> frozenset[str]:
     """The v5 keyword arguments ``TASKS[env_id]`` computes with (besides
-    ``MODEL_ARGUMENTS``)."""
-    return {field.name for field in dataclasses.fields(TASKS[env_id])
-            if not field.metadata.get("fixed")}
+    ``MODEL_ARGUMENTS``): the fields of its task that Gymnasium's env takes (one task class,
+    ``Locomotion``, serves envs with different arguments)."""
+    takes = inspect.signature(load_env_creator(gym.spec(env_id).entry_point)).parameters
+    return frozenset(field.name for field in dataclasses.fields(TASKS[env_id])
+                     if not field.metadata.get("fixed") and field.name in takes)
 
 
 def steps_natively(env_id: str, kwargs: dict[str, Any] | None = None) -> bool:
