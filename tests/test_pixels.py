@@ -169,6 +169,20 @@ def drive(algo: BatchPPO, steps: int, seed: int = 0) -> list[dict]:
     return summaries
 
 
+def test_without_shared_torso_each_network_gets_a_conv_torso_of_its_own():
+    algo = pixel_ppo(shared_torso=False)  # (init="orthogonal")
+    policy_torso, value_torso = algo.policy.body.torso, algo.value.torso
+    assert policy_torso is not value_torso and not algo.shared_torso
+    assert not {id(p) for p in policy_torso.parameters()} & {
+        id(p) for p in value_torso.parameters()}
+    for torso in (policy_torso, value_torso):  # orthogonal rows scaled by sqrt(2), no bias
+        conv = torso.convs[0]
+        weight = conv.weight.detach().reshape(conv.out_channels, -1)
+        torch.testing.assert_close(weight @ weight.T, 2.0 * torch.eye(conv.out_channels),
+                                   rtol=1e-4, atol=1e-4)
+        assert not conv.bias.any()
+
+
 def test_pixels_stay_bytes_in_memory_and_skip_the_observation_statistics():
     algo = pixel_ppo()
     assert algo.memory.buffers["observ"].dtype == torch.uint8

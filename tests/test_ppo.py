@@ -203,9 +203,47 @@ def expected_first_step(algo: BatchPPO, data: dict[str, torch.Tensor]) -> dict[s
     kl = np_kl(algo.discrete, old_a, old_b, new_a, new_b).mean()
     cutoff = config.kl_cutoff_coef * max(0.0, kl - config.kl_cutoff_factor * config.kl_target) ** 2
     value_loss = 0.5 * ((returns - value)[valid] ** 2).mean()
+    if algo.discrete:
+        log_p = new_a - new_a.max(-1, keepdims=True)
+        log_p = log_p - np.log(np.exp(log_p).sum(-1, keepdims=True))
+        entropy = -(np.exp(log_p) * log_p).sum(-1).mean()
+    else:
+        entropy = (0.5 * np.log(2 * np.pi * np.e) + new_b).sum(-1).mean()
+    penalty = algo.penalty.value if isinstance(algo.objective, losses.KLPenalizedObjective) else 0
     return {"surrogate": surrogate, "kl": kl, "cutoff": cutoff,
-            "policy_loss": surrogate + algo.penalty.value * kl + cutoff,
-            "value_loss": value_loss}
+            "policy_loss": surrogate + penalty * kl + cutoff,
+            "value_loss": value_loss, "ratio": ratio, "advantage": advantage,
+            "entropy": entropy, "returns": returns[valid]}
+
+
+def capture_advantages(algo: BatchPPO) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    """Record copies of what ``algo._advantages`` returns at each update (the memory's
+    buffers are cleared after it)."""
+    captured = []
+    original = algo._advantages
+
+    def capture(*args):
+        data, mask = original(*args)
+        captured.append(({name: value.clone() for name, value in data.items()}, mask.clone()))
+        return data, mask
+
+    algo._advantages = capture
+    return captured
+
+
+class RecordingObjective:
+    """``objective`` that records the advantages and mask of each gradient step."""
+
+    def __init__(self, objective) -> None:
+        self.objective = objective
+        self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, new, old, action, advantage, mask):
+        self.steps.append((advantage.detach().clone(), mask.clone()))
+        return self.objective(new, old, action, advantage, mask)
+
+    def __getattr__(self, name):
+        return getattr(self.objective, name)
 
 
 # -- KLPenalty -------------------------------------------------------------------------
@@ -336,6 +374,52 @@ def test_cutoff_coefficient_scales_the_term():
         with_cutoff["ppo/kl_cutoff"], rel=1e-5)
 
 
+@pytest.mark.parametrize("space", ["box", "discrete"])
+def test_first_clipped_step_takes_its_clip_range_entropy_bonus_and_value_coef(space):
+    """objective="clip": the first gradient step's losses are PPO's clipped surrogate at
+    clip_range, minus entropy_coef times the entropy, and value_coef times the value loss."""
+    algo = make(SPACES[space], update_epochs=1, normalize_reward=False, discount=0.9,
+                objective="clip", clip_range=0.1, entropy_coef=0.3, value_coef=0.5)
+    shifts = dict(mean_shift=0.15, log_std_shift=0.1) if space == "box" else dict(
+        mean_shift=1.0)
+    data = fill_memory(algo, [8, 3, 6], seed=3, **shifts)
+    expected = expected_first_step(algo, data)
+    ratio, advantage = expected["ratio"], expected["advantage"]
+    clipped = np.clip(ratio, 0.9, 1.1)
+    surrogate = -np.minimum(ratio * advantage, clipped * advantage).mean()
+    fraction = np.mean((ratio < 0.9) | (ratio > 1.1))
+    assert 0.0 < fraction < 1.0
+    summary = algo.update()
+    assert summary["ppo/clip_fraction"] == pytest.approx(fraction, rel=1e-6)
+    assert summary["ppo/entropy_bonus"] == pytest.approx(-0.3 * expected["entropy"], rel=1e-4)
+    assert summary["ppo/policy_loss"] == pytest.approx(surrogate - 0.3 * expected["entropy"],
+                                                       rel=1e-4, abs=1e-5)
+    assert summary["ppo/value_loss"] == pytest.approx(0.5 * expected["value_loss"], rel=1e-4)
+    assert summary["ppo/total_loss"] == pytest.approx(
+        summary["ppo/policy_loss"] + summary["ppo/value_loss"], rel=1e-6)
+
+
+def test_beta_adapts_to_the_kl_of_the_updated_policy_from_the_acting_one():
+    """After the update: KL(acting || updated) over the real steps sets the next beta, and the
+    explained variance is that of the updated value network against the update's returns."""
+    algo = make(BOX, update_epochs=2, normalize_reward=False, kl_init_penalty=0.7)
+    data = fill_memory(algo, [8, 3, 6], seed=6, mean_shift=0.1, log_std_shift=0.4)
+    returns = expected_first_step(algo, data)["returns"]
+    summary = algo.update()
+    valid = valid_mask(data["length"], 8).numpy()
+    with torch.no_grad():
+        new_a, new_b, _ = algo.policy(data["observ"], data["state"][:, 0])
+        value = algo.value(data["observ"]).double().numpy()[valid]
+    kl = np_kl(False, data["mean_or_logits"].double().numpy()[valid],
+               data["log_std"].double().numpy()[valid], new_a.detach().double().numpy()[valid],
+               new_b.detach().double().numpy()[valid]).mean()
+    assert summary["ppo/kl"] == pytest.approx(kl, rel=1e-4)
+    assert summary["ppo/beta_next"] == pytest.approx(KLPenalty(0.01, 0.7).adapt(kl))
+    assert summary["ppo/beta_next"] != 0.7  # (the KL lies outside the dead band)
+    assert summary["ppo/explained_variance"] == pytest.approx(
+        1.0 - np.var(returns - value) / np.var(returns), rel=1e-4)
+
+
 # -- masking of padded steps -------------------------------------------------------------
 
 
@@ -431,6 +515,16 @@ def test_algorithm_inference_modes_agree():
         actions.append(torch.stack([algo.perform(agents, torch.full((3, OBS_SIZE), float(i)))[0]
                                     for i in range(5)]))
     assert torch.equal(actions[0], actions[1])
+
+
+def test_sampled_actions_spread_by_the_initial_std():
+    algo = make(BOX, num_agents=2, init_std=0.6)
+    torch.testing.assert_close(algo.policy.head.log_std.detach(),
+                               torch.full((2,), math.log(0.6)))
+    torch.manual_seed(0)
+    action, record = algo.act(torch.zeros(4000, OBS_SIZE))
+    spread = (action - record["mean_or_logits"]).std(0)
+    torch.testing.assert_close(spread, torch.full((2,), 0.6), rtol=0.05, atol=0.0)
 
 
 def test_script_deprecation_warning_does_not_escape():
@@ -586,7 +680,8 @@ def test_observations_are_not_counted_without_normalize_observ(rollout_length):
     ("rollout_length", 0), ("minibatch_size", 0), ("activation", "gelu"), ("init", "xavier"),
     ("reward_scale", "value"), ("lr_schedule", "cosine"), ("max_grad_norm", 0.0),
     ("max_grad_norm", -0.5), ("kl_init_penalty", 0.0), ("kl_cutoff_factor", -1.0),
-    ("kl_cutoff_coef", -1.0),
+    ("kl_cutoff_coef", -1.0), ("value_lr", 0.0), ("init_std", 0.0), ("value_coef", 0.0),
+    ("update_threads", 0),
 ])
 def test_config_validation(field, value):
     with pytest.raises(ValueError, match=field):
@@ -795,6 +890,24 @@ def test_update_happens_when_memory_is_full():
     assert algo.updates == 1 and algo.memory.count == 0
 
 
+def test_max_grad_norm_clips_the_gradients_each_optimiser_steps_with():
+    algo = make(BOX, update_epochs=2, batch_size=2, max_grad_norm=0.01, update_threads=1)
+    fill_memory(algo, [8, 5, 3], seed=14, mean_shift=0.5)
+    norms: dict[str, list[float]] = {"policy": [], "value": []}
+    for name, optimizer in (("policy", algo.policy_optimizer), ("value", algo.value_optimizer)):
+        def measure(optimizer, args, kwargs, name=name):
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+            norms[name].append(float(torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+
+        optimizer.register_step_pre_hook(measure)
+    summary = algo.update()
+    # 2 epochs of 3 episodes in batches of 2: 4 steps, each clipped down to the limit.
+    for name, measured in norms.items():
+        assert measured == pytest.approx([0.01] * 4, rel=1e-4), name
+    assert summary["ppo/grad_norm"] > 0.01  # (the policy's norm before clipping)
+
+
 # -- fixed-length rollouts and minibatches of time steps ----------------------------------
 
 
@@ -909,6 +1022,48 @@ def test_rollout_drops_episodes_cut_by_a_reset():
     assert masks[0].tolist() == [[False, False, True, True], [True, False, True, True]]
 
 
+def test_steps_lost_at_the_last_step_of_a_rollout_leave_the_update():
+    """An env restart in the step that completes the rollout: experience() drops the restarted
+    agent's running segment before the update, which no begin_episodes() could."""
+    algo = make(BOX, num_agents=2, rollout_length=3, update_epochs=1)
+    captured = capture_advantages(algo)
+    agents = torch.arange(2)
+    algo.begin_episodes(agents)
+    observ = torch.randn(2, OBS_SIZE, generator=torch.Generator().manual_seed(0))
+    for step in range(3):
+        action, _ = algo.perform(agents, observ)
+        if step == 2:
+            algo.steps_lost(torch.tensor([1]))
+        algo.experience(agents, observ, action, torch.ones(2), torch.zeros(2), observ,
+                        torch.zeros(2))
+    assert algo.updates == 1
+    assert captured[0][1].tolist() == [[True] * 3, [False] * 3]
+
+
+def test_a_terminal_state_at_the_cut_bootstraps_nothing():
+    algo = make(BOX, num_agents=2, rollout_length=3, discount=0.9, normalize_reward=False,
+                update_epochs=1)
+    with torch.no_grad():  # values far from zero: a bootstrap shows
+        algo.value.out.bias.fill_(5.0)
+    captured = capture_advantages(algo)
+    # Agent 0 reaches a terminal state in the rollout's last step; agent 1 runs on.
+    _, fed = rollout_steps(algo, 3, seed=15, done_at={2: [0]}, terminal={2})
+    returns, reward = captured[0][0]["returns"], fed["reward"]
+    assert float(returns[0, 2]) == pytest.approx(float(reward[0, 2]), abs=1e-5)
+    assert float(returns[1, 2] - reward[1, 2]) > 1.0
+
+
+def test_normalize_reward_divides_the_rewards_by_their_std_without_centering():
+    # Discount 0: each step's return is its normalised reward.
+    algo = make(BOX, num_agents=2, rollout_length=5, discount=0.0, update_epochs=1)
+    captured = capture_advantages(algo)
+    _, fed = rollout_steps(algo, 5, seed=16, done_at={})
+    reward = fed["reward"]
+    assert abs(float(reward.mean())) > 0.1  # (centering would show)
+    torch.testing.assert_close(captured[0][0]["returns"], reward / reward.std(),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_minibatches_cover_every_step_once_per_epoch():
     algo = make(BOX, num_agents=3, rollout_length=7, update_epochs=3, minibatch_size=4)
     seen = []
@@ -929,6 +1084,18 @@ def test_minibatches_cover_every_step_once_per_epoch():
         assert len({tuple(row.tolist()) for row in rows}) == 21
     # Each epoch draws its own order.
     assert not torch.equal(torch.cat(seen[:6]), torch.cat(seen[6:12]))
+
+
+def test_minibatch_advantage_normalization_standardises_each_gradient_steps_advantages():
+    algo = make(BOX, num_agents=3, rollout_length=7, update_epochs=2, minibatch_size=7,
+                advantage_normalization="minibatch")
+    algo.objective = recording = RecordingObjective(algo.objective)
+    rollout_steps(algo, 7, seed=17, done_at={3: [1]})
+    assert algo.updates == 1 and len(recording.steps) == 6
+    for advantage, mask in recording.steps:
+        assert mask.shape == (7, 1) and bool(mask.all())
+        assert float(advantage.mean()) == pytest.approx(0.0, abs=1e-6)
+        assert float(advantage.std()) == pytest.approx(1.0, rel=1e-5)
 
 
 def test_experience_must_not_lag_at_the_end_of_a_rollout():
@@ -1034,11 +1201,12 @@ def test_linear_lr_schedule_decays_to_zero_over_total_steps():
     algo._update = record
     rollout_steps(algo, 4, seed=9, done_at={})
     state = algo.state_dict()
-    rollout_steps(algo, 2, seed=10, done_at={})
-    # Each update uses 1 - (steps before its data) / total_steps of the rates.
-    expected = [(1.0, 0.3, 0.6), (0.5, 0.15, 0.3), (0.0, 0.0, 0.0)]
+    rollout_steps(algo, 4, seed=10, done_at={})
+    # Each update uses 1 - (steps before its data) / total_steps of the rates, none past the
+    # run's steps (a negative rate would climb the loss).
+    expected = [(1.0, 0.3, 0.6), (0.5, 0.15, 0.3), (0.0, 0.0, 0.0), (0.0, 0.0, 0.0)]
     assert [tuple(round(x, 9) for x in rate) for rate in rates] == expected
-    assert algo.env_steps == 12 and algo.updated_steps == 12
+    assert algo.env_steps == 16 and algo.updated_steps == 16
     # The schedule's clock is part of the state: a loaded copy goes on alike.
     copy_ = make(BOX, num_agents=2, rollout_length=2, update_epochs=1, policy_lr=0.3,
                  value_lr=0.6, lr_schedule="linear", total_steps=8)

@@ -91,7 +91,9 @@ def ppo(**options):
                     **options)
 
 
-def collect(actor, steps=6):
+def collect(actor, steps=6, cut=None):
+    """A rollout of ``steps`` steps in which agent 2 reaches a terminal state at step 2;
+    ``cut``: step -> agents whose env restarted after it (the step is lost)."""
     buf = RolloutBuffer(rollout_tensors(4, steps, (3,), torch.float32, (2,), torch.float32,
                                         actor.behaviour_fields()))
     buf.start(torch.arange(4), 0)
@@ -103,6 +105,8 @@ def collect(actor, steps=6):
         done = torch.tensor([0.0, 0.0, float(t == 2), 0.0])
         buf.outcome(torch.randn(4, generator=generator), done, done,
                     torch.randn(4, 3, generator=generator))
+        if cut and t in cut:
+            buf.cut(torch.tensor(cut[t]))
     return buf.rollout()
 
 
@@ -131,6 +135,88 @@ def test_ppo_counts_a_rollout_whose_every_step_was_lost_and_learns_nothing_from_
     assert "ppo/policy_loss" not in summary and "ppo/importance_weight" not in summary
     assert all(torch.equal(a, b) for a, b in zip(weights, learner.policy.parameters()))
     assert learner.learn(collect(learner))["ppo/updates"] == 2.0
+
+
+def test_learn_bootstraps_at_the_cut_and_not_after_a_terminal_state(monkeypatch):
+    gamma, lam = 0.9, 0.8
+    torch.manual_seed(0)
+    learner = ppo(discount=gamma, gae_lambda=lam, normalize_reward=False,
+                  normalize_observ=False)
+    with torch.no_grad():  # values far from zero: a missing bootstrap shows
+        learner.value.out.bias.fill_(5.0)
+    value_net = copy_module.deepcopy(learner.value)  # before the update changes it
+    found = {}
+    real_advantages = BatchPPO._advantages
+
+    def advantages(self, *args, **kwargs):
+        found["data"], found["mask"] = result = real_advantages(self, *args, **kwargs)
+        return result
+
+    monkeypatch.setattr(BatchPPO, "_advantages", advantages)
+    rollout = collect(learner)
+    learner.learn(rollout)
+    with torch.no_grad():
+        value = value_net(rollout.observ[:, :-1]).double().numpy()
+        after = value_net(rollout.next_observ()).double().numpy()
+    reward, done = rollout.reward.double().numpy(), rollout.done.numpy()
+    terminated = rollout.terminated.numpy()
+    expected = np.zeros((4, 6))
+    for agent in range(4):
+        advantage = 0.0
+        for t in reversed(range(6)):
+            if t == 5 or done[agent, t]:  # (after the last step: the observation after it)
+                advantage = 0.0
+            delta = reward[agent, t] + gamma * after[agent, t] * (1 - terminated[agent, t]) \
+                - value[agent, t]
+            advantage = delta + gamma * lam * advantage
+            expected[agent, t] = advantage
+    assert terminated[2, 2] == 1.0
+    np.testing.assert_allclose(found["data"]["returns"].double().numpy(), expected + value,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_learn_takes_nothing_from_a_step_a_restart_lost():
+    """The lost step's reward reaches neither the advantages of the steps before it nor the
+    observation statistics."""
+    torch.manual_seed(0)
+    learner = ppo()
+    rollout = collect(learner, cut={3: [1]})
+    assert rollout.valid.sum() == 23 and not rollout.valid[1, 3]
+    other = rollout.clone()
+    other.reward[1, 3] += 100.0
+    results = []
+    for data in (rollout, other):
+        copy = copy_module.deepcopy(learner)
+        torch.manual_seed(1)
+        results.append((copy.learn(data), copy))
+    (summary, first), (other_summary, second) = results
+    assert summary == other_summary
+    for a, b in zip(first.value.parameters(), second.value.parameters()):
+        assert torch.equal(a, b)
+    assert float(first.observ_normalizer.count) == 23
+
+
+def test_learn_keeps_statistics_of_discounted_returns_across_rollouts():
+    """reward_scale="return": the running discounted return restarts after an episode's end,
+    also at a rollout's last step, and carries into the next rollout."""
+    torch.manual_seed(0)
+    learner = ppo(reward_scale="return", discount=0.5)
+    # Agent 2's episode ends mid-rollout in the first, at the last step in the second.
+    rollouts = [collect(learner), collect(learner, steps=3)]
+    running, returns = np.zeros(4), []
+    for rollout in rollouts:
+        learner.learn(rollout)
+        reward, done = rollout.reward.double().numpy(), rollout.done.numpy()
+        for t in range(rollout.length):
+            running = running * 0.5 + reward[:, t]
+            returns.append(running.copy())
+            running[done[:, t] > 0] = 0.0
+    returns = np.concatenate(returns)
+    normalizer = learner.reward_normalizer
+    assert float(normalizer.count) == 36
+    np.testing.assert_allclose(float(normalizer.mean), returns.mean(), rtol=1e-6)
+    np.testing.assert_allclose(float(normalizer.variance), returns.var(ddof=1), rtol=1e-6)
+    np.testing.assert_allclose(learner.running_return.numpy(), running, rtol=1e-6)
 
 
 def lagged_and_on_policy(learner: BatchPPO) -> tuple[Rollout, Rollout]:
