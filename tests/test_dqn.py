@@ -8,6 +8,7 @@ import copy
 import math
 
 import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 from torch.nn import functional as F
@@ -40,6 +41,72 @@ def test_epsilon_falls_linearly_then_holds():
         simulate(env, algo)
     assert algo.epsilon == pytest.approx(0.1)
     env.close()
+
+
+def explored(algo: DQN, observ: torch.Tensor) -> float:
+    """The share of ``algo``'s actions for ``observ`` (one agent each) that are not its
+    Q-network's best."""
+    action, _ = algo.perform(torch.arange(len(observ)), observ)
+    with torch.no_grad():
+        return float((action != algo.q(observ).argmax(-1)).float().mean())
+
+
+def test_training_explores_with_epsilon_and_evaluation_with_final_epsilon_or_none():
+    torch.manual_seed(0)
+    box, four = gym.spaces.Box(-1.0, 1.0, (3,), np.float32), gym.spaces.Discrete(4)
+    observ = torch.randn(4000, 3)
+    fresh = DQN(box, four, 4000, hidden=(8,), final_epsilon=0.2)
+    # epsilon 1: uniform actions, 3 in 4 of them not the best
+    assert explored(fresh, observ) == pytest.approx(0.75, abs=0.03)
+    fresh.eval()
+    assert explored(fresh, observ) == 0.0  # greedy
+    sampling = DQN(box, four, 4000, hidden=(8,), final_epsilon=0.2, eval_actions="sample")
+    sampling.eval()  # (in training its epsilon would still be 1)
+    assert explored(sampling, observ) == pytest.approx(0.2 * 0.75, abs=0.03)
+    settled = DQN(box, four, 4000, hidden=(8,), final_epsilon=0.2, exploration_steps=0)
+    assert explored(settled, observ) == pytest.approx(0.2 * 0.75, abs=0.03)
+
+
+def test_a_discrete_space_that_starts_elsewhere_acts_in_its_range_and_stores_indices():
+    torch.manual_seed(0)
+    algo = DQN(gym.spaces.Box(-1.0, 1.0, (3,), np.float32), gym.spaces.Discrete(3, start=-1),
+               300, hidden=(8,))
+    agents, observ = torch.arange(300), torch.randn(300, 3)
+    action, _ = algo.perform(agents, observ)  # (epsilon 1: uniform)
+    assert set(action.tolist()) == {-1, 0, 1}
+    flags = torch.zeros(300, dtype=torch.bool)
+    algo.experience(agents, observ, action, torch.zeros(300), flags, observ, flags)
+    assert torch.equal(algo.buffer.tensors["action"][0], action + 1)  # the Q-network's index
+    algo.eval()
+    with torch.no_grad():
+        assert torch.equal(algo.perform(agents, observ)[0], algo.q(observ).argmax(-1) - 1)
+
+
+def test_a_terminated_step_is_worth_its_reward_alone():
+    box = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    algo = DQN(box, gym.spaces.Discrete(2), 2, hidden=(), batch_size=8)  # Q(s) = bias
+    with torch.no_grad():
+        algo.target_q[-1].bias += 100.0  # (a bootstrap would be far off)
+    agents, observ, ones = torch.arange(2), torch.zeros(2, 1), torch.ones(2)
+    algo.experience(agents, observ, torch.zeros(2, dtype=torch.int64), ones, ones, observ, ones)
+    q = algo.q[-1].bias[0].detach().clone()
+    loss = algo.gradient_step()["dqn/loss"]
+    assert float(loss) == pytest.approx(float(F.smooth_l1_loss(q, torch.tensor(1.0))))
+
+
+def test_the_gradient_is_clipped_to_max_grad_norm():
+    """Adam's first step moves each weight by about its learning rate whatever the gradient's
+    size, unless the gradient is far below Adam's epsilon (1e-8): clipped to a norm of 1e-12,
+    it barely moves them."""
+    moved = {}
+    for norm in (10.0, 1e-12):
+        algo, env = filled_dqn(10, max_grad_norm=norm)  # 20 env steps: no gradient step yet
+        env.close()
+        before = copy.deepcopy(algo.q.state_dict())
+        algo.gradient_step()
+        moved[norm] = max(float((algo.q.state_dict()[key] - value).abs().max())
+                          for key, value in before.items())
+    assert moved[10.0] > 0.8 * 5e-4 and moved[1e-12] < 1e-6  # (learning_rate 5e-4)
 
 
 def test_the_target_copies_the_q_network_every_few_gradient_steps_and_picks_by_it():

@@ -246,8 +246,23 @@ def test_the_filmed_episodes_are_the_evaluations(cartpole_run, tmp_path, pygame_
     assert len(set(plain["lengths"])) > 1  # (the seeds make different episodes)
     filmed = evaluate(cartpole_run, episodes=3, seed=5, device="cpu",
                       video=tmp_path / "v.gif", max_frames=2)
-    assert filmed["actions"] == "mean"
+    assert filmed["actions"] == "mean" and filmed["camera"] == "the env's own view"
     assert filmed["lengths"] == plain["lengths"] and filmed["scores"] == plain["scores"]
+    from PIL import Image
+
+    with Image.open(tmp_path / "v.gif") as image:
+        assert image.info["loop"] == 0  # (it plays for ever)
+
+
+def test_camera_options_for_an_env_that_is_not_mujoco_are_an_error(cartpole_run, tmp_path,
+                                                                  pygame_video):
+    path = tmp_path / "v.gif"
+    for options in ({"camera": "track"}, {"width": 64}):
+        with pytest.raises(EvaluationError, match="--camera, --width and --height apply to "
+                                                  "MuJoCo envs; CartPoleEnv renders its own "
+                                                  "view"):
+            evaluate(cartpole_run, device="cpu", video=path, **options)
+    assert not path.exists()
 
 
 def test_a_sampled_video_follows_its_seed_alone(cartpole_run, tmp_path, pygame_video):
@@ -276,6 +291,47 @@ def test_an_mp4_plays_at_the_envs_frame_rate(cartpole_run, tmp_path, pygame_vide
     frames, seconds = imageio_ffmpeg.count_frames_and_secs(str(path))
     fps = gym.make("CartPole-v1").metadata["render_fps"]  # 50
     assert frames == 25 and seconds == pytest.approx(25 / fps, abs=0.05)
+    assert first_frame(path).shape == (400, 600, 3)  # CartPole's own (even) size, kept
+
+
+def first_frame(path: Path) -> np.ndarray:
+    import imageio.v2 as imageio
+
+    with imageio.get_reader(path) as reader:
+        return reader.get_data(0)
+
+
+class OddFrames(gym.Wrapper):
+    """CartPole's frames less a row and a column: 399x599 pixels."""
+
+    def render(self):
+        return self.env.render()[1:, 1:]
+
+
+def cartpole_with_odd_frames(**kwargs) -> gym.Env:
+    return OddFrames(gym.make("CartPole-v1", **kwargs))
+
+
+def copy_with_env(run: Path, tmp_path: Path, env_id: str) -> Path:
+    """A copy of the training run ``run`` whose config names the env ``env_id``."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    saved = json.loads((copy / "config.json").read_text())
+    saved["env"]["id"] = env_id
+    (copy / "config.json").write_text(json.dumps(saved))
+    return copy
+
+
+def test_an_mp4_of_frames_with_odd_sides_is_rounded_up_to_whole_blocks(cartpole_run, tmp_path,
+                                                                       pygame_video):
+    """H.264 in yuv420p takes only even sides: imageio scales the frames up to 16s."""
+    problem = video_writer_problem()
+    if problem:
+        pytest.skip(problem)
+    run = copy_with_env(cartpole_run, tmp_path, f"{__name__}:cartpole_with_odd_frames")
+    path = tmp_path / "v.mp4"
+    result = evaluate(run, episodes=1, device="cpu", video=path, max_frames=3)
+    assert result["video_frames"] == 3 and first_frame(path).shape == (400, 608, 3)
 
 
 class RenderFails(gym.Wrapper):
@@ -296,19 +352,31 @@ def cartpole_whose_renderer_breaks(**kwargs) -> gym.Env:
     return RenderFails(gym.make("CartPole-v1", **kwargs), frames=3)
 
 
-def test_a_video_that_fails_midway_leaves_no_file(cartpole_run, tmp_path, pygame_video):
-    problem = video_writer_problem()
+@pytest.mark.parametrize("suffix", [".mp4", ".gif"])
+def test_a_video_that_fails_midway_leaves_no_file(cartpole_run, tmp_path, pygame_video, suffix):
+    problem = video_writer_problem() if suffix == ".mp4" else None
     if problem:
         pytest.skip(problem)
-    run = tmp_path / "run"
-    shutil.copytree(cartpole_run, run)
-    saved = json.loads((run / "config.json").read_text())
-    saved["env"]["id"] = f"{__name__}:cartpole_whose_renderer_breaks"
-    (run / "config.json").write_text(json.dumps(saved))
-    path = tmp_path / "out" / "v.mp4"
+    run = copy_with_env(cartpole_run, tmp_path, f"{__name__}:cartpole_whose_renderer_breaks")
+    path = tmp_path / "out" / f"v{suffix}"
     with pytest.raises(EvaluationError, match="the renderer broke"):
         evaluate(run, episodes=1, device="cpu", video=path)
-    assert list(path.parent.iterdir()) == []  # neither the video nor its partial file
+    assert list(path.parent.glob("*")) == []  # neither the video nor its partial file
+
+
+def cartpole_without_render_modes() -> gym.Env:
+    return gym.make("CartPole-v1")
+
+
+def test_an_env_that_takes_no_render_mode_cannot_be_filmed(cartpole_run, tmp_path,
+                                                           pygame_video):
+    env_id = f"{__name__}:cartpole_without_render_modes"
+    run = copy_with_env(cartpole_run, tmp_path, env_id)
+    path = tmp_path / "v.gif"
+    with pytest.raises(EvaluationError, match=f"cannot build {env_id} with "
+                                              f"render_mode='rgb_array': .*render_mode"):
+        evaluate(run, device="cpu", video=path)
+    assert not path.exists()
 
 
 def test_a_one_frame_gif(cartpole_run, tmp_path, pygame_video):
@@ -509,6 +577,8 @@ def test_animations_keep_at_most_50_frames_a_second_and_the_recordings_length():
     assert min(durations) >= 20 and sum(durations) == 2000  # 250 frames at 125 fps: 2 s
     kept, durations = animation_timing(10, 15)  # Atari's 15: every frame, 60-70 ms each
     assert kept == list(range(10)) and set(durations) == {60, 70} and sum(durations) == 670
+    kept, durations = animation_timing(10, 50)  # CartPole's 50: every frame, 20 ms each
+    assert kept == list(range(10)) and durations == [20] * 10
 
 
 def test_agents_for_an_algorithm_without_per_agent_state_is_a_notice(tmp_path, capsys):

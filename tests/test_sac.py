@@ -11,11 +11,13 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+from torch.nn import functional as F
 
 from batchrl.algos import SAC
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.simulation import simulate
-from helpers import assert_continues_alike, finish, seeded_tensor_env, start_train_py
+from helpers import (assert_continues_alike, assert_same, finish, seeded_tensor_env,
+                     start_train_py)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -63,6 +65,91 @@ def test_targets_move_tau_of_the_way_and_the_temperature_follows_the_entropy():
     alpha = float(algo.alpha)
     algo.gradient_step()
     assert float(algo.alpha) < alpha
+
+
+def test_the_critics_learn_the_soft_bellman_target_and_the_policy_the_soft_q_value():
+    """The critics' loss against ``r + discount * (min Q_target - alpha log pi)`` at the next
+    observation (the batch's discounts: with n_step 3 not gamma), then the policy's loss
+    ``alpha log pi - min Q`` with the critics after their step."""
+    algo, env = filled_sac(25, n_step=3, init_alpha=0.3)
+    env.close()
+    with torch.no_grad():  # (target critics far apart: which one bootstraps shows)
+        algo.target_critics.biases[-1].add_(torch.tensor([3.0, -3.0]).view(2, 1, 1))
+    policy, critics, alpha = copy.deepcopy(algo.policy), copy.deepcopy(algo.critics), algo.alpha
+    torch.manual_seed(1)  # (the batch, then the next actions, then the actions)
+    batch = algo.buffer.sample(algo.batch_size)
+    observ, next_observ = batch["observ"], batch["next_observ"]
+    with torch.no_grad():
+        next_action, next_log_prob = policy(next_observ)
+        next_q = algo.target_critics(torch.cat([next_observ, next_action], -1)).squeeze(-1)
+        target = batch["reward"] + batch["discount"] * (next_q.min(0).values
+                                                        - alpha * next_log_prob)
+        q = critics(torch.cat([observ, batch["action"]], -1)).squeeze(-1)
+        critic_loss = 0.5 * (F.mse_loss(q[0], target) + F.mse_loss(q[1], target))
+        action, log_prob = policy(observ)
+    assert not torch.allclose(batch["discount"], torch.tensor(0.99))
+    torch.manual_seed(1)
+    scalars = algo.gradient_step()
+    with torch.no_grad():
+        q_new = algo.critics(torch.cat([observ, action], -1)).squeeze(-1).min(0).values
+    assert float(scalars["sac/critic_loss"]) == pytest.approx(float(critic_loss), rel=1e-5)
+    assert float(scalars["sac/policy_loss"]) == pytest.approx(
+        float((alpha * log_prob - q_new).mean()), rel=1e-5, abs=1e-6)
+    assert float(scalars["sac/alpha"]) == float(alpha)
+
+
+def test_log_probabilities_are_those_of_the_tanh_squashed_gaussian():
+    from torch.distributions import Normal
+    from torch.distributions.transforms import TanhTransform
+
+    from batchrl.algos.sac import LOG_STD_RANGE, SquashedGaussian
+
+    torch.manual_seed(0)
+    policy = SquashedGaussian(3, [16], 2)
+    with torch.no_grad():  # (log stds towards both ends of their range)
+        policy.body.biases[-1][..., 2:] += torch.tensor([-2.0, 2.0])
+    observ = torch.randn(64, 3)
+    with torch.no_grad():
+        mean, log_std = policy.body(observ)[0].chunk(2, dim=-1)
+        low, high = LOG_STD_RANGE
+        std = torch.exp(low + (high - low) * torch.sigmoid(2.0 * log_std))
+        assert std.min() < 0.02 and std.max() > 5.0
+        torch.manual_seed(1)
+        action, log_prob = policy(observ)
+        torch.manual_seed(1)
+        raw = mean + torch.randn_like(mean) * std
+        expected = (Normal(mean, std).log_prob(raw)
+                    - TanhTransform().log_abs_det_jacobian(raw, torch.tanh(raw))).sum(-1)
+        torch.testing.assert_close(action, torch.tanh(raw))
+        torch.testing.assert_close(log_prob, expected, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(policy(observ, deterministic=True)[0], torch.tanh(mean))
+
+
+def test_actions_fill_the_range_and_evaluation_acts_with_the_mean_unless_it_samples():
+    box, thrust = gym.spaces.Box(-1.0, 1.0, (3,), np.float32), gym.spaces.Box(
+        0.0, 4.0, (2,), np.float32)
+    agents, observ = torch.arange(1000), torch.randn(1000, 3)
+    torch.manual_seed(0)
+    algo = SAC(box, thrust, 1000, hidden=(8,))  # (learning_starts 5,000: uniform actions)
+    uniform, _ = algo.perform(agents, observ)
+    assert 0.0 <= uniform.min() < 0.05 and 3.95 < uniform.max() <= 4.0
+    assert float(uniform.mean()) == pytest.approx(2.0, abs=0.05)
+    algo.eval()
+    mean, _ = algo.perform(agents, observ)
+    with torch.no_grad():
+        torch.testing.assert_close(mean, (algo.policy(observ, deterministic=True)[0] + 1.0) * 2.0)
+    assert torch.equal(algo.perform(agents, observ)[0], mean)
+    torch.manual_seed(0)
+    sampling = SAC(box, thrust, 1000, hidden=(8,), eval_actions="sample").eval()
+    sampled, _ = sampling.perform(agents, observ)
+    assert float((sampled - mean).abs().mean()) > 0.1
+
+
+def test_the_temperature_starts_at_init_alpha_and_aims_at_minus_the_action_size():
+    box = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
+    algo = SAC(box, box, 2, hidden=(8,), init_alpha=0.3)
+    assert float(algo.alpha) == pytest.approx(0.3) and algo.target_entropy == -3.0
+    assert_same(algo.target_critics.state_dict(), algo.critics.state_dict())  # (copies)
 
 
 def test_the_gradient_steps_scalars_are_averaged_over_summary_every_env_steps():
@@ -146,6 +233,8 @@ def test_bfloat16_layers_keep_float32_parameters_and_outputs():
     assert not torch.equal(out, exact) and torch.allclose(out, exact, atol=0.05)
     half = SAC(env.observation_space, env.action_space, 2, **SMALL, precision="bfloat16")
     half.load_state_dict(algo.state_dict())
+    assert {network.compute_dtype for network in (half.policy.body, half.critics,
+                                                  half.target_critics)} == {torch.bfloat16}
     before = [p.clone() for p in half.critics.parameters()]
     summary = half.gradient_step()
     assert all(p.dtype == torch.float32 for p in half.critics.parameters())
