@@ -298,12 +298,17 @@ class FrameRecorder(gym.Wrapper):
         return result
 
 
-def _render_failure(env_id: str, exc: BaseException, failures: dict[str, str]) -> str:
+def _render_failure(env_id: str, exc: BaseException, failures: dict[str, str],
+                    opengl: bool) -> str:
+    """The one-line message for ``exc``, the renderer's own error; ``opengl``: whether it may
+    come from MuJoCo's OpenGL set-up (else advice on MUJOCO_GL would mislead)."""
     if isinstance(exc, gym.error.DependencyNotInstalled):  # names the package it needs
         return (f"cannot render {env_id}: {exc}; batchrl's video extra brings what its "
                 f"configs' envs need to be filmed: pip install \"batchrl[video]\" (in a "
                 f"checkout: pip install -e \".[video]\")")
     error = f"{type(exc).__name__}: {exc}"
+    if not opengl:
+        return f"cannot render {env_id}: {error}"
     return f"cannot render {env_id} offscreen: {gl_hint(failures, error)}"
 
 
@@ -455,7 +460,9 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
             raise exc.__cause__ from None
         if not isinstance(exc.__cause__, _RenderError):
             raise
-        message = _render_failure(env_config.id, exc.__cause__.__cause__, failures)
+        cause = exc.__cause__.args[0]  # (the renderer's error, or ours about its frame)
+        opengl = from_opengl(cause) or getattr(raw.unwrapped, "mujoco_renderer", None) is not None
+        message = _render_failure(env_config.id, cause, failures, opengl)
         _release_failed_viewer(exc)
         raise VideoError(message) from None
     finally:

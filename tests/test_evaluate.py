@@ -364,6 +364,27 @@ def test_a_video_that_fails_midway_leaves_no_file(cartpole_run, tmp_path, pygame
     assert list(path.parent.glob("*")) == []  # neither the video nor its partial file
 
 
+def cartpole_without_frames(render_mode: str | None = None) -> gym.Env:
+    """Takes a render_mode and ignores it: render() returns None."""
+    return gym.make("CartPole-v1")
+
+
+@pytest.mark.parametrize("constructor, error", [
+    ("cartpole_whose_renderer_breaks", "RuntimeError: the renderer broke"),
+    ("cartpole_without_frames", "TypeError: render() returned NoneType, not an RGB array; the "
+                                "env must accept render_mode='rgb_array'")])
+def test_a_renderer_that_is_not_mujocos_fails_with_its_own_error(cartpole_run, tmp_path,
+                                                                 pygame_video, constructor,
+                                                                 error):
+    """CartPole renders with pygame: the message is its renderer's error, with no advice
+    about MuJoCo's OpenGL backends (MUJOCO_GL is set, as evaluate() sets it)."""
+    env_id = f"{__name__}:{constructor}"
+    run = copy_with_env(cartpole_run, tmp_path, env_id)
+    with pytest.raises(EvaluationError) as caught:
+        evaluate(run, episodes=1, device="cpu", video=tmp_path / "v.gif")
+    assert str(caught.value) == f"cannot render {env_id}: {error}"
+
+
 def cartpole_without_render_modes() -> gym.Env:
     return gym.make("CartPole-v1")
 
