@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import batchrl.trainer as trainer_module
+from batchrl.algos.impala import IMPALA
 from batchrl.algos.ppo import BatchPPO
 from batchrl.collectors import CollectorError, CollectorSpec, LocalCollectors, collector_seed
 from batchrl.collectors.collector import Replacements
@@ -44,11 +45,17 @@ def make_algorithm(observation_space, action_space, num_agents):
                     max_length=200, update_epochs=1, inference="eager", update_threads=1)
 
 
-def pool(env_id="CartPole-v1", agents=4, collectors=2, backend="inline", **options):
-    """Collectors of ``env_id`` with a BatchPPO learner of 8-step rollouts."""
+def make_impala(observation_space, action_space, num_agents):
+    return IMPALA(observation_space, action_space, num_agents, rollout_length=8)
+
+
+def pool(env_id="CartPole-v1", agents=4, collectors=2, backend="inline",
+         algorithm=make_algorithm, **options):
+    """Collectors of ``env_id`` with a learner of 8-step rollouts (BatchPPO unless
+    ``algorithm`` builds another)."""
     env = make_env(env_id, "inline", 0, agents, 0)
-    learner = make_algorithm(env.observation_space, env.action_space, agents)
-    spec = CollectorSpec(functools.partial(make_env, env_id, backend), make_algorithm,
+    learner = algorithm(env.observation_space, env.action_space, agents)
+    spec = CollectorSpec(functools.partial(make_env, env_id, backend), algorithm,
                          num_agents=agents, collectors=collectors, rollout_length=8, seed=3)
     collectors = LocalCollectors(spec, env.observation_space, env.action_space,
                                  learner.behaviour_fields(), learner.acting_state(), **options)
@@ -66,8 +73,55 @@ def test_every_batch_is_one_rollout_of_every_agent_in_order():
             assert rollout.observ.shape == (4, 9, 4) and rollout.action.dtype == torch.int64
             assert rollout.behaviour["mean_or_logits"].shape == (4, 8, 2)
             assert rollout.valid.all()
+            # Only a collector's first rollout starts new episodes (its envs were reset).
+            assert [meta["fresh"] for meta in metas] == [update == 0] * 2
             learner.learn(rollout)
             collectors.publish(learner.acting_state())
+    # close() asked them to stop: they closed their envs and exited, none was killed.
+    assert [process.exitcode for process in collectors._processes] == [0, 0]
+
+
+def test_each_rollouts_meta_counts_its_steps_and_the_episodes_that_ended_in_it():
+    torch.manual_seed(0)
+    collectors, learner = pool(collectors=1)
+    received = []
+    with collectors:
+        for _ in range(6):
+            rollout, (meta,) = collectors.receive()
+            received.append((rollout, meta))
+            collectors.publish(learner.acting_state())
+    # The episodes as the rollouts tell them, from the first (fresh) one on.
+    score, length = torch.zeros(4), torch.zeros(4)
+    for rollout, meta in received:
+        ended = []
+        for t in range(8):
+            score += rollout.reward[:, t]
+            length += 1
+            done = rollout.done[:, t].bool()
+            ended += zip(score[done].tolist(), length[done].tolist())
+            score[done], length[done] = 0.0, 0.0
+        assert meta["steps"] == 4 * 8 and meta["env_restarts"] == 0
+        assert meta["episodes"] == len(ended)
+        assert meta["score_sum"] == pytest.approx(sum(s for s, _ in ended))
+        assert meta["score_squares"] == pytest.approx(sum(s * s for s, _ in ended))
+        assert meta["length_sum"] == sum(n for _, n in ended)
+    assert sum(meta["episodes"] for _, meta in received) >= 2
+
+
+def test_impala_learns_on_policy_from_collectors_at_lag_zero():
+    """With ``max_policy_lag=0`` each rollout was acted by the weights and observation
+    statistics that the learner has when it learns it: the ratios V-trace sees are 1."""
+    torch.manual_seed(0)
+    collectors, learner = pool(algorithm=make_impala, max_policy_lag=0)
+    with collectors:
+        for update in range(4):
+            rollout, metas = collectors.receive()
+            assert rollout.version.tolist() == [update] * 4 == [collectors.version] * 4
+            summary = learner.learn(rollout)
+            assert summary["impala/rho_mean"] == pytest.approx(1.0, abs=1e-4)
+            assert summary["impala/rho_clipped"] == 0.0
+            collectors.publish(learner.acting_state())
+    assert learner.observ_normalizer.count == 4 * 4 * 8
 
 
 def test_a_rollout_continues_the_episodes_of_the_last():
@@ -276,6 +330,21 @@ def test_training_with_collectors_logs_the_lag_and_resumes(tmp_path, monkeypatch
     steps = [r["step"] for r in read_metrics(tmp_path) if r["phase"] == "train"]
     assert steps == [1600, 3200, 4800]
     assert len(sessions) == 2 and sessions[0] == 0 < sessions[1], sessions
+
+
+def test_the_trainer_counts_the_steps_and_logs_no_lag_when_collectors_wait_for_each_update(
+        tmp_path):
+    values = {"env": {"id": "CartPole-v1", "num_agents": 2, "max_length": 200,
+                      "backend": "inline"},
+              "train": {"steps": 64, "eval_episodes": 0, "device": "cpu", "collectors": 1,
+                        "max_policy_lag": 0},
+              "algorithm": {"class": "batchrl.algos.impala:IMPALA", "rollout_length": 8}}
+    trainer = Trainer(build_config(values), tmp_path, progress=False)
+    trainer.run()
+    updates = [r for r in read_metrics(tmp_path) if r["phase"] == "update"]
+    # Each update learns one 8-step rollout of both agents, acted by the learner's weights.
+    assert [r["step"] for r in updates] == [16, 32, 48, 64] and trainer.counters.steps == 64
+    assert all(r["collectors_lag_mean"] == r["collectors_lag_max"] == 0 for r in updates)
 
 
 @pytest.mark.parametrize("fault, why", [("exit", "exited with code 3"),
@@ -592,6 +661,39 @@ def test_ray_collectors_without_a_limit_fill_only_their_queue(ray_pool):
         time.sleep(1.0)
         assert collectors.queued == 4  # 1 + queue_size rounds of 2 collectors, no more
         assert collectors.receive()[0].agents.tolist() == [0, 1, 2, 3]
+
+
+def test_the_ray_hub_keeps_the_rules_of_the_local_queue():
+    """The hub of ``RayCollectors`` as a plain object (no Ray): a collector starts round ``k``
+    while at most ``queue_size`` rounds before it wait for the learner and once version
+    ``k - max_policy_lag`` is out; the learner takes whole rounds; a late rollout of a
+    replaced collector is dropped."""
+    from batchrl.collectors.ray import _Hub
+    hub = _Hub(2, queue_size=1, max_lag=None)
+    hub.publish(0, ["ref 0"])
+    assert [hub.may_start(round_) for round_ in range(3)] == ["go", "go", "wait"]
+    assert hub.newest(-1) == (0, ["ref 0"]) and hub.newest(0) is None
+    hub.deliver(0, 0, {"round": 0}, {"collector": 0})
+    assert hub.take() is None and hub.queued() == 1  # (collector 1's is missing)
+    hub.deliver(0, 1, {"round": 0}, {"collector": 1})
+    hub.deliver(1, 0, {"round": 1}, {"collector": 0})
+    assert hub.take() == [({"round": 0}, {"collector": 0}), ({"round": 0}, {"collector": 1})]
+    assert hub.queued() == 1 and [hub.next_round(index) for index in (0, 1)] == [2, 1]
+    assert [hub.may_start(round_) for round_ in range(1, 4)] == ["go", "go", "wait"]
+    hub.deliver(1, 1, {"round": 1, "by": "successor"}, {"collector": 1})
+    hub.deliver(1, 1, {"round": 1, "by": "predecessor"}, {"collector": 1})  # too late
+    hub.deliver(0, 1, {"round": 0, "by": "predecessor"}, {"collector": 1})  # taken before
+    assert hub.queued() == 2 and hub.take()[1][0]["by"] == "successor"
+    assert hub.take() is None
+    hub.stop()
+    assert hub.may_start(2) == "stop"
+    for limit in (0, 1):
+        hub = _Hub(1, queue_size=5, max_lag=limit)
+        hub.publish(0, ["ref 0"])
+        assert [hub.may_start(round_) for round_ in range(limit + 2)] == (
+            ["go"] * (limit + 1) + ["wait"])
+        hub.publish(1, ["ref 1"])
+        assert hub.may_start(limit + 1) == "go"
 
 
 def failing_cartpoles(path, index: int, num_envs: int, seed: int) -> BatchEnv:

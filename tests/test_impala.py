@@ -1,5 +1,6 @@
 """IMPALA (batchrl.algos.impala) and its loss: it learns CartPole, resumes exactly, acts from
-its acting state as the learner does, learns from uint8 observations, checks its config."""
+its acting state as the learner does, learns from uint8 observations, scales rewards, bootstraps,
+anneals and clips as configured, checks its config."""
 
 from __future__ import annotations
 
@@ -152,6 +153,26 @@ def test_box_and_discrete_actions_act_and_learn_on_policy(name):
     env.close()
 
 
+def test_deterministic_actions_are_the_most_likely_and_the_mean():
+    torch.manual_seed(0)
+    observ = torch.randn(16, 3)
+    discrete = IMPALA(gym.spaces.Box(-1, 1, (3,)), gym.spaces.Discrete(4), 16,
+                      normalize_observ=False, init_output_factor=1.0)  # (no ties)
+    action, behaviour = discrete.act(observ, deterministic=True)
+    logits = discrete.policy(observ, torch.zeros(0))[0]
+    assert torch.equal(action, logits.argmax(-1))
+    assert torch.equal(behaviour["log_prob"],
+                       torch.log_softmax(logits, -1).gather(-1, action[:, None])[:, 0])
+    box = IMPALA(gym.spaces.Box(-1, 1, (3,)), gym.spaces.Box(-1, 1, (2,)), 16,
+                 normalize_observ=False, init_std=0.3)
+    action, behaviour = box.act(observ, deterministic=True)
+    mean = box.policy(observ, torch.zeros(0))[0]
+    assert torch.equal(action, mean)
+    # The density of the mean: -sum(log std + log sqrt(2 pi)) over the action's dimensions.
+    torch.testing.assert_close(behaviour["log_prob"], torch.full(
+        (16,), -2 * (math.log(0.3) + 0.5 * math.log(2 * math.pi))))
+
+
 def test_a_reset_between_rollouts_ends_the_running_return_of_the_reward_scale():
     env = seeded_tensor_env("CartPole-v1", 4, seed=1)
     torch.manual_seed(1)
@@ -166,6 +187,42 @@ def test_a_reset_between_rollouts_ends_the_running_return_of_the_reward_scale():
     algo.begin_episodes(torch.tensor([0, 1, 2, 3]))  # a reset between rollouts
     assert not algo.state_dict()["running_return"].any()
     env.close()
+
+
+def test_the_reward_scale_learns_discounted_returns_carried_across_rollouts():
+    """The returns that scale the rewards, computed by hand: they run on from one rollout to
+    the next, restart after an episode's end (a cut one included) and count the valid steps
+    only."""
+    gamma = 0.5
+    algo = IMPALA(gym.spaces.Box(-1, 1, (2,)), gym.spaces.Discrete(2), 2, rollout_length=4,
+                  discount=gamma)
+    # Agent 0 terminates at step 1 and runs on; agent 1's episode is cut at the last step.
+    first = (torch.tensor([[1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 1.0, 1.0]]),
+             torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]]),
+             torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]),
+             torch.tensor([[True] * 4, [True, True, True, False]]))
+    second = (torch.tensor([[1.0, 1.0, 1.0, 1.0], [2.0, 2.0, 2.0, 2.0]]),
+              torch.zeros(2, 4), torch.zeros(2, 4), torch.ones(2, 4, dtype=torch.bool))
+    carried, returns = [0.0, 0.0], []
+    for reward, done, terminated, valid in (first, second):
+        tensors = rollout_tensors(2, 4, (2,), torch.float32, (), torch.int64,
+                                  algo.behaviour_fields())
+        tensors.update(reward=reward, done=done, terminated=terminated, valid=valid,
+                       agents=torch.tensor([0, 1]))
+        tensors["behaviour.log_prob"].fill_(math.log(0.5))
+        algo.learn(RolloutBuffer(tensors).rollout())
+        for agent in range(2):
+            running = carried[agent]
+            for t in range(4):
+                running = reward[agent, t].item() + gamma * running
+                if valid[agent, t]:
+                    returns.append(running)
+                running *= 1.0 - done[agent, t].item()
+            carried[agent] = running
+        assert algo.running_return.tolist() == pytest.approx(carried)
+    assert carried[0] > 0 and carried[1] > 0  # (the second rollout carried something over)
+    assert float(algo.return_normalizer.count) == len(returns) == 15
+    assert float(algo.return_normalizer.mean) == pytest.approx(sum(returns) / len(returns))
 
 
 # -- acting state -----------------------------------------------------------------------
@@ -304,6 +361,88 @@ def test_vtrace_gets_the_log_ratio_to_the_behaviour_both_truncations_and_the_cut
     # The cut step adds nothing to the targets before it.
     assert not behind.valid.all()
     assert options.get("valid") is not None and torch.equal(options["valid"], behind.valid)
+
+
+def test_vtrace_bootstraps_from_zero_after_a_terminal_state_and_else_from_the_next_state(
+        monkeypatch):
+    calls = []
+    real = impala_module.vtrace
+    monkeypatch.setattr(impala_module, "vtrace", lambda *args, **kwargs: calls.append(
+        args) or real(*args, **kwargs))
+    algo = image_algorithm(6)
+    rollout = hand_rollout(algo, torch.uint8, seed=7)
+    with torch.no_grad():  # (the first gradient step's, made with these weights)
+        value = algo.value(rollout.observ.reshape(3, 7, 6))  # (pixels: the torso scales them)
+        final = algo.value(rollout.final_observ.reshape(3, 6, 6))
+    algo.learn(rollout)
+    _, _, values, next_value, ends, *_ = calls[0]
+    terminal = rollout.terminated.bool()
+    # Row 0 terminates at step 2; row 1 is truncated at step 3; row 2 is cut at step 5 (its
+    # final observation is the one it acted on there).
+    assert terminal.sum() == 1 and (rollout.done.bool() & ~terminal).sum() == 2
+    expected = torch.where(terminal, 0.0, torch.where(rollout.done.bool(), final, value[:, 1:]))
+    torch.testing.assert_close(values, value[:, :-1])
+    torch.testing.assert_close(next_value, expected)
+    assert torch.equal(ends, rollout.done.bool())
+
+
+def test_a_linear_schedule_decays_by_the_steps_learned_before_each_rollout():
+    algo = image_algorithm(3, lr_schedule="linear", learning_rate=1e-3, total_steps=4 * 3 * 6)
+    rollout = hand_rollout(algo, torch.uint8, seed=4)  # 3 agents, 6 steps
+    rates = [algo.learn(rollout)["impala/lr"] for _ in range(5)]
+    assert rates == pytest.approx([1e-3, 0.75e-3, 0.5e-3, 0.25e-3, 0.0])
+    assert algo.optimizer.param_groups[0]["lr"] == rates[-1]
+
+
+def test_the_summary_is_the_mean_of_the_gradient_steps_and_the_loss_weighs_its_terms(
+        monkeypatch):
+    algo = image_algorithm(5, baseline_cost=0.25, entropy_cost=0.125)  # 2 gradient steps
+    steps = []
+    real = algo._step
+    monkeypatch.setattr(algo, "_step", lambda *args: steps.append(real(*args)) or steps[-1])
+    summary = algo.learn(hand_rollout(algo, torch.uint8, seed=6))
+    assert len(steps) == 2 and steps[0] != steps[1]
+    for name in steps[0]:
+        assert summary[f"impala/{name}"] == pytest.approx((steps[0][name] + steps[1][name]) / 2)
+    for step in steps:
+        assert step["loss"] == pytest.approx(
+            step["policy_loss"] + 0.25 * step["value_loss"] - 0.125 * step["entropy"])
+
+
+@pytest.mark.parametrize("shared_torso", [False, True])
+def test_max_grad_norm_clips_each_network_or_both_together_on_a_shared_torso(shared_torso):
+    if shared_torso:
+        torch.manual_seed(7)
+        algo = IMPALA(gym.spaces.Box(0, 255, (1, 36, 36), np.uint8), gym.spaces.Discrete(3), 3,
+                      rollout_length=6, torso="nature_cnn", shared_torso=True,
+                      policy_layers=(), value_layers=(), max_grad_norm=1e-3)
+    else:
+        algo = image_algorithm(7, max_grad_norm=1e-3)
+    summary = algo.learn(hand_rollout(algo, torch.uint8, seed=8))
+    # (the norms before clipping)
+    assert summary["impala/grad_norm"] > 1e-2 and summary["impala/value_grad_norm"] > 1e-2
+
+    def norm(parameters) -> float:  # the last gradient step's gradients, as clipped
+        return float(torch.cat([p.grad.flatten() for p in parameters]).norm())
+
+    if shared_torso:  # one gradient through the torso: one norm
+        assert summary["impala/grad_norm"] == summary["impala/value_grad_norm"]
+        assert norm(algo._parameters) == pytest.approx(1e-3, rel=1e-3)
+    else:
+        for network in (algo.policy, algo.value):
+            assert norm(network.parameters()) == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_the_optimizer_is_the_configured_one():
+    box, discrete = gym.spaces.Box(-1, 1, (3,)), gym.spaces.Discrete(2)
+    adam = IMPALA(box, discrete, 2, learning_rate=2e-4, epsilon=1e-3).optimizer
+    assert type(adam) is torch.optim.Adam
+    assert (adam.defaults["lr"], adam.defaults["eps"]) == (2e-4, 1e-3)
+    rmsprop = IMPALA(box, discrete, 2, optimizer="rmsprop", learning_rate=2e-4,
+                     epsilon=0.01).optimizer
+    assert type(rmsprop) is torch.optim.RMSprop
+    assert (rmsprop.defaults["lr"], rmsprop.defaults["eps"], rmsprop.defaults["alpha"],
+            rmsprop.defaults["momentum"]) == (2e-4, 0.01, 0.99, 0)
 
 
 # -- checkpoints ------------------------------------------------------------------------
