@@ -270,11 +270,13 @@ def _configure(args: argparse.Namespace, command: str) -> tuple[Config, Path, Pa
                 config.env.id, config.env.kwargs, config.algorithm.name):
             resume = (f"resume with: {_resume_command(command, started, args.logdir)}"
                       if started else "resume with that run's config")
-            # (the Atari configs differ in env.kwargs' game, not env.id)
-            same_id = named.env.id == config.env.id
+            # (the Atari configs differ in env.kwargs' game, not env.id; where both are the
+            # same, the algorithms differ)
+            kwargs_tell = (named.env.id == config.env.id
+                           and named.env.kwargs != config.env.kwargs)
 
             def env_of(run: Config) -> str:
-                return run.env.id + (f" {run.env.kwargs}" if same_id else "")
+                return run.env.id + (f" {run.env.kwargs}" if kwargs_tell else "")
 
             raise ConfigError(
                 f"{args.logdir} holds a run of {env_of(config)} with "

@@ -369,6 +369,35 @@ def test_training_survives_a_crashed_env_and_counts_the_restart(tmp_path, capsys
     from batchrl.checkpoint import latest_checkpoint, load_checkpoint
     counters = load_checkpoint(latest_checkpoint(tmp_path / "run"))["counters"]
     assert counters["env_restarts"] == 1
+    # The restarted env was reset in that step (of an evaluation), not stepped: one env step
+    # fewer than whole steps of the batch.
+    assert (counters["steps"] + counters["eval_steps"]) % 3 == 2, counters
+
+
+def test_a_resumed_run_has_only_what_is_left_of_its_restarts(tmp_path, capsys):
+    """env.max_restarts bounds the run over all its sessions: a run that spent its one restart
+    resumes with none left, and the next crash stops it. (The crashes come in the first
+    training phase of a session, in its envs' fifth step.)"""
+    from batchrl.checkpoint import latest_checkpoint, load_checkpoint
+    once = tmp_path / "fired"
+    values = [
+        'env.id="batchrl.testing.faults:make"', "env.backend=process", "env.num_agents=3",
+        f'env.kwargs={{env_id="CartPole-v1", fault="abort", at_step=5, once_file="{once}"}}',
+        "env.restart_crashed_envs=true", "env.max_restarts=1", "algorithm.update_every=3",
+        "train.eval_episodes=3", "train.device=cpu"]
+    Trainer(load_config("cartpole", values + ["train.steps=150"]), tmp_path / "run",
+            progress=False).run()
+    assert once.exists() and "[1 of at most 1 in this run]" in capsys.readouterr().out
+    counters = load_checkpoint(latest_checkpoint(tmp_path / "run"))["counters"]
+    assert counters["env_restarts"] == 1
+    # The restarted env was reset in that step, not stepped: one env step fewer than whole
+    # steps of the batch.
+    assert counters["steps"] % 3 == 2 and counters["eval_steps"] % 3 == 0, counters
+    once.unlink()  # the new session's env workers crash once more
+    with pytest.raises(EnvCrashedError, match="killed by signal SIGABRT"):
+        Trainer(load_config("cartpole", values + ["train.steps=300"]), tmp_path / "run",
+                progress=False).run()
+    assert once.exists() and "restarted env" not in capsys.readouterr().out
 
 
 def test_restarts_of_the_evaluation_envs_count_in_the_run(tmp_path, capsys):

@@ -15,13 +15,14 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch
 
 from batchrl.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints,
                                 load_checkpoint, save_checkpoint, serialize)
-from batchrl.config import load_config
+from batchrl.config import ConfigError, load_config
 from batchrl.metrics import read_metrics
 from batchrl.trainer import Trainer
 from helpers import REPO, TRAIN_PY, assert_same, running, sets, wait_gone
@@ -410,6 +411,43 @@ def test_partial_tmp_file_is_not_taken_for_a_checkpoint(finished_run, tmp_path):
     assert [r["step"] for r in records if r["phase"] == "train"] == \
         sorted({r["step"] for r in records if r["phase"] == "train"})
     assert not partial.exists()  # cleaned up by the next checkpoint write
+
+
+def test_a_resumed_session_continues_the_random_generators_of_its_checkpoint(finished_run,
+                                                                             tmp_path):
+    """Torch's, NumPy's and Python's global generators (an algorithm or an env in this
+    process may draw from any of them) go on from the states the checkpoint holds, not from
+    train.seed's. Here states no seeding by train.seed gives, and a session with nothing
+    left to train, which draws nothing."""
+    logdir = copy_run(finished_run, tmp_path / "run")
+    state = load_checkpoint(list_checkpoints(logdir)[-1])
+    state["rng"] = {"torch": torch.Generator().manual_seed(7).get_state(),
+                    "numpy": np.random.RandomState(7).get_state(),
+                    "python": random.Random(7).getstate(), "cuda": None}
+    save_checkpoint(logdir, state["counters"]["steps"], state)
+    Trainer(load_config("cartpole", CARTPOLE + ["train.steps=400"]), logdir,
+            progress=False).run()
+    assert torch.equal(torch.get_rng_state(), state["rng"]["torch"])
+    assert_same(np.random.get_state(), state["rng"]["numpy"], "numpy")
+    assert random.getstate() == state["rng"]["python"]
+
+
+def test_a_checkpoint_of_several_learners_is_not_resumed_by_one(finished_run, tmp_path):
+    """Each learner's generators (and per-agent state) are its own part of the checkpoint:
+    a run of one learner cannot resume exactly from two learners' parts, and says so before
+    it trains."""
+    logdir = copy_run(finished_run, tmp_path / "run")
+    latest = list_checkpoints(logdir)[-1]
+    state = load_checkpoint(latest)
+    state["learners"] = [{"rng": state["rng"], "algorithm": {}}] * 2  # as two learners write it
+    save_checkpoint(logdir, state["counters"]["steps"], state)
+    records = read_metrics(logdir)
+    with pytest.raises(ConfigError, match=(
+            f"^{latest} was written by 2 learner\\(s\\) and resumes exactly only with as many "
+            f"\\(train.learners = 2\\); this run has 1$")):
+        Trainer(load_config("cartpole", CARTPOLE + ["train.steps=800"]), logdir,
+                progress=False).run()
+    assert read_metrics(logdir) == records and list_checkpoints(logdir)[-1] == latest
 
 
 # --- an env failure keeps the last phase boundary --------------------------------------

@@ -6,25 +6,30 @@ a minute on two CPU cores; learning itself is tested in test_learning.py.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from batchrl.checkpoint import list_checkpoints
+from batchrl.checkpoint import list_checkpoints, load_checkpoint
 from batchrl.config import (BATCHPPO, RUN_FACTS, SECTIONS, SHIPPED_ALGORITHMS, Config,
-                            algorithm_keys, load_config, load_saved_config)
+                            ConfigError, algorithm_keys, load_config, load_saved_config,
+                            save_config)
 from batchrl.metrics import METRICS_FILE, RunLog, read_metrics
-from batchrl.trainer import Trainer
-from helpers import REPO, TRAIN_PY, scalar_events, sets
+from batchrl.trainer import Trainer, TrainingInterrupted
+from helpers import REPO, TRAIN_PY, assert_same, scalar_events, sets
 RECORD_KEYS = {"step", "phase", "score", "score_std", "length", "episodes", "wall_time",
                "steps_per_s"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -368,6 +373,65 @@ def test_a_budget_inside_a_phase_stops_there_and_the_run_extends(straight_run, t
     assert records[-1]["step"] == 2 * CARTPOLE_STEPS
 
 
+def test_a_run_stopped_mid_phase_resumes_from_the_last_phase_boundary(straight_run, tmp_path,
+                                                                     monkeypatch):
+    """SIGINT (as Ctrl-C) within an evaluation, four times, in this process: each stop
+    leaves the last phase boundary as the run's newest checkpoint, whether it was written
+    when due (and is not written again), kept in memory, or (stopped in a resumed session
+    before its first boundary) the checkpoint that session resumed from. Resumed each time,
+    the run goes on as the uninterrupted one: the same phases, and its due checkpoints at the
+    same steps, bit for bit."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("only the main thread handles signals")
+    straight, full = straight_run
+    expected = comparable(read_metrics(straight))
+    boundaries = [r["step"] for r in read_metrics(straight) if r["phase"] == "eval"]
+    due = {load_checkpoint(path)["counters"]["steps"]: path
+           for path in list_checkpoints(straight)}
+    resumed = tmp_path / "resumed"
+    report = Trainer._report
+
+    def stopped_after(records: int) -> TrainingInterrupted:
+        """Start or resume the run; SIGINT once it reported ``records`` phases (the last one a
+        training phase: the stop comes within its evaluation)."""
+        reported = []
+
+        def report_then_stop(self, record, bar):
+            report(self, record, bar)
+            reported.append(record)
+            if len(reported) == records:
+                assert record["phase"] == "train"
+                os.kill(os.getpid(), signal.SIGINT)
+
+        monkeypatch.setattr(Trainer, "_report", report_then_stop)
+        with pytest.raises(TrainingInterrupted) as info:
+            Trainer(full, resumed, progress=False, handle_signals=True).run()
+        stop = info.value
+        assert stop.exit_code == 130 and stop.checkpoint == list_checkpoints(resumed)[-1]
+        assert load_checkpoint(stop.checkpoint)["counters"]["steps"] == stop.step
+        assert comparable(read_metrics(resumed)) == expected[:len(read_metrics(resumed))]
+        return stop
+
+    # checkpoint_every=2: the second evaluation's boundary was written when due.
+    assert stopped_after(5).step == boundaries[1] and boundaries[1] in due
+    # Stopped before the resumed session's first boundary: the checkpoint it resumed from.
+    assert stopped_after(1).step == boundaries[1]
+    # The third evaluation's boundary, kept in memory, is written at the stop.
+    assert stopped_after(3).step == boundaries[2] and boundaries[2] not in due
+    # Past the fourth evaluation's boundary, due (the count of evaluations goes on over the
+    # sessions), to the fifth's.
+    assert stopped_after(5).step == boundaries[4]
+    written = {load_checkpoint(path)["counters"]["steps"]: path
+               for path in list_checkpoints(resumed)}
+    compared = [step for step in due if step <= boundaries[4]]
+    assert boundaries[3] in compared and set(compared) <= set(written)
+    for step in compared:
+        state, reference = load_checkpoint(written[step]), load_checkpoint(due[step])
+        assert state["counters"].pop("wall_time") > 0
+        reference["counters"].pop("wall_time")
+        assert_same(state, reference)
+
+
 # --- a custom env via train.py, from the current directory --------------------------
 
 ENV_MODULE = '''
@@ -633,6 +697,38 @@ def test_evaluations_count_every_agents_episodes_alike(tmp_path):
     for record in evals:
         assert record["episodes"] == 4
         assert record["score"] == 10.0 and record["length"] == 11.0, record
+        assert record["score_std"] == 10.0, record  # (the population's: returns 0, 0, 20, 20)
+
+
+def test_each_phase_resets_its_envs_with_seeds_of_its_own(tmp_path):
+    """Phase p (training or evaluation) resets env i with seed
+    ``train.seed * 1_000_003 + p * env.num_agents + i``: no two phases start alike.
+    ``uneven_episodes`` plays short episodes of return 0 after an even seed and long ones
+    of 1 a step after an odd one; with 3 agents the parities flip from one phase to the next.
+    Evaluations (every third phase: eval_every=2) step envs of their own, built with
+    env.eval_kwargs (short episodes of 2 steps, long ones of 30), the training envs with
+    env.kwargs (3 and 20); a training phase counts the first update_every episodes to end,
+    even when one step ends more."""
+    config = load_config("cartpole", [
+        'env.id="batchrl.testing.envs:uneven_episodes"', "env.num_agents=3",
+        "env.max_length=50", 'env.backend="inline"', "env.kwargs={short=3}",
+        "env.eval_kwargs={short=2, long=30}", "algorithm.update_every=3",
+        "train.eval_episodes=3", "train.eval_every=2", "train.steps=200",
+        "train.device=cpu"])
+    Trainer(config, tmp_path / "run", progress=False).run()
+    records = read_metrics(tmp_path / "run")  # one per phase, in order
+    trains = [r for r in records if r["phase"] == "train"]
+    evals = [(phase, r) for phase, r in enumerate(records) if r["phase"] == "eval"]
+    assert len(evals) >= 3
+    for record in trains[:-1]:  # (the last one stops at the budget)
+        # Two short episodes end at once in some steps: the first three are short ones.
+        assert (record["episodes"], record["score"], record["length"]) == (3, 0.0, 3.0), record
+    for phase, record in evals:  # each agent's first episode
+        lengths = [2, 30, 2] if phase % 2 == 0 else [30, 2, 30]
+        assert record["episodes"] == 3
+        assert record["score"] == (10.0 if phase % 2 == 0 else 20.0), (phase, record)
+        assert record["length"] == pytest.approx(sum(lengths) / 3), (phase, record)
+        assert record["score_std"] == pytest.approx(200 ** 0.5), (phase, record)
 
 
 def test_progress_in_a_log_file_is_one_plain_line_per_phase(tmp_path):
@@ -750,6 +846,47 @@ def test_a_run_resumes_when_the_toml_file_it_was_started_with_is_gone(tmp_path):
     config, resumed, created = _configure(argparse.Namespace(
         config=str(toml), logdir=logdir, overrides=[], steps=None), "train.py")
     assert config.env.id == "CartPole-v1" and resumed == logdir and created is None
+
+
+def test_a_resume_may_change_where_the_run_goes_on_and_its_budget_only(tmp_path):
+    """A run to resume takes --steps and --set of the machine keys (train.device,
+    train.threads, env.workers, env.timeout); a --set of anything else, or a --config that
+    trains another env or algorithm, is refused: the run would go on as it was saved."""
+    from batchrl.train import STARTED_WITH, _configure
+
+    logdir = tmp_path / "run"
+    logdir.mkdir()
+    saved = load_config("cartpole", CARTPOLE)
+    save_config(saved, logdir)
+    (logdir / STARTED_WITH).write_text(json.dumps({"config": "cartpole"}))
+
+    def configure(name: str, *overrides: str, steps: int | None = None) -> Config:
+        return _configure(argparse.Namespace(config=name, logdir=logdir,
+                                             overrides=list(overrides), steps=steps),
+                          "train.py")[0]
+
+    moved = configure("cartpole", "train.device=cpu", "train.threads=2", "env.workers=3",
+                      "env.timeout=30", steps=5000)
+    assert (moved.train.device, moved.train.threads, moved.env.workers, moved.env.timeout,
+            moved.train.steps) == ("cpu", 2, 3, 30.0, 5000)
+    assert moved.algorithm == saved.algorithm and moved.env.num_agents == 4
+    for learning in ("algorithm.discount=0.9", "env.num_agents=8", "train.seed=1",
+                     "train.eval_episodes=2"):
+        with pytest.raises(ConfigError, match=f"^{logdir} holds a run, which resumes with its "
+                                              f"saved config; drop --set {re.escape(learning)} "):
+            configure("cartpole", "env.timeout=30", learning)
+    for name, env, algorithm in (("pendulum", "Pendulum-v1", "ppo:BatchPPO"),
+                                 ("cartpole_reinforce", "CartPole-v1",
+                                  "reinforce:Reinforce")):
+        with pytest.raises(ConfigError) as info:
+            configure(name)
+        # (env.kwargs follow the env ids only where those match and the kwargs do not)
+        assert re.fullmatch(
+            rf"{re.escape(str(logdir))} holds a run of CartPole-v1 with "
+            rf"batchrl\.algos\.ppo:BatchPPO, but --config {name} trains {env} with "
+            rf"batchrl\.algos\.{algorithm}; resume with: train\.py --config cartpole "
+            rf"--logdir {re.escape(str(logdir))} or choose a new --logdir", str(info.value)), \
+            info.value
 
 
 def test_read_metrics_and_truncate_on_resume(tmp_path):
