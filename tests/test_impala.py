@@ -173,6 +173,32 @@ def test_deterministic_actions_are_the_most_likely_and_the_mean():
         (16,), -2 * (math.log(0.3) + 0.5 * math.log(2 * math.pi))))
 
 
+def test_an_evaluation_in_the_middle_of_a_rollout_leaves_it_to_training():
+    """The trainer evaluates between phases wherever a rollout is, then resets the training
+    envs: the evaluation's steps, new episodes and restarted envs neither record nor cut a step
+    of the rollout; only that reset cuts the step before it."""
+    env, eval_env = seeded_tensor_env("CartPole-v1", 4, seed=3), seeded_tensor_env(
+        "CartPole-v1", 4, seed=4)
+    torch.manual_seed(3)
+    algo = IMPALA(env.observation_space, env.action_space, len(env), rollout_length=8)
+    train(env, algo, 3)
+    recorded = {name: tensor.clone() for name, tensor in algo.buffer.tensors.items()}
+    algo.eval()
+    for step in range(4):
+        if step == 2:
+            algo.steps_lost(torch.tensor([1]))  # (as a restarted evaluation env gives it)
+        simulate(eval_env, algo, reset=step == 0)
+    algo.train()
+    assert algo.buffer.step == 3
+    for name, tensor in algo.buffer.tensors.items():
+        assert torch.equal(tensor, recorded[name]), name
+    train(env, algo, 2)  # (a new phase: its first step resets every env)
+    valid = algo.buffer.rollout().valid[:, :5]
+    assert valid[:, [0, 1, 3, 4]].all() and not valid[:, 2].any()
+    env.close()
+    eval_env.close()
+
+
 def test_a_reset_between_rollouts_ends_the_running_return_of_the_reward_scale():
     env = seeded_tensor_env("CartPole-v1", 4, seed=1)
     torch.manual_seed(1)
@@ -295,6 +321,9 @@ def test_a_pixel_algorithm_learns_the_same_from_uint8_rollouts_and_their_float32
     assert_same_weights(first, second)
     rollout = hand_rollout(first, torch.uint8, seed=5)
     assert rollout.observ.dtype == torch.uint8 and not rollout.valid.all()
+    # (the synchronous loop's rollout keeps pixels as bytes too: a quarter of float32's memory)
+    assert first.buffer.rollout().observ.dtype == first.buffer.rollout().final_observ.dtype \
+        == torch.uint8
     floats = Rollout(**{**vars(rollout), "observ": rollout.observ.float(),
                         "final_observ": rollout.final_observ.float()})
     for _ in range(3):

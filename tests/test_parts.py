@@ -383,6 +383,20 @@ def test_normalizer_state_dict_round_trip(host_path, defer):
     assert float(target.count) == 18
 
 
+def test_numpy_views_share_the_memory_and_are_none_where_numpy_cannot_or_must_not_read(
+        monkeypatch):
+    tensor = torch.zeros(3)
+    numpy_views.view(tensor)[1] = 5.0
+    assert tensor.tolist() == [0.0, 5.0, 0.0]
+    weights = torch.ones(2, requires_grad=True)
+    assert numpy_views.view(weights).tolist() == [1.0, 1.0]  # (read through detach())
+    assert numpy_views.view(torch.zeros(2, dtype=torch.bfloat16)) is None
+    assert numpy_views.view(torch.zeros(2, dtype=torch.complex64).conj()) is None
+    # Disabled, every tensor takes the torch path (the host_path fixture's "torch" runs).
+    monkeypatch.setattr(numpy_views, "enabled", False)
+    assert numpy_views.view(tensor) is None
+
+
 def test_normalizer_numpy_and_torch_paths_agree(monkeypatch):
     rng = np.random.default_rng(6)
     batches = [torch.from_numpy(rng.normal(3.0, 2.0, size=(size, 5))).float()

@@ -50,6 +50,10 @@ def test_a_buffer_records_steps_in_the_rollout_layout():
     assert rollout.final_observ[2, 0].tolist() == [0.0, 0.0]
     after = rollout.next_observ()
     assert after[2, 1].tolist() == [1.5, 2.0] and after[0, 1].tolist() == [2.0, 0.0]
+    # given a mask, only its steps (agent by agent), the ended one's last observation included
+    mask = torch.zeros(3, 4, dtype=torch.bool)
+    mask[2, 1] = mask[0, 1] = mask[2, 3] = True
+    assert torch.equal(rollout.next_observ(mask), after[mask])
     with pytest.raises(RuntimeError, match="already holds its 4 steps"):
         buf.act(torch.zeros(3, 2), torch.zeros(3, dtype=torch.int64),
                 {"log_prob": torch.zeros(3)})
@@ -66,9 +70,12 @@ def test_an_episode_cut_by_a_reset_ends_at_its_last_step_without_a_terminal_stat
     assert rollout.done[:, 1].tolist() == [1.0, 1.0, 0.0]
     assert rollout.terminated[:, 1].tolist() == [0.0, 0.0, 0.0]
     assert rollout.final_observ[1, 1].tolist() == rollout.observ[1, 1].tolist()
-    # a new rollout starts clean
+    # a new rollout starts clean (no last observation of an episode ended in the one before),
+    # and has no step of an agent to cut yet
     buf.start(torch.arange(3), 1)
+    buf.cut(torch.tensor([1]))
     assert buf.rollout().valid.all() and not buf.rollout().done.any()
+    assert not buf.rollout().final_observ.any()
 
 
 def test_rollouts_side_by_side_copy_and_move():
@@ -81,7 +88,9 @@ def test_rollouts_side_by_side_copy_and_move():
     copy = first.rollout().clone()
     first.start(torch.tensor([0, 1]), 4)
     first.tensors["observ"].zero_()
+    first.tensors["behaviour.log_prob"].zero_()
     assert copy.observ.abs().sum() > 0 and copy.version.tolist() == [3, 3]
+    assert copy.behaviour["log_prob"][0].tolist() == [0.0, -1.0, -2.0, -3.0]
 
 
 def ppo(**options):
@@ -91,9 +100,10 @@ def ppo(**options):
                     **options)
 
 
-def collect(actor, steps=6, cut=None):
-    """A rollout of ``steps`` steps in which agent 2 reaches a terminal state at step 2;
-    ``cut``: step -> agents whose env restarted after it (the step is lost)."""
+def collect(actor, steps=6, cut=None, terminal=True):
+    """A rollout of ``steps`` steps in which agent 2 reaches a terminal state at step 2 (with
+    ``terminal=False`` a time limit ends its episode there); ``cut``: step -> agents whose env
+    restarted after it (the step is lost)."""
     buf = RolloutBuffer(rollout_tensors(4, steps, (3,), torch.float32, (2,), torch.float32,
                                         actor.behaviour_fields()))
     buf.start(torch.arange(4), 0)
@@ -103,7 +113,7 @@ def collect(actor, steps=6, cut=None):
         action, behaviour = actor.act(observ)
         buf.act(observ, action, behaviour)
         done = torch.tensor([0.0, 0.0, float(t == 2), 0.0])
-        buf.outcome(torch.randn(4, generator=generator), done, done,
+        buf.outcome(torch.randn(4, generator=generator), done, done if terminal else done * 0,
                     torch.randn(4, 3, generator=generator))
         if cut and t in cut:
             buf.cut(torch.tensor(cut[t]))
@@ -137,7 +147,10 @@ def test_ppo_counts_a_rollout_whose_every_step_was_lost_and_learns_nothing_from_
     assert learner.learn(collect(learner))["ppo/updates"] == 2.0
 
 
-def test_learn_bootstraps_at_the_cut_and_not_after_a_terminal_state(monkeypatch):
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "time_limit"])
+def test_learn_bootstraps_at_the_cut_and_not_after_a_terminal_state(monkeypatch, terminal):
+    """An episode that a time limit ends bootstraps from its last observation, not from the
+    next episode's first (the next one acted on)."""
     gamma, lam = 0.9, 0.8
     torch.manual_seed(0)
     learner = ppo(discount=gamma, gae_lambda=lam, normalize_reward=False,
@@ -153,7 +166,7 @@ def test_learn_bootstraps_at_the_cut_and_not_after_a_terminal_state(monkeypatch)
         return result
 
     monkeypatch.setattr(BatchPPO, "_advantages", advantages)
-    rollout = collect(learner)
+    rollout = collect(learner, terminal=terminal)
     learner.learn(rollout)
     with torch.no_grad():
         value = value_net(rollout.observ[:, :-1]).double().numpy()
@@ -170,7 +183,7 @@ def test_learn_bootstraps_at_the_cut_and_not_after_a_terminal_state(monkeypatch)
                 - value[agent, t]
             advantage = delta + gamma * lam * advantage
             expected[agent, t] = advantage
-    assert terminated[2, 2] == 1.0
+    assert terminated[2, 2] == float(terminal) and done[2, 2] == 1.0
     np.testing.assert_allclose(found["data"]["returns"].double().numpy(), expected + value,
                                rtol=1e-5, atol=1e-5)
 

@@ -395,6 +395,39 @@ def test_a_numpy_vector_env_is_a_batch_member():
         batch.close()
 
 
+def test_a_vector_env_member_resets_envs_asked_in_any_order_each_with_its_seed():
+    """The vector env takes one seed per env reset in the order of its envs (-1: ale-py's "no
+    seed"); the rows and their infos come back in the order asked for (none with
+    ``infos=False``)."""
+    from batchrl.envs.vectorized import VectorWorker
+
+    vector = CountingVectorEnv(4)  # (a reset sets an env's count to its seed)
+    batch = BatchEnv([VectorWorker(lambda: vector),
+                      VectorWorker(lambda: CountingVectorEnv(2), infos=False)])
+    try:
+        batch.reset(seed=0)
+        rows, infos = batch.reset([3, 0, 2, 4], seed=[7, 9, None, 5], return_infos=True)
+        assert rows[:, 0].tolist() == [7, 9, -1, 5]
+        assert vector.count.tolist() == [9, 1, -1, 7]
+        assert infos == [{"count": 7.0}, {"count": 9.0}, {"count": -1.0}, {}]
+    finally:
+        batch.close()
+
+
+class SameStepCountingVectorEnv(CountingVectorEnv):
+    metadata = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
+
+
+def test_a_vector_env_that_does_not_autoreset_at_the_next_step_is_refused():
+    """(Its ended envs would start new episodes in the step that ended them: the batch's
+    autoreset would reset them a second time.)"""
+    from batchrl.envs.errors import EnvSpecError
+    from batchrl.envs.vectorized import VectorWorker
+
+    with pytest.raises(EnvSpecError, match=r"needs next-step autoreset .*SAME_STEP"):
+        VectorWorker(lambda: SameStepCountingVectorEnv(2), label="same")
+
+
 def test_with_floats_returns_new_rows_and_leaves_the_stored_ones_as_they_were():
     packing = PackedObservations(SPACE)
     batch = map_nested(torch.as_tensor, stack_as(SPACE, [SPACE.sample() for _ in range(4)]))
@@ -403,6 +436,18 @@ def test_with_floats_returns_new_rows_and_leaves_the_stored_ones_as_they_were():
     halved = packing.with_floats(packed, packing.unpack(packed) / 2)
     assert torch.equal(packed, before)  # (an algorithm normalises rows its memory keeps)
     assert torch.equal(packing.unpack(halved), packing.unpack(before) / 2)
+
+
+def test_observations_of_pixels_only_pack_into_their_bytes():
+    space = gym.spaces.Dict({"left": gym.spaces.Box(0, 255, (2, 3), np.uint8),
+                             "right": gym.spaces.Box(0, 255, (3,), np.uint8)})
+    packing = PackedObservations(space)
+    assert packing.float_size == 0 and packing.size == 12  # (9 bytes, padded)
+    batch = map_nested(torch.as_tensor, stack_as(space, [space.sample() for _ in range(5)]))
+    packed = packing.pack_all(batch)
+    assert packed.shape == (5, 12) and packing.unpack(packed).shape == (5, 0)
+    assert torch.equal(packed[:, :6], batch["left"].reshape(5, 6))
+    assert torch.equal(packed[:, 6:9], batch["right"]) and not packed[:, 9:].any()
 
 
 def test_rows_already_a_multiple_of_four_bytes_get_no_padding():

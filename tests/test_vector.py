@@ -205,6 +205,21 @@ def test_spaces_and_make_vec():
         make_vec("NoSuchEnv-v0", 2)
 
 
+def test_make_vec_builds_the_envs_of_gymnasiums_make_vec():
+    """Its kwargs reach gymnasium.make, its wrappers wrap each env in their order, and the
+    autoreset mode may come in vector_kwargs, as gymnasium.make_vec takes them."""
+    wrappers = [gym.wrappers.TimeAwareObservation,
+                lambda env: gym.wrappers.TransformObservation(env, lambda o: o[::-1].copy(),
+                                                              None)]
+    options = dict(max_episode_steps=7, sutton_barto_reward=True)
+    with make_vec("CartPole-v1", 3, vector_kwargs={"workers": 1, "autoreset_mode": "same_step"},
+                  wrappers=wrappers, **options) as env, \
+            closing(gym.make_vec("CartPole-v1", 3, "sync", wrappers=wrappers, vector_kwargs={
+                "autoreset_mode": AutoresetMode.SAME_STEP}, **options)) as reference:
+        assert env.metadata["autoreset_mode"] is AutoresetMode.SAME_STEP
+        assert_same_vector_steps(env, reference, seed=6, steps=20)
+
+
 def test_gymnasium_vector_wrappers_work_on_it():
     env = gym.wrappers.vector.RecordEpisodeStatistics(
         BatchVectorEnv([make("Pendulum-v1", 10)] * 2, workers=1))
