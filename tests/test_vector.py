@@ -19,7 +19,7 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from batchrl.envs import BatchVectorEnv, EnvError, EnvRaisedError, EnvTimeoutError, make_vec
-from batchrl.envs.errors import SpaceMismatchError
+from batchrl.envs.errors import EnvSpecError, SpaceMismatchError
 from batchrl.envs.infos import InfoList, info_columns
 from batchrl.testing.faults import FaultyEnv
 from helpers import assert_same_value, assert_same_vector_steps
@@ -218,6 +218,18 @@ def test_make_vec_builds_the_envs_of_gymnasiums_make_vec():
                 "autoreset_mode": AutoresetMode.SAME_STEP}, **options)) as reference:
         assert env.metadata["autoreset_mode"] is AutoresetMode.SAME_STEP
         assert_same_vector_steps(env, reference, seed=6, steps=20)
+
+
+def test_make_vec_takes_an_id_after_the_module_that_registers_it():
+    """As gymnasium.make and make_vec do: "module:EnvId" imports the module (which registers
+    the env) first."""
+    with make_vec("gymnasium.envs.classic_control:CartPole-v1", 2,
+                  vector_kwargs={"backend": "inline"}) as env:
+        assert env.single_action_space == gym.spaces.Discrete(2)
+        assert env.get_attr("spec")[0].id == "CartPole-v1"
+    with pytest.raises(EnvSpecError, match=r"^env 'no_such_module:CartPole-v1': cannot import "
+                                           r"module 'no_such_module'"):
+        make_vec("no_such_module:CartPole-v1", 2)
 
 
 def test_gymnasium_vector_wrappers_work_on_it():

@@ -4,6 +4,7 @@ loop written for ``SyncVectorEnv`` or ``AsyncVectorEnv`` runs on it unchanged.""
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 from typing import Any, Callable, Iterable, Sequence
 
@@ -285,16 +286,27 @@ def make_vec(env_id: str, num_envs: int = 1, *,
     ``gymnasium.make_vec`` builds them: ``kwargs`` go to ``gymnasium.make``, each env is wrapped
     by ``wrappers`` in order, and ``vector_kwargs`` are ``BatchVectorEnv``'s options (the
     autoreset mode may be given there too)."""
-    try:
-        gym.spec(env_id)
-    except gym.error.Error as exc:
-        raise EnvSpecError(f"env {env_id!r}: {exc}") from None
+    _check_env_id(env_id)
     if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
         raise ValueError(f"num_envs must be a positive int, got {num_envs!r}")
     options = dict(vector_kwargs or {})
     autoreset_mode = options.pop("autoreset_mode", autoreset_mode)
     build = functools.partial(_build, env_id, kwargs, list(wrappers or []))
     return BatchVectorEnv([build] * int(num_envs), autoreset_mode, **options)
+
+
+def _check_env_id(env_id: str) -> None:
+    """``EnvSpecError`` unless ``env_id`` names a registered env. ``"module:EnvId"`` imports the
+    module first, as ``gymnasium.make`` does: importing it registers the env."""
+    module, colon, name = env_id.partition(":")
+    try:
+        if colon:
+            importlib.import_module(module)
+        gym.spec(name if colon else env_id)
+    except ImportError as exc:
+        raise EnvSpecError(f"env {env_id!r}: cannot import module {module!r} ({exc})") from None
+    except gym.error.Error as exc:
+        raise EnvSpecError(f"env {env_id!r}: {exc}") from None
 
 
 def _build(env_id: str, kwargs: dict[str, Any], wrappers: list) -> gym.Env:
