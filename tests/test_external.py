@@ -370,6 +370,15 @@ def test_construct_timeout_can_be_waited_out(external):
     assert env.reset()[1] == {"reset": True}
 
 
+def test_a_returned_observation_is_not_changed_by_later_calls(external):
+    env = external(CountingEnv)
+    first, _ = env.reset(seed=0)
+    observ = env.step(0)[0]
+    env.step(0)
+    env.reset()
+    assert first.tolist() == [0.0] and observ.tolist() == [1.0]
+
+
 # -- closing ------------------------------------------------------------------------------
 
 

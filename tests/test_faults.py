@@ -31,7 +31,7 @@ from batchrl.tensor_env import TensorBatchEnv
 from batchrl.envs.process.shared_memory import EnvWorker
 from batchrl.simulation import Simulation, flush, simulate
 from batchrl.trainer import Trainer
-from helpers import REPO, TRAIN_PY, scalar_events, sets
+from helpers import REPO, TRAIN_PY, fails_at, scalar_events, sets
 
 ZEROS = np.zeros(4, np.int64)
 
@@ -226,6 +226,61 @@ def test_restarts_need_worker_processes():
         assert len(batch.workers) == 1 and batch.workers[0].num_envs == 3  # no share
     finally:
         batch.close()
+
+
+def test_max_restarts_below_zero_is_rejected():
+    with pytest.raises(ValueError, match="max_restarts must be >= 0, got -1"):
+        BatchEnv([CountingEnv()], max_restarts=-1)
+
+
+def test_every_worker_restarted_in_one_step_is_listed_and_keeps_its_options(closing):
+    # Env 0 of each worker raises in its second step: both workers fail in one step.
+    constructors = [fails_at(2), fails_at(10**9)]
+    workers = [EnvWorker(constructors, label=f"counting{i}", timeout=30.0, infos=False)
+               for i in range(2)]
+    batch = closing(BatchEnv(workers, max_restarts=2))
+    batch.reset(seed=0)
+    batch.step(ZEROS)
+    observ, reward, *_ = batch.step(ZEROS)
+    rows, fresh = batch.restarted
+    assert sorted(rows.tolist()) == [0, 1, 2, 3] and not fresh.any()
+    assert not observ.any() and not reward.any() and batch.restarts == 2
+    assert sorted(event.env_indices.start for event in batch.restart_events) == [0, 2]
+    assert all(old.closed for old in workers) and not set(workers) & set(batch.workers)
+    assert [(w.label, w.timeout, w.infos) for w in batch.workers] == [
+        ("counting0", 30.0, False), ("counting1", 30.0, False)]
+    # A reset reports the restarts of its own round trip only: none.
+    batch.reset([1])
+    assert len(batch.restarted[0]) == 0 and batch.restarted[1].shape == (0, 1)
+
+
+def test_a_restarted_external_process_keeps_its_label_and_timeout(closing):
+    members = [ExternalProcess(fails_at(at_step), label="counting", timeout=30.0)
+               for at_step in (10**9, 2)]
+    batch = closing(BatchEnv(members, max_restarts=1))
+    batch.reset(seed=0)
+    batch.step(np.zeros(2, np.int64))
+    observ, *_ = batch.step(np.zeros(2, np.int64))
+    assert observ[:, 0].tolist() == [2.0, 0.0] and batch.restarted[0].tolist() == [1]
+    fresh = batch.workers[1]
+    assert isinstance(fresh, ExternalProcess) and fresh is not members[1] and members[1].closed
+    assert fresh.label == "counting" and fresh.timeout == 30.0 and batch.envs[1] is fresh
+    assert str(batch.restart_events[0]) == (
+        "restarted env 1 (restart 1) after: env 1 (counting) failed in step(): "
+        "ValueError: boom at step 2")
+
+
+def test_a_non_finite_value_after_an_autoreset_counts_steps_from_that_reset(closing):
+    # The faulty env's 4th step call is the 2nd of the episode that the autoreset began.
+    batch = closing(BatchEnv([CountingEnv(), FaultyEnv(CountingEnv(), "nan_observ", at_step=4)]))
+    batch.reset(seed=0)
+    batch.step(np.zeros(2, np.int64))
+    batch.step(np.zeros(2, np.int64))
+    batch.step(np.zeros(2, np.int64), autoreset=np.array([False, True]))
+    batch.step(np.zeros(2, np.int64))
+    error = step_until_error(batch, 1)
+    assert isinstance(error, EnvNonFiniteError) and error.env_index == 1
+    assert error.episode_step == 2 and "at step 2 of its episode" in str(error)
 
 
 class EpisodeChecker(Algorithm):

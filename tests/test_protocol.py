@@ -27,6 +27,7 @@ import pytest
 from batchrl.envs import (BatchEnv, BatchVectorEnv, EnvRaisedError, EnvWorker, ExternalProcess,
                           LocalWorker, RayEnvWorker)
 from batchrl.nested import leaf_spaces, leaves
+from batchrl.testing.faults import FaultyEnv
 from batchrl.testing.envs import ImageAndFlag, PixelSide
 from helpers import (CountingEnv, Sequential, assert_same_log, assert_same_vector_steps,
                      fails_at, make_cartpole, make_cheetah, raise_site, rollout)
@@ -171,6 +172,22 @@ def test_an_env_raising_in_step_is_named_with_its_batch_index(transport):
     assert error.env_index == 3 and error.operation == "step"
     assert error.remote_type == "ValueError" and "boom at step 3" in str(error)
     assert raise_site(CountingEnv.step, "raise ValueError") in error.remote_traceback
+
+
+def raises_in_reset(count):
+    return lambda: FaultyEnv(CountingEnv(), "raise", at_step=count, in_reset=True)
+
+
+def test_an_env_raising_in_reset_is_named_with_its_batch_index(transport):
+    """A reset of chosen rows names the env that raised by its batch index, not by its
+    position among the rows asked for or as its whole worker."""
+    batch = transport([CountingEnv, CountingEnv, CountingEnv, raises_in_reset(2)])
+    batch.reset(seed=0)
+    with pytest.raises(EnvRaisedError) as info:
+        batch.reset([1, 3])
+    error = info.value
+    assert error.env_index == 3 and error.operation == "reset"
+    assert error.remote_type == "RuntimeError" and "injected fault in reset 2" in str(error)
 
 
 def test_attributes_and_methods_reach_the_env(transport):

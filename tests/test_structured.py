@@ -314,13 +314,16 @@ class SentCountingVectorEnv(CountingVectorEnv):
         return self._result
 
 
-def test_a_rejected_step_leaves_no_member_with_a_request_in_flight():
-    """One member rejects a step (an ended env not reset) after another was sent it: the error
-    reaches the caller, the other member's answer is collected, and the batch steps on."""
+@pytest.mark.parametrize("rejecting", [CountingVectorEnv, SentCountingVectorEnv],
+                         ids=["stepped-here", "sent"])
+def test_a_rejected_step_leaves_no_member_with_a_request_in_flight(rejecting):
+    """One member rejects a step (an ended env not reset) after another was sent it (when it
+    steps here, or as it is sent the step too): the error reaches the caller, the other
+    member's answer is collected, and the batch steps on."""
     from batchrl.envs.vectorized import VectorWorker
 
     batch = BatchEnv([VectorWorker(lambda: SentCountingVectorEnv(2, length=5)),
-                      VectorWorker(lambda: CountingVectorEnv(2))])
+                      VectorWorker(lambda: rejecting(2))])
     try:
         assert batch.workers  # (member 0 is sent its steps)
         batch.reset(seed=0)

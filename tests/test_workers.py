@@ -197,6 +197,30 @@ def test_reset_twice_without_a_step_resets_twice(worker_cartpoles):
                                   np.stack([env.step(1)[0] for env in mirror]))
 
 
+def test_a_reset_after_a_seeded_one_is_a_real_reset(worker_cartpoles):
+    batch, mirror = worker_cartpoles
+    finished = step_until_finished(batch, mirror)
+    batch.reset(finished, seed=[123] * len(finished))
+    for i in finished:
+        mirror[i].reset(seed=123)
+    # Not the reset the worker made as the episode ended: that one is stale now.
+    np.testing.assert_array_equal(batch.reset(finished),
+                                  np.stack([mirror[i].reset()[0] for i in finished]))
+
+
+def test_a_reset_after_an_autoreset_step_is_a_real_reset(worker_cartpoles):
+    batch, mirror = worker_cartpoles
+    finished = step_until_finished(batch, mirror)
+    autoreset = np.isin(np.arange(2), finished)
+    observ = batch.step(np.ones(2, np.int64), autoreset)[0]
+    np.testing.assert_array_equal(observ, np.stack(
+        [env.reset()[0] if reset else env.step(1)[0] for env, reset in zip(mirror, autoreset)]))
+    # The autoreset used the worker's reset at the episode end: this one is new.
+    np.testing.assert_array_equal(batch.reset(finished),
+                                  np.stack([mirror[i].reset()[0] for i in finished]))
+    assert [batch.envs[i].resets for i in finished] == [mirror[i].resets for i in finished]
+
+
 OPTIONS = {"low": -0.001, "high": 0.001}  # CartPole's initial state range (default ±0.05)
 
 
