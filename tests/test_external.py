@@ -404,6 +404,23 @@ def test_batch_close_is_idempotent_and_stops_all_workers(gone):
     assert gone(pids, timeout=3.0) == []
 
 
+class CloseRaisesEnv(CountingEnv):
+    def close(self):
+        self.close_calls = getattr(self, "close_calls", 0) + 1
+        raise RuntimeError("the viewer is gone")
+
+
+def test_an_env_whose_close_raises_leaves_no_other_member_open(external, gone):
+    here = [CloseRaisesEnv(), CloseRaisesEnv()]
+    worker = external(CountingEnv)
+    batch = BatchEnv([*here, worker])
+    batch.reset(seed=0)
+    with pytest.raises(RuntimeError, match="the viewer is gone"):
+        batch.close()
+    assert [env.close_calls for env in here] == [1, 1]
+    assert worker.closed and gone([worker.pid], timeout=3.0) == []
+
+
 @pytest.mark.timeout(30)
 def test_close_stops_a_worker_busy_in_a_long_step(gone):
     env = ExternalProcess(sleeps_at(1, 60))

@@ -283,6 +283,21 @@ def test_a_non_finite_value_after_an_autoreset_counts_steps_from_that_reset(clos
     assert error.episode_step == 2 and "at step 2 of its episode" in str(error)
 
 
+@pytest.mark.parametrize("blocking", [False, True], ids=["parallel", "blocking"])
+def test_workers_failing_in_one_step_are_restarted_in_batch_order(closing, blocking):
+    """Failures of one step are handled in batch order in both modes: the first failed
+    worker is restarted first, and the one that finds no restart left is the last."""
+    workers = [EnvWorker([fails_at(2)], label="counting")
+               for _ in range(3)]
+    batch = closing(BatchEnv(workers, blocking=blocking, max_restarts=2))
+    batch.reset(seed=0)
+    batch.step(np.zeros(3, np.int64))
+    error = step_until_error(batch, 1)
+    assert error.env_index == 2 and "not restarted" in str(error)
+    assert [event.env_indices for event in batch.restart_events] == [range(0, 1), range(1, 2)]
+    assert batch.restarted[0].tolist() == [0, 1]
+
+
 class EpisodeChecker(Algorithm):
     """Acts with zeros and checks that every episode it is told has ended
     has exactly the steps that the (counting) env saw since its reset."""

@@ -14,7 +14,7 @@ from batchrl.envs.errors import EnvError, EnvNonFiniteError, SpaceMismatchError
 from batchrl.envs.infos import InfoList
 from batchrl.envs.local import LocalWorker
 from batchrl.envs.spaces import check_space
-from batchrl.envs.worker import Closeable, RemoteWorker, Worker, WorkerFront
+from batchrl.envs.worker import Closeable, RemoteWorker, Worker, WorkerFront, close_all
 from batchrl.nested import (build, concatenate, first_leaf, leaf_spaces, leaves_of, map_nested,
                             put, take)
 
@@ -256,7 +256,9 @@ class BatchEnv(Closeable):
         except BaseException:  # (not an env's error: see _send)
             self._drain(positions, unanswered, wait)
             raise
-        for slot, position, exc in failures:
+        # In batch order, not the order the answers came in: as in blocking mode, the first
+        # failed member is restarted first, and the one that finds no restart left is raised.
+        for slot, position, exc in sorted(failures, key=lambda failure: failure[0]):
             self._locate(exc, position)
             results[slot] = recover(position, self._restart(position, exc))
         return results
@@ -505,11 +507,11 @@ class BatchEnv(Closeable):
 
     def close(self) -> None:
         """Close every env (stops the worker processes). Idempotent; the envs then neither
-        step nor reset."""
+        step nor reset. Every member is closed even if one raises (its error is raised
+        after)."""
         self._pending = None
         self._closed = True
-        for member in self._members:
-            member.close()
+        close_all(self._members)
 
 
 def _worker_of(member: Worker | WorkerFront) -> Worker:

@@ -9,7 +9,7 @@ import gymnasium as gym
 import numpy as np
 
 from batchrl.envs.errors import EnvRaisedError
-from batchrl.envs.worker import KeptRequest, StepResult, Worker, reset_arguments
+from batchrl.envs.worker import KeptRequest, StepResult, Worker, close_all, reset_arguments
 from batchrl.nested import stack_as
 
 
@@ -101,5 +101,5 @@ class LocalWorker(KeptRequest, Worker):
         return self.envs[index]
 
     def close(self) -> None:
-        for env in self.envs:
-            env.close()
+        """Close every env, even if one raises (its error is raised after)."""
+        close_all(self.envs)

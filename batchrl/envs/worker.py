@@ -5,6 +5,7 @@ shared part for envs served elsewhere by an ``EnvHost``; subclasses add the tran
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 import pickle
 from typing import Any, Callable, Sequence
@@ -30,6 +31,14 @@ class Closeable:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def close_all(closeables: Sequence[Any]) -> None:
+    """Close each of ``closeables`` in order, every one even if another raises (a worker
+    process left running otherwise); the last error is raised, chained to those before."""
+    with contextlib.ExitStack() as stack:
+        for closeable in reversed(closeables):  # (the stack closes the last pushed first)
+            stack.callback(closeable.close)
 
 
 class Worker(Closeable, abc.ABC):
