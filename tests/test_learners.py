@@ -19,6 +19,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 
@@ -28,7 +30,7 @@ from batchrl.envs.errors import EnvSpecError
 from batchrl.hardware import usable_cores
 from batchrl.learners import run
 from batchrl.parts.distributed import LearnerGroup
-from batchrl.parts.normalize import StreamingNormalizer
+from batchrl.parts.normalize import Statistics, StreamingNormalizer
 from batchrl.simulation import simulate
 from helpers import (REPO, assert_same, descendants, finish, in_session, ray_pickles_by_value,
                      run_stdin_script, seeded_tensor_env, sets, start_train_py, wait_for,
@@ -91,6 +93,7 @@ def _learner(rank: int, port: int, results) -> None:
                         value_layers=(16,), reward_scale="return", inference="eager")
         initial = {k: v.clone() for k, v in algo.policy.state_dict().items()}
         algo.join_learners(learners)
+        calls = _count_calls(learners, "average_gradients")
         advantages = torch.randn(10 + 7 * rank, generator=generator) * (1 + rank) + rank
         moments = [float(m) for m in algo._advantage_moments(advantages)]
         torch.manual_seed(1 + rank)
@@ -101,7 +104,24 @@ def _learner(rank: int, port: int, results) -> None:
                 update_terms.append((summary["ppo/kl"], summary["ppo/entropy"],
                                      summary["ppo/beta_next"]))
         env.close()
-        state = algo.state_dict()
+        state, gradient_steps = algo.state_dict(), len(calls)
+        # The collectives on values that differ between the learners. Gradients: learner 0
+        # has all of them (no missing one of its own), learner 1 lacks b's.
+        for p, grad in zip((a, b, c), (torch.full((2,), 2.0 * rank),
+                                       torch.full((3,), 6.0) if rank == 0 else None,
+                                       torch.full((1,), 1.0 + rank))):
+            p.grad = grad
+        learners.average_gradients([a, b, c])
+        statistics = Statistics(torch.tensor(1.0 + rank), torch.full((3,), float(rank)),
+                                torch.full((3,), 2.0 * rank))
+        collectives = {
+            "grads": [None if p.grad is None else p.grad.tolist() for p in (a, b, c)],
+            "mean": learners.mean(torch.tensor([1.0 + rank, 4.0 * rank])),
+            "sum": learners.sum(torch.tensor([1.0 + rank, 4.0 * rank])),
+            "broadcast": learners.broadcast({"weights": torch.full((2,), float(rank)),
+                                             "rank": rank, "statistics": statistics}),
+            "gathered": learners.gather_to_writer(("learner", rank))}
+        fed = _fed_ppo(slice(2 * rank, 2 * rank + 2), learners)
         _put(results, rank, {
             "batches": batches, "statistics": tuple(normalizer.statistics()), "grads": grads,
             "policy": state["policy"], "value": state["value"],
@@ -110,9 +130,50 @@ def _learner(rank: int, port: int, results) -> None:
             "updates": state["updates"], "env_steps": state["env_steps"],
             "running_return": state["running_return"], "initial": initial,
             "advantages": advantages, "moments": moments,
-            "update_terms": update_terms})
+            "update_terms": update_terms, "gradient_steps": gradient_steps,
+            "collectives": collectives, "fed": fed})
     finally:
         learners.close()
+
+
+def _count_calls(learners: LearnerGroup, name: str) -> list[int]:
+    """A list that grows by one at each call of ``learners``'s method ``name``."""
+    calls, method = [], getattr(learners, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return method(*args, **kwargs)
+    setattr(learners, name, counted)
+    return calls
+
+
+def _fed_ppo(agents: slice, learners: LearnerGroup | None = None) -> dict:
+    """BatchPPO's state and last summary after two epochs of one gradient step each on a
+    rollout of 8 synthetic steps by ``agents`` of 4 agents (all of them for one learner;
+    ``minibatch_size`` takes all 32 steps)."""
+    observ_space = gym.spaces.Box(-10.0, 10.0, (3,), dtype=np.float32)
+    action_space = gym.spaces.Box(-1.0, 1.0, (2,), dtype=np.float32)
+    count = len(range(4)[agents])
+    torch.manual_seed(0)
+    # (the observations as they come: each learner's running statistics would differ)
+    algo = BatchPPO(observ_space, action_space, count, rollout_length=8, minibatch_size=32,
+                    update_epochs=2, policy_layers=(8,), value_layers=(8,), max_grad_norm=0.5,
+                    normalize_observ=False, inference="eager")
+    if learners is not None:
+        algo.join_learners(learners)
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.arange(count)
+    algo.begin_episodes(ids)
+    for _ in range(8):
+        observ, action, next_observ = (torch.randn(4, size, generator=generator)[agents]
+                                       for size in (3, 2, 3))
+        reward = 1.0 + 2.0 * torch.randn(4, generator=generator)[agents]
+        algo.perform(ids, observ)  # (the acting policy's distribution; its sample unused)
+        summary = algo.experience(ids, observ, action.clamp(-1, 1), reward,
+                                  torch.zeros(count), next_observ, torch.zeros(count))
+    state = algo.state_dict()
+    return {"policy": state["policy"], "value": state["value"],
+            "reward_normalizer": state["reward_normalizer"], "summary": summary}
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +208,50 @@ def test_advantages_are_normalised_with_the_moments_of_all_learners(two_learners
     for rank in (0, 1):
         assert two_learners[rank]["moments"] == pytest.approx(
             [float(union.mean()), float(union.std())], rel=1e-5)
+
+
+def test_a_gradient_only_the_other_learner_lacks_is_still_averaged_there(two_learners):
+    # Learner 0 had all three gradients: it still tells learner 1 that b had one.
+    for rank in (0, 1):
+        assert two_learners[rank]["collectives"]["grads"] == [[1.0, 1.0], [3.0, 3.0, 3.0],
+                                                              [1.5]]
+
+
+def test_means_and_sums_over_the_learners_keep_their_kind(two_learners):
+    for rank in (0, 1):
+        found = two_learners[rank]["collectives"]
+        assert found["mean"].dtype == torch.float32 and found["mean"].tolist() == [1.5, 2.0]
+        assert found["sum"].dtype == torch.float64 and found["sum"].tolist() == [3.0, 4.0]
+
+
+def test_the_writers_value_is_broadcast_and_the_learners_gathered_on_it(two_learners):
+    for rank in (0, 1):
+        assert_same(two_learners[rank]["collectives"]["broadcast"],
+                    {"weights": torch.zeros(2), "rank": 0, "statistics": Statistics(
+                        torch.tensor(1.0), torch.zeros(3), torch.zeros(3))},
+                    "broadcast")
+    assert two_learners[0]["collectives"]["gathered"] == [("learner", 0), ("learner", 1)]
+    assert two_learners[1]["collectives"]["gathered"] is None
+
+
+def test_each_learner_takes_its_share_of_a_minibatch_in_every_gradient_step(two_learners):
+    # minibatch_size 16 over both learners: 8 of each one's 48 steps, 6 gradient steps an
+    # epoch, 2 epochs, 3 updates.
+    for rank in (0, 1):
+        assert two_learners[rank]["gradient_steps"] == 3 * 2 * 48 // 8
+
+
+def test_two_learners_on_halves_of_a_batch_learn_as_one_on_all_of_it(two_learners):
+    one = _fed_ppo(slice(0, 4))
+    for rank in (0, 1):
+        fed = two_learners[rank]["fed"]
+        for name in ("policy", "value", "reward_normalizer"):
+            for key, want in one[name].items():
+                torch.testing.assert_close(fed[name][key], want, rtol=1e-5, atol=1e-6,
+                                           msg=f"{name}.{key}")
+        # The gradient's norm (before clipping), the entropy and the penalty's next beta.
+        for key in ("ppo/grad_norm", "ppo/entropy", "ppo/beta_next"):
+            assert fed["summary"][key] == pytest.approx(one["summary"][key], rel=1e-5), key
 
 
 def test_merged_statistics_are_one_normalisers_over_the_union(two_learners):
