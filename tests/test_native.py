@@ -6,11 +6,13 @@ bad input."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 
 import gymnasium as gym
 import numpy as np
 import pytest
+from gymnasium.envs.registration import load_env_creator
 
 from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.factory import batch_env_from, choose_backend, make_batch_env
@@ -131,6 +133,9 @@ def test_native_defaults_are_gymnasiums(env_id):
     are conditions the env does not have."""
     env = gym.make(env_id).unwrapped
     task = TASKS[env_id]
+    takes = inspect.signature(load_env_creator(gym.spec(env_id).entry_point)).parameters
+    assert task_arguments(env_id) == {field.name for field in dataclasses.fields(task)
+                                      if not field.metadata.get("fixed") and field.name in takes}
     for field in dataclasses.fields(task):
         if field.name not in task_arguments(env_id) and not field.metadata.get("fixed"):
             assert getattr(task, field.name) in (None, False, 0.0), field.name

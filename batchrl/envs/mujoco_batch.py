@@ -20,15 +20,12 @@ infos) are computed for the whole batch in numpy.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
-import inspect
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, ClassVar
 
 import gymnasium as gym
 import numpy as np
-from gymnasium.envs.registration import load_env_creator
 from gymnasium.utils import seeding
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space
@@ -93,7 +90,8 @@ class Locomotion(Task):
     ``velocity_noise``: Gymnasium's reset draws ``qvel`` noise from a ``"normal"`` or
     ``"uniform"`` distribution; ``clip_velocity``: observed velocities are clipped to
     [-10, 10]; ``stands`` (Hopper, Walker2d): the infos have the survival reward and the
-    torso's height from its initial one (these three are the task's, not keyword
+    torso's height from its initial one; ``not_arguments``: the fields the env's Gymnasium
+    version takes no keyword argument for (these four are the task's, not keyword
     arguments)."""
 
     forward_reward_weight: float = 1.0
@@ -108,6 +106,8 @@ class Locomotion(Task):
     velocity_noise: str = dataclasses.field(default="uniform", metadata={"fixed": True})
     clip_velocity: bool = dataclasses.field(default=True, metadata={"fixed": True})
     stands: bool = dataclasses.field(default=False, metadata={"fixed": True})
+    not_arguments: frozenset[str] = dataclasses.field(default=frozenset(),
+                                                      metadata={"fixed": True})
 
     def reset_state(self, rng: np.random.Generator, init_qpos: np.ndarray,
                     init_qvel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -333,14 +333,18 @@ class Humanoid(Task):
 
 TASKS: dict[str, Task] = {
     "HalfCheetah-v5": Locomotion(ctrl_cost_weight=0.1, reset_noise_scale=0.1,
-                                 velocity_noise="normal", clip_velocity=False),
+                                 velocity_noise="normal", clip_velocity=False,
+                                 not_arguments=frozenset({
+                                     "healthy_reward", "terminate_when_unhealthy",
+                                     "healthy_z_range", "healthy_angle_range",
+                                     "healthy_state_range"})),
     "Hopper-v5": Locomotion(healthy_reward=1.0, terminate_when_unhealthy=True,
                             healthy_z_range=(0.7, float("inf")),
                             healthy_angle_range=(-0.2, 0.2),
                             healthy_state_range=(-100.0, 100.0), stands=True),
     "Walker2d-v5": Locomotion(healthy_reward=1.0, terminate_when_unhealthy=True,
                               healthy_z_range=(0.8, 2.0), healthy_angle_range=(-1.0, 1.0),
-                              stands=True),
+                              stands=True, not_arguments=frozenset({"healthy_state_range"})),
     "Reacher-v5": Reacher(),
     "Ant-v5": Ant(),
     "Humanoid-v5": Humanoid(),
@@ -349,14 +353,13 @@ TASKS: dict[str, Task] = {
 MODEL_ARGUMENTS = ("xml_file", "frame_skip")
 
 
-@functools.cache
-def task_arguments(env_id: str) -> frozenset[str]:
+def task_arguments(env_id: str) -> set[str]:
     """The v5 keyword arguments ``TASKS[env_id]`` computes with (besides
-    ``MODEL_ARGUMENTS``): the fields of its task that Gymnasium's env takes (one task class,
-    ``Locomotion``, serves envs with different arguments)."""
-    takes = inspect.signature(load_env_creator(gym.spec(env_id).entry_point)).parameters
-    return frozenset(field.name for field in dataclasses.fields(TASKS[env_id])
-                     if not field.metadata.get("fixed") and field.name in takes)
+    ``MODEL_ARGUMENTS``): its fields but the task's own and those its env takes no argument
+    for (one task class, ``Locomotion``, serves envs with different arguments)."""
+    task = TASKS[env_id]
+    return {field.name for field in dataclasses.fields(task) if not field.metadata.get("fixed")
+            and field.name not in getattr(task, "not_arguments", ())}
 
 
 def steps_natively(env_id: str, kwargs: dict[str, Any] | None = None) -> bool:
