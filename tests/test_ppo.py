@@ -1005,21 +1005,13 @@ def test_rollout_advantages_bootstrap_at_time_limits_and_the_cut():
 
 def test_rollout_drops_episodes_cut_by_a_reset():
     algo = make(BOX, num_agents=2, rollout_length=4, update_epochs=1)
-    masks = []
-    original = algo._advantages
-
-    def capture(*args):
-        data, mask = original(*args)
-        masks.append(mask.clone())  # (the memory's buffers are cleared after the update)
-        return data, mask
-
-    algo._advantages = capture
+    captured = capture_advantages(algo)
     rollout_steps(algo, 2, seed=2, done_at={0: [1]})
     # A reset of both envs (a new phase): agent 0's running episode has no
     # next state to bootstrap from, agent 1's episode began at step 1.
     algo.begin_episodes(torch.arange(2))
     rollout_steps(algo, 2, seed=3, done_at={})
-    assert masks[0].tolist() == [[False, False, True, True], [True, False, True, True]]
+    assert captured[0][1].tolist() == [[False, False, True, True], [True, False, True, True]]
 
 
 def test_steps_lost_at_the_last_step_of_a_rollout_leave_the_update():
