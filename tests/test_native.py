@@ -18,10 +18,11 @@ from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.factory import batch_env_from, choose_backend, make_batch_env
 from batchrl.envs.infos import info_row
 from batchrl.envs.wrappers import wrap_env
+from batchrl.hardware import usable_cores
 from helpers import finish, sets, start_train_py
 
 pytest.importorskip("mjbatch")
-from batchrl.envs.mujoco_batch import TASKS, MujocoBatch, task_arguments  # noqa: E402
+from batchrl.envs.mujoco_batch import TASKS, MujocoBatch, ThreadedSims, task_arguments  # noqa: E402
 
 
 def assert_same_info(got: dict, want: dict) -> None:
@@ -65,13 +66,16 @@ def step_both(native: MujocoBatch, envs: list[gym.Env], ended: np.ndarray, steps
     ("Hopper-v5", {}, 25),
     ("Walker2d-v5", {}, 25),
     ("Hopper-v5", {"ctrl_cost_weight": 0.01, "healthy_angle_range": (-0.3, 0.3),
-                   "exclude_current_positions_from_observation": False}, 25),
+                   "exclude_current_positions_from_observation": False,
+                   "forward_reward_weight": 2.0, "healthy_reward": 0.5}, 25),
     ("HalfCheetah-v5", {"frame_skip": 2, "reset_noise_scale": 0.5}, 40),
     ("Reacher-v5", {}, 30),
-    ("Reacher-v5", {"reward_dist_weight": 2.0, "frame_skip": 3}, None),
+    ("Reacher-v5", {"reward_dist_weight": 2.0, "reward_control_weight": 0.5, "frame_skip": 3},
+     None),
     ("Ant-v5", {}, 40),
     ("Ant-v5", {"contact_cost_weight": 1e-3, "healthy_z_range": (0.3, 0.9), "main_body": "torso",
-                "include_cfrc_ext_in_observation": False}, 30),
+                "include_cfrc_ext_in_observation": False, "forward_reward_weight": 2.0,
+                "healthy_reward": 0.5, "exclude_current_positions_from_observation": False}, 30),
     ("Humanoid-v5", {}, 30),
     ("Humanoid-v5", {"include_cinert_in_observation": False, "contact_cost_weight": 1e-6,
                      "exclude_current_positions_from_observation": False,
@@ -123,6 +127,43 @@ def test_each_health_condition_ends_episodes_as_gymnasiums(env_id, kwargs, limit
     terminations, _, _ = step_both(native, envs, np.zeros(len(seeds), bool), 300,
                                    np.random.default_rng(0))
     assert terminations > 0
+    native.close()
+
+
+@pytest.mark.parametrize("env_id, unreachable", [("Hopper-v5", (10.0, INF)),
+                                                 ("Ant-v5", (10.0, 20.0))])
+@pytest.mark.parametrize("terminate", [True, False])
+def test_unhealthy_states_end_episodes_only_when_asked(env_id, unreachable, terminate):
+    """Every state is unhealthy (a healthy height out of reach): with
+    ``terminate_when_unhealthy`` each episode ends at its first step, and the step that starts
+    the next one (its initial state unhealthy too) is no termination; without, no episode
+    ends. As Gymnasium's env, step for step."""
+    kwargs = {"healthy_z_range": unreachable, "terminate_when_unhealthy": terminate}
+    seeds = [11, 12]
+    native = MujocoBatch(env_id, len(seeds), **kwargs)
+    envs = [wrap_env(gym.make(env_id, **kwargs)) for _ in seeds]
+    observ, _ = native.reset(seed=np.array(seeds))
+    np.testing.assert_array_equal(
+        observ, np.stack([env.reset(seed=seed)[0] for env, seed in zip(envs, seeds)]))
+    terminations, _, _ = step_both(native, envs, np.zeros(len(seeds), bool), 6,
+                                   np.random.default_rng(0))
+    assert terminations == (3 * len(seeds) if terminate else 0)
+    native.close()
+
+
+@pytest.mark.parametrize("part", ["cinert", "cvel", "qfrc_actuator", "cfrc_ext"])
+def test_each_humanoid_observation_part_can_be_left_out(part):
+    """``include_<part>_in_observation=False`` leaves that part alone out of Humanoid's
+    observations, as Gymnasium's env does."""
+    kwargs = {f"include_{part}_in_observation": False}
+    seeds = [11, 12]
+    native = MujocoBatch("Humanoid-v5", len(seeds), **kwargs)
+    envs = [wrap_env(gym.make("Humanoid-v5", **kwargs)) for _ in seeds]
+    assert native.single_observation_space == envs[0].observation_space
+    observ, _ = native.reset(seed=np.array(seeds))
+    np.testing.assert_array_equal(
+        observ, np.stack([env.reset(seed=seed)[0] for env, seed in zip(envs, seeds)]))
+    step_both(native, envs, np.zeros(len(seeds), bool), 5, np.random.default_rng(0))
     native.close()
 
 
@@ -183,6 +224,49 @@ def test_a_partial_reset_leaves_an_ended_env_to_its_autoreset():
     native.close()
 
 
+def test_a_reset_of_ended_episodes_replaces_their_autoreset():
+    """Both episodes end (the time limit) and env 0 is reset with ``reset_mask``, as
+    ``BatchEnv`` resets ended envs: at the next step env 0 steps its new episode (not starts
+    anew again) while env 1 starts anew by its next-step autoreset."""
+    native = MujocoBatch("HalfCheetah-v5", 2, max_episode_steps=2)
+    envs = [wrap_env(gym.make("HalfCheetah-v5", max_episode_steps=2)) for _ in range(2)]
+    native.reset(seed=np.array([1, 2]))
+    for env, seed in zip(envs, [1, 2]):
+        env.reset(seed=seed)
+    rng = np.random.default_rng(0)
+    _, _, ended = step_both(native, envs, np.zeros(2, bool), 2, rng)
+    assert ended.all()
+    observ, _ = native.reset(seed=np.array([3]), options={"reset_mask": np.array([True, False])})
+    np.testing.assert_array_equal(observ[0], envs[0].reset(seed=3)[0])
+    step_both(native, envs, np.array([False, True]), 3, rng)
+    native.close()
+
+
+def test_threaded_sims_take_the_threads_asked_for():
+    """Ant's and Humanoid's simulations step in ``ThreadedSims``: ``num_threads`` threads (0:
+    one per usable core), at most one per env."""
+    for threads, count, want in ((3, 4, 3), (0, 4, min(usable_cores(), 4)), (8, 2, 2)):
+        native = MujocoBatch("Ant-v5", count, num_threads=threads)
+        try:
+            assert isinstance(native.batch, ThreadedSims)
+            assert native.batch.num_threads == want, (threads, count)
+        finally:
+            native.close()
+
+
+def test_the_native_backend_keeps_max_length():
+    """``make_batch_env``'s ``max_length`` (``env.max_length``) is the native batch's time
+    limit."""
+    batch = make_batch_env("HalfCheetah-v5", 2, max_length=3, backend="native")
+    try:
+        batch.reset(seed=0)
+        for step in range(1, 4):
+            _, _, terminated, truncated, _ = batch.step(np.zeros((2, 6), np.float32))
+            assert not terminated.any() and truncated.tolist() == [step == 3] * 2, step
+    finally:
+        batch.close()
+
+
 def test_native_actions_follow_normalize_ranges():
     """Humanoid's actions span [-0.4, 0.4]: with ``normalize_ranges`` (the default) the native
     envs take [-1, 1] and rescale as ``wrap_env``; without, the task's own range."""
@@ -210,8 +294,13 @@ def test_bad_input_is_a_clear_error():
         native.step(np.zeros((2, 4), np.float32))
     with pytest.raises(ValueError, match=r"actions must be finite; envs \[1\] got NaN or inf"):
         native.step(np.array([[0, 0, 0], [0, np.nan, 0]], np.float32))
+    with pytest.raises(ValueError, match=r"reset: 1 seeds for 2 envs"):
+        native.reset(seed=np.array([3]))
     with pytest.raises(TypeError, match="takes no keyword argument 'healthy_rewards'"):
         MujocoBatch("Hopper-v5", 2, healthy_rewards=2.0)
+    with pytest.raises(ValueError, match="no native batched version of 'Swimmer-v5'; available: "
+                                         "HalfCheetah-v5, "):
+        MujocoBatch("Swimmer-v5", 2)
     with pytest.raises(EnvSpecError, match="env backend 'native' steps HalfCheetah-v5, Hopper-v5, "
                                            "Walker2d-v5, Reacher-v5, Ant-v5, Humanoid-v5 in "
                                            "batches, not 'Swimmer-v5'"):
