@@ -202,6 +202,21 @@ def test_a_seed_of_zero_seeds_the_first_env():
     native.close()
 
 
+def test_a_longer_time_limit_replaces_the_registered_one():
+    """``max_episode_steps`` replaces the task's registered time limit (Reacher-v5's: 50) as
+    ``gym.make``'s does (and ``env.max_length`` under backend ``"workers"``), a longer one
+    too."""
+    native = MujocoBatch("Reacher-v5", 2, max_episode_steps=60)
+    envs = [wrap_env(gym.make("Reacher-v5", max_episode_steps=60)) for _ in range(2)]
+    native.reset(seed=np.array([1, 2]))
+    for env, seed in zip(envs, [1, 2]):
+        env.reset(seed=seed)
+    _, truncations, ended = step_both(native, envs, np.zeros(2, bool), 60,
+                                      np.random.default_rng(0))
+    assert truncations == 2 and ended.all()
+    native.close()
+
+
 def test_a_partial_reset_leaves_an_ended_env_to_its_autoreset():
     """Env 0's episode ends (the time limit) while env 1 is reset alone: env 0 still starts
     anew at the next step, as Gymnasium's next-step autoreset does (the reset mask clears

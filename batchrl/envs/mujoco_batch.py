@@ -483,8 +483,8 @@ class MujocoBatch(gym.vector.VectorEnv):
     ``[-1, 1]``, clipped there and mapped onto the task's range by Gymnasium's
     ``RescaleAction`` arithmetic (else clipped to the task's range); next-step autoreset, and
     ``reset(seed=..., options={"reset_mask": mask})`` with one seed per env reset
-    (``VectorWorker``'s conditions). Episodes are truncated at
-    ``max_episode_steps`` or the task's registered limit, whichever is shorter.
+    (``VectorWorker``'s conditions). Episodes are truncated at ``max_episode_steps``, which
+    replaces the task's registered limit as ``gym.make``'s does (none: the registered limit).
 
     Args:
       env_id: the Gymnasium id, for example ``"HalfCheetah-v5"``.
@@ -536,8 +536,7 @@ class MujocoBatch(gym.vector.VectorEnv):
         self.action_space = batch_space(self.single_action_space, num_envs)
         self.observation_space = batch_space(self.single_observation_space, num_envs)
         template.close()
-        limits = [value for value in (limit, max_episode_steps) if value is not None]
-        self.max_episode_steps = min(limits) if limits else None
+        self.max_episode_steps = limit if max_episode_steps is None else max_episode_steps
         self.batch = (ThreadedSims(self.model, num_envs, num_threads)
                       if self.task.contact_forces
                       else Batch(self.model, num_envs, num_threads=min(num_threads, num_envs)))
