@@ -634,6 +634,48 @@ def test_ray_learners_spread_over_the_nodes_and_leave_no_bundle(cluster):
     cluster.wait_idle()
 
 
+def test_a_killed_ray_learner_died_and_closing_the_learners_leaves_ray(cluster):
+    """``failure`` waits no longer than asked while the learners run; a learner whose actor is
+    killed "died" (not "failed"); ``close`` disconnects when batchrl made the connection."""
+    import ray
+    from batchrl.learners.ray import RayLearners
+
+    ray.shutdown()  # batchrl connects itself
+    try:
+        learners = RayLearners(1, {"CPU": 1, "second_node": 1}, cluster.address)
+        try:
+            learners.start([functools.partial(time.sleep, 30)])
+            started = time.monotonic()
+            assert learners.failure(wait=0.5) is None
+            assert time.monotonic() - started < 10
+            ray.kill(learners.actors[0])
+            line = learners.failure(wait=30.0)
+        finally:
+            learners.close()
+        assert not ray.is_initialized()
+    finally:
+        if not ray.is_initialized():
+            ray.init(address=cluster.address, logging_level="warning")
+    assert line.startswith(f"learner 1 on node {cluster.node_id('second')[:8]} died: "), line
+    cluster.wait_idle()
+
+
+def test_ray_learners_no_nodes_can_hold_are_an_error_after_the_placement_timeout(cluster,
+                                                                                 monkeypatch):
+    from ray.util import placement_group_table
+
+    from batchrl.learners import ray as ray_learners
+
+    monkeypatch.setattr(ray_learners, "PLACEMENT_TIMEOUT_S", 2.0)
+    # The cluster's 3 CPUs are as many as asked, but no node has 1.5 CPUs twice or the second
+    # node 1.5 at all.
+    with pytest.raises(EnvSpecError, match=r"^the Ray cluster did not place 2 learners of "
+                                           r"\{'CPU': 1.5\} within 2 s$"):
+        ray_learners.RayLearners(2, {"CPU": 1.5}, cluster.address)
+    assert {group["state"] for group in placement_group_table().values()} <= {"REMOVED"}
+    cluster.wait_idle()
+
+
 # --- errors before work starts ------------------------------------------------------------
 
 def test_a_preemption_threshold_that_waits_for_all_suggests_one_that_does_not():

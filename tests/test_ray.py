@@ -12,6 +12,7 @@ when its last test ends and none may be left. Skipped when Ray is not installed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -247,6 +248,18 @@ def test_batchrl_connects_and_disconnects_the_driver_itself(cluster, closing):
     batch.reset(seed=0)
     batch.close()
     assert not ray.is_initialized()  # batchrl connected, so batchrl disconnected
+    assert guards() == []  # and the guard of that connection ended with it
+
+
+def test_an_actor_no_node_has_room_for_is_a_construct_timeout_naming_its_resources(closing):
+    # (construct_timeout left out: the timeout, which includes placing the actor)
+    worker = closing(RayEnvWorker([CountingEnv], label="nowhere", timeout=2.0,
+                                  resources={"CPU": 1, "nowhere_node": 1}))
+    with pytest.raises(EnvTimeoutError, match=r"env 0 \(nowhere\) failed in construct\(\): the "
+                                              r"Ray actor was not placed, or did not build its "
+                                              r"envs, within 2.0 s \(it asks for \{'CPU': 1, "
+                                              r"'nowhere_node': 1\}; are they free on some "):
+        BatchEnv([worker])
 
 
 def test_resources_the_cluster_lacks_are_an_error_before_any_actor(closing):
@@ -381,3 +394,175 @@ def test_an_actor_answers_the_reset_an_episode_end_brings_for_values_of_any_spac
     status, (observ, reward, terminated, _, _, resets) = host.step(np.zeros(1, np.int64))
     assert status == "ok" and observ.tolist() == ["cd"] and terminated.tolist() == [True]
     assert [(index, first) for index, first, _ in resets] == [(0, "ab")]
+
+
+# -- the pieces that need no cluster ------------------------------------------------------------
+
+
+def test_actor_options_map_resources_to_ray_arguments():
+    from batchrl.envs.ray.cluster import actor_options
+    assert actor_options({}) == {"num_cpus": 1}  # CPU 1 when left out
+    assert actor_options({"env_node": 0.5}) == {"num_cpus": 1, "resources": {"env_node": 0.5}}
+    assert actor_options({"CPU": 2, "GPU": 1, "memory": 2**30, "env_node": 0.5}) == {
+        "num_cpus": 2, "num_gpus": 1, "memory": 2**30, "resources": {"env_node": 0.5}}
+    for bad in ({"CPU": -1}, {"CPU": True}, {"CPU": "1"}, {1: 1}, [("CPU", 1)]):
+        with pytest.raises(EnvSpecError, match="ray_resources must map Ray resource names"):
+            actor_options(bad)
+
+
+class ClusterResources:
+    """What ``plan_workers`` and ``missing_resources`` ask of the ``ray`` module: the
+    totals of a cluster (one with GPUs or many nodes, which this machine cannot run)."""
+
+    def __init__(self, **total: float):
+        self.total = total
+
+    def cluster_resources(self) -> dict[str, float]:
+        return dict(self.total)
+
+
+def test_the_room_for_actors_counts_a_cpu_each_unless_told_and_every_resource_asked():
+    from batchrl.envs.ray.cluster import missing_resources, plan_workers
+    cluster = ClusterResources(CPU=3, GPU=2, env_node=1)
+    assert missing_resources(cluster, 3, {"CPU": 1}) is None  # an exact fit
+    assert missing_resources(cluster, 4, {}) == ("CPU=4 needed in all, but the Ray cluster "
+                                                 "has CPU=3")
+    assert missing_resources(cluster, 4, {"env_node": 0.25}) == (
+        "CPU=4 needed in all, but the Ray cluster has CPU=3")
+    assert missing_resources(cluster, 2, {"CPU": 0, "GPU": 1.5, "tpu": 0}) == (
+        "GPU=3 needed in all, but the Ray cluster has GPU=2")
+    # workers=0: as many as every resource holds, at most one per env, at least one.
+    assert plan_workers(cluster, 0, 8, {"CPU": 1}) == 3
+    assert plan_workers(cluster, 0, 8, {"CPU": 1, "env_node": 0.5}) == 2
+    assert plan_workers(cluster, 0, 8, {"CPU": 0, "GPU": 0.5}) == 4
+    assert plan_workers(cluster, 0, 2, {"CPU": 1}) == 2
+    assert plan_workers(cluster, 5, 2, {"CPU": 1}) == 2
+    with pytest.raises(EnvSpecError, match=r"^1 Ray env worker with env.ray_resources="
+                                           r"\{'CPU': 1, 'gpu_node': 1\}: gpu_node=1 needed in "
+                                           r"all, but the Ray cluster has gpu_node=0; "):
+        plan_workers(cluster, 0, 8, {"CPU": 1, "gpu_node": 1})
+    with pytest.raises(EnvSpecError, match=r"^3 Ray env workers with .*: GPU=6 needed"):
+        plan_workers(cluster, 3, 8, {"CPU": 1, "GPU": 2})
+
+
+def test_a_ray_error_is_told_in_its_first_lines_without_the_indented_details():
+    from batchrl.envs.ray.worker import _reason
+
+    class ActorDiedError(Exception):
+        pass
+
+    error = ActorDiedError("The actor died unexpectedly before finishing this task.\n"
+                           "\tclass_name: RayEnvHost\n\tactor_id: 1234\n"
+                           "The actor is dead because its node has died. Node Id: abcd\n"
+                           "  the node's last words\nA third line.")
+    assert _reason(error) == ("ActorDiedError: The actor died unexpectedly before finishing "
+                              "this task. The actor is dead because its node has died. "
+                              "Node Id: abcd")
+    assert _reason(ActorDiedError("")) == "ActorDiedError: no reason given"
+    assert len(_reason(ActorDiedError("x" * 1000))) == len("ActorDiedError: ") + 400
+
+
+def test_the_trainers_signal_handlers_outlive_ray_init():
+    from batchrl.envs.ray.cluster import _handlers_kept
+
+    def handler(signum, frame):
+        pass
+
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+        with _handlers_kept():  # as ray.init does
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+        assert signal.getsignal(signal.SIGTERM) is handler
+        assert signal.getsignal(signal.SIGINT) is handler
+    finally:
+        for signum, previous in saved.items():
+            signal.signal(signum, previous)
+
+
+def guards() -> list[psutil.Process]:
+    """This process's ``RayGuard`` processes still running."""
+    found = []
+    for child in psutil.Process().children():
+        try:
+            if (child.status() != psutil.STATUS_ZOMBIE
+                    and any(part.endswith("guard.py") for part in child.cmdline())):
+                found.append(child)
+        except psutil.Error:
+            pass
+    return found
+
+
+def test_a_bad_ray_address_is_an_error_naming_it_and_leaves_no_guard():
+    from batchrl.envs.ray import cluster as ray_cluster
+    assert not ray.is_initialized(), "the cluster's tests run first and disconnect"
+    with pytest.raises(EnvSpecError, match=r"^cannot connect to a Ray cluster at "
+                                           r"env.ray_address='no-port': .*'ray start --head'"):
+        ray_cluster.acquire("no-port")
+    assert not ray.is_initialized()
+    assert guards() == []
+    assert ray_cluster._users == 0 and not ray_cluster._owned
+
+
+GUARDED_SCRIPT = """
+import subprocess, sys, time
+from batchrl.envs.ray.guard import RayGuard
+guard = RayGuard.start()
+child = subprocess.Popen(["sleep", "60"])  # (as Ray's processes, started after the guard)
+time.sleep(1.5)  # the guard notes it
+if sys.argv[1] == "stop":
+    guard.stop()
+print(child.pid, guard._process.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("stopped", [False, True], ids=["killed", "stopped"])
+def test_the_guard_kills_what_a_sigkilled_process_started_unless_stopped(stopped):
+    process = subprocess.Popen(
+        [sys.executable, "-c", GUARDED_SCRIPT, "stop" if stopped else "run"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        child, guard = map(int, process.stdout.readline().split())
+        child = psutil.Process(child)
+        if stopped:
+            assert not psutil.pid_exists(guard) or psutil.Process(guard).status() == "zombie"
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        _, alive = psutil.wait_procs([child], timeout=3 if stopped else 10)
+        assert alive == ([child] if stopped else [])
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)  # (the sleep, in its session)
+        process.wait()
+
+
+def test_the_guards_kill_spares_a_recycled_pid_and_takes_later_children():
+    from batchrl.envs.ray import guard
+
+    table = {1: (0, "1"), 10: (1, "5"), 11: (10, "6"), 12: (11, "7"), 20: (1, "8")}
+    assert guard.descendants(10, table) == {11: "6", 12: "7"}
+    assert guard.descendants(1, table) == {10: "5", 11: "6", 12: "7", 20: "8"}
+    assert guard.descendants(12, table) == {}
+
+    shell = subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not psutil.Process(shell.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sleep, = psutil.Process(shell.pid).children()
+        started = guard._processes()[shell.pid][1]
+        guard._kill({shell.pid: str(int(started) + 1)})  # another process, of that pid
+        time.sleep(0.2)
+        assert shell.poll() is None and sleep.is_running()
+        guard._kill({shell.pid: started})  # the shell noted, its child started later
+        shell.wait(timeout=10)
+        _, alive = psutil.wait_procs([sleep], timeout=10)
+        assert alive == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shell.pid, signal.SIGKILL)
+        shell.wait()
