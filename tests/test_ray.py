@@ -566,3 +566,44 @@ def test_the_guards_kill_spares_a_recycled_pid_and_takes_later_children():
         with contextlib.suppress(ProcessLookupError):
             os.killpg(shell.pid, signal.SIGKILL)
         shell.wait()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("given_in", ["config", "environment"])
+def test_a_ray_address_where_no_head_listens_is_an_error_at_once(given_in, monkeypatch):
+    """``ray.init`` retries an absent head for ever (every 5 s, without a word to the user):
+    batchrl says that nothing listens there instead, naming where the address came from
+    (``env.ray_address`` or ``RAY_ADDRESS``)."""
+    import socket
+
+    from batchrl.envs.ray import cluster as ray_cluster
+    assert not ray.is_initialized(), "the cluster's tests run first and disconnect"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"  # (bound, not listening)
+        if given_in == "environment":
+            monkeypatch.setenv("RAY_ADDRESS", address)
+        where = "env.ray_address" if given_in == "config" else "RAY_ADDRESS"
+        started = time.monotonic()
+        with pytest.raises(EnvSpecError, match=rf"^cannot connect to a Ray cluster at "
+                                               rf"{where}='{address}': no Ray head "
+                                               rf"listens at {address} .*'ray start --head'"):
+            ray_cluster.acquire(address if given_in == "config" else "")
+    assert time.monotonic() - started < 15
+    assert not ray.is_initialized() and guards() == []
+
+
+def test_an_interrupted_connection_leaves_no_guard(monkeypatch):
+    """A Ctrl-C while ``ray.init`` waits (stood for here by ``ray.init`` raising it: a real
+    one reaches Python only when Ray's wait lets it) stops the guard started for it."""
+    from batchrl.envs.ray import cluster as ray_cluster
+    assert not ray.is_initialized(), "the cluster's tests run first and disconnect"
+
+    def interrupted(**kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ray, "init", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ray_cluster.acquire("auto")
+    assert guards() == []
+    assert ray_cluster._users == 0 and not ray_cluster._owned

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
 from types import ModuleType
 from typing import Any, Iterator
@@ -53,6 +54,18 @@ def _handlers_kept() -> Iterator[None]:
                 signal.signal(signum, handler)
 
 
+def _check_listening(target: str) -> None:
+    """``ConnectionError`` if ``target`` is ``HOST:PORT`` and nothing listens there:
+    ``ray.init`` would wait for that head for ever, retrying every few seconds."""
+    host, colon, port = target.rpartition(":")
+    if "://" in target or not colon or not port.isdigit():
+        return  # "auto", "local", "ray://...", or a malformed address, which Ray rejects
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+    except OSError as exc:
+        raise ConnectionError(f"no Ray head listens at {target} ({exc})") from None
+
+
 def acquire(address: str = "") -> ModuleType:
     """Connect this process to Ray unless it is already; count one user (every ``acquire`` needs one
     ``release``); returns the ``ray`` module. ``address``: ``""`` starts a private Ray instance here
@@ -63,17 +76,22 @@ def acquire(address: str = "") -> ModuleType:
     with _lock:
         if not ray.is_initialized():
             guard = RayGuard.start()  # Ray started here must not outlive this process
+            # ("" is a private instance: Ray's default would join a cluster that 'ray start'
+            # left running on this machine.)
+            from_env = "" if address else os.environ.get("RAY_ADDRESS", "")
+            target = address or from_env or "local"
             try:
+                _check_listening(target)
                 # Warnings only: Ray's banner would interleave with the trainer's output.
-                # ("" is a private instance: Ray's default would join a cluster that
-                # 'ray start' left running on this machine.)
-                target = address or os.environ.get("RAY_ADDRESS") or "local"
                 with _handlers_kept():
                     ray.init(address=target, logging_level=logging.WARNING)
-            except (ConnectionError, RuntimeError, ValueError) as exc:
+            except BaseException as exc:  # (a Ctrl-C while connecting too: no guard left)
                 if guard:
                     guard.stop()
-                where = f"at env.ray_address={address!r}" if address else "on this machine"
+                if not isinstance(exc, (ConnectionError, RuntimeError, ValueError)):
+                    raise
+                where = (f"at env.ray_address={address!r}" if address
+                         else f"at RAY_ADDRESS={from_env!r}" if from_env else "on this machine")
                 raise EnvSpecError(
                     f"cannot connect to a Ray cluster {where}: {exc}. Start the head node "
                     f"with 'ray start --head', then use env.ray_address=auto on it (or "
