@@ -169,6 +169,10 @@ class TrainConfig:
         except EnvSpecError as exc:  # (its message names env.ray_resources' rule)
             raise ValueError("train.learner_resources"
                              + str(exc).removeprefix("ray_resources")) from None
+        if not any(amount > 0 for amount in {"CPU": 1, **self.learner_resources}.values()):
+            raise ValueError(f"train.learner_resources must reserve some amount of a resource "
+                             f"for each learner (Ray places learners in bundles, which cannot "
+                             f"be empty), e.g. {{CPU = 1}}; got {self.learner_resources!r}")
         if self.eval_actions not in EVAL_ACTIONS:
             raise ValueError(f"train.eval_actions must be one of {', '.join(EVAL_ACTIONS)}, got "
                              f"{self.eval_actions!r}")

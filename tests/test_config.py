@@ -214,6 +214,11 @@ def test_wrong_type_names_the_key_and_the_type(override, expected):
     ("train.seed=-1", "train.seed must be in [0, 2**32), got -1"),
     ("train.seed=4294967296", "train.seed must be in [0, 2**32)"),
     ("train.learner_resources={CPU=-1}", "train.learner_resources must map Ray resource names"),
+    ("train.learner_resources={CPU=0}", "train.learner_resources must reserve some amount of "
+                                        "a resource for each learner (Ray places learners in "
+                                        "bundles, which cannot be empty), e.g. {CPU = 1}; got "
+                                        "{'CPU': 0}"),
+    ("train.learner_resources={CPU=0, GPU=0}", "train.learner_resources must reserve some"),
     ("algorithm.policy_layers=[-1]", "algorithm.policy_layers must be layer sizes >= 1"),
     ("algorithm.value_layers=[64, 0]", "algorithm.value_layers must be layer sizes >= 1"),
     ("train.phase_steps=-1", "train.phase_steps must be >= 0, got -1"),
