@@ -946,3 +946,84 @@ def test_append_refuses_values_for_another_number_of_agents(host_path, kind):
               else RolloutMemory(3, 4, fields))
     with pytest.raises(ValueError, match=r"'x' must have shape \(3, 2\), got \(1, 2\)"):
         memory.append(torch.arange(3), x=torch.ones(1, 2))
+
+
+# --- normaliser: batches of any leading shape, moves that replace the buffers ----------------
+
+def test_normalizer_update_takes_values_of_any_leading_shape(host_path, defer):
+    """``update`` flattens the leading dimensions (an ``(E, T)`` grid of rewards, ``(T, N,
+    *shape)`` observations) into one batch, as ``transform`` takes them: the statistics are
+    those of every value, not an error or statistics per column."""
+    rewards = StreamingNormalizer((), defer=defer)
+    grid = torch.tensor([[1.0, 2.0, 3.0], [4.0, 6.0, 8.0]])
+    rewards.update(grid)
+    assert float(rewards.count) == 6
+    np.testing.assert_allclose(float(rewards.mean), 4.0)
+    np.testing.assert_allclose(float(rewards.variance), np.var(grid.numpy(), ddof=1))
+    observ = StreamingNormalizer((2,), defer=defer)
+    steps = torch.arange(12, dtype=torch.float32).reshape(3, 2, 2)  # (T, N, 2)
+    observ.update(steps)
+    assert float(observ.count) == 6
+    assert observ.mean.tolist() == steps.reshape(6, 2).mean(0).tolist()
+
+
+MOVES = ["cast", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))]
+
+
+@pytest.mark.parametrize("move", MOVES)
+def test_normalizer_moved_after_use_updates_and_transforms_with_its_new_buffers(move, defer):
+    """A move replaces the buffers (``.to("cuda")``; on the CPU, a cast replaces them too): a
+    normaliser that already updated and transformed (its numpy views and float32 copies made)
+    must derive them again from the new buffers, or its updates would go to the old ones and
+    its transforms read stale (or CPU) statistics."""
+    normalizer = StreamingNormalizer((2,), defer=defer)
+    normalizer.update(torch.tensor([[0.0, 10.0], [2.0, 10.0], [4.0, 16.0]]))
+    normalizer.transform(torch.zeros(1, 2))
+    if move == "cast":
+        normalizer.to(torch.float32)
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda")
+        normalizer.to(device)
+    assert normalizer.mean.device.type == device.type
+    normalizer.update(torch.tensor([[6.0, 4.0]], device=device))
+    assert float(normalizer.count) == 4
+    assert normalizer.mean.cpu().tolist() == [3.0, 10.0]
+    # var (ddof=1) [20/3, 24]
+    result = normalizer.transform(torch.tensor([[3.0, 10.0 + np.sqrt(24.0)]], device=device))
+    assert result.device.type == device.type
+    np.testing.assert_allclose(result.cpu().numpy(), [[0.0, 1.0]], rtol=1e-6, atol=1e-6)
+
+
+# --- rollout memory: stored data, ends without values ---------------------------------------
+
+def test_rollout_memory_stores_values_that_require_grad_as_data():
+    """A step or end value that requires grad is stored as data: the buffers never join a
+    graph (which would keep every step's graph alive until the update, and make the update's
+    backward reach into them)."""
+    memory = make_rollout(length=2)
+    agents = torch.arange(3)
+    weight = torch.ones(3, requires_grad=True)
+    memory.append(agents, x=weight * 2.0, a=torch.zeros(3, 2, dtype=torch.int64))
+    memory.end_segments(agents, after=weight * 3.0)
+    data = memory.data()
+    for name in ("x", "after"):
+        assert not data[name].requires_grad and data[name].grad_fn is None, name
+    assert data["x"][:, 0].tolist() == [2.0] * 3 and data["after"].tolist() == [3.0] * 3
+
+
+def test_rollout_memory_an_end_without_values_has_zeros_in_a_row_used_before():
+    """End fields not given (a discarded segment, a cut with nothing to bootstrap from) are
+    zeros, also in the end rows a previous rollout filled: nothing of that rollout is left."""
+    memory = make_rollout(length=2)
+    agents = torch.arange(3)
+    append_step(memory, agents, 0)
+    memory.end_segments(agents, after=torch.tensor([5.0, 6.0, 7.0]))
+    memory.clear()
+    append_step(memory, agents, 1)
+    memory.discard(torch.tensor([1]))
+    memory.end_segments(torch.tensor([0, 2]))
+    data = memory.data()
+    assert data["ends"][:, 0].tolist() == [True] * 3
+    assert data["after"].tolist() == [0.0, 0.0, 0.0]

@@ -552,3 +552,18 @@ def test_tensor_batch_env_resets_no_rows_of_a_dict():
         assert empty["flag"].shape == (0, 2) and empty["flag"].dtype == torch.float32
     finally:
         env.close()
+
+
+def test_the_floats_of_discrete_parts_alone_are_float32():
+    """A Discrete part is an int64 leaf: ``floats`` casts it, so an observation whose only
+    non-pixel part is Discrete still gives float32 values (an int64 batch would come back
+    from the observation normaliser int64, its normalised values truncated)."""
+    space = gym.spaces.Dict({"image": gym.spaces.Box(0, 255, (2, 2), np.uint8),
+                             "room": gym.spaces.Discrete(5)})
+    space.seed(2)
+    packing = PackedObservations(space)
+    batch = map_nested(torch.as_tensor, stack_as(space, [space.sample() for _ in range(3)]))
+    floats = packing.floats(batch, torch.device("cpu"))
+    assert floats.dtype == torch.float32 and floats.shape == (3, 1)
+    assert floats[:, 0].tolist() == batch["room"].float().tolist()
+    assert torch.equal(packing.unpack(packing.pack(batch, floats)), floats)
