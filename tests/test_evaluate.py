@@ -373,6 +373,8 @@ def cartpole_without_frames(render_mode: str | None = None) -> gym.Env:
     ("cartpole_whose_renderer_breaks", "RuntimeError: the renderer broke"),
     ("cartpole_without_frames", "TypeError: render() returned NoneType, not an RGB array; the "
                                 "env must accept render_mode='rgb_array'")])
+# (cartpole_without_frames ignores its render_mode, and Gymnasium warns of that)
+@pytest.mark.filterwarnings("ignore:.*calling render method without specifying any render mode")
 def test_a_renderer_that_is_not_mujocos_fails_with_its_own_error(cartpole_run, tmp_path,
                                                                  pygame_video, constructor,
                                                                  error):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -32,6 +33,19 @@ def assert_same_info(got: dict, want: dict) -> None:
     for key, value in want.items():
         np.testing.assert_allclose(got[key], value, rtol=1e-12, atol=1e-15, err_msg=key)
         assert np.asarray(got[key]).dtype == np.asarray(value).dtype, key
+
+
+def started_both(env_id: str, seeds: list[int],
+                 **kwargs: Any) -> tuple[MujocoBatch, list[gym.Env]]:
+    """The native batch of ``env_id`` and Gymnasium's envs (wrapped as the trainer wraps
+    them), both made with ``kwargs`` (``max_episode_steps`` too) and reset with ``seeds``:
+    their first observations checked to be the same."""
+    native = MujocoBatch(env_id, len(seeds), **kwargs)
+    envs = [wrap_env(gym.make(env_id, **kwargs)) for _ in seeds]
+    observ, _ = native.reset(seed=np.array(seeds))
+    np.testing.assert_array_equal(
+        observ, np.stack([env.reset(seed=seed)[0] for env, seed in zip(envs, seeds)]))
+    return native, envs
 
 
 def step_both(native: MujocoBatch, envs: list[gym.Env], ended: np.ndarray, steps: int,
@@ -119,11 +133,7 @@ INF = float("inf")
 ])
 def test_each_health_condition_ends_episodes_as_gymnasiums(env_id, kwargs, limit):
     seeds = [11, 12, 13]
-    native = MujocoBatch(env_id, len(seeds), max_episode_steps=limit, **kwargs)
-    envs = [wrap_env(gym.make(env_id, max_episode_steps=limit, **kwargs)) for _ in seeds]
-    observ, _ = native.reset(seed=np.array(seeds))
-    np.testing.assert_array_equal(
-        observ, np.stack([env.reset(seed=seed)[0] for env, seed in zip(envs, seeds)]))
+    native, envs = started_both(env_id, seeds, max_episode_steps=limit, **kwargs)
     terminations, _, _ = step_both(native, envs, np.zeros(len(seeds), bool), 300,
                                    np.random.default_rng(0))
     assert terminations > 0
@@ -140,11 +150,7 @@ def test_unhealthy_states_end_episodes_only_when_asked(env_id, unreachable, term
     ends. As Gymnasium's env, step for step."""
     kwargs = {"healthy_z_range": unreachable, "terminate_when_unhealthy": terminate}
     seeds = [11, 12]
-    native = MujocoBatch(env_id, len(seeds), **kwargs)
-    envs = [wrap_env(gym.make(env_id, **kwargs)) for _ in seeds]
-    observ, _ = native.reset(seed=np.array(seeds))
-    np.testing.assert_array_equal(
-        observ, np.stack([env.reset(seed=seed)[0] for env, seed in zip(envs, seeds)]))
+    native, envs = started_both(env_id, seeds, **kwargs)
     terminations, _, _ = step_both(native, envs, np.zeros(len(seeds), bool), 6,
                                    np.random.default_rng(0))
     assert terminations == (3 * len(seeds) if terminate else 0)
@@ -157,12 +163,8 @@ def test_each_humanoid_observation_part_can_be_left_out(part):
     observations, as Gymnasium's env does."""
     kwargs = {f"include_{part}_in_observation": False}
     seeds = [11, 12]
-    native = MujocoBatch("Humanoid-v5", len(seeds), **kwargs)
-    envs = [wrap_env(gym.make("Humanoid-v5", **kwargs)) for _ in seeds]
+    native, envs = started_both("Humanoid-v5", seeds, **kwargs)
     assert native.single_observation_space == envs[0].observation_space
-    observ, _ = native.reset(seed=np.array(seeds))
-    np.testing.assert_array_equal(
-        observ, np.stack([env.reset(seed=seed)[0] for env, seed in zip(envs, seeds)]))
     step_both(native, envs, np.zeros(len(seeds), bool), 5, np.random.default_rng(0))
     native.close()
 
@@ -206,11 +208,7 @@ def test_a_longer_time_limit_replaces_the_registered_one():
     """``max_episode_steps`` replaces the task's registered time limit (Reacher-v5's: 50) as
     ``gym.make``'s does (and ``env.max_length`` under backend ``"workers"``), a longer one
     too."""
-    native = MujocoBatch("Reacher-v5", 2, max_episode_steps=60)
-    envs = [wrap_env(gym.make("Reacher-v5", max_episode_steps=60)) for _ in range(2)]
-    native.reset(seed=np.array([1, 2]))
-    for env, seed in zip(envs, [1, 2]):
-        env.reset(seed=seed)
+    native, envs = started_both("Reacher-v5", [1, 2], max_episode_steps=60)
     _, truncations, ended = step_both(native, envs, np.zeros(2, bool), 60,
                                       np.random.default_rng(0))
     assert truncations == 2 and ended.all()
@@ -221,11 +219,7 @@ def test_a_partial_reset_leaves_an_ended_env_to_its_autoreset():
     """Env 0's episode ends (the time limit) while env 1 is reset alone: env 0 still starts
     anew at the next step, as Gymnasium's next-step autoreset does (the reset mask clears
     only the masked envs' autoreset)."""
-    native = MujocoBatch("HalfCheetah-v5", 2, max_episode_steps=5)
-    envs = [wrap_env(gym.make("HalfCheetah-v5", max_episode_steps=5)) for _ in range(2)]
-    native.reset(seed=np.array([1, 2]))
-    for env, seed in zip(envs, [1, 2]):
-        env.reset(seed=seed)
+    native, envs = started_both("HalfCheetah-v5", [1, 2], max_episode_steps=5)
     rng = np.random.default_rng(0)
     step_both(native, envs, np.zeros(2, bool), 2, rng)
     mask = np.array([False, True])
@@ -243,11 +237,7 @@ def test_a_reset_of_ended_episodes_replaces_their_autoreset():
     """Both episodes end (the time limit) and env 0 is reset with ``reset_mask``, as
     ``BatchEnv`` resets ended envs: at the next step env 0 steps its new episode (not starts
     anew again) while env 1 starts anew by its next-step autoreset."""
-    native = MujocoBatch("HalfCheetah-v5", 2, max_episode_steps=2)
-    envs = [wrap_env(gym.make("HalfCheetah-v5", max_episode_steps=2)) for _ in range(2)]
-    native.reset(seed=np.array([1, 2]))
-    for env, seed in zip(envs, [1, 2]):
-        env.reset(seed=seed)
+    native, envs = started_both("HalfCheetah-v5", [1, 2], max_episode_steps=2)
     rng = np.random.default_rng(0)
     _, _, ended = step_both(native, envs, np.zeros(2, bool), 2, rng)
     assert ended.all()
