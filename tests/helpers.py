@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import cloudpickle
 import gymnasium as gym
@@ -415,3 +415,17 @@ def assert_continues_alike(algo, twin) -> None:
     torch.set_rng_state(rng)
     twin.gradient_step()
     assert_same(algo.state_dict(), twin.state_dict(), "state")
+
+
+def interrupting_after(count: int) -> tuple[Callable[[], None], list[int]]:
+    """An ``interrupt_check`` for an algorithm that raises ``Interrupted(SIGINT)`` at its call
+    after ``count`` (as the trainer's does once Ctrl-C came), and the list of its calls."""
+    from batchrl.interrupt import Interrupted
+    calls: list[int] = []
+
+    def check() -> None:
+        calls.append(1)
+        if len(calls) > count:
+            raise Interrupted(signal.SIGINT)
+
+    return check, calls

@@ -15,8 +15,10 @@ from torch.nn import functional as F
 
 from batchrl.algos import DQN
 from batchrl.errors import UnsupportedSpaceError
+from batchrl.interrupt import Interrupted
 from batchrl.simulation import simulate
-from helpers import assert_continues_alike, assert_same, seeded_tensor_env
+from helpers import (assert_continues_alike, assert_same, interrupting_after,
+                     seeded_tensor_env)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -135,6 +137,17 @@ def test_the_target_copies_the_q_network_every_few_gradient_steps_and_picks_by_i
     loss = algo.gradient_step()["dqn/loss"]
     assert loss == pytest.approx(float(double), rel=1e-5)
     assert abs(float(plain) - float(double)) > 1.0
+
+
+def test_a_batch_steps_gradient_steps_stop_between_them_when_interrupted():
+    """Ctrl-C while a batch step owes many gradient steps (``updates_per_step``, a few agents):
+    the trainer's check runs before each, so the run stops after the one under way."""
+    algo, env = filled_dqn(10, updates_per_step=4.0)  # 20 env steps: none taken yet
+    algo.interrupt_check, calls = interrupting_after(3)
+    with pytest.raises(Interrupted):
+        simulate(env, algo)  # owes 8 gradient steps
+    assert len(calls) == 4 and algo.updates == 3
+    env.close()
 
 
 def test_a_loaded_state_continues_exactly():

@@ -376,6 +376,8 @@ def test_a_replay_buffer_never_samples_the_step_a_restart_took_the_place_of(clos
     assert (observ == 6).any()  # agent 0's step there is drawn
     assert algo.buffer.valid[6].tolist() == [True, False, False]
     assert algo.buffer.tensors["done"][5].tolist() == [False, True, True]
+    # The two non-steps are no env steps: 25 batch steps of 3 agents, less those 2.
+    assert algo.env_steps == 25 * 3 - 2
 
 
 def test_a_rollout_completed_by_a_restart_leaves_the_restarted_agents_out_of_its_update(

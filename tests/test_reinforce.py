@@ -140,6 +140,31 @@ def test_state_dict_round_trip(name: str):
         assert torch.equal(ours, theirs)
 
 
+def test_a_loaded_state_goes_on_with_the_episodes_in_progress():
+    """Saved mid-episode and loaded into another instance: the steps recorded of the episodes
+    in progress come along (``state_dict`` holds them to resume exactly), so that both end
+    those episodes with the same update."""
+    env = seeded_tensor_env("CartPole-v1", 2, seed=3)
+    kwargs = dict(max_length=500, update_every=2)
+    algo = Reinforce(env.observation_space, env.action_space, len(env), seed=3, **kwargs)
+    algo.train()
+    simulate(env, algo, reset=True)
+    for _ in range(4):
+        simulate(env, algo)
+    env.close()
+    assert algo.state_dict()["episodes"]["length"].tolist() == [5, 5]  # (no episode ended)
+    fresh = Reinforce(env.observation_space, env.action_space, len(env), seed=4, **kwargs)
+    fresh.load_state_dict(round_trip(algo.state_dict()))
+    assert_same(fresh.state_dict(), algo.state_dict())
+    agents = torch.arange(2)
+    summaries = []
+    for each in (algo, fresh):
+        each.experience(agents, torch.zeros(2, 4), torch.zeros(2, dtype=torch.int64),
+                        torch.ones(2), torch.ones(2), torch.zeros(2, 4), torch.ones(2))
+        summaries.append(each.end_episodes(agents))
+    assert summaries[0]["reinforce/episodes"] == 2.0 and summaries[1] == summaries[0]
+
+
 def test_a_state_saved_on_another_kind_of_device_loads():
     """A CUDA generator's state (16 bytes) does not fit a CPU generator (and back): a GPU run's
     checkpoint still loads on the CPU, with a fresh sampling stream."""

@@ -26,8 +26,8 @@ from batchrl.algos.ppo import BatchPPO, PPOConfig
 from batchrl.checkpoint import list_checkpoints, load_checkpoint
 from batchrl.interrupt import Interrupted, kill_group
 from batchrl.metrics import read_metrics
-from helpers import (REPO, assert_same, descendants, finish, run_script, run_stdin_script,
-                     sets, start_train_py, wait_for, wait_gone)
+from helpers import (REPO, assert_same, descendants, finish, interrupting_after, run_script,
+                     run_stdin_script, sets, start_train_py, wait_for, wait_gone)
 
 # CartPole with 4 agents and an update every 4 episodes: a phase takes ~0.1 s.
 CARTPOLE = ["env.num_agents=4", "algorithm.update_every=4", "train.eval_episodes=4",
@@ -138,6 +138,47 @@ print("ok", flush=True)
 def test_exit_leaves_no_wakeup_descriptor_and_stop_signals_can_be_entered_again():
     result = run_stdin_script(EXIT_SCRIPT)
     assert result.returncode == 0 and result.stdout == "ok\n", result
+
+
+RESTORE_SCRIPT = """
+import os, signal, threading
+from batchrl.interrupt import StopSignals
+
+def own(signum, frame):
+    print("own handler", flush=True)
+
+signal.signal(signal.SIGTERM, own)
+with StopSignals():
+    pass
+assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+assert signal.getsignal(signal.SIGTERM) is own
+os.kill(os.getpid(), signal.SIGTERM)
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+except KeyboardInterrupt:
+    print("KeyboardInterrupt", flush=True)
+
+def in_a_thread():
+    with StopSignals() as stop:  # (Python installs handlers in the main thread only)
+        print("thread", stop.requested, flush=True)
+
+thread = threading.Thread(target=in_a_thread)
+thread.start()
+thread.join()
+assert signal.getsignal(signal.SIGTERM) is own
+print("ok", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_exit_gives_back_the_handlers_it_took_and_a_thread_changes_none():
+    """After ``StopSignals``, Ctrl-C raises ``KeyboardInterrupt`` again and a handler of the
+    caller's runs again (not the default action, which kills Python: a script or notebook
+    that trains and then goes on); entered outside the main thread it is a no-op, not an
+    error (Python installs signal handlers in the main thread only)."""
+    result = run_stdin_script(RESTORE_SCRIPT)
+    assert result.returncode == 0, result
+    assert result.stdout == "own handler\nKeyboardInterrupt\nthread False\nok\n", result
 
 
 def test_interrupted_is_pickled_whole():
@@ -280,14 +321,7 @@ def test_ppo_update_stops_between_gradient_steps():
         done = torch.full((2,), step == 4)
         algo.experience(agents, observ, action, torch.ones(2), done, torch.randn(2, 3),
                         torch.zeros(2, dtype=torch.bool))
-    calls = []
-
-    def interrupt_after_three() -> None:
-        calls.append(1)
-        if len(calls) > 3:
-            raise Interrupted(signal.SIGINT)
-
-    algo.interrupt_check = interrupt_after_three
+    algo.interrupt_check, calls = interrupting_after(3)
     weights = [p.detach().clone() for p in algo.policy.parameters()]
     with pytest.raises(Interrupted):
         algo.end_episodes(agents)

@@ -124,6 +124,50 @@ def test_info_columns_keep_the_types_of_the_values():
     assert info_columns([{"a": 2 ** 70}]) is None
 
 
+class TypedInfoEnv(gym.Env):
+    """An info value of one key that is an int in envs 0 and 1 and a float in the others: each
+    worker of two sends its own envs' infos as a record array, of a field type the other's
+    does not share."""
+
+    observation_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        value = self.index if self.index < 2 else self.index + 0.5
+        return np.zeros(1, np.float32), 0.0, False, False, {"value": value}
+
+
+def test_workers_whose_infos_have_other_types_as_sync_vector_env():
+    """Two workers' record arrays with the same keys but other field types are not read as
+    one array (a float64's bytes taken for an int64's): the infos are those
+    ``SyncVectorEnv`` gathers."""
+    fns = [functools.partial(TypedInfoEnv, index) for index in range(4)]
+    with BatchVectorEnv(fns, AutoresetMode.NEXT_STEP, workers=2) as env, \
+            closing(SyncVectorEnv(fns)) as reference:
+        assert_same_vector_steps(env, reference, seed=0, steps=2)
+        infos = env.step(np.zeros(4, np.int64))[-1]
+    # (Gymnasium's array takes the first env's type: 2.5 and 3.5 become 2 and 3)
+    assert infos["value"].tolist() == [0, 1, 2, 3]
+
+
+def test_joined_info_lists_keep_the_rows_of_one_already_read():
+    """``InfoList.join`` of a member's infos that were read already (unpickled into dicts,
+    its parts let go): their rows are still there, in order."""
+    first = InfoList([(2, info_columns([{"a": 1}, {"a": 2}]))])
+    assert first[1] == {"a": 2}  # (read: the dicts are made)
+    second = InfoList([(1, [{"b": 3.5}])])
+    joined = InfoList.join([first, second, InfoList([(1, None)])])
+    assert len(joined) == 4
+    assert list(joined) == [{"a": 1}, {"a": 2}, {"b": 3.5}, {}]
+
+
 def test_partial_resets_and_disabled_autoreset_as_sync_vector_env():
     fns = [make("CartPole-v1", 10)] * 4
     mask = np.array([True, False, True, False])
