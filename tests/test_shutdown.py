@@ -148,6 +148,8 @@ def own(signum, frame):
     print("own handler", flush=True)
 
 signal.signal(signal.SIGTERM, own)
+# (Python's own, unless the parent ignored SIGINT: a test worker may, and children inherit it)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 with StopSignals():
     pass
 assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
