@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import threading
 import time
 
 import gymnasium as gym
@@ -23,6 +24,7 @@ from batchrl.checkpoint import list_checkpoints, load_checkpoint
 from batchrl.config import ConfigError, available_configs, build_config, load_config
 from batchrl.envs import BatchEnv
 from batchrl.envs.factory import make_batch_env
+from batchrl.envs.process.channel import context
 from batchrl.metrics import read_metrics
 from batchrl.testing.envs import uint8_cartpole
 from batchrl.testing.faults import FaultyEnv
@@ -164,7 +166,12 @@ def test_the_lag_limit_holds_and_collectors_wait_for_it(limit):
             assert {meta["version"] for meta in metas} == set(rollout.version.tolist())
             learner.learn(rollout)
             collectors.publish(learner.acting_state())
+        # Version 6 is out: each collector took round 7 + limit, and waits for newer weights.
+        wait_for(lambda: list(collectors.shared.rounds) == [8 + limit] * 2, 60,
+                 "the collectors to wait for newer weights")
     assert max(lags) == limit  # (round `limit` was collected by version 0)
+    # They were waiting for newer weights when asked to stop: they stopped, none was killed.
+    assert [process.exitcode for process in collectors._processes] == [0, 0]
 
 
 def test_without_a_limit_the_lag_is_bounded_by_the_queue():
@@ -190,11 +197,16 @@ def test_a_full_queue_stops_the_collectors():
         assert list(collectors.shared.rounds) == [3, 3] and collectors.queued == 6
         collectors.receive()
         wait_for(lambda: list(collectors.shared.rounds) == [4, 4], 10, "one more round")
+    # Waiting for a free slot, they heard the stop: none was killed.
+    assert [process.exitcode for process in collectors._processes] == [0, 0]
 
 
 def test_weights_reach_the_collectors_with_their_version():
     collectors, learner = pool(collectors=1, max_policy_lag=0)
     with collectors:
+        # The collectors' weights are a copy: the learner's own stay out of shared memory.
+        for name, value in learner.acting_state().items():
+            assert collectors.shared.weights[name].data_ptr() != value.data_ptr(), name
         rollout, _ = collectors.receive()
         assert rollout.version.tolist() == [0] * 4
         with torch.no_grad():
@@ -247,6 +259,155 @@ def test_a_collector_killed_while_it_waits_for_a_slot_is_replaced_after_its_queu
     assert [meta[1]["fresh"] for meta in metas] == [True, False, False, False]
     # ... with seeds of its own: its envs' first states are not its predecessor's.
     assert not torch.equal(rollouts[2].observ[:2, 0], rollouts[0].observ[:2, 0])
+
+
+def faulty_env(fault, at_step, once_file, index, num_envs, seed):
+    """CartPole envs stepped in the collector's process; collector 0's first env injects
+    ``fault`` at its ``at_step``-th step, once (``once_file``): not in its successor."""
+    envs = [gym.make("CartPole-v1") for _ in range(num_envs)]
+    if index == 0:
+        envs[0] = FaultyEnv(envs[0], fault, at_step=at_step, once_file=str(once_file))
+    return BatchEnv(envs, blocking=True)
+
+
+def faulty_pool(tmp_path, fault, at_step, **options):
+    """Two collectors of two CartPole envs each (``pool``'s learner), collector 0's faulty."""
+    env = make_env("CartPole-v1", "inline", 0, 4, 0)
+    learner = make_algorithm(env.observation_space, env.action_space, 4)
+    spec = CollectorSpec(functools.partial(faulty_env, fault, at_step, tmp_path / "fired"),
+                         make_algorithm, num_agents=4, collectors=2, rollout_length=8, seed=3)
+    collectors = LocalCollectors(spec, env.observation_space, env.action_space,
+                                 learner.behaviour_fields(), learner.acting_state(), **options)
+    env.close()
+    return collectors, learner
+
+
+def within(seconds, what):
+    """A ``receive`` check that fails the test once ``seconds`` have passed."""
+    deadline = time.monotonic() + seconds
+    def check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {seconds} s waiting for {what}")
+    return check
+
+
+def test_a_collector_that_dies_after_sending_its_first_rollout_is_replaced(tmp_path):
+    """Collector 0 sends round 0, then fails in round 1 before the learner looked at its
+    queue: the rollout it sent counts (it got going), so it is replaced, not a failure of the
+    run; its successor starts at round 1, and round 0 is the dead collector's own. (An error,
+    not an abrupt exit: a collector flushes what it sent before it exits with its error.)"""
+    reports = []
+    collectors, learner = faulty_pool(tmp_path, "raise", 12, max_restarts=1,
+                                      report=reports.append)
+    with collectors:
+        wait_for(lambda: collectors._processes[0].exitcode is not None, 60, "its exit")
+        collectors._supervise()  # (before anything drained its queue)
+        assert collectors.restarts == 1 and len(reports) == 1, reports
+        assert reports[0].startswith("collector 0 failed (") and \
+            "injected fault in step 12); replaced" in reports[0], reports
+        # Both queues full again: the successor filled only the slots round 0 does not hold.
+        wait_for(lambda: collectors.queued == 6, 60, "the queues to fill")
+        rollouts, metas = [], []
+        for _ in range(3):
+            rollout, meta = collectors.receive(within(60, "a batch"))
+            assert rollout.agents.tolist() == [0, 1, 2, 3]
+            rollouts.append(rollout)
+            metas.append(meta)
+            learner.learn(rollout)
+            collectors.publish(learner.acting_state())
+    # Round 0 starts from the first process's seeds, round 1 from its successor's: env j
+    # resets first with the seed of its collector's incarnation plus j.
+    for round_, incarnation in ((0, 0), (1, 1)):
+        seed = collector_seed(collectors.spec, 0, incarnation)
+        for j in range(2):
+            start = torch.as_tensor(gym.make("CartPole-v1").reset(seed=seed + j)[0])
+            assert torch.equal(rollouts[round_].observ[j, 0], start), (round_, j)
+    # Collector 0: round 0 from the first process, rounds 1 and 2 from its successor.
+    assert [meta[0]["fresh"] for meta in metas] == [True, True, False]
+    assert [meta[1]["fresh"] for meta in metas] == [True, False, False]
+
+
+def test_a_collector_that_dies_with_nothing_queued_is_replaced_at_the_next_round(tmp_path):
+    """At lag 0, collector 0 dies in round 1 after the learner took round 0: nothing of it
+    is queued, and its successor starts at round 1 (the learner's next), not at another."""
+    reports = []
+    collectors, learner = faulty_pool(tmp_path, "exit", 12, max_restarts=1, max_policy_lag=0,
+                                      report=reports.append)
+    with collectors:
+        metas = []
+        for update in range(3):
+            rollout, meta = collectors.receive(within(60, f"batch {update}"))
+            assert rollout.version.tolist() == [update] * 4
+            metas.append(meta)
+            learner.learn(rollout)
+            collectors.publish(learner.acting_state())
+    assert len(reports) == 1 and "collector 0 failed (exited with code 3)" in reports[0]
+    assert [meta[0]["fresh"] for meta in metas] == [True, True, False]
+    assert [meta[1]["fresh"] for meta in metas] == [True, False, False]
+    assert collectors._waiting == {}  # (no stale round of the successor's left behind)
+
+
+def test_closing_kills_a_collector_that_does_not_stop(tmp_path):
+    """Collector 0's env hangs in a step (no step timeout): it never hears the stop, and
+    close() kills it once its timeout has passed; collector 1 stops by itself."""
+    collectors, _ = faulty_pool(tmp_path, "hang", 3)
+    try:
+        wait_for(lambda: (tmp_path / "fired").exists(), 60, "the hang")
+        pids = collectors.pids
+    finally:
+        collectors.close(timeout=2.0)
+    assert [process.exitcode for process in collectors._processes] == [-signal.SIGKILL, 0]
+    assert wait_gone(pids, timeout=10) == []
+
+
+def test_a_collector_never_copies_weights_that_a_publish_is_rewriting():
+    """The sequence lock: while the learner rewrites the weights (odd sequence), a collector
+    waits; then it gets the new version with the new values, in tensors of its own."""
+    from batchrl.collectors.local import _Shared, _SharedLink
+    shared = _Shared(context(), [[]], {"w": torch.zeros(3)}, None)
+    try:
+        link = _SharedLink(shared, 0, [])
+        assert link.weights(-1) is None  # (nothing published yet)
+        shared.version.value = 0
+        version, state = link.weights(-1)
+        assert version == 0 and torch.equal(state["w"], torch.zeros(3))
+        assert state["w"].data_ptr() != shared.weights["w"].data_ptr()  # (a copy)
+        assert link.weights(0) is None  # (nothing newer)
+        # A publish half done: the version bumped, a part of the weights written.
+        shared.sequence.value += 1
+        shared.version.value = 1
+        shared.weights["w"][0] = 1.0
+        got = []
+        reader = threading.Thread(target=lambda: got.append(link.weights(0)), daemon=True)
+        reader.start()
+        reader.join(1.0)
+        assert reader.is_alive() and got == []  # (waits while the publish is under way)
+        shared.weights["w"][1:] = 1.0
+        shared.sequence.value += 1
+        reader.join(30.0)
+        assert len(got) == 1
+        version, state = got[0]
+        assert version == 1 and torch.equal(state["w"], torch.ones(3))
+
+        class PublishedDuringTheCopy(dict):
+            """Weights that the learner publishes anew (version 2) while they are copied."""
+            def items(self):
+                items = super().items()
+                if shared.version.value == 1:
+                    shared.sequence.value += 1
+                    self["w"].fill_(2.0)
+                    shared.version.value = 2
+                    shared.sequence.value += 1
+                return items
+
+        shared.weights = PublishedDuringTheCopy(shared.weights)
+        version, state = link.weights(0)  # (the copy overlapped a publish: copied again)
+        assert version == 2 and torch.equal(state["w"], torch.full((3,), 2.0))
+    finally:
+        shared.sequence.value = 0
+        for channel in (*shared.free, *shared.full, shared.errors):
+            channel.cancel_join_thread()
+            channel.close()
 
 
 def test_collectors_of_one_seed_collect_the_same_first_rollout():
