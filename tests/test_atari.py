@@ -13,7 +13,9 @@ import pytest
 pytest.importorskip("ale_py")
 
 import gymnasium as gym  # noqa: E402
+import torch  # noqa: E402
 
+from batchrl.algos.base import Algorithm  # noqa: E402
 from batchrl.config import available_configs, load_config  # noqa: E402
 from batchrl.envs.atari import make, make_vector  # noqa: E402
 from batchrl.envs.errors import EnvSpecError  # noqa: E402
@@ -528,3 +530,133 @@ def test_wrong_atari_arguments_are_refused_by_both_makers(kwargs, message, backe
     with pytest.raises(EnvSpecError) as info:
         make_vector(1, **kwargs) if backend == "vector" else make(**kwargs)
     assert str(info.value).startswith(message), str(info.value)
+
+
+def test_vector_training_envs_without_life_episodes_or_clipping_when_asked():
+    """make_vector passes terminal_on_life_loss and clip_rewards on for training envs too."""
+    env = make_vector(1, "ALE/Breakout-v5", terminal_on_life_loss=False, sticky_actions=0.0)
+    rng = np.random.default_rng(0)
+    try:
+        env.reset(seed=0)
+        for _ in range(2000):
+            _, _, terminated, _, info = env.step(rng.integers(0, 4, 1))
+            if info["lives"][0] < 5:
+                break
+        assert info["lives"][0] == 4 and not terminated[0]
+    finally:
+        env.close()
+    env = make_vector(1, "ALE/SpaceInvaders-v5", clip_rewards=False, sticky_actions=0.0)
+    try:
+        env.reset(seed=0)
+        actions = np.random.default_rng(0).integers(0, 6, (300, 1))
+        rewards = {float(env.step(action)[1][0]) for action in actions}
+        assert max(rewards) >= 5.0
+    finally:
+        env.close()
+
+
+class Scripted(Algorithm):
+    """Plays ``actions`` from each episode's start, whatever it sees."""
+
+    def __init__(self, actions):
+        super().__init__()
+        self.actions, self.step = actions, 0
+
+    def begin_episodes(self, agent_indices):
+        self.step = 0
+        return {}
+
+    def perform(self, agent_indices, observ):
+        self.step += 1
+        return torch.full((len(agent_indices),), int(self.actions[self.step - 1])), {}
+
+    def experience(self, *args):
+        return {}
+
+    def end_episodes(self, agent_indices):
+        return {}
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_a_video_films_a_whole_evaluation_game_in_colour_at_the_games_pace(tmp_path):
+    """batchrl.evaluate --video (record_video) films an Atari run's evaluation env
+    (env.eval_kwargs: whole games, raw scores), not a training one (its episode ends with the
+    first life, its score clipped); the frames are the console's colour screens, not the
+    network's 84x84 stacks, and the GIF lasts as long as the game, at 15 steps a second."""
+    from PIL import Image
+
+    from batchrl.video import record_video
+
+    actions = np.random.default_rng(0).integers(0, 6, 400)
+    config = load_config("atari/pong", ['env.kwargs.env_id="ALE/SpaceInvaders-v5"',
+                                        "env.max_length=350"])
+    path = tmp_path / "invaders.gif"
+    recording = record_video(config, Scripted(actions).eval(), torch.device("cpu"), path,
+                             seed=7, failures={})
+
+    def played(training):  # (score, length, first screen) of the game the script plays
+        env = make("ALE/SpaceInvaders-v5", training=training, sticky_actions=0.0,
+                   render_mode="rgb_array")
+        try:
+            env.reset(seed=7)
+            first, score = env.render(), 0.0
+            for length, action in enumerate(actions[:350], 1):
+                _, reward, terminated, truncated, _ = env.step(int(action))
+                score += float(reward)
+                if terminated or truncated:
+                    break
+            return score, length, first
+        finally:
+            env.close()
+
+    score, length, first = played(training=False)
+    assert played(training=True)[:2] != (score, length)  # (what a training env films)
+    assert score > 20 and score % 5 == 0 and length < 350  # (game over: a whole game)
+    assert recording.scores == [score] and recording.lengths == [length]
+    assert recording.frames == length + 1  # (the reset's frame and each step's)
+    with Image.open(path) as image:
+        assert image.size == (160, 210)
+        np.testing.assert_array_equal(np.asarray(image.convert("RGB")), first)
+        durations = []
+        for index in range(image.n_frames):  # (a GIF writer merges repeated frames)
+            image.seek(index)
+            durations.append(image.info["duration"])
+    assert abs(sum(durations) - 1000 * recording.frames / 15) <= 10
+
+
+def test_a_reset_whose_no_op_step_ends_the_game_starts_a_new_one():
+    """When the no-op step that plays on after a lost life ends the game itself (here: it
+    reaches the emulator's frame limit), the reset starts a new game instead of returning
+    the ended one's screen."""
+
+    def lose_a_life(env):  # the frame number at which Breakout's first ball is lost
+        env.reset(seed=0)
+        env.step(1)  # FIRE serves; the no-ops then lose the ball
+        for _ in range(150):
+            _, _, terminated, truncated, info = env.step(0)
+            if terminated or truncated:
+                return terminated, truncated, info
+        raise AssertionError("no life lost")
+
+    env = make("ALE/Breakout-v5", sticky_actions=0.0, noop_max=0)
+    try:
+        terminated, _, info = lose_a_life(env)
+        frame = info["episode_frame_number"]
+        assert terminated and info["lives"] == 4
+    finally:
+        env.close()
+    env = make("ALE/Breakout-v5", sticky_actions=0.0, noop_max=0,
+               max_num_frames_per_episode=frame + 4)  # (the no-op step reaches it)
+    try:
+        terminated, truncated, info = lose_a_life(env)
+        assert terminated and not truncated and info["lives"] == 4
+        _, info = env.reset()
+        assert info["lives"] == 5 and info["episode_frame_number"] == 0
+        assert not any(env.step(0)[3] for _ in range(3))  # (a whole new game)
+    finally:
+        env.close()

@@ -322,13 +322,28 @@ def copy_with_env(run: Path, tmp_path: Path, env_id: str) -> Path:
     return copy
 
 
+class OddWidth(gym.Wrapper):
+    """CartPole's frames less a column: 400x599 pixels (one side odd)."""
+
+    def render(self):
+        return self.env.render()[:, 1:]
+
+
+def cartpole_with_an_odd_width(**kwargs) -> gym.Env:
+    return OddWidth(gym.make("CartPole-v1", **kwargs))
+
+
+@pytest.mark.parametrize("constructor", ["cartpole_with_odd_frames",
+                                         "cartpole_with_an_odd_width"])
 def test_an_mp4_of_frames_with_odd_sides_is_rounded_up_to_whole_blocks(cartpole_run, tmp_path,
-                                                                       pygame_video):
-    """H.264 in yuv420p takes only even sides: imageio scales the frames up to 16s."""
+                                                                       pygame_video,
+                                                                       constructor):
+    """H.264 in yuv420p takes only even sides: imageio scales the frames up to 16s (when
+    either side is odd)."""
     problem = video_writer_problem()
     if problem:
         pytest.skip(problem)
-    run = copy_with_env(cartpole_run, tmp_path, f"{__name__}:cartpole_with_odd_frames")
+    run = copy_with_env(cartpole_run, tmp_path, f"{__name__}:{constructor}")
     path = tmp_path / "v.mp4"
     result = evaluate(run, episodes=1, device="cpu", video=path, max_frames=3)
     assert result["video_frames"] == 3 and first_frame(path).shape == (400, 608, 3)
@@ -369,10 +384,23 @@ def cartpole_without_frames(render_mode: str | None = None) -> gym.Env:
     return gym.make("CartPole-v1")
 
 
+class GreyFrames(gym.Wrapper):
+    """CartPole's frames as one channel: (400, 600) arrays, not RGB ones."""
+
+    def render(self):
+        return self.env.render()[..., 0]
+
+
+def cartpole_with_grey_frames(**kwargs) -> gym.Env:
+    return GreyFrames(gym.make("CartPole-v1", **kwargs))
+
+
 @pytest.mark.parametrize("constructor, error", [
     ("cartpole_whose_renderer_breaks", "RuntimeError: the renderer broke"),
     ("cartpole_without_frames", "TypeError: render() returned NoneType, not an RGB array; the "
-                                "env must accept render_mode='rgb_array'")])
+                                "env must accept render_mode='rgb_array'"),
+    ("cartpole_with_grey_frames", "TypeError: render() returned ndarray, not an RGB array; the "
+                                  "env must accept render_mode='rgb_array'")])
 # (cartpole_without_frames ignores its render_mode, and Gymnasium warns of that)
 @pytest.mark.filterwarnings("ignore:.*calling render method without specifying any render mode")
 def test_a_renderer_that_is_not_mujocos_fails_with_its_own_error(cartpole_run, tmp_path,
@@ -602,6 +630,55 @@ def test_animations_keep_at_most_50_frames_a_second_and_the_recordings_length():
     assert kept == list(range(10)) and set(durations) == {60, 70} and sum(durations) == 670
     kept, durations = animation_timing(10, 50)  # CartPole's 50: every frame, 20 ms each
     assert kept == list(range(10)) and durations == [20] * 10
+
+
+class NumberedFrames(gym.Wrapper):
+    """CartPole rendering frame ``i`` since its creation as a grey image of value ``10 * i``,
+    at 100 frames a second (a GIF keeps every second one)."""
+
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 100}
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        self.rendered = 0
+
+    def render(self):
+        self.rendered += 1
+        return np.full((16, 24, 3), 10 * (self.rendered - 1), np.uint8)
+
+
+def cartpole_with_numbered_frames(**kwargs) -> gym.Env:
+    return NumberedFrames(gym.make("CartPole-v1", **kwargs))
+
+
+def test_an_animation_of_a_fast_env_keeps_every_nth_frame_of_the_whole_recording(
+        cartpole_run, tmp_path, pygame_video):
+    """At 100 frames a second a GIF keeps frames 0, 2, 4, ... (50 a second), each shown for
+    20 ms: the whole recording at its pace, not its first half slowed down."""
+    from PIL import Image
+
+    run = copy_with_env(cartpole_run, tmp_path, f"{__name__}:cartpole_with_numbered_frames")
+    path = tmp_path / "v.gif"
+    result = evaluate(run, episodes=1, device="cpu", video=path, max_frames=20)
+    assert result["video_frames"] == 20
+    with Image.open(path) as image:
+        values, durations = [], []
+        for index in range(image.n_frames):
+            image.seek(index)
+            values.append(int(np.asarray(image.convert("RGB"))[0, 0, 0]))
+            durations.append(image.info["duration"])
+    assert values == list(range(0, 200, 20)) and durations == [20] * 10
+
+
+def test_an_animation_that_cannot_be_written_is_an_error(cartpole_run, tmp_path,
+                                                         pygame_video):
+    """A GIF is written once the episodes are over: a folder it cannot be written into is
+    the same one-line error as an MP4's, not a result without its video."""
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    with pytest.raises(EvaluationError, match=f"cannot write the video {blocked}"):
+        evaluate(cartpole_run, episodes=1, device="cpu", video=blocked / "v.gif",
+                 max_frames=2)
 
 
 def test_agents_for_an_algorithm_without_per_agent_state_is_a_notice(tmp_path, capsys):
