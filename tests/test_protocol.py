@@ -273,3 +273,26 @@ def test_vector_env_steps_as_sync_vector_env(transport, mode, observations):
     with BatchVectorEnv([make] * 4, mode, **VECTOR_LAYOUTS[transport.name]) as env, \
             closing(gym.vector.SyncVectorEnv([make] * 4, autoreset_mode=mode)) as reference:
         assert_same_vector_steps(env, reference, seed=7, steps=120)
+
+
+def test_an_autoreset_step_after_a_reset_is_a_second_reset(transport):
+    """A reset that a worker answered with its prefetched reset used that reset up: an
+    autoreset in the next step is another reset (a second draw), as in process."""
+    def make():
+        return gym.make("CartPole-v1", max_episode_steps=3)
+
+    def steps(batch):
+        batch.reset(seed=5)
+        for _ in range(3):
+            batch.step(np.zeros(4, np.int64))  # all four episodes end (truncated)
+        observ = [batch.reset([0, 1]), batch.reset([2, 3], seed=9)]
+        observ.append(batch.step(np.ones(4, np.int64), np.array([True, True, True, False]))[0])
+        return observ + [batch.step(np.zeros(4, np.int64))[0]]
+
+    reference = Sequential([make() for _ in range(4)])
+    try:
+        expected = steps(reference)
+    finally:
+        reference.close()
+    for got, want in zip(steps(transport([make] * 4)), expected, strict=True):
+        np.testing.assert_array_equal(got, want)

@@ -23,6 +23,8 @@ from batchrl.nested import build, is_nested_space, leaf_spaces, put, take
 
 # Bytes reserved per action value: actions travel in the caller's dtype, as with in-process envs.
 ACTION_ITEMSIZE = 8
+# An ``autoreset`` value beyond true: reset the env for real, its prefetched reset was handed out.
+RESET_AGAIN = 2
 
 
 class StepArrays:
@@ -30,8 +32,9 @@ class StepArrays:
 
     ``observ`` and ``reset_observ`` are ``(num_envs, *obs_shape)`` in the observation space's dtype
     (for a ``Dict`` or ``Tuple`` space, a nested value of such arrays, one per part:
-    ``batchrl.nested``), ``reward`` ``(num_envs,)`` float64, ``terminated``/``truncated``/
-    ``autoreset`` ``(num_envs,)`` bool (``autoreset``: the envs to reset instead of step);
+    ``batchrl.nested``), ``reward`` ``(num_envs,)`` float64, ``terminated``/``truncated``
+    ``(num_envs,)`` bool, ``autoreset`` ``(num_envs,)`` uint8 (the envs to reset instead of
+    step; ``RESET_AGAIN``: not with the prefetched reset);
     ``action_bytes`` is raw storage that ``actions(dtype)`` views as ``(num_envs, *act_shape)``.
 
     Spaces without a fixed shape and numeric dtype (Text, Graph, a Dict holding one) cannot
@@ -51,7 +54,8 @@ class StepArrays:
             self.observ = np.empty(num_envs, object)
             self.reset_observ = np.empty(num_envs, object)
             self.reward = np.zeros(num_envs)
-            self.terminated, self.truncated, self.autoreset = np.zeros((3, num_envs), bool)
+            self.terminated, self.truncated = np.zeros((2, num_envs), bool)
+            self.autoreset = np.zeros(num_envs, np.uint8)
             self.action_bytes = None
             return
         self._act_shape = (num_envs, *act_space.shape)
@@ -63,7 +67,7 @@ class StepArrays:
                   ("reward", (num_envs,), np.float64),
                   ("terminated", (num_envs,), np.bool_),
                   ("truncated", (num_envs,), np.bool_),
-                  ("autoreset", (num_envs,), np.bool_)]
+                  ("autoreset", (num_envs,), np.uint8)]
         offset = 0
         self._layout = []
         for name, shape, dtype in fields:
@@ -207,7 +211,8 @@ class EnvHost:
 
     def step(self, actions: np.ndarray, arrays: StepArrays, autoreset: Any = None) -> tuple:
         """Step env ``i`` with ``actions[i]`` into ``arrays``, or reset it (no seed or options:
-        zero reward, false flags) if ``autoreset[i]``; answers ``(infos, resets)``: the infos
+        zero reward, false flags) if ``autoreset[i]`` (with its prefetched reset, unless
+        ``RESET_AGAIN``); answers ``(infos, resets)``: the infos
         as an ``info_columns`` payload or a pickled list (``None`` when infos are off) and
         ``(index, pickled info)`` of the envs reset after their episode ended (first
         observations in ``arrays.reset_observ``). An env that raises does not stop the
@@ -223,7 +228,8 @@ class EnvHost:
                 fresh = self._fresh.pop(index, _NONE)
                 if autoreset is not None and autoreset[index]:
                     obs, info = ((take(arrays.reset_observ, index), fresh)
-                                 if fresh is not _NONE else env.reset())
+                                 if fresh is not _NONE and autoreset[index] != RESET_AGAIN
+                                 else env.reset())
                     reward, term, trunc = 0.0, False, False
                 else:
                     obs, reward, term, trunc, info = env.step(actions[index])
