@@ -395,6 +395,17 @@ def test_close_is_idempotent_and_stops_the_worker(gone):
         env.step(0)
 
 
+def test_a_step_in_flight_at_close_is_not_waited_for(gone):
+    env = ExternalProcess("CartPole-v1")
+    env.reset(seed=0)
+    env.step_async(0)
+    env.close()
+    assert gone([env.pid], timeout=3.0) == []
+    # Not read from the closed connection (whose descriptor a new one may have now).
+    with pytest.raises(EnvError, match=r"CartPole-v1 failed in step\(\): the env was closed"):
+        env.step_wait()
+
+
 def test_batch_close_is_idempotent_and_stops_all_workers(gone):
     with BatchEnv([ExternalProcess("CartPole-v1") for _ in range(3)]) as batch:
         batch.reset(seed=0)

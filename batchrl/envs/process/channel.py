@@ -189,6 +189,8 @@ class Channel:
 
     def receive(self, operation: str) -> tuple[str, Any]:
         """Wait for the answer to ``operation``: ``(kind, value)``, or the worker's error."""
+        if self.closed:  # (its connection is closed: its descriptor may be another's now)
+            raise EnvError(self.label, operation, "the env was closed")
         if self.pending != operation:
             raise RuntimeError(f"{self.label}: no {operation}() result is pending")
         try:
