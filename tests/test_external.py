@@ -67,6 +67,7 @@ def test_step_and_reset_match_the_env_in_process(external):
         np.testing.assert_array_equal(got[0], expected[0])
         assert got[1] == expected[1] and type(got[1]) is type(expected[1])
         assert got[2:4] == expected[2:4]
+        assert [type(flag) for flag in got[2:4]] == [bool, bool]  # as Gymnasium's, not numpy's
         assert got[4] == expected[4]
 
 
@@ -119,6 +120,38 @@ def test_spaces_beyond_shared_memory_travel_pickled(external):
     observ, reward, terminated, *_ = env.step_wait()
     assert observ["label"] == "step2" and (reward, terminated) == (1.0, True)
     assert env.count == 2
+
+
+class DictTupleFailingEnv(DictTupleEnv):
+    """``DictTupleEnv`` raising in its second step and in a reset with options."""
+
+    def reset(self, *, seed=None, options=None):
+        if options == {"fail": True}:
+            raise RuntimeError("bad options")
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        if self.count == 1:
+            self.count += 1
+            raise ValueError("boom in a pickled step")
+        return super().step(action)
+
+
+def test_errors_of_an_env_whose_arrays_travel_pickled_are_raised(external):
+    env = external(DictTupleFailingEnv, label="pickled")
+    env.reset(seed=0)
+    env.step((0, 0))
+    with pytest.raises(EnvRaisedError, match=r"pickled failed in step\(\): ValueError: "
+                                             r"boom in a pickled step") as info:
+        env.step((0, 0))
+    assert info.value.remote_type == "ValueError"
+    with pytest.raises(EnvRaisedError, match=r"pickled failed in reset\(\): RuntimeError: "
+                                             r"bad options"):
+        env.reset(options={"fail": True})
+    # The worker keeps serving.
+    observ, info = env.reset(options={"a": 1})
+    assert observ["label"] == "start" and info == {"options": {"a": 1}}
+    assert env.step((1, 1))[0]["label"] == "step1"
 
 
 def test_attributes_are_forwarded(external):
@@ -316,6 +349,9 @@ def test_worker_killed_during_a_step_raises_crashed_error(external):
     assert time.monotonic() - start < 5.0
     assert info.value.exitcode == -signal.SIGKILL
     assert "sleepy failed in step()" in str(info.value) and "SIGKILL" in str(info.value)
+    # No request is left pending: the next call finds the dead worker too.
+    with pytest.raises(EnvCrashedError, match=r"sleepy failed in reset\(\).*SIGKILL"):
+        env.reset()
 
 
 @pytest.mark.timeout(30)

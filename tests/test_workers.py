@@ -29,7 +29,7 @@ import pytest
 from batchrl.envs import (BatchEnv, EnvAttributeError, EnvCrashedError, EnvRaisedError,
                           EnvTimeoutError, EnvWorker, ExternalProcess, InfoList,
                           RemoteAttribute, WorkerEnv)
-from batchrl.envs.errors import EnvSpecError
+from batchrl.envs.errors import EnvSpecError, UnsupportedSpaceError
 from batchrl.envs.factory import DEFAULT_TIMEOUT, batch_env_from, split_evenly
 from batchrl.hardware import usable_cores
 from helpers import (CountingEnv, assert_same_log, fails_at, kill_and_wait, make_cartpole,
@@ -221,6 +221,50 @@ def test_a_reset_after_an_autoreset_step_is_a_real_reset(worker_cartpoles):
     assert [batch.envs[i].resets for i in finished] == [mirror[i].resets for i in finished]
 
 
+def test_an_autoreset_step_after_a_seeded_reset_is_a_real_reset(worker_cartpoles):
+    batch, mirror = worker_cartpoles
+    finished = step_until_finished(batch, mirror)
+    batch.reset(finished, seed=[123] * len(finished))  # not the prefetched reset: a real one
+    for i in finished:
+        mirror[i].reset(seed=123)
+    autoreset = np.isin(np.arange(2), finished)
+    observ = batch.step(np.ones(2, np.int64), autoreset)[0]
+    np.testing.assert_array_equal(observ, np.stack(
+        [env.reset()[0] if reset else env.step(1)[0] for env, reset in zip(mirror, autoreset)]))
+
+
+def test_a_step_after_an_autoreset_step_steps_every_env(closing):
+    worker = closing(EnvWorker([CountingEnv] * 2))
+    worker.reset()
+    worker.step(np.zeros(2, np.int64))
+    observ, reward, *_ = worker.step(np.zeros(2, np.int64), np.array([True, False]))
+    assert observ.ravel().tolist() == [0.0, 2.0] and reward.tolist() == [0.0, 2.0]
+    # No autoreset given: every env is stepped, none reset again.
+    observ, reward, *_ = worker.step(np.zeros(2, np.int64))
+    assert observ.ravel().tolist() == [1.0, 3.0] and reward.tolist() == [1.0, 3.0]
+
+
+def short_counted_cartpole():
+    return ResetCounter(gym.make("CartPole-v1", max_episode_steps=3))
+
+
+def test_a_truncated_episode_is_reset_ahead_too(closing):
+    worker = closing(EnvWorker([short_counted_cartpole] * 2))
+    mirror = [closing(short_counted_cartpole()) for _ in range(2)]
+    worker.reset(seeds=[0, 1])
+    for _ in range(3):
+        _, _, terminated, truncated, _ = worker.step(np.zeros(2, np.int64))
+    assert truncated.all() and not terminated.any()
+    assert [worker.env(i).resets for i in range(2)] == [2, 2]  # the prefetched resets
+    observ, _ = worker.reset()  # answered from them
+    assert [worker.env(i).resets for i in range(2)] == [2, 2]
+    for i, env in enumerate(mirror):
+        env.reset(seed=i)
+        for _ in range(3):
+            env.step(0)
+    np.testing.assert_array_equal(observ, np.stack([env.reset()[0] for env in mirror]))
+
+
 OPTIONS = {"low": -0.001, "high": 0.001}  # CartPole's initial state range (default ±0.05)
 
 
@@ -304,6 +348,15 @@ def test_envs_after_a_failing_env_in_the_same_worker_are_still_stepped(closing):
     with pytest.raises(EnvRaisedError):
         batch.step([0, 0, 0])
     assert batch.step([0, 0, 0])[1].tolist() == [2.0, 2.0, 2.0]  # got [2.0, 1.0, 2.0]
+
+
+def test_the_first_of_several_failing_envs_in_a_worker_is_named(closing):
+    worker = closing(EnvWorker([CountingEnv, fails_at(2), fails_at(2)], label="counting"))
+    worker.reset()
+    worker.step(np.zeros(3, np.int64))
+    with pytest.raises(EnvRaisedError) as info:
+        worker.step(np.zeros(3, np.int64))
+    assert info.value.worker_env_index == 1
 
 
 def test_constructor_error_in_a_worker_names_the_global_env_index(closing):
@@ -400,8 +453,11 @@ def test_an_interrupted_step_leaves_no_stale_answer(closing):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    observ, *_ = batch.step([0, 0])
+    observ, *_, infos = batch.step([0, 0])
     assert observ[:, 0].tolist() == [3.0, 3.0]  # this step's answer, not the abandoned one's
+    # (The infos travel in the answer itself, the observations in shared memory, which the
+    # worker may have overwritten with this step's before a stale answer is read.)
+    assert [info["count"] for info in infos] == [3, 3]
 
 
 @pytest.mark.timeout(30)
@@ -496,6 +552,17 @@ MAIN_SPACE_SCRIPT = textwrap.dedent("""
         print(worker.reset()[0].tolist(), flush=True)
         worker.close()
 """)
+
+
+class TextEnv(CountingEnv):
+    observation_space = gym.spaces.Text(8)
+
+
+def test_a_worker_whose_spaces_are_rejected_is_stopped(closing, gone):
+    worker = closing(EnvWorker([TextEnv]))
+    with pytest.raises(UnsupportedSpaceError, match="Text"):
+        worker.observation_space
+    assert worker.closed and gone([worker.pid], timeout=3.0) == []
 
 
 def test_a_space_class_of_the_main_script_reaches_the_parent(tmp_path):
@@ -627,6 +694,33 @@ def test_call_reaches_the_right_env_of_a_worker(closing):
     assert [worker.env(i).call("get_wrapper_attr", "count") for i in range(3)] == [1, 0, 1]
     assert [worker.call("get_wrapper_attr", "count", index=i) for i in range(3)] == [1, 0, 1]
     assert [worker.get_attr("count", index=i) for i in range(3)] == [1, 0, 1]
+
+
+def test_attributes_and_methods_under_an_envs_wrappers_are_found(closing):
+    cartpoles = closing(EnvWorker([counted_cartpole] * 2))
+    assert cartpoles.env(1).resets == 0  # the outer wrapper's
+    assert cartpoles.env(1).x_threshold == 2.4  # CartPoleEnv's, under the wrappers
+    assert cartpoles.get_attr("gravity", index=1) == 9.8
+    cheetah = closing(EnvWorker([make_cheetah]))
+    assert cheetah.env(0).frame_skip == 5
+    cheetah.reset(seeds=[3])
+    local = closing(make_cheetah())
+    local.reset(seed=3)
+    np.testing.assert_array_equal(cheetah.env(0).call("state_vector"),
+                                  local.unwrapped.state_vector())
+
+
+class GeneratorEnv(CountingEnv):
+    def numbers(self):
+        return (n for n in range(3))  # (a generator: not picklable)
+
+
+def test_a_call_result_that_cannot_be_sent_is_the_envs_error(closing):
+    worker = closing(EnvWorker([GeneratorEnv], label="generator"))
+    with pytest.raises(EnvRaisedError, match=r"generator failed in call\(\): TypeError: .*"
+                                             r"'generator'"):
+        worker.call("numbers")
+    assert worker.call("double", 21) == 42  # still serving
 
 
 # -- infos ------------------------------------------------------------------------------
@@ -774,6 +868,80 @@ def test_no_shared_memory_warning_or_leak_at_interpreter_exit():
     assert "resource_tracker" not in result.stderr and "leaked" not in result.stderr, \
         result.stderr
     assert new_blocks(before) == set()
+
+
+# -- the transport ----------------------------------------------------------------------
+
+
+class ActionEchoEnv(gym.Env):
+    """Observes the action it was given, as float64, with the action's dtype in the
+    info; its infos hold numpy scalars in a nested dict (not columns: sent pickled), and
+    it ends its episode when told to by an action of 9."""
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (2,), np.float64)
+    action_space = gym.spaces.Box(-10.0, 10.0, (2,), np.float64)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(2), {"first": {"n": np.int64(7), "x": np.float32(0.5)}}
+
+    def step(self, action):
+        return (np.asarray(action, np.float64), 1.0, bool(action[0] == 9), False,
+                {"dtype": str(action.dtype),
+                 "nested": {"n": np.int64(3), "x": np.float32(0.25), "b": np.bool_(True)}})
+
+
+def test_actions_of_another_dtype_than_the_last_steps_reach_the_env_as_sent(closing):
+    worker = closing(EnvWorker([ActionEchoEnv] * 2))
+    worker.reset()
+    for dtype in (np.float32, np.float64, np.int64, np.float32, np.int8):
+        actions = np.array([[1.5, -2.0], [3.0, 4.25]]).astype(dtype)
+        observ, *_, infos = worker.step(actions)
+        np.testing.assert_array_equal(observ, actions.astype(np.float64))
+        assert [info["dtype"] for info in infos] == [np.dtype(dtype).name] * 2
+
+
+def test_numpy_scalars_in_infos_keep_their_type_and_value(closing):
+    worker = closing(EnvWorker([ActionEchoEnv] * 2))
+    batch = closing(BatchEnv([worker]))
+    _, infos = batch.reset(return_infos=True)
+    for info in infos:
+        assert info == {"first": {"n": 7, "x": 0.5}}
+        assert type(info["first"]["n"]) is np.int64 and type(info["first"]["x"]) is np.float32
+    actions = np.array([[9.0, 0.0], [0.0, 0.0]])
+    infos = batch.step(actions)[4]
+    for info in infos:
+        assert info["nested"] == {"n": 3, "x": 0.25, "b": True}
+        assert [type(v) for v in info["nested"].values()] == [np.int64, np.float32, np.bool_]
+    # The prefetched reset of env 0 brings its own info, the same as a real reset's.
+    _, infos = batch.reset([0], return_infos=True)
+    assert infos == [{"first": {"n": 7, "x": 0.5}}]
+    assert type(infos[0]["first"]["n"]) is np.int64
+
+
+class CloseMarksEnv(CountingEnv):
+    """Writes its file when closed; raises in ``close`` if told to."""
+
+    def __init__(self, path, fail=False):
+        super().__init__()
+        self.path, self.fail = path, fail
+
+    def close(self):
+        with open(self.path, "w") as file:
+            file.write("closed")
+        if self.fail:
+            raise RuntimeError("the viewer is gone")
+
+
+def test_a_worker_closes_all_its_envs_even_when_one_close_raises(closing, gone, tmp_path):
+    paths = [str(tmp_path / f"env{i}") for i in range(3)]
+    worker = closing(EnvWorker([lambda p=p, i=i: CloseMarksEnv(p, fail=i == 0)
+                                for i, p in enumerate(paths)]))
+    worker.reset()
+    pid = worker.pid
+    worker.close()
+    assert gone([pid], timeout=5.0) == []
+    assert [os.path.exists(p) for p in paths] == [True, True, True]
 
 
 # -- batch_env_from ---------------------------------------------------------------------
