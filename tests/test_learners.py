@@ -330,11 +330,14 @@ def test_preemption_cuts_the_slow_learners_rollouts_and_keeps_the_weights_identi
 
 STDIN_SCRIPT = """
 import os, sys
+import torch.distributed
 from batchrl.config import load_config
 from batchrl.learners import run
 config = load_config("halfcheetah", sys.argv[2:])
 cores = os.sched_getaffinity(0)
 run(config, sys.argv[1], progress=False)
+if torch.distributed.is_initialized():
+    print("still in the learners' process group", flush=True)
 print("trained on", "all its cores again" if os.sched_getaffinity(0) == cores else
       f"{os.sched_getaffinity(0)} of {cores}", flush=True)
 """
@@ -344,11 +347,13 @@ print("trained on", "all its cores again" if os.sched_getaffinity(0) == cores el
 def test_local_learners_start_from_a_script_read_from_stdin(tmp_path):
     """``python - <<EOF`` has no main file that the spawned learners could import again:
     they start without it, as env workers do. Learner 0 (the calling process) runs on its
-    share of the cores, and has all of them back when ``run`` returns."""
+    share of the cores, and has all of them back when ``run`` returns, its process group
+    destroyed."""
     result = run_stdin_script(STDIN_SCRIPT, str(tmp_path / "run"), *CHEETAH, "train.learners=2",
                               "train.steps=2000", "env.backend=inline", timeout=180)
     assert result.returncode == 0, result.stderr
     assert result.stdout.endswith("trained on all its cores again\n"), result.stdout
+    assert "still in the learners' process group" not in result.stdout
 
 
 # --- train.py with two learners -----------------------------------------------------------
@@ -450,6 +455,18 @@ def two_learners_with_site(tmp_path: Path, sitecustomize: str) -> subprocess.Pop
         start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def ended(process: subprocess.Popen, seconds: float = 90) -> tuple[int, str, str]:
+    """``(code, stdout, stderr)`` of a run that must end by itself within ``seconds`` (else
+    it is killed) and leave none of its processes behind."""
+    try:
+        result = finish(process, seconds)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert wait_gone(in_session(process.pid), timeout=15) == []
+    return result
+
+
 # Put on the path of a run, it makes every process that multiprocessing spawns (the learners
 # other than learner 0) fail as its training begins: a bug in one learner.
 FAILING_LEARNERS = textwrap.dedent("""
@@ -467,16 +484,89 @@ def test_a_learner_that_raises_is_named_with_its_error(tmp_path):
     # Learner 1 sends its error's first line to learner 0, which ends the run with it (not
     # with gloo's lost connection, nor learner 1's exit code alone).
     process = two_learners_with_site(tmp_path, FAILING_LEARNERS)
-    try:
-        code, stdout, stderr = finish(process, 90)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    assert wait_gone(in_session(process.pid), timeout=15) == []
+    code, stdout, stderr = ended(process)
     assert "2 learners, cores" in stdout, (stdout, stderr)
     assert code == 1, (stdout, stderr)
     assert "error: learner 1 failed: ValueError: learner bug\n" in stderr, stderr
     assert "its second line" not in stderr and "Traceback" not in stderr, stderr
+
+
+# Put on the path of a run, it makes each learner fail as its training begins, saying on which
+# cores it runs: learner 1 (spawned by multiprocessing) first, then learner 0 once learner 1 is
+# gone (so that learner 1's error is always the one that names the run's failure).
+CORES_OF_THE_LEARNERS = textwrap.dedent("""
+    import multiprocessing, os, sys, time
+    import batchrl.trainer
+    def cores():
+        return sorted(os.sched_getaffinity(0))
+    if "--multiprocessing-fork" in sys.argv:
+        def run(self):
+            raise ValueError(f"learner 1 on cores {cores()}")
+    else:
+        def run(self):
+            while any(child.name.startswith("batchrl-learner")
+                      for child in multiprocessing.active_children()):
+                time.sleep(0.05)
+            print(f"learner 0 on cores {cores()}", flush=True)
+            raise RuntimeError("learner 0 lost learner 1")
+    batchrl.trainer.Trainer.run = run
+""")
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="two learners need two cores")
+def test_each_local_learner_runs_on_its_own_share_of_the_cores(tmp_path):
+    # The cores of this process (train.py's too) split in two halves, learner 0 on the first.
+    cores = sorted(os.sched_getaffinity(0))
+    shares = [cores[:len(cores) // 2], cores[len(cores) // 2:]]
+    process = two_learners_with_site(tmp_path, CORES_OF_THE_LEARNERS)
+    code, stdout, stderr = ended(process)
+    assert f"2 learners, cores {shares}: pids" in stdout, (stdout, stderr)
+    assert f"learner 0 on cores {shares[0]}\n" in stdout, (stdout, stderr)
+    assert code == 1, (stdout, stderr)
+    assert (f"error: learner 1 failed: ValueError: learner 1 on cores {shares[1]}\n"
+            in stderr), stderr
+
+
+# Put on the path of a run, it makes every learner raise the error ``ERROR`` names (one of the
+# user's errors) as its training begins: learner 1 first, then learner 0 once learner 1 is gone
+# and its error has reached learner 0's queue.
+REJECTED_BY_EVERY_LEARNER = textwrap.dedent("""
+    import multiprocessing, os, sys, time
+    import batchrl.trainer
+    from batchrl.checkpoint import CheckpointError
+    from batchrl.config import ConfigError
+    from batchrl.envs.errors import EnvSpecError, SpaceMismatchError
+    from batchrl.errors import UnsupportedSpaceError
+    error = {"ConfigError": ConfigError, "EnvSpecError": EnvSpecError,
+             "UnsupportedSpaceError": UnsupportedSpaceError,
+             "SpaceMismatchError": SpaceMismatchError,
+             "CheckpointError": CheckpointError}[os.environ["ERROR"]]
+    def run(self):
+        if "--multiprocessing-fork" not in sys.argv:  # learner 0
+            while any(child.name.startswith("batchrl-learner")
+                      for child in multiprocessing.active_children()):
+                time.sleep(0.05)
+        raise error("a setting every learner rejects")
+    batchrl.trainer.Trainer.run = run
+""")
+
+
+@pytest.mark.parametrize("error", [
+    "ConfigError", pytest.param("CheckpointError", marks=pytest.mark.slow),
+    pytest.param("EnvSpecError", marks=pytest.mark.slow),
+    pytest.param("UnsupportedSpaceError", marks=pytest.mark.slow),
+    pytest.param("SpaceMismatchError", marks=pytest.mark.slow)])
+def test_the_users_error_is_learner_0s_own_even_when_learner_1_reported_it_first(
+        tmp_path, monkeypatch, error):
+    # Learner 1 already failed with the same error (its line waits for learner 0): the user's
+    # input is still the run's error (exit code 2), not a learner's failure.
+    monkeypatch.setenv("ERROR", error)
+    process = two_learners_with_site(tmp_path, REJECTED_BY_EVERY_LEARNER)
+    code, stdout, stderr = ended(process)
+    assert "2 learners, cores" in stdout, (stdout, stderr)
+    assert code == 2, (stdout, stderr)
+    assert stderr.strip().splitlines()[-1] == "error: a setting every learner rejects", stderr
+    assert "learner 1 failed" not in stderr and "Traceback" not in stderr, stderr
 
 
 # Put on the path of a run, it holds every process that multiprocessing spawns (the learners
