@@ -23,7 +23,9 @@ import cloudpickle
 import gymnasium as gym
 import numpy as np
 import psutil
+import torch
 
+from batchrl.algos import Algorithm
 from batchrl.envs import BatchEnv, InfoList
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -429,3 +431,25 @@ def interrupting_after(count: int) -> tuple[Callable[[], None], list[int]]:
             raise Interrupted(signal.SIGINT)
 
     return check, calls
+
+
+class Minimal(Algorithm):
+    """Only the abstract methods: every optional attribute left at its default."""
+
+    def begin_episodes(self, agent_indices):
+        return {}
+
+    def perform(self, agent_indices, observ):
+        return torch.zeros(len(agent_indices), dtype=torch.int64), {}
+
+    def experience(self, *args):
+        return {}
+
+    def end_episodes(self, agent_indices):
+        return {}
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass

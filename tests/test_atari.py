@@ -15,12 +15,11 @@ pytest.importorskip("ale_py")
 import gymnasium as gym  # noqa: E402
 import torch  # noqa: E402
 
-from batchrl.algos.base import Algorithm  # noqa: E402
 from batchrl.config import available_configs, load_config  # noqa: E402
 from batchrl.envs.atari import make, make_vector  # noqa: E402
 from batchrl.envs.errors import EnvSpecError  # noqa: E402
 from batchrl.envs.factory import choose_backend, make_batch_env  # noqa: E402
-from helpers import finish, start_train_py  # noqa: E402
+from helpers import Minimal, finish, start_train_py  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -453,16 +452,23 @@ def test_rewards_are_clipped_per_step_and_below_too(backend):
             assert max(rewards) <= -2.0
 
 
+def breakout_until_a_life_is_lost(env):
+    """Random actions in ``make_vector``'s one Breakout env (from seed 0) until its first life
+    is lost or its episode ends: ``(terminated, info)`` of that step."""
+    rng = np.random.default_rng(0)
+    env.reset(seed=0)
+    for _ in range(2000):
+        _, _, terminated, _, info = env.step(rng.integers(0, 4, 1))
+        if info["lives"][0] < 5 or terminated[0]:
+            return terminated, info
+    raise AssertionError("no life lost in 2000 steps")
+
+
 def test_vector_training_episodes_end_with_a_life_evaluation_episodes_do_not():
     for training in (True, False):
         env = make_vector(1, "ALE/Breakout-v5", training=training, sticky_actions=0.0)
-        rng = np.random.default_rng(0)
         try:
-            env.reset(seed=0)
-            for _ in range(2000):
-                _, _, terminated, truncated, info = env.step(rng.integers(0, 4, 1))
-                if info["lives"][0] < 5 or terminated[0]:
-                    break
+            terminated, info = breakout_until_a_life_is_lost(env)
             assert info["lives"][0] == 4 and bool(terminated[0]) == training
         finally:
             env.close()
@@ -535,13 +541,8 @@ def test_wrong_atari_arguments_are_refused_by_both_makers(kwargs, message, backe
 def test_vector_training_envs_without_life_episodes_or_clipping_when_asked():
     """make_vector passes terminal_on_life_loss and clip_rewards on for training envs too."""
     env = make_vector(1, "ALE/Breakout-v5", terminal_on_life_loss=False, sticky_actions=0.0)
-    rng = np.random.default_rng(0)
     try:
-        env.reset(seed=0)
-        for _ in range(2000):
-            _, _, terminated, _, info = env.step(rng.integers(0, 4, 1))
-            if info["lives"][0] < 5:
-                break
+        terminated, info = breakout_until_a_life_is_lost(env)
         assert info["lives"][0] == 4 and not terminated[0]
     finally:
         env.close()
@@ -555,7 +556,7 @@ def test_vector_training_envs_without_life_episodes_or_clipping_when_asked():
         env.close()
 
 
-class Scripted(Algorithm):
+class Scripted(Minimal):
     """Plays ``actions`` from each episode's start, whatever it sees."""
 
     def __init__(self, actions):
@@ -569,18 +570,6 @@ class Scripted(Algorithm):
     def perform(self, agent_indices, observ):
         self.step += 1
         return torch.full((len(agent_indices),), int(self.actions[self.step - 1])), {}
-
-    def experience(self, *args):
-        return {}
-
-    def end_episodes(self, agent_indices):
-        return {}
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
 
 
 def test_a_video_films_a_whole_evaluation_game_in_colour_at_the_games_pace(tmp_path):

@@ -236,12 +236,24 @@ def test_autoreset_envs_are_reset_instead_of_stepped(transport):
     assert [env.count for env in batch.envs] == [3, 1, 3, 1]
 
 
-def test_an_ended_episode_is_reset_once_when_stepped_with_autoreset(transport):
-    """Worker processes reset an env as soon as its episode ends (prefetch); the step that
-    autoresets it must use that reset, not reset it again (a second draw from its generator)."""
+def assert_steps_as_in_process(transport, steps):
+    """``steps(batch)`` (a list of arrays) gives the same arrays on four CartPoles of 3-step
+    episodes on ``transport`` as on the same envs in process."""
     def make():
         return gym.make("CartPole-v1", max_episode_steps=3)
 
+    reference = Sequential([make() for _ in range(4)])
+    try:
+        expected = steps(reference)
+    finally:
+        reference.close()
+    for got, want in zip(steps(transport([make] * 4)), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_an_ended_episode_is_reset_once_when_stepped_with_autoreset(transport):
+    """Worker processes reset an env as soon as its episode ends (prefetch); the step that
+    autoresets it must use that reset, not reset it again (a second draw from its generator)."""
     def steps(batch):
         batch.reset(seed=5)
         for _ in range(3):
@@ -249,13 +261,7 @@ def test_an_ended_episode_is_reset_once_when_stepped_with_autoreset(transport):
         observ = [batch.step(np.ones(4, np.int64), terminated | truncated)[0]]
         return observ + [batch.step(np.zeros(4, np.int64))[0]]
 
-    reference = Sequential([make() for _ in range(4)])
-    try:
-        expected = steps(reference)
-    finally:
-        reference.close()
-    for got, want in zip(steps(transport([make] * 4)), expected):
-        np.testing.assert_array_equal(got, want)
+    assert_steps_as_in_process(transport, steps)
 
 
 # The layout options that put a BatchVectorEnv's envs on each transport.
@@ -278,9 +284,6 @@ def test_vector_env_steps_as_sync_vector_env(transport, mode, observations):
 def test_an_autoreset_step_after_a_reset_is_a_second_reset(transport):
     """A reset that a worker answered with its prefetched reset used that reset up: an
     autoreset in the next step is another reset (a second draw), as in process."""
-    def make():
-        return gym.make("CartPole-v1", max_episode_steps=3)
-
     def steps(batch):
         batch.reset(seed=5)
         for _ in range(3):
@@ -289,10 +292,4 @@ def test_an_autoreset_step_after_a_reset_is_a_second_reset(transport):
         observ.append(batch.step(np.ones(4, np.int64), np.array([True, True, True, False]))[0])
         return observ + [batch.step(np.zeros(4, np.int64))[0]]
 
-    reference = Sequential([make() for _ in range(4)])
-    try:
-        expected = steps(reference)
-    finally:
-        reference.close()
-    for got, want in zip(steps(transport([make] * 4)), expected, strict=True):
-        np.testing.assert_array_equal(got, want)
+    assert_steps_as_in_process(transport, steps)

@@ -25,7 +25,7 @@ from batchrl.checkpoint import list_checkpoints, load_checkpoint
 from batchrl.config import ConfigError, build_config, load_config
 from batchrl.metrics import read_metrics
 from batchrl.trainer import phase_plan
-from helpers import REPO, TRAIN_PY
+from helpers import REPO, TRAIN_PY, Minimal
 
 USER_MODULE = textwrap.dedent('''
     """A user's algorithm: a linear softmax policy on CartPole that moves its
@@ -232,28 +232,6 @@ def test_an_algorithm_that_does_not_fit_is_a_user_error(project, setting, messag
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr  # one line, no traceback
     assert re.search(message, done.stderr.strip()), done.stderr
     assert not (project / "bad").exists()
-
-
-class Minimal(Algorithm):
-    """Only the abstract methods: every optional attribute left at its default."""
-
-    def begin_episodes(self, agent_indices):
-        return {}
-
-    def perform(self, agent_indices, observ):
-        return torch.zeros(len(agent_indices), dtype=torch.int64), {}
-
-    def experience(self, *args):
-        return {}
-
-    def end_episodes(self, agent_indices):
-        return {}
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
 
 
 def test_the_algorithm_defaults_of_a_minimal_subclass():
