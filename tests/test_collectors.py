@@ -291,6 +291,7 @@ def within(seconds, what):
     return check
 
 
+@pytest.mark.slow
 def test_a_collector_that_dies_after_sending_its_first_rollout_is_replaced(tmp_path):
     """Collector 0 sends round 0, then fails in round 1 before the learner looked at its
     queue: the rollout it sent counts (it got going), so it is replaced, not a failure of the
@@ -327,6 +328,7 @@ def test_a_collector_that_dies_after_sending_its_first_rollout_is_replaced(tmp_p
     assert [meta[1]["fresh"] for meta in metas] == [True, False, False]
 
 
+@pytest.mark.slow
 def test_a_collector_that_dies_with_nothing_queued_is_replaced_at_the_next_round(tmp_path):
     """At lag 0, collector 0 dies in round 1 after the learner took round 0: nothing of it
     is queued, and its successor starts at round 1 (the learner's next), not at another."""

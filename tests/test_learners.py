@@ -513,6 +513,7 @@ CORES_OF_THE_LEARNERS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(usable_cores() < 2, reason="two learners need two cores")
 def test_each_local_learner_runs_on_its_own_share_of_the_cores(tmp_path):
     # The cores of this process (train.py's too) split in two halves, learner 0 on the first.
