@@ -242,9 +242,6 @@ class RemoteWorker(Worker):
         # A reset_async() awaiting its reset_wait(): (indices, rows served from _prefetched,
         # indices sent to the host).
         self._resetting: tuple[list[int], dict, list[int]] | None = None
-        # Envs whose prefetched reset a reset() handed out: still fresh in the host, which must
-        # not hand it out again for an autoreset (``RESET_AGAIN``).
-        self._handed_out: set[int] = set()
 
     @abc.abstractmethod
     def _construct(self) -> tuple[gym.Space, gym.Space]:
@@ -309,13 +306,14 @@ class RemoteWorker(Worker):
     def step_async(self, actions: np.ndarray, autoreset: np.ndarray | None = None) -> None:
         """Send every env its row of ``actions``; see ``Worker``."""
         self._check_open("step")
-        if autoreset is not None and self._handed_out:
-            again = [i for i in self._handed_out if autoreset[i]]
+        if autoreset is not None:
+            # The host answers an autoreset with the env's prefetched reset if it holds one;
+            # one that a reset() here already handed out must not be handed out again.
+            again = [i for i in np.flatnonzero(autoreset) if i not in self._prefetched]
             if again:
                 autoreset = np.asarray(autoreset, np.uint8).copy()
                 autoreset[again] = RESET_AGAIN
         self._send_step(np.asarray(actions), autoreset)
-        self._handed_out.clear()  # the host drops every prefetched reset at a step
         self._prefetched.clear()  # a stepped (or reset) env is no longer fresh from its reset
 
     def step_wait(self, copy: bool = True) -> StepResult:
@@ -338,10 +336,8 @@ class RemoteWorker(Worker):
             i: self._prefetched.pop(i) for i, seed in zip(indices, seeds)
             if seed is None and i in self._prefetched}
         remote = [(i, s) for i, s in zip(indices, seeds) if i not in fresh]
-        self._handed_out.update(fresh)
         for i, _ in remote:
             self._prefetched.pop(i, None)  # really reset again: the prefetched one is stale
-            self._handed_out.discard(i)
         sent = [i for i, _ in remote]
         if sent:
             self._send_reset(sent, [s for _, s in remote], options)
