@@ -225,6 +225,16 @@ def descendants(pid: int) -> list[int]:
         return []
 
 
+def gloo_threads() -> list[str]:
+    """The names of this process's threads that a gloo process group or a
+    ``torch.distributed`` store runs (Linux names them in /proc)."""
+    names = []
+    for thread in os.listdir("/proc/self/task"):
+        with contextlib.suppress(FileNotFoundError):  # (a thread that just ended)
+            names.append(Path(f"/proc/self/task/{thread}/comm").read_text().strip())
+    return [name for name in names if "gloo" in name or "tcpstore" in name]
+
+
 def in_session(session: int) -> list[int]:
     """The pids of the processes of session ``session`` (``start_new_session=True`` makes a
     child's pid its session's id): its descendants even after it was reaped, when their

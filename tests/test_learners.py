@@ -32,9 +32,9 @@ from batchrl.learners import run
 from batchrl.parts.distributed import LearnerGroup
 from batchrl.parts.normalize import Statistics, StreamingNormalizer
 from batchrl.simulation import simulate
-from helpers import (REPO, assert_same, descendants, finish, in_session, ray_pickles_by_value,
-                     run_stdin_script, seeded_tensor_env, sets, start_train_py, wait_for,
-                     wait_gone)
+from helpers import (REPO, assert_same, descendants, finish, gloo_threads, in_session,
+                     ray_pickles_by_value, run_stdin_script, seeded_tensor_env, sets,
+                     start_train_py, wait_for, wait_gone)
 
 # HalfCheetah with 4 agents in 50-step rollouts: a training phase of 2,000 steps in a second
 # or two; minibatches of 100 steps over both learners.
@@ -315,6 +315,26 @@ def _run_two(target) -> dict[int, dict]:
                 process.kill()
 
 
+def _closing_learner(rank: int, port: int, results) -> None:
+    learners = LearnerGroup.connect(rank, 2, "127.0.0.1", port, torch.device("cpu"))
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.Adam([weight])
+    weight.sum().backward()
+    learners.average_gradients([weight])
+    optimizer.step()  # (torch's first optimiser step imports torch._dynamo)
+    during = gloo_threads()
+    learners.close()
+    del learners
+    _put(results, rank, {"during": during, "after": gloo_threads()})
+
+
+def test_closing_the_learners_ends_their_process_groups_threads():
+    """An optimiser step made while the group is up must not keep it alive after ``close``."""
+    for rank, found in _run_two(_closing_learner).items():
+        assert found["during"], "no gloo threads to watch: the test checks nothing"
+        assert found["after"] == [], (rank, found["after"])
+
+
 @pytest.mark.slow
 def test_preemption_cuts_the_slow_learners_rollouts_and_keeps_the_weights_identical():
     found = _run_two(_preempted_learner)
@@ -333,11 +353,15 @@ import os, sys
 import torch.distributed
 from batchrl.config import load_config
 from batchrl.learners import run
-config = load_config("halfcheetah", sys.argv[2:])
+sys.path.insert(0, sys.argv[2])
+from helpers import gloo_threads
+config = load_config("halfcheetah", sys.argv[3:])
 cores = os.sched_getaffinity(0)
 run(config, sys.argv[1], progress=False)
 if torch.distributed.is_initialized():
     print("still in the learners' process group", flush=True)
+if gloo_threads():
+    print("the process group's threads are alive:", gloo_threads(), flush=True)
 print("trained on", "all its cores again" if os.sched_getaffinity(0) == cores else
       f"{os.sched_getaffinity(0)} of {cores}", flush=True)
 """
@@ -348,12 +372,14 @@ def test_local_learners_start_from_a_script_read_from_stdin(tmp_path):
     """``python - <<EOF`` has no main file that the spawned learners could import again:
     they start without it, as env workers do. Learner 0 (the calling process) runs on its
     share of the cores, and has all of them back when ``run`` returns, its process group
-    destroyed."""
-    result = run_stdin_script(STDIN_SCRIPT, str(tmp_path / "run"), *CHEETAH, "train.learners=2",
-                              "train.steps=2000", "env.backend=inline", timeout=180)
+    destroyed (and its threads ended)."""
+    result = run_stdin_script(STDIN_SCRIPT, str(tmp_path / "run"), str(REPO / "tests"), *CHEETAH,
+                              "train.learners=2", "train.steps=2000", "env.backend=inline",
+                              timeout=180)
     assert result.returncode == 0, result.stderr
     assert result.stdout.endswith("trained on all its cores again\n"), result.stdout
     assert "still in the learners' process group" not in result.stdout
+    assert "threads are alive" not in result.stdout, result.stdout
 
 
 # --- train.py with two learners -----------------------------------------------------------

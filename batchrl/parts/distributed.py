@@ -17,6 +17,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
+# torch.distributed.nn's functions take ``group.WORLD`` as a default argument, evaluated when
+# the module is imported: imported once a process group exists, it keeps that group (its gloo
+# threads, its store) alive after ``destroy_process_group``. torch imports it with
+# ``torch._dynamo``, which an optimiser's first step imports: so here, before any group.
+import torch.distributed.nn  # noqa: F401
 
 from batchrl.parts.normalize import Statistics, StreamingNormalizer
 
