@@ -10,6 +10,7 @@ the same optimiser step and all of them hold the same weights after every update
 from __future__ import annotations
 
 import datetime
+import importlib
 import math
 import os
 import time
@@ -17,11 +18,6 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
-# torch.distributed.nn's functions take ``group.WORLD`` as a default argument, evaluated when
-# the module is imported: imported once a process group exists, it keeps that group (its gloo
-# threads, its store) alive after ``destroy_process_group``. torch imports it with
-# ``torch._dynamo``, which an optimiser's first step imports: so here, before any group.
-import torch.distributed.nn  # noqa: F401
 
 from batchrl.parts.normalize import Statistics, StreamingNormalizer
 
@@ -81,6 +77,7 @@ class LearnerGroup:
             _wait_for_joins(store, size - 1, gone or (lambda: False))
         else:
             store.add(_JOINED, 1)
+        _import_before_a_group()
         dist.init_process_group(_backend(device), store=store, rank=rank, world_size=size,
                                 timeout=timeout)
         return cls(rank, size, local_rank, store)
@@ -91,6 +88,7 @@ class LearnerGroup:
         """Join the learners of a ``torchrun`` launch (its ``RANK``, ``WORLD_SIZE``,
         ``MASTER_ADDR`` and ``MASTER_PORT``)."""
         _use_gpu(device, int(os.environ.get("LOCAL_RANK", 0)))
+        _import_before_a_group()
         dist.init_process_group(_backend(device), init_method="env://", timeout=timeout)
         group = cls(dist.get_rank(), dist.get_world_size(),
                     int(os.environ.get("LOCAL_RANK", dist.get_rank())))
@@ -246,6 +244,16 @@ def _to(value: Any, device: torch.device | str) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_to(item, device) for item in value)
     return value
+
+
+def _import_before_a_group() -> None:
+    """Import ``torch.distributed.nn`` before the process group is made: its functions take
+    ``group.WORLD`` as a default argument, evaluated at import, so imported later (torch
+    imports it with ``torch._dynamo``, which an optimiser's first step imports) it would keep
+    the group, its gloo threads and its store alive after ``destroy_process_group``. (Not
+    with this module: a process that imports it, a Ray collector say, takes longer to end
+    when Ray kills it.)"""
+    importlib.import_module("torch.distributed.nn")
 
 
 def _wait_for_joins(store: dist.Store, others: int, gone: Callable[[], bool]) -> None:
