@@ -30,6 +30,9 @@ from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.factory import BACKENDS, check_resources, choose_backend, import_from
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.files import atomic_write
+from batchrl.hardware import resolve_precision
+
+TRAIN_PRECISIONS = ("auto", *PRECISIONS)  # train.precision's, "auto" resolved per device
 
 
 def _config_dir() -> Path:
@@ -140,7 +143,8 @@ class TrainConfig:
     max_policy_lag: int | None = None  # collectors wait rather than exceed it ("none": no limit)
     queue_size: int = 2           # finished rollouts per collector that may wait for the learner
     # "bfloat16": the algorithm's networks compute in bfloat16 (CPUs with AVX-512 BF16 or AMX,
-    # CUDA GPUs), for algorithms that take a precision argument (BatchPPO, SAC).
+    # CUDA GPUs), for algorithms that take a precision argument (BatchPPO, SAC); "auto":
+    # bfloat16 where the device computes it in hardware, else float32 (batchrl.hardware).
     precision: str = "float32"
     # "sample": evaluations act with sampled actions rather than the mean (most likely) ones, as
     # the Atari papers report; for algorithms that take an eval_actions argument (all shipped).
@@ -161,8 +165,8 @@ class TrainConfig:
             raise ValueError(f"train.preemption_threshold must be in [0, 1) (the fraction of "
                              f"learners whose finished rollouts cut the others'; 0: off), got "
                              f"{self.preemption_threshold}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}, got "
+        if self.precision not in TRAIN_PRECISIONS:
+            raise ValueError(f"train.precision must be one of {', '.join(TRAIN_PRECISIONS)}, got "
                              f"{self.precision!r}")
         try:
             check_resources(self.learner_resources)
@@ -190,7 +194,9 @@ SHIPPED_ALGORITHMS = (BATCHPPO, "batchrl.algos.reinforce:Reinforce", IMPALA)
 # that names them: an algorithm that cannot honour them must not take them silently through
 # **kwargs).
 RUN_FACTS = ("max_length", "total_steps", "device", "precision", "eval_actions")
-_NAMED_ONLY = {"precision": "float32", "eval_actions": "mean"}  # and their neutral values
+# And their neutral values, the first the one to use instead ("auto" precision asks for
+# bfloat16 only where an algorithm takes it).
+_NAMED_ONLY = {"precision": ("float32", "auto"), "eval_actions": ("mean",)}
 # Set by the trainer, not by an [algorithm] section: the positional arguments and the run facts.
 TRAINER_ARGUMENTS = ("observation_space", "action_space", "num_agents", *RUN_FACTS)
 _FACT_SOURCES = {"max_length": "env.max_length", "total_steps": "train.steps",
@@ -245,9 +251,11 @@ class Config:
     def run_facts(self, device: Any) -> dict[str, Any]:
         """What the trainer passes every algorithm besides spaces and agent count:
         ``max_length`` (``env.max_length``), ``total_steps`` (``train.steps``), ``device``,
-        ``precision`` (``train.precision``), ``eval_actions`` (``train.eval_actions``)."""
+        ``precision`` (``train.precision``, ``"auto"`` resolved for ``device``),
+        ``eval_actions`` (``train.eval_actions``)."""
         return {"max_length": self.env.max_length, "total_steps": self.train.steps,
-                "device": device, "precision": self.train.precision,
+                "device": device,
+                "precision": resolve_precision(self.train.precision, device),
                 "eval_actions": self.train.eval_actions}
 
     def make_algorithm(self, observation_space: Any, action_space: Any, num_agents: int,
@@ -261,11 +269,11 @@ class Config:
         facts = {name: value for name, value in self.run_facts(device).items()
                  if name in parameters or (open_ended and name not in _NAMED_ONLY)}
         for name, neutral in _NAMED_ONLY.items():
-            if name not in facts and getattr(self.train, name) != neutral:
+            if name not in facts and getattr(self.train, name) not in neutral:
                 raise ConfigError(f"train.{name}={getattr(self.train, name)!r} needs an "
                                   f"algorithm whose constructor takes {name}; "
                                   f"{self.algorithm.path} does not: use "
-                                  f"train.{name}={neutral!r}")
+                                  f"train.{name}={neutral[0]!r}")
         try:
             return cls(observation_space, action_space, num_agents, **facts,
                        **self.algorithm.keys)

@@ -1,10 +1,12 @@
-"""What the machine offers to this process: the cores it may use."""
+"""What the machine offers to this process: the cores it may use, and whether a device
+computes bfloat16 in hardware."""
 
 from __future__ import annotations
 
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -68,3 +70,34 @@ def usable_cores() -> int:
     if limit is not None:
         cores = min(cores, math.ceil(limit))
     return max(1, cores)
+
+
+# What computes bfloat16 in hardware, in words (for messages).
+BFLOAT16_HARDWARE = "CPUs with AVX-512 BF16, AMX or Arm BF16; CUDA GPUs of compute capability 8.0+"
+
+
+def native_bfloat16(device: Any) -> bool | None:
+    """Whether ``device`` (a ``torch.device`` or its name) has bfloat16 arithmetic in hardware: a CUDA GPU
+    of compute capability 8.0 or later (or ROCm), a CPU with AVX-512 BF16 or AMX (x86) or BF16
+    (Arm). ``None`` where torch cannot tell (other device types; a torch without
+    ``torch.cpu.get_capabilities``). Elsewhere oneDNN and CUDA emulate bfloat16, at several
+    times float32's cost."""
+    import torch  # (here: batchrl.config imports this module, and must not load torch)
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return bool(torch.version.hip) or torch.cuda.get_device_properties(device).major >= 8
+    capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if device.type != "cpu" or capabilities is None:
+        return None
+    flags = capabilities()
+    return any(flags.get(flag, False) for flag in ("avx512_bf16", "amx_bf16", "bf16",
+                                                   "sve_bf16"))
+
+
+def resolve_precision(precision: str, device: Any) -> str:
+    """``train.precision`` for ``device``: ``"auto"`` is ``"bfloat16"`` where the device
+    computes it in hardware (``native_bfloat16``), else ``"float32"``; others are kept."""
+    if precision != "auto":
+        return precision
+    return "bfloat16" if native_bfloat16(device) else "float32"

@@ -38,7 +38,7 @@ from batchrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoi
 from batchrl.config import Config, ConfigError, config_class, save_config
 from batchrl.envs.errors import EnvError
 from batchrl.envs.factory import make_batch_env
-from batchrl.hardware import usable_cores
+from batchrl.hardware import BFLOAT16_HARDWARE, native_bfloat16, usable_cores
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.interrupt import Interrupted, StopSignals
 from batchrl.metrics import RunLog
@@ -615,6 +615,12 @@ class Trainer:
             env = TensorBatchEnv(batch_env, self.device)
             algo = config.make_algorithm(env.observation_space, env.action_space, len(env),
                                          self.device)
+            if self.writer and config.train.precision == "bfloat16" \
+                    and native_bfloat16(self.device) is False:
+                print(f"note: train.precision = 'bfloat16', but this {self.device.type} has "
+                      f"no bfloat16 arithmetic in hardware ({BFLOAT16_HARDWARE}): it is "
+                      f"emulated, several times slower than float32; train.precision = "
+                      f"'auto' picks float32 here", file=sys.stderr)
             if config.train.collectors:
                 check_collectors(config, algo)
                 if on_a_cluster(config):  # (before the log directory holds this run)

@@ -11,7 +11,9 @@ Stable-Baselines3's PPO with rl-zoo3's Atari settings.
   minibatches of 256 frames) on random frames, seconds per update and per gradient step, in
   ``float32`` and ``bfloat16`` (``train.precision``).
 * **Training**: ``--steps`` steps of ``python train.py --config atari/pong`` (no evaluations)
-  in bfloat16 on both backends and in float32 (backend ``workers``, the config's), and of SB3's ``PPO("CnnPolicy")`` on
+  in the config's precision (``"auto"``: bfloat16 on a CPU that computes it, else float32)
+  on both backends, in float32 too where that is bfloat16 (backend ``workers``, the config's;
+  bfloat16 is not trained where the CPU would emulate it), and of SB3's ``PPO("CnnPolicy")`` on
   ``make_atari_env`` (its ``AtariWrapper``, 8 envs in one process, 4 stacked frames) with
   rl-zoo3's hyperparameters
   (128-step rollouts, 4 epochs, minibatches of 256, clip 0.1, entropy 0.01, learning rate
@@ -151,6 +153,10 @@ def sb3_training(steps: int) -> float:
 
 
 def main() -> None:
+    import torch
+
+    from batchrl.hardware import resolve_precision
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--envs", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=10.0, help="per stepping measurement")
@@ -171,10 +177,14 @@ def main() -> None:
               f"gradient step, {costs['float32'] / cost:4.2f}x float32")
 
     print(f"Training steps/s, {args.steps:,} steps, no evaluations:")
+    auto = resolve_precision("auto", torch.device("cpu"))
+    runs = [(auto, "workers"), (auto, "vector")] + (
+        [("float32", "workers")] if auto == "bfloat16" else [])
+    if auto != "bfloat16":
+        print("  (bfloat16 not trained: this CPU has no bfloat16 arithmetic and emulates it)")
     training = {f"batchrl atari/pong, {precision}, {backend}":
                 batchrl_training(args.steps, precision, backend)
-                for precision, backend in (("bfloat16", "workers"), ("bfloat16", "vector"),
-                                           ("float32", "workers"))}
+                for precision, backend in runs}
     if not args.skip_sb3:
         try:
             training["SB3 PPO, rl-zoo3 Atari settings"] = sb3_training(args.steps)

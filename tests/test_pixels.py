@@ -19,6 +19,7 @@ from batchrl.algos.networks import Actor, CastWeights, build_torso, image_layout
 from batchrl.config import ConfigError, load_config
 from batchrl import BatchEnv, make_batch_env, wrap_env
 from batchrl.errors import UnsupportedSpaceError
+from batchrl.hardware import native_bfloat16, resolve_precision
 from batchrl.pixels import is_pixel_space
 from batchrl.parts.losses import (ClippedObjective, KLPenalizedObjective, actor_critic_loss,
                                   entropy_bonus, masked_mean, value_loss)
@@ -26,6 +27,7 @@ from batchrl.testing.envs import PixelSide
 from batchrl.train import main as train_main
 
 PIXELS = gym.spaces.Box(0, 255, (4, 36, 36), np.uint8)
+CARTPOLE_SPACE = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
 
 
 # --- the env layer leaves pixels alone -----------------------------------------------------
@@ -406,10 +408,54 @@ def test_reinforce_takes_uint8_observations():
 def test_train_precision_needs_an_algorithm_that_takes_it():
     config = load_config("cartpole_reinforce", ["train.precision=bfloat16"])
     with pytest.raises(ConfigError, match="train.precision='bfloat16' needs an algorithm"):
-        config.make_algorithm(gym.spaces.Box(-1.0, 1.0, (4,), np.float32),
-                              gym.spaces.Discrete(2), 2, "cpu")
-    with pytest.raises(ConfigError, match="train.precision must be one of"):
+        config.make_algorithm(CARTPOLE_SPACE, gym.spaces.Discrete(2), 2, "cpu")
+    with pytest.raises(ConfigError, match="train.precision must be one of auto, float32, "
+                                          "bfloat16, got 'half'"):
         load_config("cartpole", ["train.precision=half"])
+    # "auto" asks for bfloat16 only of an algorithm that takes a precision.
+    config = load_config("cartpole_reinforce", ["train.precision=auto"])
+    assert config.make_algorithm(CARTPOLE_SPACE, gym.spaces.Discrete(2), 2, "cpu")
+
+
+@pytest.mark.parametrize("flags, native", [
+    ({"avx2": True, "avx512_f": True}, False),  # AVX-512 without its BF16 extension
+    ({"avx2": True, "avx512_f": True, "avx512_bf16": True}, True),
+    ({"avx2": True, "amx_bf16": True}, True),
+    ({"neon": True}, False), ({"neon": True, "bf16": True}, True),
+    ({"neon": True, "sve_bf16": True}, True),
+    (None, None)])  # a torch without torch.cpu.get_capabilities
+def test_auto_precision_is_bfloat16_only_on_a_cpu_that_computes_it(monkeypatch, flags, native):
+    """Other CPUs than this one: the capabilities torch reports for them stand in."""
+    if flags is None:
+        monkeypatch.delattr(torch.cpu, "get_capabilities")
+    else:
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: flags)
+    assert native_bfloat16("cpu") is native
+    precision = "bfloat16" if native else "float32"
+    assert [resolve_precision(name, torch.device("cpu"))
+            for name in ("auto", "float32", "bfloat16")] == [precision, "float32", "bfloat16"]
+    config = load_config("cartpole", ["train.precision=auto"])
+    assert config.run_facts("cpu")["precision"] == precision
+    assert config.make_algorithm(CARTPOLE_SPACE, gym.spaces.Discrete(2), 2,
+                                 torch.device("cpu")).precision == precision
+
+
+@pytest.mark.parametrize("precision, native, noted", [
+    ("bfloat16", False, True), ("bfloat16", True, False), ("auto", False, False)])
+def test_train_py_notes_bfloat16_asked_of_a_cpu_that_emulates_it(tmp_path, capsys, monkeypatch,
+                                                                 precision, native, noted):
+    flags = {"avx2": True, "avx512_bf16": native}
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: flags)
+    code = train_main(["--config", "cartpole", "--logdir", str(tmp_path / "run"),
+                       "--no-progress", "--steps", "100", "--set", "train.eval_episodes=0",
+                       "--set", f"train.precision={precision}"])
+    assert code == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == (["note: train.precision = 'bfloat16', but this cpu has no bfloat16 "
+                      "arithmetic in hardware (CPUs with AVX-512 BF16, AMX or Arm BF16; CUDA "
+                      "GPUs of compute capability 8.0+): it is emulated, several times slower "
+                      "than float32; train.precision = 'auto' picks float32 here"]
+                     if noted else []), notes
 
 
 # --- the losses ----------------------------------------------------------------------------
