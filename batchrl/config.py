@@ -258,13 +258,11 @@ class Config:
                 "precision": resolve_precision(self.train.precision, device),
                 "eval_actions": self.train.eval_actions}
 
-    def make_algorithm(self, observation_space: Any, action_space: Any, num_agents: int,
-                       device: Any) -> Any:
-        """The configured ``Algorithm``: ``Class(observation_space, action_space, num_agents,
-        **run facts it takes, **[algorithm] keys)``; the run facts (``RUN_FACTS``) are passed
-        by name to a constructor that takes them (or ``**kwargs``)."""
-        cls = self.algorithm.cls
-        parameters = inspect.signature(cls).parameters
+    def algorithm_run_facts(self, device: Any) -> dict[str, Any]:
+        """The run facts (``run_facts``) the configured algorithm's constructor takes: by
+        name, or the first three (``RUN_FACTS``) through ``**kwargs``; ``ConfigError`` for a
+        precision or evaluation mode other than the neutral one that it does not take."""
+        parameters = inspect.signature(self.algorithm.cls).parameters
         open_ended = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
         facts = {name: value for name, value in self.run_facts(device).items()
                  if name in parameters or (open_ended and name not in _NAMED_ONLY)}
@@ -274,6 +272,14 @@ class Config:
                                   f"algorithm whose constructor takes {name}; "
                                   f"{self.algorithm.path} does not: use "
                                   f"train.{name}={neutral[0]!r}")
+        return facts
+
+    def make_algorithm(self, observation_space: Any, action_space: Any, num_agents: int,
+                       device: Any) -> Any:
+        """The configured ``Algorithm``: ``Class(observation_space, action_space, num_agents,
+        **run facts it takes, **[algorithm] keys)`` (``algorithm_run_facts``)."""
+        cls = self.algorithm.cls
+        facts = self.algorithm_run_facts(device)
         try:
             return cls(observation_space, action_space, num_agents, **facts,
                        **self.algorithm.keys)

@@ -615,12 +615,8 @@ class Trainer:
             env = TensorBatchEnv(batch_env, self.device)
             algo = config.make_algorithm(env.observation_space, env.action_space, len(env),
                                          self.device)
-            if self.writer and config.train.precision == "bfloat16" \
-                    and native_bfloat16(self.device) is False:
-                print(f"note: train.precision = 'bfloat16', but this {self.device.type} has "
-                      f"no bfloat16 arithmetic in hardware ({BFLOAT16_HARDWARE}): it is "
-                      f"emulated, several times slower than float32; train.precision = "
-                      f"'auto' picks float32 here", file=sys.stderr)
+            if self.writer:
+                self._report_precision(config.algorithm_run_facts(self.device).get("precision"))
             if config.train.collectors:
                 check_collectors(config, algo)
                 if on_a_cluster(config):  # (before the log directory holds this run)
@@ -765,6 +761,18 @@ class Trainer:
             finally:
                 if eval_batch_env is not None:
                     eval_batch_env.close()
+
+    def _report_precision(self, precision: str | None) -> None:
+        """Says what ``train.precision = "auto"`` chose for the algorithm (``precision``; None:
+        it takes none), or notes a bfloat16 that this device would emulate."""
+        device = self.device.type
+        if precision is not None and self.config.train.precision == "auto":
+            print(f"train.precision = 'auto': {precision} on this {device}")
+        elif precision == "bfloat16" and native_bfloat16(self.device) is False:
+            print(f"note: train.precision = 'bfloat16', but this {device} has no bfloat16 "
+                  f"arithmetic in hardware ({BFLOAT16_HARDWARE}): it is emulated, several "
+                  f"times slower than float32; train.precision = 'auto' picks float32 here",
+                  file=sys.stderr)
 
     def _report(self, record: dict[str, Any], bar: Any) -> None:
         self.log.phase(record)

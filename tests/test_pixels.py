@@ -450,12 +450,29 @@ def test_train_py_notes_bfloat16_asked_of_a_cpu_that_emulates_it(tmp_path, capsy
                        "--no-progress", "--steps", "100", "--set", "train.eval_episodes=0",
                        "--set", f"train.precision={precision}"])
     assert code == 0
-    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    out, err = capsys.readouterr()
+    notes = [line for line in err.splitlines() if line.startswith("note:")]
     assert notes == (["note: train.precision = 'bfloat16', but this cpu has no bfloat16 "
                       "arithmetic in hardware (CPUs with AVX-512 BF16, AMX or Arm BF16; CUDA "
                       "GPUs of compute capability 8.0+): it is emulated, several times slower "
                       "than float32; train.precision = 'auto' picks float32 here"]
                      if noted else []), notes
+    chosen = [line for line in out.splitlines() if line.startswith("train.precision")]
+    assert chosen == (["train.precision = 'auto': float32 on this cpu"] if precision == "auto"
+                      else []), chosen
+
+
+def test_train_py_says_what_auto_precision_chose_only_for_an_algorithm_that_takes_one(
+        tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"amx_bf16": True})
+    for config, said in (("cartpole", ["train.precision = 'auto': bfloat16 on this cpu"]),
+                         ("cartpole_reinforce", [])):
+        code = train_main(["--config", config, "--logdir", str(tmp_path / config),
+                           "--no-progress", "--steps", "100", "--set", "train.eval_episodes=0",
+                           "--set", "train.precision=auto"])
+        assert code == 0
+        out = capsys.readouterr().out.splitlines()
+        assert [line for line in out if line.startswith("train.precision")] == said, out
 
 
 # --- the losses ----------------------------------------------------------------------------
