@@ -235,6 +235,15 @@ def gloo_threads() -> list[str]:
     return [name for name in names if "gloo" in name or "tcpstore" in name]
 
 
+def gloo_threads_left(timeout: float = 10.0) -> list[str]:
+    """``gloo_threads()`` once there are none, or after ``timeout`` seconds: a store's thread
+    may end a moment after its process group was destroyed (seen on a loaded machine)."""
+    deadline = time.monotonic() + timeout
+    while (left := gloo_threads()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
 def in_session(session: int) -> list[int]:
     """The pids of the processes of session ``session`` (``start_new_session=True`` makes a
     child's pid its session's id): its descendants even after it was reaped, when their

@@ -32,8 +32,8 @@ from batchrl.learners import run
 from batchrl.parts.distributed import LearnerGroup
 from batchrl.parts.normalize import Statistics, StreamingNormalizer
 from batchrl.simulation import simulate
-from helpers import (REPO, assert_same, descendants, finish, gloo_threads, in_session,
-                     ray_pickles_by_value, run_stdin_script, seeded_tensor_env, sets,
+from helpers import (REPO, assert_same, descendants, finish, gloo_threads, gloo_threads_left,
+                     in_session, ray_pickles_by_value, run_stdin_script, seeded_tensor_env, sets,
                      start_train_py, wait_for, wait_gone)
 
 # HalfCheetah with 4 agents in 50-step rollouts: a training phase of 2,000 steps in a second
@@ -325,7 +325,7 @@ def _closing_learner(rank: int, port: int, results) -> None:
     during = gloo_threads()
     learners.close()
     del learners
-    _put(results, rank, {"during": during, "after": gloo_threads()})
+    _put(results, rank, {"during": during, "after": gloo_threads_left()})
 
 
 def test_closing_the_learners_ends_their_process_groups_threads():
@@ -354,14 +354,14 @@ import torch.distributed
 from batchrl.config import load_config
 from batchrl.learners import run
 sys.path.insert(0, sys.argv[2])
-from helpers import gloo_threads
+from helpers import gloo_threads_left
 config = load_config("halfcheetah", sys.argv[3:])
 cores = os.sched_getaffinity(0)
 run(config, sys.argv[1], progress=False)
 if torch.distributed.is_initialized():
     print("still in the learners' process group", flush=True)
-if gloo_threads():
-    print("the process group's threads are alive:", gloo_threads(), flush=True)
+if gloo_threads_left():
+    print("the process group's threads are alive:", gloo_threads_left(0), flush=True)
 print("trained on", "all its cores again" if os.sched_getaffinity(0) == cores else
       f"{os.sched_getaffinity(0)} of {cores}", flush=True)
 """
