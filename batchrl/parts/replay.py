@@ -86,8 +86,11 @@ class ReplayBuffer:
         """name -> ``(rows, N, *shape)``: every field's storage, allocated on first use."""
         if self._tensors is None:
             try:
-                self._tensors = {name: torch.zeros(shape, dtype=dtype, device=self.device)
-                                 for name, (shape, dtype) in self._shapes.items()}
+                # Every field allocated before any is zeroed: a buffer too large for the
+                # memory fails before gigabytes of its first fields were written.
+                tensors = {name: torch.empty(shape, dtype=dtype, device=self.device)
+                           for name, (shape, dtype) in self._shapes.items()}
+                self._tensors = {name: tensor.zero_() for name, tensor in tensors.items()}
             except (MemoryError, RuntimeError) as exc:
                 # (torch's CPU allocator raises a RuntimeError that says so)
                 if not isinstance(exc, (MemoryError, torch.OutOfMemoryError)) and (
