@@ -807,6 +807,7 @@ def ray_pool(cluster):
     cluster.wait_idle()  # every actor is gone, failed ones too
 
 
+@pytest.mark.slow  # (the local queue's twin and the hub's rules without Ray are not)
 @pytest.mark.parametrize("limit", [0, 1])
 def test_ray_collectors_hold_the_lag_limit(ray_pool, limit):
     collectors, learner = ray_pool(max_policy_lag=limit, queue_size=3)
@@ -823,6 +824,7 @@ def test_ray_collectors_hold_the_lag_limit(ray_pool, limit):
     assert max(lags) == limit
 
 
+@pytest.mark.slow  # (as the test above)
 def test_ray_collectors_without_a_limit_fill_only_their_queue(ray_pool):
     collectors, _ = ray_pool(queue_size=1)
     with collectors:
