@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from gymnasium.wrappers import TransformObservation
 
+from batchrl import BatchEnv
 from batchrl.envs import convert_to_32bit, range_normalize, wrap_env
 
 
@@ -253,6 +254,19 @@ class IntegerActionEnv(gym.Env):
     def step(self, action):
         self.last = np.array(action)
         return np.zeros(2, np.float32), 0.0, False, False, {}
+
+
+def test_real_actions_for_an_integer_box_reach_the_envs_as_the_nearest_integers_in_range():
+    """A Gaussian policy's actions for an integer Box: rounded (a cast would truncate 2.6 to
+    2 and -0.6 to 0), within its bounds, in its dtype."""
+    envs = [IntegerActionEnv(), IntegerActionEnv()]
+    batch = BatchEnv(envs, blocking=True)
+    batch.reset(seed=0)
+    batch.step(np.array([[2.6, -0.6], [10.4, -3.2]], np.float32))
+    assert [env.last.tolist() for env in envs] == [[3, 0], [10, 0]]
+    assert all(env.last.dtype == np.int64 for env in envs)
+    batch.step(np.array([[7, 1], [0, 10]], np.int64))  # (integers pass as they are)
+    assert [env.last.tolist() for env in envs] == [[7, 1], [0, 10]]
 
 
 def test_integer_action_boxes_reach_the_env_as_finite_actions_in_range():

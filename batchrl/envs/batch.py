@@ -59,7 +59,8 @@ class BatchEnv(Closeable):
     Gymnasium's vector envs give them; see ``batchrl.nested``), rewards ``(N,)`` float64, terminated
     and truncated ``(N,)`` bool, and the info dicts as an ``InfoList``.
     Finished envs are not reset automatically. All modes give the same trajectories for the same
-    seeds and actions.
+    seeds and actions. Real-valued actions for an integer ``Box`` (a Gaussian policy's) reach
+    the envs as the nearest integers within its bounds, in its dtype.
 
     Failures raise an ``EnvError`` naming the env's batch index (or the index range of a dead worker
     process); NaN or infinite observations and rewards raise ``EnvNonFiniteError``. With
@@ -331,6 +332,9 @@ class BatchEnv(Closeable):
                 bad = ~np.isfinite(actions.reshape(len(self), -1)).all(axis=1)
                 raise ValueError(f"actions must be finite, got NaN or inf for envs "
                                  f"{np.flatnonzero(bad).tolist()}")
+            if np.dtype(space.dtype).kind in "iu" and actions.dtype.kind == "f":
+                # (a cast alone would truncate toward zero, and could leave the bounds)
+                actions = np.clip(np.rint(actions), space.low, space.high).astype(space.dtype)
         else:
             if actions.dtype.kind not in "iub":
                 raise TypeError(f"actions for {space} must be integers, got dtype "
