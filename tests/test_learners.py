@@ -249,9 +249,12 @@ def test_two_learners_on_halves_of_a_batch_learn_as_one_on_all_of_it(two_learner
             for key, want in one[name].items():
                 torch.testing.assert_close(fed[name][key], want, rtol=1e-5, atol=1e-6,
                                            msg=f"{name}.{key}")
-        # The gradient's norm (before clipping), the entropy and the penalty's next beta.
-        for key in ("ppo/grad_norm", "ppo/entropy", "ppo/beta_next"):
-            assert fed["summary"][key] == pytest.approx(one["summary"][key], rel=1e-5), key
+        # The gradient's norm (before clipping), the entropy, the penalty's next beta, and the
+        # losses and explained variance of both learners' shares, not the writer's alone.
+        for key in ("ppo/grad_norm", "ppo/entropy", "ppo/beta_next", "ppo/policy_loss",
+                    "ppo/value_loss", "ppo/total_loss", "ppo/explained_variance"):
+            assert fed["summary"][key] == pytest.approx(one["summary"][key], rel=1e-5,
+                                                        abs=1e-6), key
 
 
 def test_merged_statistics_are_one_normalisers_over_the_union(two_learners):

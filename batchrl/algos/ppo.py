@@ -805,8 +805,11 @@ class BatchPPO(Algorithm):
                 names = list(step)
                 read.append(torch.stack([term.detach() for term in step.values()]))
 
+        steps = torch.stack(read)
+        if self.learners is not None:  # (the losses of every learner's share, not this one's)
+            steps = self.learners.mean(steps)
         totals = [0.0] * len(names)
-        for row in torch.stack(read).tolist():  # (summed in this order, as floats)
+        for row in steps.tolist():  # (summed in this order, as floats)
             totals = [total + value for total, value in zip(totals, row)]
         summary.update({f"ppo/{name}": total / len(read) for name, total in zip(names, totals)})
         summary["ppo/total_loss"] = summary["ppo/policy_loss"] + summary["ppo/value_loss"]
@@ -825,10 +828,28 @@ class BatchPPO(Algorithm):
             valid_rows = mask.bool()
             returns = batches["returns"][valid_rows]
             residual = returns - value.float()[valid_rows]
-            if len(returns) > 1:  # (a variance needs two)
+            if self.learners is not None:
+                explained = self._explained_variance_of_all(returns, residual)
+                if explained is not None:
+                    summary["ppo/explained_variance"] = explained
+            elif len(returns) > 1:  # (a variance needs two)
                 summary["ppo/explained_variance"] = 1.0 - float(residual.var()
                                                                 / (returns.var() + 1e-8))
         return self._updated(summary, lr_fraction)
+
+    def _explained_variance_of_all(self, returns: torch.Tensor, residual: torch.Tensor
+                                   ) -> float | None:
+        """The explained variance over every learner's valid steps (``returns`` and the value's
+        ``residual``, ``(K,)`` each on this one; a collective), from their pooled moments;
+        ``None`` for fewer than two steps in all."""
+        moments = torch.stack([returns.new_tensor(float(len(returns))), returns.sum(),
+                               returns.square().sum(), residual.sum(), residual.square().sum()])
+        count, total, squares, errors, error_squares = self.learners.sum(moments).tolist()
+        if count < 2:
+            return None
+        returns_var = (squares - total * total / count) / (count - 1)
+        residual_var = (error_squares - errors * errors / count) / (count - 1)
+        return 1.0 - residual_var / (returns_var + 1e-8)
 
     def _updated(self, summary: Summary, lr_fraction: float) -> Summary:
         """Count the update (its rollout is used up) in ``summary``."""
