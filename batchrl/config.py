@@ -142,9 +142,10 @@ class TrainConfig:
     preemption_threshold: float = 0.0
     max_policy_lag: int | None = None  # collectors wait rather than exceed it ("none": no limit)
     queue_size: int = 2           # finished rollouts per collector that may wait for the learner
-    # "bfloat16": the algorithm's networks compute in bfloat16 (CPUs with AVX-512 BF16 or AMX,
-    # CUDA GPUs), for algorithms that take a precision argument (BatchPPO, SAC); "auto":
-    # bfloat16 where the device computes it in hardware, else float32 (batchrl.hardware).
+    # "bfloat16": the algorithm's networks compute in bfloat16 (pays on CPUs with AVX-512 BF16
+    # or AMX, CUDA GPUs of compute capability 8.0+), for algorithms that take a precision
+    # argument (BatchPPO, SAC); "auto": bfloat16 where the device computes it in hardware,
+    # else float32 (batchrl.hardware).
     precision: str = "float32"
     # "sample": evaluations act with sampled actions rather than the mean (most likely) ones, as
     # the Atari papers report; for algorithms that take an eval_actions argument (all shipped).

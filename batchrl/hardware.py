@@ -73,7 +73,8 @@ def usable_cores() -> int:
 
 
 # What computes bfloat16 in hardware, in words (for messages).
-BFLOAT16_HARDWARE = "CPUs with AVX-512 BF16, AMX or Arm BF16; CUDA GPUs of compute capability 8.0+"
+BFLOAT16_HARDWARE = ("CPUs with AVX-512 BF16, AMX or Arm BF16; CUDA GPUs of compute "
+                     "capability 8.0+")
 
 
 def native_bfloat16(device: Any) -> bool | None:
@@ -97,7 +98,8 @@ def native_bfloat16(device: Any) -> bool | None:
 
 def resolve_precision(precision: str, device: Any) -> str:
     """``train.precision`` for ``device``: ``"auto"`` is ``"bfloat16"`` where the device
-    computes it in hardware (``native_bfloat16``), else ``"float32"``; others are kept."""
+    computes it in hardware (``native_bfloat16``), else ``"float32"`` (also where torch
+    cannot tell); others are kept."""
     if precision != "auto":
         return precision
     return "bfloat16" if native_bfloat16(device) else "float32"

@@ -615,8 +615,10 @@ class Trainer:
             env = TensorBatchEnv(batch_env, self.device)
             algo = config.make_algorithm(env.observation_space, env.action_space, len(env),
                                          self.device)
+            # What "auto" chose for this device (None: the algorithm takes no precision).
+            precision = config.algorithm_run_facts(self.device).get("precision")
             if self.writer:
-                self._report_precision(config.algorithm_run_facts(self.device).get("precision"))
+                self._report_precision(precision)
             if config.train.collectors:
                 check_collectors(config, algo)
                 if on_a_cluster(config):  # (before the log directory holds this run)
@@ -650,6 +652,12 @@ class Trainer:
                             0, env_config.max_restarts - self.counters.env_restarts)
                 if self.writer:
                     print(f"Resuming from {checkpoint} at step {self.counters.steps:,}")
+                    if state.get("precision", precision) != precision:
+                        print(f"note: the run computed in {state['precision']} up to this "
+                              f"checkpoint and computes in {precision} on this "
+                              f"{self.device.type} (train.precision = "
+                              f"{config.train.precision!r}): it goes on, but not exactly as "
+                              f"it would have", file=sys.stderr)
                 if self.counters.steps >= config.train.steps and self.writer:
                     print(f"The run already reached train.steps={config.train.steps:,}; "
                           f"nothing to train (train.py --steps N extends its budget)")
@@ -700,7 +708,8 @@ class Trainer:
                 algo_state = algo.state_dict()
                 state = {"algorithm": algo_state,
                          "counters": dataclasses.asdict(self.counters),
-                         "rng": _rng_state(), "config": config.to_dict()}
+                         "rng": _rng_state(), "config": config.to_dict(),
+                         "precision": precision}
                 if learners is not None:  # what differs between the learners, for each
                     state["learners"] = learners.gather_to_writer(
                         {"rng": state["rng"],
@@ -767,7 +776,10 @@ class Trainer:
         it takes none), or notes a bfloat16 that this device would emulate."""
         device = self.device.type
         if precision is not None and self.config.train.precision == "auto":
-            print(f"train.precision = 'auto': {precision} on this {device}")
+            unknown = native_bfloat16(self.device) is None
+            print(f"train.precision = 'auto': {precision} on this {device}"
+                  + (" (this torch cannot tell whether it computes bfloat16 in hardware)"
+                     if unknown else ""))
         elif precision == "bfloat16" and native_bfloat16(self.device) is False:
             print(f"note: train.precision = 'bfloat16', but this {device} has no bfloat16 "
                   f"arithmetic in hardware ({BFLOAT16_HARDWARE}): it is emulated, several "

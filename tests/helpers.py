@@ -237,7 +237,7 @@ def gloo_threads() -> list[str]:
 
 def gloo_threads_left(timeout: float = 10.0) -> list[str]:
     """``gloo_threads()`` once there are none, or after ``timeout`` seconds: a store's thread
-    may end a moment after its process group was destroyed (seen on a loaded machine)."""
+    may end a moment after its process group was destroyed."""
     deadline = time.monotonic() + timeout
     while (left := gloo_threads()) and time.monotonic() < deadline:
         time.sleep(0.05)

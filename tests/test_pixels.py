@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import types
 
 import gymnasium as gym
 import numpy as np
@@ -462,6 +463,22 @@ def test_train_py_notes_bfloat16_asked_of_a_cpu_that_emulates_it(tmp_path, capsy
                       else []), chosen
 
 
+@pytest.mark.parametrize("major, native", [(7, False), (8, True), (9, True)])
+def test_a_cuda_device_computes_bfloat16_from_compute_capability_8(monkeypatch, major, native):
+    """(No GPU here: the device's properties, as torch reports them, stand in.)"""
+    asked = []
+
+    def properties(device):
+        asked.append(device)
+        return types.SimpleNamespace(major=major)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert native_bfloat16("cuda:1") is native
+    assert resolve_precision("auto", torch.device("cuda", 1)) == (
+        "bfloat16" if native else "float32")
+    assert asked == [torch.device("cuda", 1)] * 2  # (that GPU's, not the current one's)
+
+
 def test_train_py_says_what_auto_precision_chose_only_for_an_algorithm_that_takes_one(
         tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"amx_bf16": True})
@@ -705,3 +722,30 @@ def test_the_clipped_objective_reports_the_kl_and_entropy_of_the_updated_policy(
     summary = ClippedObjective(0.2).end_update(*args, average=lambda t: (t + other) / 2)
     assert summary["kl"] == pytest.approx((expected_kl + 1.0) / 2, rel=1e-12)
     assert summary["entropy"] == pytest.approx((expected_entropy + 2.0) / 2, rel=1e-12)
+
+
+def test_a_run_resumed_where_auto_computes_in_another_precision_says_so(tmp_path, capsys,
+                                                                         monkeypatch):
+    logdir = str(tmp_path / "run")
+    for flags, steps in (({"amx_bf16": True}, "100"), ({"avx2": True}, "200"),
+                         ({"avx2": True}, "300")):
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: flags)
+        settings = (["--set", "train.eval_episodes=0", "--set", "train.precision=auto"]
+                    if steps == "100" else [])  # (a resumed run keeps its saved config)
+        assert train_main(["--config", "cartpole", "--logdir", logdir, "--no-progress",
+                           "--steps", steps, *settings]) == 0
+        notes = [line for line in capsys.readouterr().err.splitlines()
+                 if line.startswith("note:")]
+        assert notes == ([] if steps != "200" else [
+            "note: the run computed in bfloat16 up to this checkpoint and computes in float32 "
+            "on this cpu (train.precision = 'auto'): it goes on, but not exactly as it would "
+            "have"]), (steps, notes)
+
+
+def test_auto_precision_says_when_torch_cannot_tell(tmp_path, capsys, monkeypatch):
+    monkeypatch.delattr(torch.cpu, "get_capabilities")
+    assert train_main(["--config", "cartpole", "--logdir", str(tmp_path / "run"),
+                       "--no-progress", "--steps", "100", "--set", "train.eval_episodes=0",
+                       "--set", "train.precision=auto"]) == 0
+    assert ("train.precision = 'auto': float32 on this cpu (this torch cannot tell whether it "
+            "computes bfloat16 in hardware)") in capsys.readouterr().out.splitlines()

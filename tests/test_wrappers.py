@@ -258,7 +258,7 @@ class IntegerActionEnv(gym.Env):
 
 def test_real_actions_for_an_integer_box_reach_the_envs_as_the_nearest_integers_in_range():
     """A Gaussian policy's actions for an integer Box: rounded (a cast would truncate 2.6 to
-    2 and -0.6 to 0), within its bounds, in its dtype."""
+    2), within its bounds (-3.2 to 0, 10.4 to 10), in its dtype."""
     envs = [IntegerActionEnv(), IntegerActionEnv()]
     batch = BatchEnv(envs, blocking=True)
     batch.reset(seed=0)

@@ -842,6 +842,7 @@ class BatchPPO(Algorithm):
         """The explained variance over every learner's valid steps (``returns`` and the value's
         ``residual``, ``(K,)`` each on this one; a collective), from their pooled moments;
         ``None`` for fewer than two steps in all."""
+        returns, residual = returns.double(), residual.double()  # (sums of squares cancel)
         moments = torch.stack([returns.new_tensor(float(len(returns))), returns.sum(),
                                returns.square().sum(), residual.sum(), residual.square().sum()])
         count, total, squares, errors, error_squares = self.learners.sum(moments).tolist()
