@@ -78,11 +78,11 @@ BFLOAT16_HARDWARE = ("CPUs with AVX-512 BF16, AMX or Arm BF16; CUDA GPUs of comp
 
 
 def native_bfloat16(device: Any) -> bool | None:
-    """Whether ``device`` (a ``torch.device`` or its name) has bfloat16 arithmetic in hardware: a CUDA GPU
-    of compute capability 8.0 or later (or ROCm), a CPU with AVX-512 BF16 or AMX (x86) or BF16
-    (Arm). ``None`` where torch cannot tell (other device types; a torch without
-    ``torch.cpu.get_capabilities``). Elsewhere oneDNN and CUDA emulate bfloat16, at several
-    times float32's cost."""
+    """Whether ``device`` (a ``torch.device`` or its name) has bfloat16 arithmetic in
+    hardware: a CUDA GPU of compute capability 8.0 or later (or ROCm), a CPU with AVX-512
+    BF16 or AMX (x86) or BF16 (Arm). ``None`` where torch cannot tell (other device types; a
+    torch without ``torch.cpu.get_capabilities``). Elsewhere oneDNN and CUDA emulate
+    bfloat16, at several times float32's cost."""
     import torch  # (here: batchrl.config imports this module, and must not load torch)
 
     device = torch.device(device)
