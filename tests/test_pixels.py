@@ -441,16 +441,20 @@ def test_auto_precision_is_bfloat16_only_on_a_cpu_that_computes_it(monkeypatch, 
                                  torch.device("cpu")).precision == precision
 
 
+def _short_run(logdir, config: str, precision: str) -> int:
+    """train.py's exit code for 100 steps of ``config`` in ``precision``, no evaluations."""
+    return train_main(["--config", config, "--logdir", str(logdir), "--no-progress", "--steps",
+                       "100", "--set", "train.eval_episodes=0",
+                       "--set", f"train.precision={precision}"])
+
+
 @pytest.mark.parametrize("precision, native, noted", [
     ("bfloat16", False, True), ("bfloat16", True, False), ("auto", False, False)])
 def test_train_py_notes_bfloat16_asked_of_a_cpu_that_emulates_it(tmp_path, capsys, monkeypatch,
                                                                  precision, native, noted):
     flags = {"avx2": True, "avx512_bf16": native}
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: flags)
-    code = train_main(["--config", "cartpole", "--logdir", str(tmp_path / "run"),
-                       "--no-progress", "--steps", "100", "--set", "train.eval_episodes=0",
-                       "--set", f"train.precision={precision}"])
-    assert code == 0
+    assert _short_run(tmp_path / "run", "cartpole", precision) == 0
     out, err = capsys.readouterr()
     notes = [line for line in err.splitlines() if line.startswith("note:")]
     assert notes == (["note: train.precision = 'bfloat16', but this cpu has no bfloat16 "
@@ -484,10 +488,7 @@ def test_train_py_says_what_auto_precision_chose_only_for_an_algorithm_that_take
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"amx_bf16": True})
     for config, said in (("cartpole", ["train.precision = 'auto': bfloat16 on this cpu"]),
                          ("cartpole_reinforce", [])):
-        code = train_main(["--config", config, "--logdir", str(tmp_path / config),
-                           "--no-progress", "--steps", "100", "--set", "train.eval_episodes=0",
-                           "--set", "train.precision=auto"])
-        assert code == 0
+        assert _short_run(tmp_path / config, config, "auto") == 0
         out = capsys.readouterr().out.splitlines()
         assert [line for line in out if line.startswith("train.precision")] == said, out
 
@@ -744,8 +745,6 @@ def test_a_run_resumed_where_auto_computes_in_another_precision_says_so(tmp_path
 
 def test_auto_precision_says_when_torch_cannot_tell(tmp_path, capsys, monkeypatch):
     monkeypatch.delattr(torch.cpu, "get_capabilities")
-    assert train_main(["--config", "cartpole", "--logdir", str(tmp_path / "run"),
-                       "--no-progress", "--steps", "100", "--set", "train.eval_episodes=0",
-                       "--set", "train.precision=auto"]) == 0
+    assert _short_run(tmp_path / "run", "cartpole", "auto") == 0
     assert ("train.precision = 'auto': float32 on this cpu (this torch cannot tell whether it "
             "computes bfloat16 in hardware)") in capsys.readouterr().out.splitlines()
