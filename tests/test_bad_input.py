@@ -17,6 +17,7 @@ import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import cloudpickle
 import gymnasium as gym
 import pytest
 
@@ -27,6 +28,11 @@ from batchrl.envs.process.external import ExternalProcess
 from batchrl.envs.process.shared_memory import EnvWorker
 from batchrl.trainer import Trainer
 from helpers import REPO, TRAIN_PY
+
+# Constructors defined here reach the env workers by value: a worker does not import this
+# module (and torch with it) to build their envs.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
 TINY = ["--set", "env.num_agents=2", "--set", "algorithm.update_every=2", "--set",
         "train.eval_episodes=2", "--set", "train.device=cpu", "--set", "train.steps=200"]
 

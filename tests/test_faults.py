@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import cloudpickle
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -32,6 +33,10 @@ from batchrl.envs.process.shared_memory import EnvWorker
 from batchrl.simulation import Simulation, flush, simulate
 from batchrl.trainer import Trainer
 from helpers import REPO, TRAIN_PY, fails_at, scalar_events, sets
+
+# Constructors defined here reach the env workers by value: they do not import this module
+# (and torch with it) to build their envs.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 ZEROS = np.zeros(4, np.int64)
 

@@ -6,7 +6,9 @@ of tensors by ``TensorBatchEnv``, packed into ``uint8`` rows for BatchPPO's memo
 from __future__ import annotations
 
 import json
+import sys
 
+import cloudpickle
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -22,6 +24,10 @@ from batchrl.parts.rollout import RolloutBuffer, rollout_tensors
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.testing.envs import ImageAndFlag
 from batchrl.train import main as train_main
+
+# Env classes defined here reach the env workers by value: a worker does not import this
+# module (and torch with it) to build them.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 SPACE = gym.spaces.Dict({
     "camera": gym.spaces.Box(0, 255, (3, 4, 2), np.uint8),
