@@ -200,6 +200,7 @@ def test_wrong_type_names_the_key_and_the_type(override, expected):
     ("algorithm.discount=-0.1", "algorithm.discount must be in [0, 1]"),
     ("algorithm.gae_lambda=2", "algorithm.gae_lambda must be in [0, 1]"),
     ("algorithm.policy_lr=0", "algorithm.policy_lr must be > 0"),
+    ("algorithm.epsilon=0", "algorithm.epsilon must be > 0, got 0"),
     ("algorithm.update_every=0", "algorithm.update_every must be >= 1"),
     ("algorithm.network=transformer",
      "algorithm.network must be one of ('feed_forward', 'recurrent')"),

@@ -869,6 +869,26 @@ def test_fused_adam_steps_in_one_kernel_and_repeats_itself():
     assert not make(BOX).policy_optimizer.defaults["fused"]
 
 
+def test_epsilon_is_both_optimisers_and_changes_the_update():
+    """``epsilon``: Adam's, in both optimisers; the default is torch's own (the same update
+    as before the setting existed), a larger one damps the steps of small gradients."""
+    def updated(**overrides):
+        algo = make(BOX, update_epochs=2, batch_size=2, update_threads=1, **overrides)
+        fill_memory(algo, [8, 5, 3], seed=4, mean_shift=0.5)
+        algo.update()
+        return algo
+
+    default, large = updated(), updated(epsilon=1e-2)
+    assert [group["eps"] for optimizer in (default.policy_optimizer, default.value_optimizer)
+            for group in optimizer.param_groups] == [torch.optim.Adam([torch.zeros(1)])
+                                                     .defaults["eps"]] * 2
+    assert [group["eps"] for optimizer in (large.policy_optimizer, large.value_optimizer)
+            for group in optimizer.param_groups] == [1e-2, 1e-2]
+    changed = {name for name, value in params_of(default).items()
+               if not torch.equal(value, params_of(large)[name])}
+    assert "value.out.weight" in changed and any(name.startswith("policy.") for name in changed)
+
+
 def test_an_error_in_the_side_by_side_update_reaches_the_caller():
     algo = make(BOX, update_epochs=1)
     fill_memory(algo, [8, 5, 3], seed=3)

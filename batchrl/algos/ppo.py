@@ -184,7 +184,8 @@ class BatchPPO(Algorithm):
         self._act = self.actor.forward if inference == "script" else self.actor
         # fused: one kernel per step over all parameters instead of several per parameter
         # (cheaper for small networks; it rounds differently, so it is a setting of its own).
-        adam = functools.partial(torch.optim.Adam, fused=True if config.fused_adam else None)
+        adam = functools.partial(torch.optim.Adam, eps=config.epsilon,
+                                 fused=True if config.fused_adam else None)
         self.policy_optimizer = adam(policy_params, lr=config.policy_lr)
         self.value_optimizer = adam(value_params, lr=config.value_lr)
         if self._cast_policy is not None:  # (a shared torso is in both)

@@ -46,6 +46,7 @@ class PPOConfig:
     policy_lr: float = 1e-4
     value_lr: float = 1e-3
     lr_schedule: str = "constant"             # or "linear": decay to 0 over the run's steps
+    epsilon: float = 1e-8                     # Adam's epsilon (torch's default)
     discount: float = 0.99
     gae_lambda: float | None = None           # None: plain discounted returns
     value_targets: str = "gae"                # or "vtrace": V-trace targets and advantages
@@ -86,7 +87,7 @@ class PPOConfig:
             raise ValueError(f"discount must be in [0, 1], got {self.discount}")
         if self.gae_lambda is not None and not 0.0 <= self.gae_lambda <= 1.0:
             raise ValueError(f"gae_lambda must be in [0, 1] or None, got {self.gae_lambda}")
-        for name in ("init_std", "policy_lr", "value_lr", "kl_target", "clip_range",
+        for name in ("init_std", "policy_lr", "value_lr", "epsilon", "kl_target", "clip_range",
                      "value_coef", "kl_init_penalty"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
