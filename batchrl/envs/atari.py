@@ -9,8 +9,8 @@ which the envs write once per step instead of the network rearranging every fram
 of an update): bytes through every transport and into the rollout memory, scaled to ``[0, 1]``
 by the network (``algorithm.torso = "nature_cnn"``). Training envs end an
 episode when a life is lost and clip rewards to ``[-1, 1]``; the reset after a lost life plays
-on with the lives left (``PlayOnAfterLifeLoss``), as the papers' wrappers do (ale-py's vector
-env, ``make_vector``, starts a new game instead). Evaluation envs (``training=False``, the
+on with the lives left, as the papers' wrappers do (``PlayOnAfterLifeLoss``; for ale-py's vector
+env, ``PlayOnAfterLifeLossVector``). Evaluation envs (``training=False``, the
 configs' ``env.eval_kwargs``) play whole games and report raw scores, as the papers' tables do.
 No FIRE is pressed after a reset: the policy learns to serve.
 """
@@ -35,7 +35,7 @@ except ImportError as exc:  # (named in the config error train.py prints)
 
 gym.register_envs(ale_py)
 
-__all__ = ["PlayOnAfterLifeLoss", "make", "make_vector"]
+__all__ = ["PlayOnAfterLifeLoss", "PlayOnAfterLifeLossVector", "make", "make_vector"]
 
 
 def _channels_last(frames: np.ndarray) -> np.ndarray:
@@ -74,6 +74,60 @@ class PlayOnAfterLifeLoss(gym.Wrapper):
             if not (terminated or truncated):
                 return observ, info
         return self.env.reset(seed=seed, options=options)
+
+
+class PlayOnAfterLifeLossVector(gym.vector.VectorWrapper):
+    """Around ale-py's ``AtariVectorEnv`` built with ``life_loss_info``, which ends an episode
+    (``terminated``) when a life is lost and plays the game on at its next step: that next step
+    becomes the next-step autoreset Gymnasium's protocol promises, as ``PlayOnAfterLifeLoss`` is
+    for ``make``'s envs. The step after an episode ended plays a no-op in that env (not the
+    action it was given) and returns its observation as the next episode's first, with no
+    reward and neither flag; after a game over it is ale-py's own reset. Where that no-op
+    step itself ends the game or reaches the time limit, the env starts a new game at once.
+    Unlike ``make``'s envs, the frame stack after a lost life holds the frames before it.
+    Passes on ``send``/``recv``: the games step in their threads while the caller goes on."""
+
+    def __init__(self, env: gym.vector.VectorEnv):
+        super().__init__(env)
+        self._ended = np.zeros(self.num_envs, bool)  # episodes that ended at the last step
+        self._starting = self._ended.copy()  # envs the step in flight starts again
+
+    def reset(self, *, seed: Any = None, options: dict[str, Any] | None = None) -> tuple:
+        observ, info = self.env.reset(seed=seed, options=options)
+        mask = (options or {}).get("reset_mask")
+        self._ended[slice(None) if mask is None else np.asarray(mask, bool)] = False
+        return observ, info
+
+    def step(self, actions: np.ndarray) -> tuple:
+        return self._started(*self.env.step(self._actions(actions)))
+
+    def send(self, actions: np.ndarray) -> None:
+        self.env.send(self._actions(actions))
+
+    def recv(self) -> tuple:
+        return self._started(*self.env.recv())
+
+    def _actions(self, actions: np.ndarray) -> np.ndarray:
+        self._starting = self._ended.copy()
+        # (action 0 is NOOP in every game's action set; a game being reset ignores it)
+        return np.where(self._starting, 0, actions) if self._starting.any() else actions
+
+    def _started(self, observ: np.ndarray, reward: np.ndarray, terminated: np.ndarray,
+                 truncated: np.ndarray, info: dict[str, Any]) -> tuple:
+        starting = self._starting
+        if starting.any():
+            again = starting & (terminated | truncated)
+            if again.any():  # (the no-op lost the game or reached the limit: a new game)
+                new_observ, new_info = self.env.reset(options={"reset_mask": again})
+                observ = np.where(again.reshape(-1, *[1] * (observ.ndim - 1)), new_observ,
+                                  observ)
+                info = {key: (np.where(again, new_info[key], value)
+                              if key in new_info and np.shape(value) == again.shape else value)
+                        for key, value in info.items()}
+            reward = np.where(starting, 0, reward).astype(np.asarray(reward).dtype, copy=False)
+            terminated, truncated = terminated & ~starting, truncated & ~starting
+        self._ended = terminated | truncated
+        return observ, reward, terminated, truncated, info
 
 
 def check_arguments(env_id: Any, sticky_actions: Any, noop_max: Any, frame_skip: Any,
@@ -153,9 +207,9 @@ def make_vector(num_envs: int, env_id: str = "ALE/Pong-v5", training: bool = Tru
     ``make``'s arguments and observations (``(screen_size, screen_size, frame_stack)`` uint8),
     for ``env.vector_id = "batchrl.envs.atari:make_vector"``. Its preprocessing is ale-py's
     native one: the same steps as Gymnasium's wrappers, not the same pixels (another resize), so
-    runs on it do not repeat runs on ``make``'s envs. A lost life ends a training episode and,
-    unlike ``make``'s envs, ale-py's reset after it starts a new game (its ``episodic_life``);
-    no FIRE is pressed after a reset.
+    runs on it do not repeat runs on ``make``'s envs. A lost life ends a training episode and
+    the next one plays on with the lives left (ale-py's ``life_loss_info`` with
+    ``PlayOnAfterLifeLossVector``), as ``make``'s envs do; no FIRE is pressed after a reset.
 
     Args:
       max_episode_steps: the time limit in agent steps (``env.max_length``); none: ale-py's
@@ -174,8 +228,10 @@ def make_vector(num_envs: int, env_id: str = "ALE/Pong-v5", training: bool = Tru
         max_num_frames_per_episode=frames, repeat_action_probability=sticky_actions,
         full_action_space=full_action_space, img_height=screen_size, img_width=screen_size,
         stack_num=frame_stack, frameskip=frame_skip, noop_max=noop_max,
-        episodic_life=training and terminal_on_life_loss,
+        episodic_life=False, life_loss_info=training and terminal_on_life_loss,
         reward_clipping=training and clip_rewards, use_fire_reset=False)
+    if training and terminal_on_life_loss:
+        env = PlayOnAfterLifeLossVector(env)
     single = _stack_space(screen_size, frame_stack)
     return ChannelsLastVector(env, _channels_last,
                               gym.vector.utils.batch_space(single, num_envs), single)
