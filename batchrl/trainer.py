@@ -266,6 +266,7 @@ class Counters:
     train_phases: int = 0
     wall_time: float = 0.0  # seconds spent in phases, over all sessions of the run
     env_restarts: int = 0   # failed env workers replaced (env.restart_crashed_envs)
+    cut_phase: int = 0      # batch steps of a phase of batch steps the budget cut short
 
 
 class Trainer:
@@ -321,8 +322,15 @@ class Trainer:
         steps of the whole batch when given, or for ``updates`` updates of ``algo`` (with
         preemption, whose learners' rollouts differ in length: the budget is checked between
         updates, and steps are the algorithm's count of all learners'); it also ends at the
-        run's budget (``train.steps``). Returns its record."""
+        run's budget (``train.steps``). A phase of ``batch_steps`` after one the budget cut
+        short (``Counters.cut_phase``) trains only the rest of that one, so that phases of
+        fixed-length rollouts end with an update again (from the cut, each would end
+        mid-rollout, and the next phase's resets drop that rollout's running episodes).
+        Returns its record."""
         config, counters = self.config, self.counters
+        before = 0  # batch steps of this phase trained before the budget cut it short
+        if batch_steps is not None and updates is None:
+            before = counters.cut_phase if counters.cut_phase < batch_steps else 0
         algo.train(True)
         env = simulation.env
         num_agents = len(env)
@@ -336,7 +344,9 @@ class Trainer:
         def more() -> bool:
             if updates is not None:
                 return algo.updates < first_update + updates
-            return len(scores) < episodes if batch_steps is None else calls < batch_steps
+            if batch_steps is None:
+                return len(scores) < episodes
+            return before + calls < batch_steps
 
         while more():
             if ((updates is None or calls == 0 or algo.updates != last_update)
@@ -369,6 +379,8 @@ class Trainer:
                 lengths += simulation.episode_length[ended].tolist()
             if summary:
                 self.log.scalars(summary, counters.steps)
+        if batch_steps is not None and updates is None:
+            counters.cut_phase = before + calls if before + calls < batch_steps else 0
         summary = simulation.flush()  # a checkpoint must hold every step's experience
         if summary:
             self.log.scalars(summary, counters.steps)

@@ -373,6 +373,32 @@ def test_a_budget_inside_a_phase_stops_there_and_the_run_extends(straight_run, t
     assert records[-1]["step"] == 2 * CARTPOLE_STEPS
 
 
+def test_an_extension_first_completes_the_rollout_phase_the_budget_cut_short(tmp_path):
+    """Fixed-length rollouts: a budget inside a training phase stops it mid-rollout; a
+    larger budget then trains the rest of that phase first, so that phases end with an
+    update again and the run evaluates where a run with the larger budget from the start
+    would. (A full-length phase from the cut would end mid-rollout every time: each next
+    phase's resets would drop that rollout's running episodes.)"""
+    rollouts = ["env.num_agents=2", "algorithm.rollout_length=8", "train.eval_every=3",
+                "train.eval_episodes=2", "train.device=cpu", "env.backend=inline"]
+    straight = tmp_path / "straight"
+    Trainer(load_config("cartpole", rollouts + ["train.steps=192"]), straight,
+            progress=False).run()
+    # Phases of 3 rollouts: 3 x 8 batch steps of 2 agents, 48 env steps.
+    expected = [r["step"] for r in read_metrics(straight) if r["phase"] == "train"]
+    assert expected == [48, 96, 144, 192]
+    cut = tmp_path / "cut"
+    Trainer(load_config("cartpole", rollouts + ["train.steps=68"]), cut, progress=False).run()
+    Trainer(load_config("cartpole", rollouts + ["train.steps=192"]), cut, progress=False).run()
+    records = read_metrics(cut)
+    assert [r["step"] for r in records if r["phase"] == "train"] == [48, 68, 96, 144, 192]
+    assert [r["step"] for r in records if r["phase"] == "eval"] == [48, 68, 96, 144, 192]
+    # Every update of the extension learned a whole rollout of both agents (16 env steps):
+    # the one at 80 the rest of the rollout the cut stopped in.
+    updates = [step for step, _ in scalar_events(cut)["ppo/policy_loss"]]
+    assert updates == [16 * k for k in range(1, 13)]
+
+
 def test_a_run_stopped_mid_phase_resumes_from_the_last_phase_boundary(straight_run, tmp_path,
                                                                      monkeypatch):
     """SIGINT (as Ctrl-C) within an evaluation, four times, in this process: each stop
