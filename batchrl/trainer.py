@@ -14,7 +14,8 @@ from a checkpoint (written at phase boundaries) continues exactly as it would ha
 With ``handle_signals``, SIGINT or SIGTERM stops the run within a step or gradient step:
 the state at the last phase boundary, kept in memory, is written as the final checkpoint
 (a state from mid-phase could not be resumed exactly) and ``run()`` raises
-``TrainingInterrupted``. An env failure writes that snapshot too before it propagates.
+``TrainingInterrupted``. Any other error (an env's, the algorithm's, a collector's) writes
+that snapshot too before it propagates.
 """
 
 from __future__ import annotations
@@ -756,8 +757,9 @@ class Trainer:
                 # the collective this one waited in failed. A stop all the same.
                 raise TrainingInterrupted(self._stop.signum, self._save_snapshot(),
                                           self._written or 0) from None
-            # collectors, another learner or this one failed: keep what was learned
-            if pool is not None or (self.learners is not None and self.writer):
+            # the algorithm, collectors or another learner failed: keep what was learned
+            # (the last boundary's state, from before the failure)
+            if self.writer:
                 with contextlib.suppress(Exception):  # (the error that stopped it matters more)
                     self._save_snapshot()
             raise

@@ -474,6 +474,32 @@ def test_env_failure_saves_the_last_phase_boundary(tmp_path):
                                               for r in records)
 
 
+def test_an_algorithm_error_saves_the_last_phase_boundary(tmp_path, monkeypatch):
+    """No checkpoint is due when the algorithm raises in an update (a bug, a NaN check):
+    as for an env failure, the trainer writes the last finished phase's state from memory,
+    so the run can go on from there once it is fixed."""
+    from batchrl.algos import BatchPPO
+    update, updates = BatchPPO.update, []
+
+    def failing(self):
+        updates.append(1)
+        if len(updates) == 3:
+            raise RuntimeError("a bug in the update")
+        return update(self)
+
+    monkeypatch.setattr(BatchPPO, "update", failing)
+    logdir = tmp_path / "run"
+    config = load_config("cartpole", CARTPOLE + ["train.checkpoint_every=1000",
+                                                 "train.steps=100000"])
+    with pytest.raises(RuntimeError, match="a bug in the update"):
+        Trainer(config, logdir, progress=False).run()
+    records = read_metrics(logdir)
+    # A phase is one update's episodes: the second phase and its evaluation had ended.
+    assert [r["phase"] for r in records] == ["train", "eval", "train", "eval"]
+    [checkpoint] = list_checkpoints(logdir)
+    assert load_checkpoint(checkpoint)["counters"]["steps"] == records[-1]["step"]
+
+
 def test_a_run_resumed_after_an_env_failure_equals_one_without_it(tmp_path):
     """The state written when an env raises is the last boundary's, not the live one: the
     resumed run ends exactly as a run the fault never hit (it fires once: ``once_file``)."""
