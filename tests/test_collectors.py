@@ -291,6 +291,47 @@ def within(seconds, what):
     return check
 
 
+class HangsInClose(gym.Wrapper):
+    """An env that a failed step left broken: its ``close`` never returns."""
+
+    def close(self):
+        time.sleep(3600)
+
+
+def broken_env(once_file, index, num_envs, seed):
+    """As ``faulty_env`` with ``"raise"`` at step 12, whose env then hangs in close."""
+    envs = [gym.make("CartPole-v1") for _ in range(num_envs)]
+    if index == 0:
+        envs[0] = HangsInClose(FaultyEnv(envs[0], "raise", at_step=12,
+                                         once_file=str(once_file)))
+    return BatchEnv(envs, blocking=True)
+
+
+@pytest.mark.slow
+def test_a_collector_whose_envs_hang_in_close_after_an_error_ends_and_is_replaced(tmp_path):
+    """Envs stepped in the collector's own process: one raises in a step, then hangs in its
+    close. The step watchdog watches the close too: the collector ends (exit code 1, the
+    traceback on stderr) and is replaced, instead of leaving the learner waiting for ever."""
+    env = make_env("CartPole-v1", "inline", 0, 4, 0)
+    learner = make_algorithm(env.observation_space, env.action_space, 4)
+    env.close()
+    spec = CollectorSpec(functools.partial(broken_env, tmp_path / "fired"), make_algorithm,
+                         num_agents=4, collectors=2, rollout_length=8, seed=3,
+                         step_timeout=0.5)
+    reports = []
+    with LocalCollectors(spec, env.observation_space, env.action_space,
+                         learner.behaviour_fields(), learner.acting_state(), max_restarts=1,
+                         report=reports.append) as collectors:
+        for _ in range(3):
+            rollout, _ = collectors.receive(within(60, "a batch"))
+            assert rollout.agents.tolist() == [0, 1, 2, 3]
+            learner.learn(rollout)
+            collectors.publish(learner.acting_state())
+    assert (tmp_path / "fired").exists()
+    assert len(reports) == 1 and reports[0].startswith("collector 0 failed (exited with "
+                                                       "code 1"), reports
+
+
 @pytest.mark.slow
 def test_a_collector_that_dies_after_sending_its_first_rollout_is_replaced(tmp_path):
     """Collector 0 sends round 0, then fails in round 1 before the learner looked at its

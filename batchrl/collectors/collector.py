@@ -132,9 +132,10 @@ class Link(abc.ABC):
 
 
 class StepWatchdog:
-    """Ends this process, every thread's traceback on stderr and exit code 1, when a step does
-    not return: envs that step in a collector's own process have no worker timeout, and a hang
-    there would leave the learner waiting for ever (it replaces a collector that exits).
+    """Ends this process, every thread's traceback on stderr and exit code 1, when a step (or
+    the envs' close) does not return: envs that step in a collector's own process have no
+    worker timeout, and a hang there would leave the learner waiting for ever (it replaces a
+    collector that exits).
 
     ``faulthandler``'s timer runs in a native thread, so it fires even while a hung step holds
     the GIL. Arming it starts a thread, so it is re-armed only once ``seconds`` have passed since
@@ -248,4 +249,6 @@ def collect(spec: CollectorSpec, index: int, link: Link, incarnation: int = 0) -
             restarts_seen = restarts
     finally:
         watchdog.pause()
+        watchdog.step()  # (envs a failed step left broken may hang in close: watched too)
         batch_env.close()
+        watchdog.pause()
