@@ -191,24 +191,31 @@ def test_ale_vector_env_is_a_batch_member_with_the_worker_protocol():
             env.close()
 
 
-def lose_lives(env, rng, until_lives: int) -> tuple[int, list[tuple]]:
-    """Random actions in a one-env batch of Breakout, each step after an ended episode with
-    ``autoreset``, until ``info["lives"]`` reaches ``until_lives``: the steps taken and
-    ``(lives, episode frame, reward, terminated, truncated)`` of every step that started an
-    episode."""
-    starts, ended = [], False
-    for step in range(20_000):
-        _, reward, terminated, truncated, infos = env.step(
-            rng.integers(0, 4, 1), autoreset=np.array([ended]))
-        if ended:
-            starts.append((infos[0]["lives"], infos[0]["episode_frame_number"],
-                           float(reward[0]), bool(terminated[0]), bool(truncated[0])))
-            if infos[0]["lives"] == until_lives:
-                return step + 1, starts
-        ended = bool(terminated[0] or truncated[0])
-        if ended:
-            frame = infos[0]["episode_frame_number"]
-            starts.append(("ended", frame))
+def breakout_lives(until_lives: int, max_length: int | None = None) -> tuple[int, list[tuple]]:
+    """Random actions (from seed 0) in a one-env batch of ``make_vector``'s Breakout, each step
+    after an ended episode with ``autoreset``, until a step that started an episode shows
+    ``until_lives`` lives: the steps taken, and ``("ended", episode frame)`` of every step that
+    ended an episode and ``(lives, episode frame, reward, terminated, truncated)`` of every
+    step that started one."""
+    env = vector_pong(1, max_length, env_id="ALE/Breakout-v5", sticky_actions=0.0)
+    rng = np.random.default_rng(0)
+    try:
+        env.reset(seed=0)
+        events, ended = [], False
+        for step in range(20_000):
+            _, reward, terminated, truncated, infos = env.step(
+                rng.integers(0, 4, 1), autoreset=np.array([ended]))
+            info = infos[0]
+            if ended:
+                events.append((info["lives"], info["episode_frame_number"], float(reward[0]),
+                               bool(terminated[0]), bool(truncated[0])))
+                if info["lives"] == until_lives:
+                    return step + 1, events
+            ended = bool(terminated[0] or truncated[0])
+            if ended:
+                events.append(("ended", info["episode_frame_number"]))
+    finally:
+        env.close()
     raise AssertionError(f"lives never reached {until_lives}")
 
 
@@ -216,34 +223,17 @@ def test_a_vector_training_episode_after_a_lost_life_plays_on_with_the_lives_lef
     """ale-py's vector env as the papers' wrappers and make's envs: the episode after a lost
     life continues the game (one no-op step on, no reward, neither flag); after the last life
     a new game starts. A no-op step that reaches the time limit starts a new game at once."""
-    env = vector_pong(1, env_id="ALE/Breakout-v5", sticky_actions=0.0)
-    try:
-        env.reset(seed=0)
-        _, starts = lose_lives(env, np.random.default_rng(0), until_lives=5)
-    finally:
-        env.close()
-    ends, begins = starts[0::2], starts[1::2]
+    _, events = breakout_lives(until_lives=5)
+    ends, begins = events[0::2], events[1::2]
     assert [lives for lives, *_ in begins] == [4, 3, 2, 1, 5]
-    for (_, frame), (lives, begin_frame, reward, terminated, truncated) in zip(ends, begins):
-        assert reward == 0.0 and not terminated and not truncated
-        assert begin_frame == (frame + 4 if lives < 5 else begin_frame)
+    assert all(begin[2:] == (0.0, False, False) for begin in begins)
+    assert [begin[1] for begin in begins[:-1]] == [frame + 4 for _, frame in ends[:-1]]
     assert begins[-1][1] <= 4 * 30  # (a new game: its no-op starts only)
     # The same game with a time limit one step after its first lost life: the step that
     # would play on reaches it, and a new game starts instead.
-    env = vector_pong(1, env_id="ALE/Breakout-v5", sticky_actions=0.0)
-    try:
-        env.reset(seed=0)
-        steps, _ = lose_lives(env, np.random.default_rng(0), until_lives=4)
-    finally:
-        env.close()
-    env = vector_pong(1, steps, env_id="ALE/Breakout-v5", sticky_actions=0.0)
-    try:
-        env.reset(seed=0)
-        _, starts = lose_lives(env, np.random.default_rng(0), until_lives=5)
-        assert starts[1][0] == 5 and starts[1][1] <= 4 * 30 and starts[1][2:] == (
-            0.0, False, False)
-    finally:
-        env.close()
+    steps, _ = breakout_lives(until_lives=4)
+    _, events = breakout_lives(until_lives=5, max_length=steps)
+    assert events[1][0] == 5 and events[1][1] <= 4 * 30 and events[1][2:] == (0.0, False, False)
 
 
 def test_the_vector_env_finds_every_games_rom():
