@@ -446,6 +446,16 @@ def test_a_collector_never_copies_weights_that_a_publish_is_rewriting():
         shared.weights = PublishedDuringTheCopy(shared.weights)
         version, state = link.weights(0)  # (the copy overlapped a publish: copied again)
         assert version == 2 and torch.equal(state["w"], torch.full((3,), 2.0))
+        # A publish that failed half done (the learner's error stops the collectors): a
+        # waiting collector hears the stop and goes on with the weights it has, to stop.
+        shared.sequence.value += 1
+        reader = threading.Thread(target=lambda: got.append(link.weights(2)), daemon=True)
+        reader.start()
+        reader.join(0.5)
+        assert reader.is_alive()
+        shared.stop.value = 1
+        reader.join(5.0)
+        assert not reader.is_alive() and got[-1] is None
     finally:
         shared.sequence.value = 0
         for channel in (*shared.free, *shared.full, shared.errors):

@@ -96,6 +96,8 @@ class _SharedLink(Link):
         while True:
             before = shared.sequence.value
             if before % 2:  # a publish is under way
+                if shared.stop.value:  # (one a failure cut short stays odd: no new weights)
+                    return None
                 time.sleep(0.0005)
                 continue
             version = shared.version.value
