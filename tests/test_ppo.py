@@ -869,7 +869,7 @@ def test_fused_adam_steps_in_one_kernel_and_repeats_itself():
     assert not make(BOX).policy_optimizer.defaults["fused"]
 
 
-def test_epsilon_is_both_optimisers_and_changes_the_update():
+def test_epsilon_is_adams_in_both_optimisers_and_changes_the_update():
     """``epsilon``: Adam's, in both optimisers; the default is torch's own (the same update
     as before the setting existed), a larger one damps the steps of small gradients."""
     def updated(**overrides):

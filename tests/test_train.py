@@ -393,8 +393,8 @@ def test_an_extension_first_completes_the_rollout_phase_the_budget_cut_short(tmp
     records = read_metrics(cut)
     assert [r["step"] for r in records if r["phase"] == "train"] == [48, 68, 96, 144, 192]
     assert [r["step"] for r in records if r["phase"] == "eval"] == [48, 68, 96, 144, 192]
-    # Every update of the extension learned a whole rollout of both agents (16 env steps):
-    # the one at 80 the rest of the rollout the cut stopped in.
+    # Updates stay every rollout of both agents (16 env steps): the one at 80 learns what the
+    # rest of the phase added to the rollout the cut stopped in.
     updates = [step for step, _ in scalar_events(cut)["ppo/policy_loss"]]
     assert updates == [16 * k for k in range(1, 13)]
 
