@@ -392,7 +392,8 @@ class Trainer:
             if everyone is not None:
                 scores = [score for each, _ in everyone for score in each]
                 lengths = [length for _, each in everyone for length in each]
-        counters.train_phases += 1
+        if not before:  # (the rest of a cut phase completes that one)
+            counters.train_phases += 1
         if batch_steps is None and updates is None:  # (one step may end several episodes)
             scores, lengths = scores[:episodes], lengths[:episodes]
         return self._record("train", scores, lengths, counters.steps - start_steps, elapsed)

@@ -317,7 +317,7 @@ def test_a_collector_whose_envs_hang_in_close_after_an_error_ends_and_is_replace
     env.close()
     spec = CollectorSpec(functools.partial(broken_env, tmp_path / "fired"), make_algorithm,
                          num_agents=4, collectors=2, rollout_length=8, seed=3,
-                         step_timeout=0.5)
+                         step_timeout=2.0)
     reports = []
     with LocalCollectors(spec, env.observation_space, env.action_space,
                          learner.behaviour_fields(), learner.acting_state(), max_restarts=1,

@@ -870,8 +870,8 @@ def test_fused_adam_steps_in_one_kernel_and_repeats_itself():
 
 
 def test_epsilon_is_adams_in_both_optimisers_and_changes_the_update():
-    """``epsilon``: Adam's, in both optimisers; the default is torch's own (the same update
-    as before the setting existed), a larger one damps the steps of small gradients."""
+    """``epsilon``: Adam's, in both optimisers; the default is torch's own, a larger one
+    damps the steps of small gradients."""
     def updated(**overrides):
         algo = make(BOX, update_epochs=2, batch_size=2, update_threads=1, **overrides)
         fill_memory(algo, [8, 5, 3], seed=4, mean_shift=0.5)

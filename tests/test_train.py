@@ -399,6 +399,40 @@ def test_an_extension_first_completes_the_rollout_phase_the_budget_cut_short(tmp
     assert updates == [16 * k for k in range(1, 13)]
 
 
+def test_the_rest_of_a_cut_phase_completes_it_and_evaluations_stay_where_they_were(tmp_path):
+    """Phases of env steps (an algorithm without rollouts or whole-episode updates: DQN) with
+    an evaluation every second one: the rest of a phase the budget cut short completes that
+    phase, so the raised budget's run evaluates where a run with that budget from the start
+    would (and at the cut, where every session's last phase evaluates)."""
+    (tmp_path / "dqn.toml").write_text(textwrap.dedent("""
+        [env]
+        id = "CartPole-v1"
+        num_agents = 2
+        backend = "inline"
+        [train]
+        phase_steps = 40
+        eval_every = 2
+        eval_episodes = 2
+        device = "cpu"
+        [algorithm]
+        class = "batchrl.algos:DQN"
+        learning_starts = 20
+        hidden = [8]
+        """))
+
+    def run(logdir, steps):
+        config = load_config(str(tmp_path / "dqn.toml"), [f"train.steps={steps}"])
+        Trainer(config, logdir, progress=False).run()
+        return [(r["phase"], r["step"]) for r in read_metrics(logdir)]
+
+    straight = run(tmp_path / "straight", 160)
+    assert [step for phase, step in straight if phase == "eval"] == [80, 160]
+    run(tmp_path / "cut", 60)
+    records = run(tmp_path / "cut", 160)
+    assert [step for phase, step in records if phase == "train"] == [40, 60, 80, 120, 160]
+    assert [step for phase, step in records if phase == "eval"] == [60, 80, 160]
+
+
 def test_a_run_stopped_mid_phase_resumes_from_the_last_phase_boundary(straight_run, tmp_path,
                                                                      monkeypatch):
     """SIGINT (as Ctrl-C) within an evaluation, four times, in this process: each stop

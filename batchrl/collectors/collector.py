@@ -250,5 +250,7 @@ def collect(spec: CollectorSpec, index: int, link: Link, incarnation: int = 0) -
     finally:
         watchdog.pause()
         watchdog.step()  # (envs a failed step left broken may hang in close: watched too)
-        batch_env.close()
-        watchdog.pause()
+        try:
+            batch_env.close()
+        finally:
+            watchdog.pause()

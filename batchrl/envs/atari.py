@@ -83,7 +83,8 @@ class PlayOnAfterLifeLossVector(gym.vector.VectorWrapper):
     for ``make``'s envs. The step after an episode ended plays a no-op in that env (not the
     action it was given) and returns its observation as the next episode's first, with no
     reward and neither flag; after a game over it is ale-py's own reset. Where that no-op
-    step itself ends the game or reaches the time limit, the env starts a new game at once.
+    step itself ends an episode (a lost life, the game's end) or reaches the time limit, the
+    env starts a new game at once, as ``PlayOnAfterLifeLoss`` does.
     Unlike ``make``'s envs, the frame stack after a lost life holds the frames before it.
     Passes on ``send``/``recv``: the games step in their threads while the caller goes on."""
 
@@ -212,8 +213,9 @@ def make_vector(num_envs: int, env_id: str = "ALE/Pong-v5", training: bool = Tru
     ``PlayOnAfterLifeLossVector``), as ``make``'s envs do; no FIRE is pressed after a reset.
 
     Args:
-      max_episode_steps: the time limit in agent steps (``env.max_length``); none: ale-py's
-        108,000 frames.
+      max_episode_steps: the time limit in agent steps (``env.max_length``), counted over a
+        whole game (ale-py's frame limit, ``frame_skip`` frames a step), where training
+        episodes end with each life; none: ale-py's 108,000 frames.
       num_threads: native threads stepping the games (0: ale-py's default, a thread per game).
     """
     from ale_py.vector_env import AtariVectorEnv
