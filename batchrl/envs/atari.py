@@ -125,7 +125,7 @@ class PlayOnAfterLifeLossVector(gym.vector.VectorWrapper):
                 info = {key: (np.where(again, new_info[key], value)
                               if key in new_info and np.shape(value) == again.shape else value)
                         for key, value in info.items()}
-            reward = np.where(starting, 0, reward).astype(np.asarray(reward).dtype, copy=False)
+            reward = np.where(starting, 0, reward)  # (keeps the rewards' dtype)
             terminated, truncated = terminated & ~starting, truncated & ~starting
         self._ended = terminated | truncated
         return observ, reward, terminated, truncated, info
