@@ -390,6 +390,88 @@ def test_a_collector_that_dies_with_nothing_queued_is_replaced_at_the_next_round
     assert collectors._waiting == {}  # (no stale round of the successor's left behind)
 
 
+def failing_env(log_dir, index, num_envs, seed):
+    """CartPole envs stepped in the collector's process; collector 0's first env raises in
+    its 12th step in every incarnation (each injection leaves a file in ``log_dir``)."""
+    envs = [gym.make("CartPole-v1") for _ in range(num_envs)]
+    if index == 0:
+        envs[0] = FaultyEnv(envs[0], "raise", at_step=12, log_dir=str(log_dir))
+    return BatchEnv(envs, blocking=True)
+
+
+@pytest.mark.slow
+def test_a_collector_killed_while_it_writes_its_error_leaves_its_successor_free_to_report(
+        tmp_path):
+    """Collector 0 is killed (as by the OOM killer) while it writes its error line, so the
+    lock of the queue it writes to stays held for ever: the test holds it for the dead
+    process. Its successor fails too, and its error line reaches the learner through a queue
+    of its own, instead of the successor hanging on that lock with the learner waiting."""
+    env = make_env("CartPole-v1", "inline", 0, 4, 0)
+    learner = make_algorithm(env.observation_space, env.action_space, 4)
+    env.close()
+    spec = CollectorSpec(functools.partial(failing_env, tmp_path), make_algorithm,
+                         num_agents=4, collectors=2, rollout_length=8, seed=3)
+    reports = []
+    with LocalCollectors(spec, env.observation_space, env.action_space,
+                         learner.behaviour_fields(), learner.acting_state(), max_restarts=1,
+                         report=reports.append) as collectors:
+        lock = collectors.shared.errors[0]._wlock  # (multiprocessing's; shared with children)
+        lock.acquire()
+        try:
+            wait_for(lambda: any(tmp_path.iterdir()), 60, "the first fault")
+            time.sleep(0.5)  # (its error line waits for the lock)
+            os.kill(collectors.pids[0], signal.SIGKILL)
+            for round_ in range(2):  # (round 0 sent before the fault, 1 by its successor)
+                collectors.receive(within(60, f"round {round_}"))
+            with pytest.raises(CollectorError, match=r"collector 0 failed \(EnvRaisedError: "
+                               r".*injected fault in step 12\) after 1 replacements"):
+                collectors.receive(within(60, "the successor's error in round 2"))
+        finally:
+            lock.release()
+    assert len(reports) == 1 and "collector 0 failed (exited with code -9)" in reports[0], \
+        reports
+    assert len(list(tmp_path.iterdir())) == 2
+
+
+class RaisesAtLength(gym.Wrapper):
+    """Raises in its 12th step with an error whose one line is longer than a pipe holds."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.steps = 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps == 12:
+            raise RuntimeError("x" * 100_000)
+        return self.env.step(action)
+
+
+def long_error_env(index, num_envs, seed):
+    envs = [gym.make("CartPole-v1") for _ in range(num_envs)]
+    if index == 0:
+        envs[0] = RaisesAtLength(envs[0])
+    return BatchEnv(envs, blocking=True)
+
+
+@pytest.mark.slow
+def test_a_collector_error_longer_than_a_pipe_holds_arrives_cut_short():
+    """The learner reads a collector's error line after the collector exited, and the
+    collector exits once the line is written: a line longer than the pipe holds arrives cut
+    short instead of the two waiting for each other for ever."""
+    env = make_env("CartPole-v1", "inline", 0, 4, 0)
+    learner = make_algorithm(env.observation_space, env.action_space, 4)
+    env.close()
+    spec = CollectorSpec(long_error_env, make_algorithm, num_agents=4, collectors=2,
+                         rollout_length=8, seed=3)
+    with LocalCollectors(spec, env.observation_space, env.action_space,
+                         learner.behaviour_fields(), learner.acting_state()) as collectors:
+        collectors.receive(within(60, "round 0"))
+        with pytest.raises(CollectorError, match=r"RuntimeError: x+ \[\.\.\.\]\) after 0 ") as error:
+            collectors.receive(within(60, "the error in round 1"))
+    assert len(str(error.value)) < 2_200
+
+
 def test_closing_kills_a_collector_that_does_not_stop(tmp_path):
     """Collector 0's env hangs in a step (no step timeout): it never hears the stop, and
     close() kills it once its timeout has passed; collector 1 stops by itself."""
@@ -458,7 +540,7 @@ def test_a_collector_never_copies_weights_that_a_publish_is_rewriting():
         assert not reader.is_alive() and got[-1] is None
     finally:
         shared.sequence.value = 0
-        for channel in (*shared.free, *shared.full, shared.errors):
+        for channel in (*shared.free, *shared.full, *shared.errors):
             channel.cancel_join_thread()
             channel.close()
 

@@ -37,6 +37,7 @@ from batchrl.parts.rollout import Fields, Rollout, RolloutBuffer, rollout_tensor
 __all__ = ["LocalCollectors"]
 
 _POLL_SECONDS = 0.1
+_LINE_CHARS = 2000  # of a collector's error line
 
 
 class _Shared:
@@ -52,7 +53,9 @@ class _Shared:
         for free, own in zip(self.free, slots):
             for slot in range(len(own)):
                 free.put(slot)
-        self.errors = ctx.Queue()  # (collector, one line) of a collector that failed
+        # collector -> learner: the one line of its error (a queue of each collector's own, so
+        # that one killed while it writes there leaves no lock held that a successor needs)
+        self.errors = [ctx.Queue() for _ in range(collectors)]
         # The weights' sequence number: odd while the learner rewrites them.
         self.sequence = ctx.Value("q", 0, lock=False)
         self.version = ctx.Value("q", -1, lock=False)
@@ -122,8 +125,11 @@ def _collector_main(spec: CollectorSpec, index: int, shared: _Shared,
     try:
         collect(spec, index, _SharedLink(shared, index, slots), incarnation)
     except BaseException as exc:  # noqa: BLE001 - reported to the learner, then exit
-        shared.errors.put((index, f"{type(exc).__name__}: {exc}".splitlines()[0]))
-        for channel in (shared.errors, shared.full[index]):  # (what it sent last arrives)
+        line = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        # (cut short: the learner reads it only after this exit, and a pipe holds 64 KiB)
+        shared.errors[index].put(line if len(line) <= _LINE_CHARS else
+                                 line[:_LINE_CHARS] + " [...]")
+        for channel in (shared.errors[index], shared.full[index]):  # (what it sent arrives)
             channel.close()
             channel.join_thread()
         os._exit(1)
@@ -176,7 +182,6 @@ class LocalCollectors:
         self._round = 0  # the next batch's
         self._waiting: dict[tuple[int, int], tuple[int, dict]] = {}  # (round, c) -> (slot, meta)
         self._processes: list[Any] = [None] * count
-        self._errors: dict[int, str] = {}
         self.publish(acting_state)
         try:
             for index in range(count):
@@ -257,20 +262,19 @@ class LocalCollectors:
     def _supervise(self) -> None:
         """Replace collectors that exited; a first one that failed before its first rollout
         fails the run (it would fail again)."""
-        exited = [index for index, process in enumerate(self._processes)
-                  if process.exitcode is not None]
-        with contextlib.suppress(queue.Empty):  # (read after the exits: errors come first)
-            while exited:
-                index, line = self.shared.errors.get(timeout=_POLL_SECONDS)
-                self._errors[index] = line
-        for index in exited:
-            process = self._processes[index]
+        for index, process in enumerate(self._processes):
+            if process.exitcode is None:
+                continue
+            # (read after the exit: a collector flushes its error line before it exits)
+            try:
+                why = self.shared.errors[index].get(timeout=_POLL_SECONDS)
+            except queue.Empty:
+                why = f"exited with code {process.exitcode}" + (
+                    " (a step that outlasted env.timeout? see its traceback on stderr)"
+                    if process.exitcode == 1 and self.spec.step_timeout else "")
             # What it sent before it died counts: a first rollout means it got going.
             self._drain(index)
-            self.replacements.failed(index, self._errors.pop(
-                index, f"exited with code {process.exitcode}" + (
-                    " (a step that outlasted env.timeout? see its traceback on stderr)"
-                    if process.exitcode == 1 and self.spec.step_timeout else "")))
+            self.replacements.failed(index, why)
             process.close()
             self._processes[index] = None  # (close() skips it if its successor fails to start)
             self._renew(index)
@@ -279,16 +283,18 @@ class LocalCollectors:
     def _renew(self, index: int) -> None:
         """New queues for collector ``index``'s successor (the failed one may have died holding
         a queue's lock), rebuilt from what the learner received: it continues at the first
-        round not received, with the slots that hold no received rollout."""
+        round not received, with the slots that hold no received rollout; an empty error
+        queue."""
         shared = self.shared
         self._drain(index)
         received = {finished: slot for (finished, which), (slot, _) in self._waiting.items()
                     if which == index}
         shared.rounds[index] = max(received, default=self._round - 1) + 1
-        for channel in (shared.free[index], shared.full[index]):
+        for channel in (shared.free[index], shared.full[index], shared.errors[index]):
             channel.cancel_join_thread()
             channel.close()
-        shared.free[index], shared.full[index] = self._ctx.Queue(), self._ctx.Queue()
+        shared.free[index], shared.full[index], shared.errors[index] = (
+            self._ctx.Queue(), self._ctx.Queue(), self._ctx.Queue())
         for slot in range(len(shared.slots[index])):
             if slot not in received.values():
                 shared.free[index].put(slot)
@@ -304,7 +310,7 @@ class LocalCollectors:
             if process.exitcode is None:
                 process.kill()
                 process.join(1.0)
-        for channel in (*self.shared.free, *self.shared.full, self.shared.errors):
+        for channel in (*self.shared.free, *self.shared.full, *self.shared.errors):
             channel.cancel_join_thread()
             channel.close()
 
