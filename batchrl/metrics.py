@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from batchrl.files import atomic_write
+from batchrl.files import atomic_write, fsync_directory
 
 METRICS_FILE = "metrics.jsonl"
 CURVE_FILE = "learning_curve.png"
@@ -56,6 +56,15 @@ class RunLog:
         the queue's fill, steps/s); TensorBoard gets its numbers from the summary."""
         with open(self.logdir / METRICS_FILE, "a") as file:
             file.write(json.dumps({**record, "phase": "update"}) + "\n")
+
+    def sync(self) -> None:
+        """Make the records written so far durable: called before a checkpoint is written, so
+        that after a power loss the run resumed from it keeps every record up to its step."""
+        path = self.logdir / METRICS_FILE
+        if path.exists():
+            with open(path, "a") as file:
+                os.fsync(file.fileno())
+            fsync_directory(self.logdir)
 
     def phase(self, record: dict[str, Any]) -> None:
         """Append one phase's record and write its numbers to TensorBoard."""

@@ -244,7 +244,7 @@ class _NoLog:
     def scalars(self, *args: Any) -> None:
         pass
 
-    phase = plot = truncate = close = update = scalars
+    phase = plot = truncate = close = update = sync = scalars
 
 
 class TrainingInterrupted(Interrupted):
@@ -562,8 +562,14 @@ class Trainer:
         if self._snapshot is not None and self._snapshot[0] != self._written:
             step, state = self._snapshot
             self._written = step
-            return save_checkpoint(self.logdir, step, state, self.config.train.keep_checkpoints)
+            return self._checkpoint(step, state)
         return latest_checkpoint(self.logdir)
+
+    def _checkpoint(self, step: int, state: dict[str, Any] | bytes) -> Path:
+        """Write the checkpoint of ``step`` (``state`` or its ``serialize``d bytes), after the
+        records up to it are on disk; returns its path."""
+        self.log.sync()
+        return save_checkpoint(self.logdir, step, state, self.config.train.keep_checkpoints)
 
     def run(self) -> dict[str, Any]:
         """Train until ``train.steps`` env steps; returns the last evaluation record.
@@ -740,8 +746,7 @@ class Trainer:
                 if final or (due and boundaries % config.train.checkpoint_every == 0):
                     if not config.train.eval_episodes:
                         self.log.plot()  # else redrawn after every evaluation
-                    save_checkpoint(self.logdir, self.counters.steps, state,
-                                    config.train.keep_checkpoints)
+                    self._checkpoint(self.counters.steps, state)
                     self._written = self.counters.steps
                     self._snapshot = (self.counters.steps, None)
                 else:

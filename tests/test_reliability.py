@@ -565,6 +565,53 @@ def test_without_evaluations_checkpoint_every_counts_the_boundaries(tmp_path):
     assert written == boundaries[1::2] + ([boundaries[-1]] if len(boundaries) % 2 else [])
 
 
+@pytest.mark.parametrize("stop", ["end", "error"])
+def test_the_records_up_to_a_checkpoint_are_on_disk_before_it(tmp_path, monkeypatch, stop):
+    """Before a checkpoint is written (a due one, or the last boundary's kept in memory when an
+    error stops the run), ``metrics.jsonl`` is flushed to disk with every record up to its
+    step: after a power loss the run resumed from that checkpoint has its whole curve."""
+    from batchrl.algos import BatchPPO
+    fsync, synced = os.fsync, []  # (what a power loss would keep of metrics.jsonl)
+    checkpoints = []  # (step, the records synced before it)
+
+    def recording(fd):
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+        if path.name == "metrics.jsonl":
+            synced[:] = read_metrics(path.parent)
+        elif path.name.startswith("ckpt-"):
+            checkpoints.append((int(path.name[5:17]), list(synced)))
+
+    monkeypatch.setattr(os, "fsync", recording)
+    if stop == "error":
+        update, updates = BatchPPO.update, []
+
+        def failing(self):
+            updates.append(1)
+            if len(updates) == 4:
+                raise RuntimeError("a bug in the update")
+            return update(self)
+
+        monkeypatch.setattr(BatchPPO, "update", failing)
+    logdir = tmp_path / "run"
+    config = load_config("cartpole", CARTPOLE + ["train.checkpoint_every=2",
+                                                 "train.keep_checkpoints=100",
+                                                 "train.phase_steps=500", "train.steps=2500"])
+    if stop == "error":
+        with pytest.raises(RuntimeError, match="a bug in the update"):
+            Trainer(config, logdir, progress=False).run()
+    else:
+        Trainer(config, logdir, progress=False).run()
+    records = read_metrics(logdir)
+    assert [step for step, _ in checkpoints] == [
+        int(load_checkpoint(path)["counters"]["steps"]) for path in list_checkpoints(logdir)]
+    # (the error: the due checkpoint of boundary 2, then boundary 3's from memory)
+    assert len(checkpoints) == 2 if stop == "error" else len(checkpoints) >= 3
+    for step, before in checkpoints:
+        assert [r for r in before if r["step"] <= step] == \
+            [r for r in records if r["step"] <= step], step
+
+
 def test_a_checkpoint_loaded_on_the_cpu_is_mapped_not_copied(tmp_path):
     """A replay buffer of gigabytes is not read into memory of the process's own when its
     checkpoint loads: its tensors are file pages, read where they are used."""
