@@ -474,20 +474,25 @@ def test_env_failure_saves_the_last_phase_boundary(tmp_path):
                                               for r in records)
 
 
+def fail_update(monkeypatch, update: int) -> None:
+    """BatchPPO's ``update``-th update raises (as a bug or a NaN check would)."""
+    from batchrl.algos import BatchPPO
+    original, updates = BatchPPO.update, []
+
+    def failing(self):
+        updates.append(1)
+        if len(updates) == update:
+            raise RuntimeError("a bug in the update")
+        return original(self)
+
+    monkeypatch.setattr(BatchPPO, "update", failing)
+
+
 def test_an_algorithm_error_saves_the_last_phase_boundary(tmp_path, monkeypatch):
     """No checkpoint is due when the algorithm raises in an update (a bug, a NaN check):
     as for an env failure, the trainer writes the last finished phase's state from memory,
     so the run can go on from there once it is fixed."""
-    from batchrl.algos import BatchPPO
-    update, updates = BatchPPO.update, []
-
-    def failing(self):
-        updates.append(1)
-        if len(updates) == 3:
-            raise RuntimeError("a bug in the update")
-        return update(self)
-
-    monkeypatch.setattr(BatchPPO, "update", failing)
+    fail_update(monkeypatch, 3)
     logdir = tmp_path / "run"
     config = load_config("cartpole", CARTPOLE + ["train.checkpoint_every=1000",
                                                  "train.steps=100000"])
@@ -570,7 +575,6 @@ def test_the_records_up_to_a_checkpoint_are_on_disk_before_it(tmp_path, monkeypa
     """Before a checkpoint is written (a due one, or the last boundary's kept in memory when an
     error stops the run), ``metrics.jsonl`` is flushed to disk with every record up to its
     step: after a power loss the run resumed from that checkpoint has its whole curve."""
-    from batchrl.algos import BatchPPO
     fsync, synced = os.fsync, []  # (what a power loss would keep of metrics.jsonl)
     checkpoints = []  # (step, the records synced before it)
 
@@ -584,15 +588,7 @@ def test_the_records_up_to_a_checkpoint_are_on_disk_before_it(tmp_path, monkeypa
 
     monkeypatch.setattr(os, "fsync", recording)
     if stop == "error":
-        update, updates = BatchPPO.update, []
-
-        def failing(self):
-            updates.append(1)
-            if len(updates) == 4:
-                raise RuntimeError("a bug in the update")
-            return update(self)
-
-        monkeypatch.setattr(BatchPPO, "update", failing)
+        fail_update(monkeypatch, 4)
     logdir = tmp_path / "run"
     config = load_config("cartpole", CARTPOLE + ["train.checkpoint_every=2",
                                                  "train.keep_checkpoints=100",
