@@ -72,6 +72,26 @@ def usable_cores() -> int:
     return max(1, cores)
 
 
+def pinnable_cores() -> list[int]:
+    """The cores to pin this process's workers to: its affinity mask, or none (``[]``) where
+    pinning would not pay: a platform without affinity, or a cgroup CPU quota below the
+    mask (containers that share a host would all pin to the same first cores)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return []
+    cores = allowed_cores()
+    return cores if usable_cores() >= len(cores) else []
+
+
+def core_share(cores: list[int], index: int, count: int) -> list[int]:
+    """Part ``index`` of ``count`` contiguous parts of ``cores`` (sizes differ by one at
+    most); with more parts than cores, the one core it shares with others (``[]`` for no
+    cores)."""
+    if not cores:
+        return []
+    share = cores[len(cores) * index // count:len(cores) * (index + 1) // count]
+    return share or [cores[index % len(cores)]]
+
+
 # What computes bfloat16 in hardware, in words (for messages).
 BFLOAT16_HARDWARE = ("CPUs with AVX-512 BF16, AMX or Arm BF16; CUDA GPUs of compute "
                      "capability 8.0+")

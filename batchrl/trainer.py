@@ -39,7 +39,7 @@ from batchrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoi
 from batchrl.config import Config, ConfigError, config_class, save_config
 from batchrl.envs.errors import EnvError
 from batchrl.envs.factory import make_batch_env
-from batchrl.hardware import BFLOAT16_HARDWARE, native_bfloat16, usable_cores
+from batchrl.hardware import BFLOAT16_HARDWARE, core_share, native_bfloat16, usable_cores
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.interrupt import Interrupted, StopSignals
 from batchrl.metrics import RunLog
@@ -112,10 +112,12 @@ def collector_plan(config: Config, algo: Algorithm, num_agents: int) -> tuple[in
     return max(1, round(batch_steps / algo.rollout_length)), eval_every
 
 
-def _collector_env(config: Config, index: int, num_envs: int, seed: int) -> Any:
+def _collector_env(config: Config, machine_cores: int, index: int, num_envs: int,
+                   seed: int) -> Any:
     """Collector ``index``'s batch env of ``num_envs`` envs, as ``[env]`` configures; with
-    ``env.workers = 0`` the usable cores are shared among the collectors of a machine (their
-    worker processes, or native threads; ``vector`` builds one vector env), and on a Ray
+    ``env.workers = 0`` the machine's ``machine_cores`` usable cores are shared among its
+    collectors (their worker processes, or native threads; ``vector`` builds one vector env;
+    each local collector process is pinned to its share, ``LocalCollectors``), and on a Ray
     cluster a collector takes the CPUs it reserves (``env.ray_resources``). There the
     collector is the unit Ray places: backend ``"ray"`` steps its envs in worker processes of
     the collector's node."""
@@ -123,7 +125,7 @@ def _collector_env(config: Config, index: int, num_envs: int, seed: int) -> Any:
     on_ray = on_a_cluster(config)
     backend = "workers" if env.backend == "ray" else env.chosen_backend
     cores = (int(env.ray_resources.get("CPU", 1)) if on_ray
-             else usable_cores() // config.train.collectors)
+             else len(core_share(list(range(machine_cores)), index, config.train.collectors)))
     workers = env.workers or (1 if backend == "vector" else max(1, cores))
     return make_batch_env(
         env.id, num_envs, env.max_length, env.kwargs, backend, workers,
@@ -504,7 +506,8 @@ class Trainer:
     def _collectors(self, algo: Algorithm, env: TensorBatchEnv, bar: Any) -> Any:
         """Start the run's collectors, acting with ``algo``'s current weights."""
         config = self.config
-        spec = CollectorSpec(make_env=functools.partial(_collector_env, config),
+        spec = CollectorSpec(make_env=functools.partial(_collector_env, config,
+                                                        usable_cores()),
                              make_algorithm=functools.partial(_collector_algorithm, config),
                              num_agents=config.env.num_agents,
                              collectors=config.train.collectors,
@@ -626,7 +629,7 @@ class Trainer:
                 _check_eval_spaces(batch_env, eval_batch_env)
             elif config.train.collectors and env_config.eval_kwargs:
                 # This env is the evaluation one: compare one of the collectors' envs.
-                probe = _collector_env(config, 0, 1, config.train.seed)
+                probe = _collector_env(config, usable_cores(), 0, 1, config.train.seed)
                 try:
                     _check_eval_spaces(probe, batch_env)
                 finally:

@@ -25,6 +25,7 @@ from batchrl.config import ConfigError, available_configs, build_config, load_co
 from batchrl.envs import BatchEnv
 from batchrl.envs.factory import make_batch_env
 from batchrl.envs.process.channel import context
+from batchrl.hardware import core_share, pinnable_cores
 from batchrl.metrics import read_metrics
 from batchrl.testing.envs import uint8_cartpole
 from batchrl.testing.faults import FaultyEnv
@@ -569,6 +570,23 @@ def test_replacements_end_at_max_restarts_and_a_first_collector_that_never_deliv
     with pytest.raises(CollectorError, match=r"^collector 0 failed \(y\) after 1 replacements "
                                              r"\(at most 1: env.max_restarts\)$"):
         replacements.failed(0, "y")
+
+
+def test_each_collector_and_its_env_workers_keep_to_a_share_of_the_cores():
+    """Two collectors of this machine: each process is pinned to its half of the cores, and
+    pins its env worker there, instead of both pinning their workers to the first core."""
+    cores = pinnable_cores()
+    if len(cores) < 2:
+        pytest.skip("needs an affinity mask of at least two cores and no CPU quota below it")
+    collectors, _ = pool(backend="workers")
+    with collectors:
+        collectors.receive(within(60, "a batch"))  # (their env workers are up)
+        for index, pid in enumerate(collectors.pids):
+            share = core_share(cores, index, 2)
+            assert psutil.Process(pid).cpu_affinity() == share
+            below = [psutil.Process(child).cpu_affinity() for child in descendants(pid)]
+            assert all(set(affinity) <= set(share) for affinity in below), (share, below)
+            assert [share[0]] in below, (share, below)  # (its env worker)
 
 
 def test_uint8_observations_travel_as_uint8():

@@ -352,11 +352,18 @@ def test_auto_backend_is_native_where_it_steps_the_env():
     from batchrl.hardware import usable_cores
     from batchrl.trainer import _collector_env
     config = load_config("halfcheetah", ["train.collectors=1", "env.num_agents=4"])
-    alone = _collector_env(config, 0, 4, seed=0)
+    alone = _collector_env(config, usable_cores(), 0, 4, seed=0)
     try:
         assert alone.envs[0].batch.num_threads == min(usable_cores(), 4)
     finally:
         alone.close()
+    # Three collectors on a machine of 8 usable cores: collector 1 of them takes 3.
+    config = load_config("halfcheetah", ["train.collectors=3", "env.num_agents=12"])
+    second = _collector_env(config, 8, 1, 4, seed=0)
+    try:
+        assert second.envs[0].batch.num_threads == 3
+    finally:
+        second.close()
     with pytest.raises(EnvSpecError, match="backend 'native' steps the env ids it knows, not "
                                            "constructors"):
         batch_env_from(lambda: gym.make("Hopper-v5"), 2, backend="native")

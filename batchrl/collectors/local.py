@@ -30,6 +30,7 @@ import torch.multiprocessing  # noqa: F401  (shares tensors between processes wh
 from batchrl.collectors.collector import CollectorSpec, Link, Replacements, collect
 from batchrl.envs.process.channel import context
 from batchrl.envs.process.main_guard import check_main_guard, main_not_reimported
+from batchrl.hardware import core_share, pinnable_cores
 from batchrl.interrupt import start_worker
 from batchrl.parts.packing import stored_observations
 from batchrl.parts.rollout import Fields, Rollout, RolloutBuffer, rollout_tensors
@@ -117,12 +118,16 @@ class _SharedLink(Link):
 
 def _collector_main(spec: CollectorSpec, index: int, shared: _Shared,
                     slots: list[dict[str, torch.Tensor]], incarnation: int,
-                    parent_pid: int) -> None:
-    """A collector process: tied to the learner's life, deaf to Ctrl-C (the learner stops it).
-    An error is sent to the learner as one line before the process exits with code 1."""
+                    parent_pid: int, cores: list[int]) -> None:
+    """A collector process: tied to the learner's life, deaf to Ctrl-C (the learner stops it),
+    pinned to ``cores`` (its share of the machine's, where it pins its env workers in turn;
+    ``[]``: not pinned). An error is sent to the learner as one line before the process
+    exits with code 1."""
     if not start_worker(parent_pid):
         return
     try:
+        if cores:
+            os.sched_setaffinity(0, cores)
         collect(spec, index, _SharedLink(shared, index, slots), incarnation)
     except BaseException as exc:  # noqa: BLE001 - reported to the learner, then exit
         line = f"{type(exc).__name__}: {exc}".splitlines()[0]
@@ -182,6 +187,9 @@ class LocalCollectors:
         self._round = 0  # the next batch's
         self._waiting: dict[tuple[int, int], tuple[int, dict]] = {}  # (round, c) -> (slot, meta)
         self._processes: list[Any] = [None] * count
+        # (a share of the cores for each collector: else each would pin its env workers to
+        # the same first cores of the machine)
+        self._cores = pinnable_cores()
         self.publish(acting_state)
         try:
             for index in range(count):
@@ -194,7 +202,8 @@ class LocalCollectors:
         process = self._ctx.Process(
             target=_collector_main, name=f"batchrl-collector-{index}",
             args=(self.spec, index, self.shared, self.shared.slots[index],
-                  self.replacements.incarnations[index], os.getpid()))
+                  self.replacements.incarnations[index], os.getpid(),
+                  core_share(self._cores, index, self.spec.collectors)))
         with main_not_reimported():
             process.start()
         self._processes[index] = process

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import os
 import traceback
 from typing import Any, Callable, Sequence
 
@@ -21,7 +20,7 @@ from batchrl.envs.process.shared_memory import EnvWorker
 from batchrl.envs.ray.cluster import check_resources
 from batchrl.envs.vectorized import VectorWorker
 from batchrl.envs.wrappers import TimeLimit, check_time_limit, wrap_env
-from batchrl.hardware import allowed_cores, usable_cores
+from batchrl.hardware import pinnable_cores, usable_cores
 
 
 def import_from(path: str, what: str, error: type[Exception]) -> tuple[str, str, Any]:
@@ -134,7 +133,7 @@ def batch_env_from(constructor: Callable[[], gym.Env] | Sequence[Callable[[], gy
         isolated (a hang hangs this process, a crash in their native code ends
         it), so not with ``max_restarts``.
       pin_workers: pin each worker process to its own core of this process's
-        affinity mask (Linux).
+        affinity mask (Linux; not under a cgroup CPU quota below the mask).
       infos: ship the step infos from worker processes and Ray actors (else
         empty dicts).
       prefetch_reset: worker processes and Ray actors reset an env as soon as
@@ -181,7 +180,7 @@ def batch_env_from(constructor: Callable[[], gym.Env] | Sequence[Callable[[], gy
     construct_timeout = None if timeout is None else max(timeout, CONSTRUCT_TIMEOUT)
     try:
         if backend == "workers":
-            cores = allowed_cores() if pin_workers and hasattr(os, "sched_setaffinity") else []
+            cores = pinnable_cores() if pin_workers else []
             processes = workers or max(1, usable_cores() - share_main)
             groups = _split(constructors, processes + share_main)
             if share_main and len(groups) > 1:

@@ -36,7 +36,7 @@ from batchrl.checkpoint import CheckpointError
 from batchrl.config import Config, ConfigError
 from batchrl.envs import check_main_guard, main_not_reimported
 from batchrl.envs.errors import EnvSpecError, SpaceMismatchError, UnsupportedSpaceError
-from batchrl.hardware import usable_cores
+from batchrl.hardware import allowed_cores, core_share, usable_cores
 from batchrl.interrupt import Interrupted, signals_held, start_worker
 from batchrl.parts.distributed import LearnerGroup, launched_by_torchrun, preemption_count
 from batchrl.trainer import Trainer, check_learner_support, on_a_cluster, resolve_device
@@ -194,9 +194,8 @@ def _run_local(config: Config, logdir: Path, progress: bool,
                handle_signals: bool) -> dict[str, Any]:
     size = config.train.learners
     check_learners(config, size)
-    cores = sorted(os.sched_getaffinity(0))
-    shares = [cores[len(cores) * rank // size:len(cores) * (rank + 1) // size]
-              for rank in range(size)]
+    cores = allowed_cores()
+    shares = [core_share(cores, rank, size) for rank in range(size)]
     port = _free_port()
     ctx = mp.get_context("spawn")  # (no inherited threads: torch's pools make fork unsafe)
     errors = ctx.Queue()
