@@ -88,8 +88,8 @@ def core_share(cores: list[int], index: int, count: int) -> list[int]:
     cores)."""
     if not cores:
         return []
-    share = cores[len(cores) * index // count:len(cores) * (index + 1) // count]
-    return share or [cores[index % len(cores)]]
+    start, end = len(cores) * index // count, len(cores) * (index + 1) // count
+    return cores[start:end] or [cores[start]]
 
 
 # What computes bfloat16 in hardware, in words (for messages).

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from batchrl.hardware import cgroup_cpu_limit, usable_cores
+from batchrl.hardware import cgroup_cpu_limit, core_share, usable_cores
 from helpers import REPO
 
 SCRIPT = """
@@ -109,6 +109,9 @@ def test_a_one_cpu_cgroup_quota_gives_a_one_core_layout(tmp_path):
             time.sleep(0.1)
         group.rmdir()
     assert found["usable"] == 1 and found["workers"] == 1
+    # A quota below the mask: the worker is not pinned to the mask's first core (every
+    # container sharing the host would pin there).
+    assert found["worker_cores"] == [sorted(os.sched_getaffinity(0))]
     # One core: the value step runs after the policy step, in the same thread.
     assert found["value_steps_in"] == ["MainThread"]
 
@@ -208,3 +211,10 @@ def test_usable_cores_rounds_a_fractional_quota_up(tmp_path):
         group.rmdir()
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["2", "1"]
+
+
+def test_core_shares_are_contiguous_and_cover_the_cores_or_share_one_each():
+    cores = [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert [core_share(cores, i, 4) for i in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7, 8]]
+    assert [core_share([3, 5], i, 3) for i in range(3)] == [[3], [3], [5]]  # (more parts)
+    assert core_share([], 0, 2) == []
