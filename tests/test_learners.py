@@ -520,6 +520,59 @@ def test_a_learner_that_raises_is_named_with_its_error(tmp_path):
     assert "its second line" not in stderr and "Traceback" not in stderr, stderr
 
 
+# As FAILING_LEARNERS, with an error whose one line is longer than a pipe holds.
+LONG_ERROR_LEARNERS = textwrap.dedent("""
+    import sys
+    if "--multiprocessing-fork" in sys.argv:
+        import batchrl.trainer
+        def run(self):
+            raise ValueError("x" * 100_000)
+        batchrl.trainer.Trainer.run = run
+""")
+
+
+@pytest.mark.slow
+def test_a_learner_error_longer_than_a_pipe_holds_arrives_cut_short(tmp_path):
+    # Learner 1 sends its line before it exits, and learner 0 reads it once learner 1's exit
+    # failed its collective: the whole line would wait for a reader that waits for the exit.
+    process = two_learners_with_site(tmp_path, LONG_ERROR_LEARNERS)
+    code, stdout, stderr = ended(process)
+    assert code == 1, (stdout, stderr)
+    assert re.search(r"error: learner 1 failed: ValueError: x{1000,} \[\.\.\.\]\n", stderr), \
+        stderr[-300:]
+    assert len(stderr) < 5000 and "Traceback" not in stderr, stderr[-300:]
+
+
+def _report_and_exit(errors, rank: int) -> None:
+    errors.put((rank, f"RuntimeError: learner {rank} lost its peer"))
+    errors.close()
+    errors.join_thread()
+    os._exit(1)
+
+
+def test_a_learner_killed_by_a_signal_is_named_before_the_errors_its_death_caused():
+    # Three learners: learner 2 is killed; learner 1's collective fails with it, and learner 1
+    # reports that. The run's error names learner 2, which the others' errors come from.
+    from batchrl.learners.launch import _failure
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    reporting = ctx.Process(target=_report_and_exit, args=(errors, 1))
+    killed = ctx.Process(target=time.sleep, args=(60,))
+    for process in (reporting, killed):
+        process.start()
+    killed.kill()
+    reporting.join(30)
+    try:
+        assert _failure([reporting, killed], errors) == (
+            f"learner 2 (pid {killed.pid}) was killed by signal 9")
+        # With none killed, the first error reported names the run's failure.
+        errors.put((1, "RuntimeError: learner 1's own bug"))
+        assert _failure([reporting], errors) == "learner 1 failed: RuntimeError: learner 1's own bug"
+    finally:
+        errors.cancel_join_thread()
+        errors.close()
+
+
 # Put on the path of a run, it makes each learner fail as its training begins, saying on which
 # cores it runs: learner 1 (spawned by multiprocessing) first, then learner 0 once learner 1 is
 # gone (so that learner 1's error is always the one that names the run's failure).

@@ -30,6 +30,7 @@ import torch.multiprocessing  # noqa: F401  (shares tensors between processes wh
 from batchrl.collectors.collector import CollectorSpec, Link, Replacements, collect
 from batchrl.envs.process.channel import context
 from batchrl.envs.process.main_guard import check_main_guard, main_not_reimported
+from batchrl.errors import error_line
 from batchrl.hardware import core_share, pinnable_cores
 from batchrl.interrupt import start_worker
 from batchrl.parts.packing import stored_observations
@@ -38,7 +39,6 @@ from batchrl.parts.rollout import Fields, Rollout, RolloutBuffer, rollout_tensor
 __all__ = ["LocalCollectors"]
 
 _POLL_SECONDS = 0.1
-_LINE_CHARS = 2000  # of a collector's error line
 
 
 class _Shared:
@@ -130,10 +130,7 @@ def _collector_main(spec: CollectorSpec, index: int, shared: _Shared,
             os.sched_setaffinity(0, cores)
         collect(spec, index, _SharedLink(shared, index, slots), incarnation)
     except BaseException as exc:  # noqa: BLE001 - reported to the learner, then exit
-        line = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        # (cut short: the learner reads it only after this exit, and a pipe holds 64 KiB)
-        shared.errors[index].put(line if len(line) <= _LINE_CHARS else
-                                 line[:_LINE_CHARS] + " [...]")
+        shared.errors[index].put(error_line(exc))  # (read by the learner after this exit)
         for channel in (shared.errors[index], shared.full[index]):  # (what it sent arrives)
             channel.close()
             channel.join_thread()

@@ -26,6 +26,7 @@ import torch
 from batchrl.collectors.collector import (CollectorError, CollectorSpec, Link, Replacements,
                                          collect)
 from batchrl.envs.ray import cluster as ray_cluster
+from batchrl.errors import error_line
 from batchrl.parts.packing import stored_observations
 from batchrl.parts.rollout import Rollout, RolloutBuffer, rollout_tensors
 
@@ -318,9 +319,9 @@ class RayCollectors:
                 why = "stopped"
             except ray.exceptions.RayTaskError as exc:
                 cause = getattr(exc, "cause", None) or exc
-                why = f"{type(cause).__name__}: {cause}".splitlines()[0]
+                why = error_line(cause)
             except ray.exceptions.RayError as exc:
-                why = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+                why = error_line(exc)
             if not self.replacements.delivered[index]:  # (the hub knows rounds not yet taken)
                 self.replacements.delivered[index] = ray.get(
                     self.hub.next_round.remote(index)) > 0

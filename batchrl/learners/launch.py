@@ -36,6 +36,7 @@ from batchrl.checkpoint import CheckpointError
 from batchrl.config import Config, ConfigError
 from batchrl.envs import check_main_guard, main_not_reimported
 from batchrl.envs.errors import EnvSpecError, SpaceMismatchError, UnsupportedSpaceError
+from batchrl.errors import error_line
 from batchrl.hardware import allowed_cores, core_share, usable_cores
 from batchrl.interrupt import Interrupted, signals_held, start_worker
 from batchrl.parts.distributed import LearnerGroup, launched_by_torchrun, preemption_count
@@ -242,7 +243,7 @@ def _learner_main(config: Config, logdir: Path, rank: int, size: int, port: int,
                                         resolve_device(config.train.device))
         Trainer(config, logdir, progress=False, learners=learners).run()
     except BaseException as exc:  # noqa: BLE001 - reported to learner 0, then exit
-        errors.put((rank, f"{type(exc).__name__}: {exc}".splitlines()[0]))
+        errors.put((rank, error_line(exc)))  # (read once learner 0's collective failed)
         errors.close()
         errors.join_thread()
         os._exit(1)
@@ -253,16 +254,22 @@ def _learner_main(config: Config, logdir: Path, rank: int, size: int, port: int,
 
 
 def _failure(processes: list[Any], errors: Any) -> str | None:
-    """What stopped the run when another learner did: its reported error or its exit."""
+    """What stopped the run when another learner did. A learner killed by a signal (the OOM
+    killer, a crash in native code) comes first: when it dies, the others' collectives fail
+    and they report those errors. Else the first error reported, else an exit."""
+    reported = None
     with contextlib.suppress(Exception):
         rank, line = errors.get(timeout=2.0)
-        return f"learner {rank} failed: {line}"
+        reported = f"learner {rank} failed: {line}"
     for rank, process in enumerate(processes, 1):
-        process.join(2.0)
-        if process.exitcode is not None and process.exitcode != 0:
-            how = (f"was killed by signal {-process.exitcode}" if process.exitcode < 0
-                   else f"exited with code {process.exitcode}")
-            return f"learner {rank} (pid {process.pid}) {how}"
+        process.join(0 if reported else 2.0)
+        if process.exitcode is not None and process.exitcode < 0:
+            return f"learner {rank} (pid {process.pid}) was killed by signal {-process.exitcode}"
+    if reported:
+        return reported
+    for rank, process in enumerate(processes, 1):
+        if process.exitcode not in (None, 0):
+            return f"learner {rank} (pid {process.pid}) exited with code {process.exitcode}"
     return None
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from batchrl.envs.errors import EnvSpecError
+from batchrl.errors import error_line
 from batchrl.envs.ray import cluster as ray_cluster
 
 # How long the cluster may take to reserve the learners' bundles.
@@ -69,23 +70,24 @@ class RayLearners:
         self._runs = [actor.run.remote(main) for actor, main in zip(self.actors, mains)]
 
     def failure(self, wait: float = 2.0) -> str | None:
-        """A line on the first learner whose run ended with an error (or whose actor or node
-        died), waiting up to ``wait`` seconds for one; ``None`` if none did."""
+        """A line on the first learner whose actor or node died (when it dies, the others'
+        collectives fail and their runs end with those errors), else on the first whose run
+        ended with an error, waiting up to ``wait`` seconds for one; ``None`` if none did."""
         ray = self._ray
         done, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=wait)
+        failed = None
         for index, run in enumerate(self._runs):
             if run not in done:
                 continue
+            learner = f"learner {index + 1} on node {self.nodes[index][0][:8]}"
             try:
                 ray.get(run)
             except ray.exceptions.RayTaskError as exc:
                 cause = getattr(exc, "cause", None) or exc
-                return (f"learner {index + 1} on node {self.nodes[index][0][:8]} failed: "
-                        f"{type(cause).__name__}: {cause}".splitlines()[0])
+                failed = failed or f"{learner} failed: {error_line(cause)}"
             except ray.exceptions.RayError as exc:
-                return (f"learner {index + 1} on node {self.nodes[index][0][:8]} died: "
-                        f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
-        return None
+                return f"{learner} died: {error_line(exc)}"
+        return failed
 
     def wait(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the learners to finish their runs."""
