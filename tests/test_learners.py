@@ -874,18 +874,24 @@ def test_only_torchruns_whole_environment_makes_a_process_one_of_its_learners(mo
 
 
 @pytest.mark.slow
-def test_train_learners_that_torchrun_does_not_start_is_an_error(tmp_path):
+@pytest.mark.parametrize("processes, setting, message", [
+    ("2", "train.learners=4", "error: train.learners = 4, but torchrun started 2 processes: "
+                              "set --nproc-per-node (times the nodes) to train.learners"),
+    ("1", "train.preemption_threshold=0.5",
+     "error: train.preemption_threshold cuts the rollouts of some of several learners: set "
+     "train.learners >= 2, or the threshold to 0")])
+def test_settings_that_torchruns_processes_cannot_run_are_errors(tmp_path, processes, setting,
+                                                                 message):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     process = subprocess.Popen(
-        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "batchrl.train",
+        [torchrun, "--standalone", "--nproc-per-node", processes, "-m", "batchrl.train",
          "--config", "halfcheetah", "--logdir", str(tmp_path / "run"), "--no-progress",
-         *sets(*CHEETAH, "train.learners=4")],
+         *sets(*CHEETAH, setting)],
         cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     code, stdout, stderr = finish(process, 120)
     assert code != 0, (stdout, stderr)
-    assert ("error: train.learners = 4, but torchrun started 2 processes: set "
-            "--nproc-per-node (times the nodes) to train.learners") in stderr, stderr
+    assert message in stderr, stderr
     assert not (tmp_path / "run").exists()
     assert wait_gone(in_session(process.pid), 10) == []
 

@@ -58,11 +58,7 @@ def check_learners(config: Config, learners: int, local: bool = True) -> None:
     if config.train.collectors:
         raise ConfigError(f"train.learners = {learners} runs each learner's own envs, not "
                           f"collectors: set train.collectors = 0 or train.learners = 1")
-    if config.train.preemption_threshold:
-        try:
-            preemption_count(config.train.preemption_threshold, learners)
-        except ValueError as exc:
-            raise ConfigError(f"train.preemption_threshold: {exc}") from None
+    _check_preemption(config, learners)
     if str(config.train.device).startswith("cuda:"):  # (torchrun and Ray learners too)
         raise ConfigError(f"train.device = {config.train.device!r} puts every learner on one "
                           f"GPU: use 'cuda' (or 'auto'), and each learner takes its own")
@@ -81,6 +77,20 @@ def check_learners(config: Config, learners: int, local: bool = True) -> None:
     check_learner_support(config, learners)
 
 
+def _check_preemption(config: Config, learners: int) -> None:
+    """``ConfigError`` unless ``train.preemption_threshold`` is 0 or cuts some of
+    ``learners`` learners (torchrun's one process included)."""
+    threshold = config.train.preemption_threshold
+    if threshold and learners == 1:
+        raise ConfigError("train.preemption_threshold cuts the rollouts of some of several "
+                          "learners: set train.learners >= 2, or the threshold to 0")
+    if threshold:
+        try:
+            preemption_count(threshold, learners)
+        except ValueError as exc:
+            raise ConfigError(f"train.preemption_threshold: {exc}") from None
+
+
 def run(config: Config, logdir: Path, progress: bool = True,
         handle_signals: bool = False) -> dict[str, Any]:
     """Train as ``config`` says with ``train.learners`` learners (one: ``Trainer`` here);
@@ -90,9 +100,7 @@ def run(config: Config, logdir: Path, progress: bool = True,
     if launched_by_torchrun():
         return _run_torchrun(config, logdir, progress, handle_signals)
     if config.train.learners == 1:
-        if config.train.preemption_threshold:
-            raise ConfigError("train.preemption_threshold cuts the rollouts of some of several "
-                              "learners: set train.learners >= 2, or the threshold to 0")
+        _check_preemption(config, 1)
         return Trainer(config, logdir, progress, handle_signals).run()
     if on_a_cluster(config):
         return _run_ray(config, logdir, progress, handle_signals)
