@@ -226,7 +226,8 @@ def _join(algo: Algorithm, config: Config, learners: LearnerGroup) -> None:
 def _learner_state(state: dict[str, Any], checkpoint: Path, learners: LearnerGroup | None
                    ) -> dict[str, Any]:
     """This learner's own part of a checkpoint (``learners``: ``None`` for one learner): its
-    random generators and the per-agent algorithm state that differs between learners."""
+    random generators, the per-agent algorithm state that differs between learners and (with
+    several) its env restarts."""
     written = len(state.get("learners", ())) or 1
     size = 1 if learners is None else learners.size
     if written != size:
@@ -668,6 +669,8 @@ class Trainer:
                 algo.load_state_dict({**state["algorithm"], **own["algorithm"]})
                 _set_rng_state(own["rng"])
                 self.counters = Counters(**state["counters"])
+                # (each learner's own restarts: env.max_restarts bounds each learner's)
+                self.counters.env_restarts = own.get("env_restarts", self.counters.env_restarts)
                 self._written = self.counters.steps
                 for each in self._batch_envs:  # the bound is per run, over all its sessions
                     if each.max_restarts:
@@ -735,7 +738,7 @@ class Trainer:
                          "precision": precision}
                 if learners is not None:  # what differs between the learners, for each
                     state["learners"] = learners.gather_to_writer(
-                        {"rng": state["rng"],
+                        {"rng": state["rng"], "env_restarts": self.counters.env_restarts,
                          "algorithm": {key: algo_state[key] for key in algo.per_agent_state}})
                 if not self.writer:
                     continue

@@ -422,6 +422,31 @@ def test_two_learners_write_one_run_that_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(usable_cores() < 2, reason="two learners need two cores")
+def test_each_learner_keeps_its_own_env_restarts_across_a_resume(tmp_path):
+    # One env worker of one of the learners dies once: that learner has used 1 of its
+    # env.max_restarts, the other none, in the checkpoint and after the resume.
+    logdir, once = tmp_path / "run", tmp_path / "fired"
+    faulty = ["env.id=batchrl.testing.faults:make", "env.backend=workers",
+              f'env.kwargs={{env_id = "HalfCheetah-v5", fault = "exit", at_step = 150, '
+              f'once_file = "{once}"}}', "env.restart_crashed_envs=true", "env.max_restarts=2"]
+    code, stdout, stderr = train(logdir, *sets(*CHEETAH, *faulty, "train.learners=2",
+                                                "train.steps=2000"))
+    assert code == 0 and once.exists(), stderr
+
+    def restarts() -> tuple[list[int], int]:
+        state = torch.load(sorted(logdir.glob("ckpt-*.pt"))[-1], weights_only=False)
+        return ([part["env_restarts"] for part in state["learners"]],
+                state["counters"]["env_restarts"])
+
+    parts, writers = restarts()
+    assert sorted(parts) == [0, 1] and writers == parts[0], (parts, writers)
+    code, stdout, stderr = train(logdir, "--steps", "4000")
+    assert code == 0, stderr
+    assert restarts() == (parts, writers)
+
+
+@pytest.mark.slow
 def test_preempting_learners_train_in_whole_updates_and_resume(tmp_path):
     logdir = tmp_path / "run"
     preempting = sets(*CHEETAH, "train.learners=2", "train.preemption_threshold=0.5")
