@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from batchrl.algos.ppo import BatchPPO
-from batchrl.config import load_config
+from batchrl.config import ConfigError, load_config
 from batchrl.envs.errors import EnvSpecError
 from batchrl.hardware import usable_cores
 from batchrl.learners import run
@@ -354,7 +354,7 @@ def test_preemption_cuts_the_slow_learners_rollouts_and_keeps_the_weights_identi
 STDIN_SCRIPT = """
 import os, sys
 import torch.distributed
-from batchrl.config import load_config
+from batchrl.config import ConfigError, load_config
 from batchrl.learners import run
 sys.path.insert(0, sys.argv[2])
 from helpers import gloo_threads_left
@@ -884,6 +884,19 @@ def test_a_preemption_threshold_that_waits_for_all_suggests_one_that_does_not():
             preemption_count(0.95, size)
         assert str(suggested) in str(error.value)
         assert preemption_count(suggested, size) == size - 1
+
+
+def test_ray_learners_computing_on_cuda_need_a_gpu_reserved_for_each(monkeypatch, tmp_path):
+    # train.device = "auto" where learner 0 has a GPU (stood in for: none here): learners on
+    # the CPU beside it could never join its group (NCCL and gloo). Refused before Ray starts.
+    import batchrl.learners.launch as launch
+    monkeypatch.setattr(launch, "resolve_device", lambda name: torch.device("cuda"))
+    config = load_config("halfcheetah", [*CHEETAH, "train.device=auto", "train.learners=2",
+                                         "env.ray_address=127.0.0.1:1"])
+    with pytest.raises(ConfigError, match=r"train.device = 'auto' is CUDA for learner 0 here, "
+                                          r"but train.learner_resources reserves no GPU"):
+        run(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 def test_only_torchruns_whole_environment_makes_a_process_one_of_its_learners(monkeypatch):

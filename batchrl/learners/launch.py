@@ -136,6 +136,12 @@ def _run_ray(config: Config, logdir: Path, progress: bool,
     from batchrl.learners.ray import RayLearners  # (imports Ray)
     size = config.train.learners
     check_learners(config, size, local=False)
+    # Every learner computes on learner 0's kind of device: one group, gloo or NCCL.
+    device = resolve_device(config.train.device).type
+    if device == "cuda" and config.train.learner_resources.get("GPU", 0) < 1:
+        raise ConfigError(f"train.device = {config.train.device!r} is CUDA for learner 0 "
+                          f"here, but train.learner_resources reserves no GPU for the other "
+                          f"learners: add GPU = 1 to it, or set train.device = 'cpu'")
     remote = RayLearners(size - 1, config.train.learner_resources, config.env.ray_address)
     finished = False
     try:
@@ -145,9 +151,10 @@ def _run_ray(config: Config, logdir: Path, progress: bool,
         # A learner is the unit Ray places: it steps its envs in processes of its node.
         env = config.env
         cpus = int(config.train.learner_resources.get("CPU", 1))
-        on_node = dataclasses.replace(config, env=dataclasses.replace(
-            env, backend="workers" if env.backend == "ray" else env.backend,
-            workers=env.workers or max(1, cpus)))
+        on_node = dataclasses.replace(
+            config, train=dataclasses.replace(config.train, device=device),
+            env=dataclasses.replace(env, backend="workers" if env.backend == "ray"
+                                    else env.backend, workers=env.workers or max(1, cpus)))
         remote.start([functools.partial(_remote_main, on_node, logdir, rank, size, address,
                                         port) for rank in range(1, size)])
         nodes = ", ".join(f"learner {rank} on node {node[:8]}"
