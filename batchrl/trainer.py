@@ -649,9 +649,12 @@ class Trainer:
                     check_collector_room(config)
             if learners is not None:
                 _join(algo, config, learners)
-                # The writer's initial weights for all; then a random stream of their own.
+                # The writer's initial weights for all; then random streams of their own.
                 algo.load_state_dict(learners.broadcast(algo.state_dict(), self.device))
-                torch.manual_seed(config.train.seed * 1_000_003 + learners.rank)
+                own_seed = config.train.seed * 1_000_003 + learners.rank
+                torch.manual_seed(own_seed)
+                np.random.seed(own_seed % 2**32)
+                random.seed(own_seed)
             # Only now that env and algorithm fit together (spaces) is this a run.
             if self.writer:
                 self.logdir.mkdir(parents=True, exist_ok=True)

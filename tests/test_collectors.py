@@ -11,6 +11,7 @@ import threading
 import time
 
 import gymnasium as gym
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -556,6 +557,38 @@ def test_collectors_of_one_seed_collect_the_same_first_rollout():
     assert torch.equal(first[0].observ, first[1].observ)
     assert torch.equal(first[0].action, first[1].action)
     assert torch.equal(first[0].behaviour["mean_or_logits"], first[1].behaviour["mean_or_logits"])
+
+
+class DrawsAtReset(gym.Wrapper):
+    """Its first observation of an episode begins with a draw from NumPy's global generator."""
+
+    def reset(self, **kwargs):
+        observ, info = self.env.reset(**kwargs)
+        observ = observ.copy()
+        observ[0] = np.random.random()
+        return observ, info
+
+
+def drawing_env(index, num_envs, seed):
+    return BatchEnv([DrawsAtReset(gym.make("CartPole-v1")) for _ in range(num_envs)],
+                    blocking=True)
+
+
+def test_each_collector_draws_from_global_generators_seeded_its_own_way():
+    """Envs (or algorithms) that draw from NumPy's global generator: each collector's draws
+    are its own, and a second pool of the same seed repeats them."""
+    env = drawing_env(0, 4, 0)
+    learner = make_algorithm(env.observation_space, env.action_space, 4)
+    spec = CollectorSpec(drawing_env, make_algorithm, num_agents=4, collectors=2,
+                         rollout_length=8, seed=3)
+    draws = []
+    for _ in range(2):
+        with LocalCollectors(spec, env.observation_space, env.action_space,
+                             learner.behaviour_fields(), learner.acting_state()) as collectors:
+            draws.append(collectors.receive(within(60, "a batch"))[0].observ[:, 0, 0])
+    env.close()
+    assert len(set(draws[0].tolist())) == 4, draws  # (two envs of each collector)
+    assert torch.equal(draws[0], draws[1]), draws
 
 
 def test_replacements_end_at_max_restarts_and_a_first_collector_that_never_delivered_fails():

@@ -74,6 +74,23 @@ def closing():
         obj.close()
 
 
+def drawing_cartpole():
+    """A CartPole that keeps a draw from NumPy's global generator when it is built."""
+    env = gym.make("CartPole-v1")
+    env.unwrapped.draw = int(np.random.randint(2**31))
+    return env
+
+
+def test_envs_of_every_worker_and_restart_draw_from_numpys_global_generator_apart(closing):
+    # Envs that use np.random (not their own np_random) draw differently in each worker, and
+    # in a worker that replaced one.
+    workers = [closing(EnvWorker([drawing_cartpole] * 2)) for _ in range(2)]
+    draws = [worker.get_attr("unwrapped.draw", index=i) for worker in workers for i in range(2)]
+    fresh = closing(workers[0].restart())
+    draws += [fresh.get_attr("unwrapped.draw", index=i) for i in range(2)]
+    assert len(set(draws)) == 6, draws
+
+
 # -- trajectories ---------------------------------------------------------------------
 
 # Four envs in each layout, in batch order.

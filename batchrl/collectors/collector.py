@@ -11,10 +11,12 @@ from __future__ import annotations
 import abc
 import dataclasses
 import faulthandler
+import random
 import time
 from typing import Any, Callable
 
 import gymnasium as gym
+import numpy as np
 import torch
 
 from batchrl.algos.base import Algorithm, Summary
@@ -104,10 +106,11 @@ class CollectorSpec:
 
 
 def collector_seed(spec: CollectorSpec, index: int, incarnation: int) -> int:
-    """The seed of collector ``index``'s ``incarnation``-th start: its torch generator's, and
-    its env ``j``'s first reset's plus ``j``. Every collector and restart of a session gets
-    seeds of its own, at least as far apart as a collector has envs, and every session (the
-    phases done before it) another range of them."""
+    """The seed of collector ``index``'s ``incarnation``-th start: its global generators'
+    (torch, NumPy, ``random``), and its env ``j``'s first reset's plus ``j``. Every
+    collector and restart of a session gets seeds of its own, at least as far apart as a
+    collector has envs, and every session (the phases done before it) another range of
+    them."""
     stride = max(7919, -(-spec.num_agents // spec.collectors))
     return (spec.seed * 1_000_003 + spec.session * 1_000_000_007
             + (incarnation * spec.collectors + index) * stride)
@@ -203,7 +206,10 @@ def collect(spec: CollectorSpec, index: int, link: Link, incarnation: int = 0) -
     """Collector ``index``'s life: build its env and acting algorithm, then send rollouts
     until ``link.begin()`` says stop. ``incarnation`` counts its restarts (new seeds)."""
     seed = collector_seed(spec, index, incarnation)
+    # (its envs and algorithm may draw from any global generator: each collector its own)
     torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
     torch.set_num_threads(1)
     agents = spec.agents(index)
     batch_env = spec.make_env(index, len(agents), seed)

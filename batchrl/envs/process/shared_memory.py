@@ -56,6 +56,10 @@ def _serve(conn, payload: bytes, parent_pid: int) -> None:
     It leads a process group, so that what its envs start dies with it (``kill_group``)."""
     if not start_worker(parent_pid, own_group=True):
         return
+    # Forked from one fork server, every worker (a restarted one too) would start from its
+    # NumPy global state: envs that draw from np.random would repeat each other's draws.
+    # (Python's random module reseeds itself after a fork.)
+    np.random.seed()
     shm = arrays = host = None
     orphaned = False  # the parent went away without asking this worker to close
     try:
