@@ -91,7 +91,10 @@ class EnvCrashedError(EnvError):
 
 
 class EnvTimeoutError(EnvError):
-    """The worker did not answer within the configured timeout."""
+    """The worker did not answer within the configured timeout. The request goes on in the
+    worker, whose late answer is dropped: its envs are then a step (or reset) ahead of what
+    the caller saw, and an episode may have ended unseen. Restart the worker (as ``BatchEnv``
+    does with ``max_restarts``) or reset its envs before relying on them."""
 
 
 class EnvNonFiniteError(EnvError):

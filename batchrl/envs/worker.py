@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import gymnasium as gym
 import numpy as np
 
-from batchrl.envs.errors import EnvError, EnvTimeoutError
+from batchrl.envs.errors import EnvError, EnvTimeoutError, UnsupportedSpaceError
 from batchrl.envs.infos import InfoList
 from batchrl.envs.host import RESET_AGAIN, StepArrays
 from batchrl.nested import is_nested_space, stack_as, unstack
@@ -224,7 +224,7 @@ class RemoteWorker(Worker):
     prefetch_reset: bool
     closed: bool  # close() was called (or construction failed)
     _spaces: tuple[gym.Space, gym.Space] | None = None
-    _construct_error: EnvError | None = None
+    _construct_error: EnvError | UnsupportedSpaceError | None = None
 
     def __init__(self, kind: str, constructors: Sequence[Callable[[], gym.Env] | str],
                  label: str | None, prefetch_reset: bool, infos: bool) -> None:
@@ -283,7 +283,7 @@ class RemoteWorker(Worker):
             self._spaces = self._construct()
         except EnvTimeoutError:
             raise
-        except EnvError as exc:
+        except (EnvError, UnsupportedSpaceError) as exc:
             self._construct_error = exc
             self.close()
             raise
