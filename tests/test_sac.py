@@ -222,6 +222,24 @@ def test_resumed_without_its_buffer_it_learns_once_the_buffer_is_refilled():
     env.close()
 
 
+def test_a_buffer_saved_while_it_refilled_still_refills_when_loaded():
+    # Resumed without its buffer, then (save_buffer turned on) saved with 20 transitions and
+    # resumed again: learning still waits for learning_starts transitions.
+    algo, env = filled_sac(25, save_buffer=False)  # 50 env steps, 10 gradient steps
+    refilling = SAC(env.observation_space, env.action_space, 2, **SMALL)
+    refilling.load_state_dict(algo.state_dict())
+    for _ in range(10):
+        simulate(env, refilling)
+    resumed = SAC(env.observation_space, env.action_space, 2, **SMALL)
+    resumed.load_state_dict(refilling.state_dict())
+    for _ in range(9):  # 38 transitions
+        simulate(env, resumed)
+    assert (len(resumed.buffer), resumed.updates) == (38, 10)
+    simulate(env, resumed)  # 40
+    assert resumed.updates == 12
+    env.close()
+
+
 def test_bfloat16_layers_keep_float32_parameters_and_outputs():
     algo, env = filled_sac(25)
     algo.critics.compute_dtype = torch.bfloat16

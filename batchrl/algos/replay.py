@@ -152,6 +152,7 @@ class ReplayAlgorithm(Algorithm):
         """The counters, the summary's running sums and (with ``save_buffer``) the buffer, for
         ``state_dict``."""
         return {"env_steps": self.env_steps, "updates": self.updates, "owed": self._owed,
+                "refill": self._refill,
                 "summary": {"totals": dict(self._totals), "counted": self._counted,
                             "summarized": self._summarized},
                 "buffer": self.buffer.state_dict() if self.save_buffer else None}
@@ -165,7 +166,8 @@ class ReplayAlgorithm(Algorithm):
         self._summarized = self.env_steps if summary is None else int(summary["summarized"])
         if state["buffer"] is not None:
             self.buffer.load_state_dict(state["buffer"])
-            self._refill = 0
+            # (a buffer saved while it refilled: save_buffer turned on after such a resume)
+            self._refill = int(state.get("refill", 0))
         else:  # the buffer starts empty: learning waits until it is refilled
             self.buffer.clear()
             self._refill = min(self.learning_starts, self.buffer.capacity)
