@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -82,7 +82,7 @@ def pinnable_cores() -> list[int]:
     return cores if usable_cores() >= len(cores) else []
 
 
-def core_share(cores: list[int], index: int, count: int) -> list[int]:
+def core_share(cores: Sequence[int], index: int, count: int) -> Sequence[int]:
     """Part ``index`` of ``count`` contiguous parts of ``cores`` (sizes differ by one at
     most); with more parts than cores, the one core it shares with others (``[]`` for no
     cores)."""

@@ -125,8 +125,10 @@ def _collector_env(config: Config, machine_cores: int, index: int, num_envs: int
     on_ray = on_a_cluster(config)
     backend = "workers" if env.backend == "ray" else env.chosen_backend
     cores = (int(env.ray_resources.get("CPU", 1)) if on_ray
-             else len(core_share(list(range(machine_cores)), index, config.train.collectors)))
-    workers = env.workers or (1 if backend == "vector" else max(1, cores))
+             else len(core_share(range(machine_cores), index, config.train.collectors)))
+    # One env worker per core, less the core of this process if it steps a share too.
+    here = backend == "workers" and env.share_main and not env.restart_crashed_envs
+    workers = env.workers or (1 if backend == "vector" else max(1, cores - here))
     return make_batch_env(
         env.id, num_envs, env.max_length, env.kwargs, backend, workers,
         env.normalize_ranges, share_main=env.share_main, infos=False,

@@ -578,21 +578,30 @@ def _report_and_exit(errors, rank: int) -> None:
 def test_a_learner_killed_by_a_signal_is_named_before_the_errors_its_death_caused():
     # Three learners: learner 2 is killed; learner 1's collective fails with it, and learner 1
     # reports that. The run's error names learner 2, which the others' errors come from.
+    # (The lists of processes below stand for learners 1, 2, ... of a run.)
     from batchrl.learners.launch import _failure
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
     reporting = ctx.Process(target=_report_and_exit, args=(errors, 1))
     killed = ctx.Process(target=time.sleep, args=(60,))
-    for process in (reporting, killed):
+    aborted = ctx.Process(target=os.abort)  # (as NCCL's watchdog ends a failed peer's peers)
+    for process in (reporting, killed, aborted):
         process.start()
     killed.kill()
-    reporting.join(30)
+    for process in (reporting, aborted):
+        process.join(30)
     try:
         assert _failure([reporting, killed], errors) == (
             f"learner 2 (pid {killed.pid}) was killed by signal 9")
         # With none killed, the first error reported names the run's failure.
-        errors.put((1, "RuntimeError: learner 1's own bug"))
-        assert _failure([reporting], errors) == "learner 1 failed: RuntimeError: learner 1's own bug"
+        bug = "RuntimeError: learner 1's own bug"
+        errors.put((1, bug))
+        assert _failure([reporting], errors) == f"learner 1 failed: {bug}"
+        # One aborted after it: the error reported still names the failure.
+        errors.put((1, bug))
+        assert _failure([reporting, aborted], errors) == f"learner 1 failed: {bug}"
+        assert _failure([aborted], errors) == (
+            f"learner 1 (pid {aborted.pid}) was killed by signal 6")
     finally:
         errors.cancel_join_thread()
         errors.close()

@@ -364,6 +364,14 @@ def test_auto_backend_is_native_where_it_steps_the_env():
         assert second.envs[0].batch.num_threads == 3
     finally:
         second.close()
+    # Stepping a share in the collector's own process (share_main): one worker fewer.
+    config = load_config("halfcheetah", ["train.collectors=2", "env.num_agents=8",
+                                         "env.share_main=true"])
+    shared = _collector_env(config, 4, 0, 4, seed=0)
+    try:
+        assert len(shared.workers) == 1 and shared.steps_here
+    finally:
+        shared.close()
     with pytest.raises(EnvSpecError, match="backend 'native' steps the env ids it knows, not "
                                            "constructors"):
         batch_env_from(lambda: gym.make("Hopper-v5"), 2, backend="native")

@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import multiprocessing as mp
 import os
+import signal
 import socket
 from pathlib import Path
 from typing import Any, Callable
@@ -138,7 +139,7 @@ def _run_ray(config: Config, logdir: Path, progress: bool,
     check_learners(config, size, local=False)
     # Every learner computes on learner 0's kind of device: one group, gloo or NCCL.
     device = resolve_device(config.train.device).type
-    if device == "cuda" and config.train.learner_resources.get("GPU", 0) < 1:
+    if device == "cuda" and not config.train.learner_resources.get("GPU", 0) > 0:
         raise ConfigError(f"train.device = {config.train.device!r} is CUDA for learner 0 "
                           f"here, but train.learner_resources reserves no GPU for the other "
                           f"learners: add GPU = 1 to it, or set train.device = 'cpu'")
@@ -271,21 +272,29 @@ def _learner_main(config: Config, logdir: Path, rank: int, size: int, port: int,
 def _failure(processes: list[Any], errors: Any) -> str | None:
     """What stopped the run when another learner did. A learner killed by a signal (the OOM
     killer, a crash in native code) comes first: when it dies, the others' collectives fail
-    and they report those errors. Else the first error reported, else an exit."""
+    and they report those errors. Not SIGABRT: NCCL's watchdog aborts the learners whose
+    peer failed. Else the first error reported, else an exit."""
     reported = None
     with contextlib.suppress(Exception):
         rank, line = errors.get(timeout=2.0)
         reported = f"learner {rank} failed: {line}"
     for rank, process in enumerate(processes, 1):
         process.join(0 if reported else 2.0)
-        if process.exitcode is not None and process.exitcode < 0:
-            return f"learner {rank} (pid {process.pid}) was killed by signal {-process.exitcode}"
+        if process.exitcode is not None and process.exitcode < 0 \
+                and process.exitcode != -signal.SIGABRT:
+            return f"learner {rank} (pid {process.pid}) {_ended(process.exitcode)}"
     if reported:
         return reported
     for rank, process in enumerate(processes, 1):
         if process.exitcode not in (None, 0):
-            return f"learner {rank} (pid {process.pid}) exited with code {process.exitcode}"
+            return f"learner {rank} (pid {process.pid}) {_ended(process.exitcode)}"
     return None
+
+
+def _ended(exitcode: int) -> str:
+    """How a process of this exit code ended, in words."""
+    return (f"was killed by signal {-exitcode}" if exitcode < 0
+            else f"exited with code {exitcode}")
 
 
 def _stop(processes: list[Any], timeout: float) -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from batchrl.envs.errors import EnvSpecError
-from batchrl.errors import error_line
 from batchrl.envs.ray import cluster as ray_cluster
+from batchrl.errors import error_line
 
 # How long the cluster may take to reserve the learners' bundles.
 PLACEMENT_TIMEOUT_S = 60.0
