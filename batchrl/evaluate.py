@@ -30,6 +30,7 @@ from batchrl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoi
 from batchrl.config import CONFIG_FILE, EVAL_ACTIONS, Config, ConfigError, load_saved_config
 from batchrl.envs.errors import EnvError, EnvSpecError
 from batchrl.envs.factory import make_batch_env
+from batchrl.errors import error_line
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.simulation import evaluate_episodes, evaluation_rng
 from batchrl.trainer import resolve_device
@@ -95,7 +96,7 @@ def _build_algorithm(env: TensorBatchEnv, config: Config, algorithm_state: dict[
         algo.load_state_dict(state)
     except (KeyError, RuntimeError, ValueError) as exc:
         raise EvaluationError(f"{source} does not fit the run's config ({config.env.id}, "
-                              f"{config.algorithm.name}): {exc}") from None
+                              f"{config.algorithm.name}): {error_line(exc)}") from None
     algo.eval()
     return algo
 
@@ -210,7 +211,7 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
                 with evaluation_rng(seed, torch_device):
                     recording = record_video(config, algo, torch_device, video_path, seed,
                                              gl_failures, episodes, camera, width, height,
-                                             max_frames)
+                                             max_frames, agents=len(env))
             except VideoError as exc:
                 raise EvaluationError(str(exc)) from None
             scores, lengths, num_agents = recording.scores, recording.lengths, 1
@@ -280,6 +281,9 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.evalua
     except EnvError as exc:  # the env failed (its own message names why), as in train.py
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # (a video cut short is not kept)
+        print("Interrupted", file=sys.stderr)
+        return 130
     for note in result["notes"]:
         print(f"note: {note}", file=sys.stderr)
     print(f"{result['env_id']}, {result['checkpoint']} (step {result['step']:,}), "

@@ -379,13 +379,16 @@ VIDEO_SUFFIXES = (".mp4", ".gif", ".webp")
 def record_video(config: Config, algo: Algorithm, device: torch.device, path: Path,
                  seed: int, failures: dict[str, str], episodes: int = 1,
                  camera: str | None = None, width: int | None = None,
-                 height: int | None = None, max_frames: int | None = None) -> Recording:
+                 height: int | None = None, max_frames: int | None = None,
+                 agents: int = 1) -> Recording:
     """Render ``episodes`` episodes of ``algo`` (in its current mode: ``algo.eval()`` for mean
     actions) one after another in ``config``'s env into ``path`` (``VIDEO_SUFFIXES``; a GIF
     or WebP animation is kept in memory until written); episode ``i`` is reset with
     ``seed + i``. ``camera``, ``width``, ``height``: see ``follow_agent``; ``max_frames``: stop
     recording after this many frames (the episodes still run to their end). ``failures``:
-    ``select_gl_backend``'s, for the error messages."""
+    ``select_gl_backend``'s, for the error messages. ``agents``: the agents ``algo`` acts for
+    in every call (one unless it only fits its training run's count): the filmed env is the
+    first, unfilmed envs beside it (reset with ``seed + i + j``) take the others."""
     import imageio.v2 as imageio
     import imageio.v3 as iio
 
@@ -440,7 +443,11 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
 
     recorder = FrameRecorder(wrap_env(raw, normalize_ranges=env_config.normalize_ranges),
                              write)
-    env = TensorBatchEnv(BatchEnv([recorder]), device)
+    beside = [wrap_env(resolve_constructor(env_config.id, env_config.evaluation_kwargs,
+                                           env_config.max_length)(),
+                       normalize_ranges=env_config.normalize_ranges)
+              for _ in range(agents - 1)]
+    env = TensorBatchEnv(BatchEnv([recorder, *beside]), device)
     scores: list[float] = []
     lengths: list[int] = []
     completed = False

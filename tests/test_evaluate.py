@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from batchrl.checkpoint import list_checkpoints
+from batchrl.algos.base import Algorithm
 from batchrl.algos.reinforce import Reinforce
+from batchrl.checkpoint import list_checkpoints
 from batchrl.config import ConfigError, load_config
 from batchrl.evaluate import EvaluationError, evaluate, find_gl_backend, main, video_writer_problem
 from batchrl.trainer import Trainer
@@ -252,6 +253,53 @@ def test_the_filmed_episodes_are_the_evaluations(cartpole_run, tmp_path, pygame_
 
     with Image.open(tmp_path / "v.gif") as image:
         assert image.info["loop"] == 0  # (it plays for ever)
+
+
+class LastAction(Algorithm):
+    """A policy that also sees each agent's last action: state of every agent that it does
+    not declare (``per_agent_state``), so it acts only for its training run's agent count."""
+
+    def __init__(self, observation_space, action_space, num_agents, device="cpu"):
+        super().__init__(device)
+        self.net = torch.nn.Linear(observation_space.shape[0] + 1, action_space.n)
+        self.last = torch.zeros(num_agents)
+
+    def begin_episodes(self, agent_indices):
+        self.last[agent_indices] = 0.0
+        return {}
+
+    @torch.no_grad()
+    def perform(self, agent_indices, observ):
+        action = self.net(torch.cat([observ, self.last[:, None]], 1)).argmax(-1)
+        self.last = action.float()
+        return action, {}
+
+    def experience(self, *args):
+        return {}
+
+    def end_episodes(self, agent_indices):
+        return {}
+
+    def state_dict(self):
+        return {"net": self.net.state_dict(), "last": self.last}
+
+    def load_state_dict(self, state):
+        self.net.load_state_dict(state["net"])
+        self.last = state["last"]
+
+
+def test_a_video_of_an_algorithm_that_fits_only_its_training_runs_agents(tmp_path,
+                                                                       pygame_video):
+    """Filmed beside unfilmed envs: each of its calls still covers all of its agents."""
+    config = tmp_path / "last_action.toml"
+    config.write_text('[env]\nid = "CartPole-v1"\nnum_agents = 3\nbackend = "inline"\n'
+                      '[train]\nsteps = 300\nphase_steps = 300\neval_episodes = 2\n'
+                      '[algorithm]\nclass = "test_evaluate:LastAction"\n')
+    logdir = tmp_path / "run"
+    Trainer(load_config(str(config)), logdir, progress=False).run()
+    filmed = evaluate(logdir, episodes=2, seed=5, device="cpu", video=tmp_path / "v.gif",
+                      max_frames=2)
+    assert filmed["episodes"] == 2 and (tmp_path / "v.gif").exists()
 
 
 def test_camera_options_for_an_env_that_is_not_mujoco_are_an_error(cartpole_run, tmp_path,
