@@ -8,6 +8,7 @@ Every value is checked against its type and range; errors name the key and what 
 from __future__ import annotations
 
 import collections.abc
+import copy
 import dataclasses
 import inspect
 import json
@@ -601,7 +602,10 @@ def load_saved_config(logdir: Path, overrides: list[str] = ()) -> Config:
     if not isinstance(values, dict):
         raise ConfigError(f"the saved config {path} is not a JSON object; restore the file "
                           f"or start a new run in another --logdir")
+    upgraded = _upgrade_saved(values)
     try:
-        return build_config(apply_overrides(_upgrade_saved(values), overrides))
+        saved = build_config(copy.deepcopy(upgraded))
     except ConfigError as exc:
         raise ConfigError(f"the saved config {path}: {exc}") from None
+    # (an override's error is the override's, not the saved file's)
+    return build_config(apply_overrides(upgraded, overrides)) if overrides else saved

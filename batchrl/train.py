@@ -28,6 +28,7 @@ import dataclasses
 import itertools
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
     parser.add_argument("--config", required=True,
                         help="a config's name (e.g. halfcheetah; --help lists them) or a "
                              "path to a .toml file")
-    parser.add_argument("--logdir", type=Path, default=None,
+    parser.add_argument("--logdir", default=None,
                         help="where to write the run (default: a new logs/CONFIG-YYYYmmdd-HHMMSS); "
                              "an existing run there is resumed")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
@@ -219,6 +220,11 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
                 "EnvSpecError", "UnsupportedSpaceError"):
             print(f"error: {exc.remote_message}", file=sys.stderr)
             return 2
+        key = _unknown_env_key(exc, config)
+        if key is not None:
+            print(f"error: {key}: {exc.label} takes no such keyword ({exc.remote_message})",
+                  file=sys.stderr)
+            return 2
         print(f"error: {exc}", file=sys.stderr)
         _print_resume(logdir, command, args.config)
         return 1
@@ -243,6 +249,39 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
     return 0
 
 
+def _unknown_env_key(exc: Exception, config: Config) -> str | None:
+    """The ``env.kwargs`` (or ``env.eval_kwargs``) key, ``"env.kwargs.NAME"``, that the env's
+    constructor refused as an unexpected keyword in ``exc`` (an ``EnvRaisedError`` of its
+    construction), if that is what it is."""
+    if getattr(exc, "operation", None) != "construct" or \
+            getattr(exc, "remote_type", None) != "TypeError":
+        return None
+    found = re.search(r"unexpected keyword argument '(\w+)'", exc.remote_message)
+    if found is None:
+        return None
+    for table in ("kwargs", "eval_kwargs"):
+        if found[1] in getattr(config.env, table):
+            return f"env.{table}.{found[1]}"
+    return None
+
+
+def _differences(named: Config, saved: Config) -> list[str]:
+    """The keys (``section.key``) whose values differ between two configs, except the budget
+    and the keys of where a run goes on (``MACHINE_KEYS``)."""
+    def flat(values: dict, prefix: str = "") -> dict[str, object]:
+        items: dict[str, object] = {}
+        for key, value in values.items():
+            if isinstance(value, dict):
+                items.update(flat(value, f"{prefix}{key}."))
+            else:
+                items[f"{prefix}{key}"] = value
+        return items
+
+    ours, theirs = flat(named.to_dict()), flat(saved.to_dict())
+    return [key for key in sorted(ours.keys() | theirs.keys())
+            if key not in ("train.steps", *MACHINE_KEYS) and ours.get(key) != theirs.get(key)]
+
+
 def _configure(args: argparse.Namespace, command: str) -> tuple[Config, Path, Path | None]:
     """The run's config (new, or the saved one of the run to resume), its log directory
     and that directory if this call created it; ``ConfigError`` or ``EnvSpecError``
@@ -251,6 +290,11 @@ def _configure(args: argparse.Namespace, command: str) -> tuple[Config, Path, Pa
                                 parse_override)
     from batchrl.envs.factory import resolve_constructor
 
+    if args.logdir is not None:  # (Path("") would be the current directory)
+        if not str(args.logdir).strip():
+            raise ConfigError("--logdir is empty (an unset shell variable?): name a "
+                              "directory, or leave --logdir out for a new one under logs/")
+        args.logdir = Path(args.logdir)
     if args.steps is not None and args.steps < 1:  # (not a fault of a resumed run's config)
         raise ConfigError(f"--steps: train.steps must be >= 1, got {args.steps}")
     steps = [] if args.steps is None else [f"train.steps={args.steps}"]
@@ -262,6 +306,13 @@ def _configure(args: argparse.Namespace, command: str) -> tuple[Config, Path, Pa
                               f"config; drop --set {learning[0]} (--steps N may raise its "
                               f"budget; --set may change only where it runs: "
                               f"{', '.join(MACHINE_KEYS)}) or choose a new --logdir")
+        budget = load_saved_config(args.logdir).train.steps
+        if args.steps is not None and args.steps < budget:
+            # (a lower budget would also change the schedules that anneal over it)
+            raise ConfigError(f"--steps {args.steps:,} is below the run's budget "
+                              f"({budget:,}, train.steps in {args.logdir / CONFIG_FILE}): "
+                              f"--steps only raises it (Ctrl-C stops a run at any step, "
+                              f"with its checkpoint)")
         config = load_saved_config(args.logdir, args.overrides + steps)
         started = _started_with(args.logdir)
         # (A resume needs its --config file only to tell another run's config apart.)
@@ -283,6 +334,12 @@ def _configure(args: argparse.Namespace, command: str) -> tuple[Config, Path, Pa
                 f"{config.algorithm.name}, but --config {args.config} trains "
                 f"{env_of(named)} with {named.algorithm.name}; {resume} or choose a new "
                 f"--logdir")
+        differ = [] if started is None or named is config else _differences(named, config)
+        if differ:  # (the same env and algorithm, other settings: the saved ones hold)
+            print(f"note: --config {args.config} differs from the saved config of the run "
+                  f"(started with --config {started}) in {', '.join(differ[:4])}"
+                  f"{' and more' if len(differ) > 4 else ''}; the run resumes with its saved "
+                  f"config", file=sys.stderr)
     else:
         if args.logdir is not None and any(args.logdir.glob("ckpt-*.pt")):
             # (the checkpoints would resume under a config they were not trained with)

@@ -35,8 +35,10 @@ import torch
 
 from batchrl.algos.base import Algorithm
 from batchrl.collectors import CollectorError, CollectorSpec, LocalCollectors
-from batchrl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, serialize
-from batchrl.config import Config, ConfigError, config_class, save_config
+from batchrl.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint,
+                                save_checkpoint, serialize)
+from batchrl.config import CONFIG_FILE, Config, ConfigError, config_class, save_config
+from batchrl.errors import error_line
 from batchrl.envs.errors import EnvError
 from batchrl.envs.factory import make_batch_env
 from batchrl.hardware import BFLOAT16_HARDWARE, core_share, native_bfloat16, usable_cores
@@ -671,7 +673,16 @@ class Trainer:
                 if learners is not None:
                     state = learners.broadcast(state, self.device)
                 own = _learner_state(state, checkpoint, learners)
-                algo.load_state_dict({**state["algorithm"], **own["algorithm"]})
+                try:
+                    algo.load_state_dict({**state["algorithm"], **own["algorithm"]})
+                except torch.OutOfMemoryError:
+                    raise
+                except (KeyError, RuntimeError, ValueError) as exc:  # (config.json edited)
+                    raise CheckpointError(
+                        f"{checkpoint} does not fit the algorithm its run's "
+                        f"{CONFIG_FILE} builds ({config.algorithm.name}): {error_line(exc)}; "
+                        f"restore that file (each checkpoint holds its run's config, under "
+                        f"'config')") from None
                 _set_rng_state(own["rng"])
                 self.counters = Counters(**state["counters"])
                 # (each learner's own restarts: env.max_restarts bounds each learner's)

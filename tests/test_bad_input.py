@@ -125,6 +125,12 @@ def make_cases(tmp: Path) -> dict[str, tuple[list[str], int, list[str]]]:
         "invalid saved config": (["--config", "cartpole", "--logdir", str(invalid)], 2,
                                  [f"the saved config {invalid / 'config.json'}",
                                   "env.num_agents must be >= 1, got 0"]),
+        "empty logdir": (["--config", "cartpole", "--logdir", ""], 2,
+                         ["--logdir is empty (an unset shell variable?)"]),
+        "env kwarg the env does not take": ([*envs, "--set", "env.kwargs.sutton_barto=1"], 2,
+                                            ["env.kwargs.sutton_barto: CartPole-v1 takes no "
+                                             "such keyword", "unexpected keyword argument "
+                                             "'sutton_barto'"]),
         "unknown env id": ([*envs, "--set", "env.id=NoSuchEnv-v0"], 2,
                            ["NoSuchEnv-v0", "registered Gymnasium id",
                             "package.module:function"]),

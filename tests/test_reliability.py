@@ -6,6 +6,7 @@ unreadable checkpoint, and a damaged one is reported by name.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -383,6 +384,42 @@ SAME_FILE_WRITER = textwrap.dedent("""
         with atomic_write(sys.argv[1]) as file:
             file.write(f"{sys.argv[2]} {round_}\\n")
 """)
+
+
+def resume(logdir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TRAIN_PY), "--config", "cartpole", "--logdir",
+                           str(logdir), "--no-progress", *args],
+                          env=ENVIRON, capture_output=True, text=True, timeout=100)
+
+
+@pytest.mark.parametrize("case", ["budget lowered", "bad machine key", "edited config"])
+def test_a_resume_the_run_cannot_take_is_a_one_line_error(finished_run, tmp_path, case):
+    """Each in one line, exit 2, the run left as it was: --steps below the run's budget (it
+    would change the schedules that anneal over it), a bad --set of where the run goes on
+    (the --set's error, not the saved file's), and a config.json edited so that the
+    checkpoint no longer fits its algorithm."""
+    logdir = copy_run(finished_run, tmp_path / "run")
+    saved = (logdir / "config.json").read_text()
+    if case == "budget lowered":
+        result = resume(logdir, "--steps", "200")
+        expected = (f"error: --steps 200 is below the run's budget (400, train.steps in "
+                    f"{logdir / 'config.json'}): --steps only raises it")
+    elif case == "bad machine key":
+        result = resume(logdir, "--set", "env.workers=-1")
+        expected = "error: env.workers must be >= 0"
+    else:
+        values = json.loads(saved)
+        values["algorithm"]["policy_layers"] = [7]
+        saved = json.dumps(values)
+        (logdir / "config.json").write_text(saved)
+        result = resume(logdir)
+        expected = (f"error: {list_checkpoints(logdir)[-1]} does not fit the algorithm its "
+                    f"run's config.json builds (batchrl.algos.ppo:BatchPPO): ")
+    assert result.returncode == 2, result
+    assert result.stderr.startswith(expected), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert json.loads((logdir / "config.json").read_text()) == json.loads(saved)
+    assert read_metrics(logdir) == read_metrics(finished_run)
 
 
 def test_processes_writing_one_file_at_once_each_write_it_whole(tmp_path):

@@ -209,7 +209,16 @@ def test_train_py_resumes_and_extends_the_budget(cartpole_run, tmp_path):
     assert again.returncode == 0, again.stderr
     assert f"at step {last:,}" in again.stdout
     assert "nothing to train" in again.stdout and "--steps" in again.stdout
+    assert again.stderr == ""  # (no note: the config it was started with)
     assert read_metrics(logdir) == before
+    # Another config of the same task and algorithm: the saved one holds, and it says so.
+    other = tmp_path / "other.toml"
+    other.write_text('[env]\nid = "CartPole-v1"\n\n[algorithm]\ndiscount = 0.5\n')
+    noted = train_py("--config", str(other), "--logdir", str(logdir), "--no-progress")
+    assert noted.returncode == 0 and "nothing to train" in noted.stdout, noted.stderr
+    assert noted.stderr.startswith(f"note: --config {other} differs from the saved config of "
+                                   f"the run (started with --config cartpole) in "), noted.stderr
+    assert noted.stderr.strip().endswith("; the run resumes with its saved config")
 
     # --set on an existing run is refused: it resumes with the saved config.
     refused = train_py("--config", "cartpole", "--logdir", str(logdir), "--no-progress",
@@ -926,9 +935,9 @@ def test_a_resume_may_change_where_the_run_goes_on_and_its_budget_only(tmp_path)
                           "train.py")[0]
 
     moved = configure("cartpole", "train.device=cpu", "train.threads=2", "env.workers=3",
-                      "env.timeout=30", steps=5000)
+                      "env.timeout=30", steps=2 * saved.train.steps)
     assert (moved.train.device, moved.train.threads, moved.env.workers, moved.env.timeout,
-            moved.train.steps) == ("cpu", 2, 3, 30.0, 5000)
+            moved.train.steps) == ("cpu", 2, 3, 30.0, 2 * saved.train.steps)
     assert moved.algorithm == saved.algorithm and moved.env.num_agents == 4
     for learning in ("algorithm.discount=0.9", "env.num_agents=8", "train.seed=1",
                      "train.eval_episodes=2"):
