@@ -38,9 +38,9 @@ from batchrl.collectors import CollectorError, CollectorSpec, LocalCollectors
 from batchrl.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint,
                                 save_checkpoint, serialize)
 from batchrl.config import CONFIG_FILE, Config, ConfigError, config_class, save_config
-from batchrl.errors import error_line
 from batchrl.envs.errors import EnvError
 from batchrl.envs.factory import make_batch_env
+from batchrl.errors import error_line
 from batchrl.hardware import BFLOAT16_HARDWARE, core_share, native_bfloat16, usable_cores
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.interrupt import Interrupted, StopSignals

@@ -443,11 +443,17 @@ def record_video(config: Config, algo: Algorithm, device: torch.device, path: Pa
 
     recorder = FrameRecorder(wrap_env(raw, normalize_ranges=env_config.normalize_ranges),
                              write)
-    beside = [wrap_env(resolve_constructor(env_config.id, env_config.evaluation_kwargs,
-                                           env_config.max_length)(),
-                       normalize_ranges=env_config.normalize_ranges)
-              for _ in range(agents - 1)]
-    env = TensorBatchEnv(BatchEnv([recorder, *beside]), device)
+    members = [recorder]
+    try:
+        for _ in range(agents - 1):
+            members.append(wrap_env(resolve_constructor(
+                env_config.id, env_config.evaluation_kwargs, env_config.max_length)(),
+                normalize_ranges=env_config.normalize_ranges))
+    except BaseException:
+        for member in members:
+            member.close()
+        raise
+    env = TensorBatchEnv(BatchEnv(members), device)
     scores: list[float] = []
     lengths: list[int] = []
     completed = False
