@@ -306,14 +306,16 @@ def _configure(args: argparse.Namespace, command: str) -> tuple[Config, Path, Pa
                               f"config; drop --set {learning[0]} (--steps N may raise its "
                               f"budget; --set may change only where it runs: "
                               f"{', '.join(MACHINE_KEYS)}) or choose a new --logdir")
-        budget = load_saved_config(args.logdir).train.steps
-        if args.steps is not None and args.steps < budget:
-            # (a lower budget would also change the schedules that anneal over it)
-            raise ConfigError(f"--steps {args.steps:,} is below the run's budget "
-                              f"({budget:,}, train.steps in {args.logdir / CONFIG_FILE}): "
-                              f"--steps only raises it (Ctrl-C stops a run at any step, "
-                              f"with its checkpoint)")
-        config = load_saved_config(args.logdir, args.overrides + steps)
+        config = load_saved_config(args.logdir, args.overrides)
+        if args.steps is not None:
+            if args.steps < config.train.steps:
+                # (a lower budget would also change the schedules that anneal over it)
+                raise ConfigError(f"--steps {args.steps:,} is below the run's budget "
+                                  f"({config.train.steps:,}, train.steps in "
+                                  f"{args.logdir / CONFIG_FILE}): --steps only raises it "
+                                  f"(Ctrl-C stops a run at any step, with its checkpoint)")
+            config = dataclasses.replace(config, train=dataclasses.replace(
+                config.train, steps=args.steps))
         started = _started_with(args.logdir)
         # (A resume needs its --config file only to tell another run's config apart.)
         named = config if started == args.config else load_config(args.config, steps)

@@ -272,16 +272,23 @@ def faulty_env(fault, at_step, once_file, index, num_envs, seed):
     return BatchEnv(envs, blocking=True)
 
 
-def faulty_pool(tmp_path, fault, at_step, **options):
-    """Two collectors of two CartPole envs each (``pool``'s learner), collector 0's faulty."""
+def pool_of(make, step_timeout=None, **options):
+    """Two collectors of two CartPole envs each, built by ``make(index, num_envs, seed)``
+    (``pool``'s learner, 8-step rollouts); ``options`` for ``LocalCollectors``."""
     env = make_env("CartPole-v1", "inline", 0, 4, 0)
     learner = make_algorithm(env.observation_space, env.action_space, 4)
-    spec = CollectorSpec(functools.partial(faulty_env, fault, at_step, tmp_path / "fired"),
-                         make_algorithm, num_agents=4, collectors=2, rollout_length=8, seed=3)
+    env.close()
+    spec = CollectorSpec(make, make_algorithm, num_agents=4, collectors=2, rollout_length=8,
+                         seed=3, step_timeout=step_timeout)
     collectors = LocalCollectors(spec, env.observation_space, env.action_space,
                                  learner.behaviour_fields(), learner.acting_state(), **options)
-    env.close()
     return collectors, learner
+
+
+def faulty_pool(tmp_path, fault, at_step, **options):
+    """``pool_of`` collectors, collector 0's first env faulty (``faulty_env``)."""
+    return pool_of(functools.partial(faulty_env, fault, at_step, tmp_path / "fired"),
+                   **options)
 
 
 def within(seconds, what):
@@ -314,16 +321,10 @@ def test_a_collector_whose_envs_hang_in_close_after_an_error_ends_and_is_replace
     """Envs stepped in the collector's own process: one raises in a step, then hangs in its
     close. The step watchdog watches the close too: the collector ends (exit code 1, the
     traceback on stderr) and is replaced, instead of leaving the learner waiting for ever."""
-    env = make_env("CartPole-v1", "inline", 0, 4, 0)
-    learner = make_algorithm(env.observation_space, env.action_space, 4)
-    env.close()
-    spec = CollectorSpec(functools.partial(broken_env, tmp_path / "fired"), make_algorithm,
-                         num_agents=4, collectors=2, rollout_length=8, seed=3,
-                         step_timeout=2.0)
     reports = []
-    with LocalCollectors(spec, env.observation_space, env.action_space,
-                         learner.behaviour_fields(), learner.acting_state(), max_restarts=1,
-                         report=reports.append) as collectors:
+    collectors, learner = pool_of(functools.partial(broken_env, tmp_path / "fired"),
+                                  step_timeout=2.0, max_restarts=1, report=reports.append)
+    with collectors:
         for _ in range(3):
             rollout, _ = collectors.receive(within(60, "a batch"))
             assert rollout.agents.tolist() == [0, 1, 2, 3]
@@ -408,15 +409,10 @@ def test_a_collector_killed_while_it_writes_its_error_leaves_its_successor_free_
     lock of the queue it writes to stays held for ever: the test holds it for the dead
     process. Its successor fails too, and its error line reaches the learner through a queue
     of its own, instead of the successor hanging on that lock with the learner waiting."""
-    env = make_env("CartPole-v1", "inline", 0, 4, 0)
-    learner = make_algorithm(env.observation_space, env.action_space, 4)
-    env.close()
-    spec = CollectorSpec(functools.partial(failing_env, tmp_path), make_algorithm,
-                         num_agents=4, collectors=2, rollout_length=8, seed=3)
     reports = []
-    with LocalCollectors(spec, env.observation_space, env.action_space,
-                         learner.behaviour_fields(), learner.acting_state(), max_restarts=1,
-                         report=reports.append) as collectors:
+    collectors, _ = pool_of(functools.partial(failing_env, tmp_path), max_restarts=1,
+                            report=reports.append)
+    with collectors:
         lock = collectors.shared.errors[0]._wlock  # (multiprocessing's; shared with children)
         lock.acquire()
         try:
@@ -462,13 +458,8 @@ def test_a_collector_error_longer_than_a_pipe_holds_arrives_cut_short():
     """The learner reads a collector's error line after the collector exited, and the
     collector exits once the line is written: a line longer than the pipe holds arrives cut
     short instead of the two waiting for each other for ever."""
-    env = make_env("CartPole-v1", "inline", 0, 4, 0)
-    learner = make_algorithm(env.observation_space, env.action_space, 4)
-    env.close()
-    spec = CollectorSpec(long_error_env, make_algorithm, num_agents=4, collectors=2,
-                         rollout_length=8, seed=3)
-    with LocalCollectors(spec, env.observation_space, env.action_space,
-                         learner.behaviour_fields(), learner.acting_state()) as collectors:
+    collectors, _ = pool_of(long_error_env)
+    with collectors:
         # (round 0 comes first, unless the error in round 1 overtakes collector 1's rollout)
         cut = r"RuntimeError: x+ \[\.\.\.\]\) after 0 "
         with pytest.raises(CollectorError, match=cut) as error:
@@ -580,16 +571,12 @@ def drawing_env(index, num_envs, seed):
 def test_each_collector_draws_from_global_generators_seeded_its_own_way():
     """Envs (or algorithms) that draw from NumPy's global generator: each collector's draws
     are its own, and a second pool of the same seed repeats them."""
-    env = drawing_env(0, 4, 0)
-    learner = make_algorithm(env.observation_space, env.action_space, 4)
-    spec = CollectorSpec(drawing_env, make_algorithm, num_agents=4, collectors=2,
-                         rollout_length=8, seed=3)
     draws = []
     for _ in range(2):
-        with LocalCollectors(spec, env.observation_space, env.action_space,
-                             learner.behaviour_fields(), learner.acting_state()) as collectors:
+        torch.manual_seed(0)  # (the learner's initial weights, which the collectors act with)
+        collectors, _ = pool_of(drawing_env)
+        with collectors:
             draws.append(collectors.receive(within(60, "a batch"))[0].observ[:, 0, 0])
-    env.close()
     assert len(set(draws[0].tolist())) == 4, draws  # (two envs of each collector)
     assert torch.equal(draws[0], draws[1]), draws
 
