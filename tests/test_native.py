@@ -14,15 +14,16 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from gymnasium.envs.registration import load_env_creator
+from gymnasium.error import ResetNeeded
 
 from batchrl.envs.errors import EnvSpecError
 from batchrl.envs.factory import batch_env_from, choose_backend, make_batch_env
 from batchrl.envs.infos import info_row
 from batchrl.envs.wrappers import wrap_env
-from batchrl.hardware import usable_cores
 from helpers import finish, sets, start_train_py
 
 pytest.importorskip("mjbatch")
+from batchrl.envs import mujoco_batch  # noqa: E402
 from batchrl.envs.mujoco_batch import TASKS, MujocoBatch, ThreadedSims, task_arguments  # noqa: E402
 
 
@@ -201,6 +202,10 @@ def test_a_seed_of_zero_seeds_the_first_env():
             first[index], wrap_env(gym.make("HalfCheetah-v5")).reset(seed=index)[0])
     observ, _ = native.reset(seed=np.array([0]), options={"reset_mask": np.array([True, False])})
     np.testing.assert_array_equal(observ[0], first[0])
+    # An int seeds env i with seed + i whichever envs the mask resets, as SyncVectorEnv's.
+    observ, _ = native.reset(seed=5, options={"reset_mask": np.array([False, True])})
+    np.testing.assert_array_equal(
+        observ[1], wrap_env(gym.make("HalfCheetah-v5")).reset(seed=6)[0])
     native.close()
 
 
@@ -247,13 +252,16 @@ def test_a_reset_of_ended_episodes_replaces_their_autoreset():
     native.close()
 
 
-def test_threaded_sims_take_the_threads_asked_for():
-    """Ant's and Humanoid's simulations step in ``ThreadedSims``: ``num_threads`` threads (0:
-    one per usable core), at most one per env."""
-    for threads, count, want in ((3, 4, 3), (0, 4, min(usable_cores(), 4)), (8, 2, 2)):
-        native = MujocoBatch("Ant-v5", count, num_threads=threads)
+@pytest.mark.parametrize("env_id", ["Ant-v5", "HalfCheetah-v5"])
+def test_the_simulations_take_the_threads_asked_for(env_id, monkeypatch):
+    """Ant's simulations step in ``ThreadedSims``, HalfCheetah's in mjbatch: ``num_threads``
+    threads (0: one per usable core, which the affinity mask and a CPU quota bound, not one
+    per logical CPU), at most one per env."""
+    monkeypatch.setattr(mujoco_batch, "usable_cores", lambda: 1)
+    for threads, count, want in ((3, 4, 3), (0, 4, 1), (8, 2, 2)):
+        native = MujocoBatch(env_id, count, num_threads=threads)
         try:
-            assert isinstance(native.batch, ThreadedSims)
+            assert isinstance(native.batch, ThreadedSims) == (env_id == "Ant-v5")
             assert native.batch.num_threads == want, (threads, count)
         finally:
             native.close()
@@ -301,6 +309,20 @@ def test_bad_input_is_a_clear_error():
         native.step(np.array([[0, 0, 0], [0, np.nan, 0]], np.float32))
     with pytest.raises(ValueError, match=r"reset: 1 seeds for 2 envs"):
         native.reset(seed=np.array([3]))
+    with pytest.raises(ValueError, match=r"reset: seeds must be >= 0 \(-1: keep the env's "
+                                         r"generator\), got -3"):
+        native.reset(seed=-3)
+    for mask in ([True, False, True], [0, 1]):
+        with pytest.raises(ValueError, match=r"reset_mask must be a bool array of shape \(2,\)"):
+            native.reset(options={"reset_mask": mask})
+    with pytest.raises(ValueError, match="max_episode_steps must be positive, got 0"):
+        MujocoBatch("Hopper-v5", 2, max_episode_steps=0)
+    with pytest.raises(ResetNeeded, match=r"step\(\) before reset\(\)"):
+        MujocoBatch("Hopper-v5", 2).step(np.zeros((2, 3), np.float32))
+    # A body the model lacks (a typo in env.kwargs) is MuJoCo's error, at construction: the
+    # native batch does not read another body's position instead.
+    with pytest.raises(KeyError, match="Invalid name 'torsoo'. Valid names: .*'torso'"):
+        MujocoBatch("Ant-v5", 2, main_body="torsoo")
     with pytest.raises(TypeError, match="takes no keyword argument 'healthy_rewards'"):
         MujocoBatch("Hopper-v5", 2, healthy_rewards=2.0)
     with pytest.raises(ValueError, match="no native batched version of 'Swimmer-v5'; available: "

@@ -26,11 +26,13 @@ from typing import Any, Callable, ClassVar
 
 import gymnasium as gym
 import numpy as np
+from gymnasium.error import ResetNeeded
 from gymnasium.utils import seeding
 from gymnasium.vector import AutoresetMode
 from gymnasium.vector.utils import batch_space
 from gymnasium.wrappers.utils import rescale_box
 
+from batchrl.envs.wrappers import check_time_limit
 from batchrl.hardware import usable_cores
 
 
@@ -506,6 +508,8 @@ class MujocoBatch(gym.vector.VectorEnv):
                              f"{', '.join(TASKS)} (other envs: env.backend 'workers')")
         if num_envs < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
+        if max_episode_steps is not None:
+            check_time_limit(max_episode_steps)
         task = TASKS[env_id]
         fields = task_arguments(env_id)
         unknown = sorted(set(kwargs) - fields - set(MODEL_ARGUMENTS))
@@ -539,7 +543,8 @@ class MujocoBatch(gym.vector.VectorEnv):
         self.max_episode_steps = limit if max_episode_steps is None else max_episode_steps
         self.batch = (ThreadedSims(self.model, num_envs, num_threads)
                       if self.task.contact_forces
-                      else Batch(self.model, num_envs, num_threads=min(num_threads, num_envs)))
+                      else Batch(self.model, num_envs,
+                                 num_threads=min(num_threads or usable_cores(), num_envs)))
         self.qpos, self.qvel = self.batch.bind("qpos"), self.batch.bind("qvel")
         self.ctrl, self._xpos = self.batch.bind("ctrl"), self.batch.bind("xpos")
         self._bodies: dict[str, int] = {}
@@ -550,6 +555,9 @@ class MujocoBatch(gym.vector.VectorEnv):
         self._ended = np.zeros(num_envs, bool)  # episodes that ended at the last step
         self._any_ended = False
         self._reset_keys = tuple(self.task.state_info(self))  # (the reset infos' keys)
+        self.task.observe(self)  # (a body name the model lacks is an error here, not later)
+        self.task.before_step(self)
+        self._needs_reset = True
 
     def field(self, name: str) -> np.ndarray:
         """The ``MjData`` field ``name`` of each simulation, ``(num_envs, ...)``."""
@@ -560,11 +568,8 @@ class MujocoBatch(gym.vector.VectorEnv):
         (MjData's ``xpos``: after a step, of the last substep's start, as Gymnasium reads
         it)."""
         index = name if isinstance(name, int) else self._bodies.get(name)
-        if index is None:
-            import mujoco
-
-            index = self._bodies[name] = mujoco.mj_name2id(self.model, mujoco.mjtObj.mjOBJ_BODY,
-                                                           name)
+        if index is None:  # (MuJoCo's named access: a KeyError listing the valid names)
+            index = self._bodies[name] = self.model.body(name).id
         return self._xpos[:, index]
 
     def _observe(self) -> np.ndarray:
@@ -585,21 +590,31 @@ class MujocoBatch(gym.vector.VectorEnv):
     def reset(self, *, seed: int | np.ndarray | list | None = None,
               options: dict | None = None) -> tuple[np.ndarray, dict]:
         mask = (options or {}).get("reset_mask")
-        mask = np.ones(self.num_envs, bool) if mask is None else np.asarray(mask, bool)
+        mask = np.ones(self.num_envs, bool) if mask is None else np.asarray(mask)
+        if mask.dtype != bool or mask.shape != (self.num_envs,):
+            raise ValueError(f"reset_mask must be a bool array of shape ({self.num_envs},), "
+                             f"got {mask.dtype} {mask.shape}")
         indices = np.flatnonzero(mask)
         if seed is not None:
+            # (an int seeds env i with seed + i, as Gymnasium's vector envs do)
             seeds = (np.asarray(seed, np.int64).reshape(-1) if not isinstance(seed, int)
-                     else seed + np.arange(len(indices)))
+                     else seed + indices)
             if len(seeds) != len(indices):
                 raise ValueError(f"reset: {len(seeds)} seeds for {len(indices)} envs")
+            if (seeds < -1).any():
+                raise ValueError(f"reset: seeds must be >= 0 (-1: keep the env's generator), "
+                                 f"got {seeds.min()}")
             for index, value in zip(indices, seeds):
                 if value >= 0:  # (-1: this env keeps its generator)
                     self._rngs[index] = seeding.np_random(int(value))[0]
         self._reset(indices)
+        self._needs_reset = False
         return self._observe(), self._masked(self.task.state_info(self), mask)
 
     def step(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                  np.ndarray, dict]:
+        if self._needs_reset:
+            raise ResetNeeded("MujocoBatch: step() before reset()")
         actions = np.asarray(actions, np.float32)
         shape = (self.num_envs, *self.single_action_space.shape)
         if actions.shape != shape:
