@@ -92,30 +92,39 @@ def stepping(envs: int, seconds: float) -> dict[str, float]:
     return rates
 
 
-def update_cost(precision: str, repeats: int = 3) -> float:
-    """Seconds of one BatchPPO update of the pong config on random frames."""
-    import gymnasium as gym
+def update_cost(precision: str, repeats: int = 3) -> tuple[float, int, int]:
+    """One BatchPPO update of the pong config on random frames: its seconds (median of
+    ``repeats``), frames and gradient steps, all sized by the config and the env's spaces."""
     import torch
 
     from batchrl.algos import BatchPPO
     from batchrl.config import load_config
+    from batchrl.envs.atari import make
 
-    keys = dict(load_config("atari/pong").algorithm.keys)
-    space = gym.spaces.Box(0, 255, (84, 84, 4), np.uint8)  # (the envs' layout)
-    algo = BatchPPO(space, gym.spaces.Discrete(6), 8, total_steps=10 ** 7, precision=precision,
-                    **keys)
+    config = load_config("atari/pong")
+    keys = dict(config.algorithm.keys)
+    env = make(**config.env.kwargs)
+    observ_space, action_space = env.observation_space, env.action_space
+    env.close()
+    agents, length = config.env.num_agents, keys["rollout_length"]
+    frames_per_update = agents * length
+    gradient_steps = keys["update_epochs"] * (frames_per_update // keys["minibatch_size"])
+    algo = BatchPPO(observ_space, action_space, agents, total_steps=10 ** 7,
+                    precision=precision, **keys)
     algo.train()
-    agents = torch.arange(8)
-    frames = torch.randint(0, 256, (8, 84, 84, 4), dtype=torch.uint8)
-    zeros = torch.zeros(8)
+    indices = torch.arange(agents)
+    frames = torch.randint(0, 256, (agents, *observ_space.shape), dtype=torch.uint8)
+    zeros = torch.zeros(agents)
     times = []
     for _ in range(repeats + 1):
-        for _ in range(128):
-            action, _ = algo.perform(agents, frames)
+        for _ in range(length):
+            action, _ = algo.perform(indices, frames)
             start = time.perf_counter()
-            if algo.experience(agents, frames, action, torch.randn(8), zeros, frames, zeros):
+            if algo.experience(indices, frames, action, torch.randn(agents), zeros, frames,
+                               zeros):
                 times.append(time.perf_counter() - start)
-    return float(np.median(times[1:]))  # (the first includes one-time set-up)
+    # (the first update includes one-time set-up)
+    return float(np.median(times[1:])), frames_per_update, gradient_steps
 
 
 def batchrl_training(steps: int, precision: str, backend: str) -> float:
@@ -170,11 +179,15 @@ def main() -> None:
     for name, rate in rates.items():
         print(f"  {name:30s} {rate:8,.0f}  {rate / base:5.2f}x backend workers")
 
-    print("BatchPPO update of configs/atari/pong.toml (1,024 frames, 16 gradient steps):")
-    costs = {precision: update_cost(precision) for precision in ("float32", "bfloat16")}
+    updates = {precision: update_cost(precision) for precision in ("float32", "bfloat16")}
+    _, frames, gradient_steps = updates["float32"]
+    print(f"BatchPPO update of configs/atari/pong.toml ({frames:,} frames, {gradient_steps} "
+          f"gradient steps):")
+    costs = {precision: cost for precision, (cost, _, _) in updates.items()}
     for precision, cost in costs.items():
-        print(f"  {precision:9s} {cost:6.2f} s per update, {cost / 16 * 1000:5.0f} ms per "
-              f"gradient step, {costs['float32'] / cost:4.2f}x float32")
+        print(f"  {precision:9s} {cost:6.2f} s per update, "
+              f"{cost / gradient_steps * 1000:5.0f} ms per gradient step, "
+              f"{costs['float32'] / cost:4.2f}x float32")
 
     print(f"Training steps/s, {args.steps:,} steps, no evaluations:")
     auto = resolve_precision("auto", torch.device("cpu"))

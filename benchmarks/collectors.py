@@ -4,7 +4,8 @@ and the policy lag.
 
 Each mode trains the config in this process with the real ``Trainer`` (evaluations off, CPU,
 ``train.steps`` = ``--steps``) and is timed over its training phases (``wall_time`` in
-``metrics.jsonl``: start-up of processes and networks excluded). The modes run one after the
+``metrics.jsonl``: the trainer's own start-up excluded, the collectors' included, as they start
+within the first phase; "after start-up" leaves that out). The modes run one after the
 other, ``--repeats`` times in turn (A B C A B C ...), and the table shows the median.
 
 Where the time goes:
@@ -13,7 +14,8 @@ Where the time goes:
     envs idle);
   * collectors: ``waiting`` is the learner's time waiting for a round of rollouts (mostly the
     first, while the collectors start), ``updates`` its time in ``learn()`` (the collectors go
-    on meanwhile); ``after start-up`` the steps/s without that first wait; ``collect`` the
+    on meanwhile); ``after start-up`` the steps/s without that first wait and the round that
+    ended it; ``collect`` the
     collectors' own rate while they step (steps/s summed over collectors, waits for a free
     slot excluded).
 
@@ -83,9 +85,11 @@ def run(name: str, collectors: int, steps: int, extra: list[str]) -> dict[str, A
               "steps_per_s": trains[-1]["step"] / seconds}
     updates = [r for r in records if r["phase"] == "update"]
     if updates:
-        # The first round waits for the collectors to start (processes, imports, envs).
+        # The first round waits for the collectors to start (processes, imports, envs): its
+        # wait and the steps that arrived with it are left out.
         result.update(
-            steady=trains[-1]["step"] / (seconds - updates[0]["learner_wait_s"]),
+            steady=((trains[-1]["step"] - updates[0]["step"])
+                    / (seconds - updates[0]["learner_wait_s"])),
             waiting=sum(r["learner_wait_s"] for r in updates),
             updates=sum(r["learner_learn_s"] for r in updates),
             collect=statistics.median(r["collectors_steps_per_s"] for r in updates),

@@ -22,8 +22,8 @@ with random actions, for several batch sizes, with
     ``batchrl.envs.mujoco_batch`` (the tasks it has, with ``mjbatch`` installed:
     ``pip install -e .[native]``): the simulations stepped in mjbatch's C++
     threads, observations, rewards and resets computed in numpy for the batch;
-    it applies ``wrap_env``'s action clipping and 32-bit floats, which the
-    others leave out;
+    it takes actions in the task's own range, as the others do, and applies
+    ``wrap_env``'s action clipping and 32-bit floats, which the others leave out;
   * ``envpool``: EnvPool's C++ thread pool with its own MuJoCo port of the
     task, when ``envpool`` is installed (``pip install envpool``): the ceiling
     a Python env loop can approach.
@@ -112,7 +112,9 @@ def build(backend: str, env_id: str, num_envs: int) -> tuple[Any, list[int]]:
         env = BatchEnv([ExternalProcess(make) for _ in range(num_envs)], blocking=False)
         return env, [worker.pid for worker in env.workers]
     if backend == "native":
-        return make_batch_env(env_id, num_envs, backend="vector", kwargs={"env_id": env_id},
+        # (the task's own action range, as the others take the same actions: no rescaling)
+        return make_batch_env(env_id, num_envs, backend="vector",
+                              kwargs={"env_id": env_id, "normalize_ranges": False},
                               vector_id="batchrl.envs.mujoco_batch:make_vector"), []
     if backend == "envpool":
         return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs), []

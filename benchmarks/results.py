@@ -60,7 +60,11 @@ SAC_REFERENCES: dict[str, tuple[str, str]] = {
 def eval_at(records: list[dict[str, Any]], mark: int) -> dict[str, Any] | None:
     """The last evaluation record at or before ``mark`` steps, or up to 1% past it: a run
     whose updates take whole rollouts ends its budget a little past it (``impala``'s 1M
-    steps at 1,000,448), and that final evaluation is the one at the mark."""
+    steps at 1,000,448), and that final evaluation is the one at the mark. None where the run
+    ended before the mark (its last record more than 1% short of it): an earlier evaluation
+    is not the return at the mark."""
+    if max((r["step"] for r in records), default=0) < mark * 0.99:
+        return None
     evals = [r for r in records if r["phase"] == "eval" and r["step"] <= mark * 1.01]
     return evals[-1] if evals else None
 

@@ -81,6 +81,14 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=50_000)
     parser.add_argument("--hang-limit", type=float, default=60.0)
     args = parser.parse_args()
+    if args.envs < 1 or args.fault_every < 1 or args.warmup < 0:
+        parser.error("--envs and --fault-every must be positive, --warmup >= 0")
+    # The baseline is taken after the warm-up at an update: BatchPPO here updates after
+    # one episode per env (MAX_LENGTH steps each).
+    first_update = args.envs * MAX_LENGTH
+    if args.steps <= max(args.warmup, first_update):
+        parser.error(f"--steps must be larger than --warmup ({args.warmup:,}) and than the "
+                     f"steps before the first update ({first_update:,} with {args.envs} envs)")
     torch.set_num_threads(1)
     parent = psutil.Process()
     context()
@@ -157,6 +165,10 @@ def main() -> int:
             if p.pid not in children_before and alive([p.pid])]
     shm_left = shm_mappings(parent) - shm_before
 
+    if start_rss is None:  # (restarts cut episodes: the first update may come later)
+        print(f"FAIL: no update after the warm-up within {counted:,} steps: no baseline for "
+              f"the memory figures; run more --steps")
+        return 1
     counts = {name: faults.count(name) for name in FAULTS}
     print(f"{counted:,} env steps in {elapsed:.0f} s ({counted / elapsed:,.0f} steps/s), "
           f"{updates} updates, {finished} episodes finished")

@@ -16,8 +16,9 @@ HalfCheetah settings, side by side on this machine.
   threshold.
 
 For each it reports the env steps at that evaluation and two times: the
-wall-clock of the whole run until then (start-up and evaluations included)
-and the training time alone (evaluations excluded; for batchrl the trainer's
+wall-clock of the whole run until then (start-up and evaluations included:
+batchrl's whole process with its imports; SB3's clock starts after torch and
+SB3 are imported) and the training time alone (evaluations excluded; for batchrl the trainer's
 training phases, for SB3 ``learn()`` less the evaluation callbacks). Runs go
 one after the other, never concurrently; run it on an idle machine.
 
