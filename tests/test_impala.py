@@ -361,16 +361,18 @@ def test_vtrace_false_ignores_the_behaviour_policy():
     rollout = hand_rollout(image_algorithm(8), torch.float32, seed=9)
     other_behaviour = Rollout(**{**vars(rollout),
                                  "behaviour": {"log_prob": rollout.behaviour["log_prob"] - 1.0}})
-    results = {}
+    results, clipped = {}, {}
     for vtrace in (True, False):
         for name, data in (("same", rollout), ("other", other_behaviour)):
             algo = image_algorithm(8, vtrace=vtrace)
-            algo.learn(data)
+            clipped[vtrace, name] = algo.learn(data)["impala/rho_clipped"]
             results[vtrace, name] = weights(algo)
     same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
     assert same(results[False, "same"], results[False, "other"])
     # With V-trace the other behaviour's ratios (e times larger) are truncated otherwise.
     assert not same(results[True, "same"], results[True, "other"])
+    # The summary counts truncated ratios only where V-trace truncates them.
+    assert clipped[True, "other"] > 0 and clipped[False, "other"] == 0.0
 
 
 def test_vtrace_gets_the_log_ratio_to_the_behaviour_both_truncations_and_the_cut_steps(

@@ -315,8 +315,8 @@ class IMPALA(RolloutAlgorithm):
             mask = valid.float()
             ratio = log_rho.exp()
             # The acting and the learning forward pass round differently: a ratio within
-            # 1e-4 of rho_bar is not counted as truncated.
-            clipped = config.rho_bar * (1.0 + 1e-4)
+            # 1e-4 of rho_bar is not counted as truncated. Without V-trace none is truncated.
+            clipped = config.rho_bar * (1.0 + 1e-4) if config.vtrace else float("inf")
             result = {name: float(term.detach()) for name, term in terms.items()}
             result.update(loss=float(loss.detach()), grad_norm=float(grad_norm),
                           value_grad_norm=float(value_grad_norm),
