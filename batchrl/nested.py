@@ -79,10 +79,8 @@ def leaves_of(space: gym.Space, value: Any) -> list[Any]:
 
 
 def first_leaf(value: Any) -> Any:
-    """The first leaf of ``value`` (its batch size is every leaf's)."""
-    while isinstance(value, (dict, tuple)):
-        value = next(iter(value.values())) if isinstance(value, dict) else value[0]
-    return value
+    """The first leaf of ``value`` (its batch size is every leaf's; an empty part has none)."""
+    return leaves(value)[0]
 
 
 def put(target: Any, index: Any, value: Any) -> None:

@@ -289,6 +289,25 @@ def test_string_ids_and_handles_reach_the_remote_envs(closing):
         worker.get_attr("no_such_attribute")
 
 
+def counting_for_two_steps() -> gym.Env:
+    return gym.wrappers.TimeLimit(CountingEnv(), 2)
+
+
+def test_a_vector_env_on_one_actor_resets_on_the_same_step(closing):
+    """One actor's observations arrive as Ray's read-only zero-copy arrays: the same-step
+    reset writes the first observations into a copy of them."""
+    from batchrl.envs.vector import BatchVectorEnv
+
+    env = closing(BatchVectorEnv([counting_for_two_steps] * 2, autoreset_mode="same_step",
+                                 backend="ray", workers=1))
+    env.reset(seed=0)
+    observ = env.step(np.zeros(2, np.int64))[0]
+    assert observ.ravel().tolist() == [1, 1]
+    observ, _, _, truncated, infos = env.step(np.zeros(2, np.int64))
+    assert truncated.tolist() == [True, True] and observ.ravel().tolist() == [0, 0]
+    assert infos["final_obs"][0].tolist() == [2]
+
+
 def test_train_py_runs_its_envs_on_the_cluster(cluster, closing, tmp_path):
     cluster.wait_idle()
     logdir = tmp_path / "run"

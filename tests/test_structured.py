@@ -94,6 +94,50 @@ def test_an_empty_dict_is_no_observation_space():
         check_space("observation", gym.spaces.Dict({}))
 
 
+class LooseEnv(gym.Env):
+    """Declares float32 observations of a ``shape`` (a Box, or a Dict of an empty Dict and
+    the Box) and returns float64 ones, of ``given`` shape."""
+
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, nested: bool = False, shape: tuple = (2,), given: tuple = (2,)):
+        box = gym.spaces.Box(-1, 1, shape, np.float32)
+        self.observation_space = (gym.spaces.Dict({"empty": gym.spaces.Dict({}), "x": box})
+                                  if nested else box)
+        self.nested, self.given = nested, given
+
+    def _observ(self):
+        value = np.full(self.given, 0.5, np.float64)
+        return {"empty": {}, "x": value} if self.nested else value
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self._observ(), {}
+
+    def step(self, action):
+        return self._observ(), 0.0, True, False, {}
+
+
+@pytest.mark.parametrize("backend", ["inline", "workers"])
+@pytest.mark.parametrize("nested", [False, True], ids=["box", "dict"])
+def test_envs_in_this_process_batch_observations_as_a_worker_process_does(backend, nested):
+    """The space's dtype and shape whichever transport: an observation of another dtype is
+    converted, one of another shape is an error naming the env; an empty part is no leaf."""
+    from batchrl.envs.factory import batch_env_from
+    from batchrl.envs.errors import EnvRaisedError
+
+    with batch_env_from(lambda: LooseEnv(nested), 2, backend=backend, workers=1) as env:
+        observ = env.reset(seed=0)
+        for _ in range(2):  # (the second step follows the episodes' ends)
+            box = observ["x"] if nested else observ
+            assert box.dtype == np.float32 and box.tolist() == [[0.5, 0.5]] * 2
+            observ = env.step(np.zeros(2, np.int64))[0]
+    wrong = batch_env_from(lambda: LooseEnv(nested, given=(3,)), 2, backend=backend, workers=1)
+    with wrong, pytest.raises(EnvRaisedError, match=r"env 0 \(.*\) failed in reset\(\): "
+                                                    r"ValueError: could not broadcast"):
+        wrong.reset(seed=0)
+
+
 def test_packed_rows_keep_floats_bit_exact_and_pixels_as_bytes():
     packing = PackedObservations(SPACE)
     # Floats first: the joints (3 values) and the Discrete part (1); then 24 + 5 image bytes.
@@ -153,6 +197,28 @@ def test_batch_ppo_rejects_what_it_cannot_take():
         BatchPPO(vectors, gym.spaces.Discrete(2), 2, torso="nature_cnn")
     algo = BatchPPO(vectors, gym.spaces.Discrete(2), 2)  # torso "mlp": the float parts
     action, _ = algo.act((torch.zeros(2, 3), torch.tensor([1.0, 3.0])))
+    assert action.shape == (2,)
+    # An image part too small for the torso: the error names the part.
+    tiny = gym.spaces.Dict({"map": gym.spaces.Box(0, 255, (8, 8), np.uint8)})
+    with pytest.raises(UnsupportedSpaceError, match=r"observation part 'map': torso "
+                                                    r"'nature_cnn' cannot take images of 8x8"):
+        BatchPPO(tiny, gym.spaces.Discrete(2), 2, torso="nature_cnn")
+
+
+def test_uint8_parts_that_are_not_images_go_beside_the_convolutional_torso():
+    """A uint8 vector (counts, say) beside an image: the image gets the convolutional torso,
+    the vector its scaled bytes, as under torso 'mlp'."""
+    space = gym.spaces.Dict({"image": gym.spaces.Box(0, 255, (36, 36, 3), np.uint8),
+                             "inventory": gym.spaces.Box(0, 255, (4,), np.uint8),
+                             "speed": gym.spaces.Box(-1, 1, (2,), np.float32)})
+    algo = BatchPPO(space, gym.spaces.Discrete(2), 2, torso="nature_cnn")
+    torso = algo.policy.body.torso
+    assert [type(part).__name__ for part in torso.torsos] == ["ConvTorso", "PixelInput"]
+    assert torso.out_size == 2 + 512 + 4
+    observ = {"image": torch.randint(0, 256, (2, 36, 36, 3), dtype=torch.uint8),
+              "inventory": torch.tensor([[0, 1, 2, 255], [3, 4, 5, 6]], dtype=torch.uint8),
+              "speed": torch.zeros(2, 2)}
+    action, _ = algo.act(observ)
     assert action.shape == (2,)
 
 

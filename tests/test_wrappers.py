@@ -154,6 +154,28 @@ def test_range_normalize_and_convert_to_32bit_on_their_own():
     assert type(reward) is np.float32
 
 
+class ConstantPartEnv(gym.Env):
+    """Observations in a finite Box whose second dimension's bounds are equal (a constant)."""
+
+    observation_space = gym.spaces.Box(np.array([0.0, 3.0], np.float32),
+                                       np.array([4.0, 3.0], np.float32))
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.array([1.0, 3.0], np.float32), {}
+
+    def step(self, action):
+        return np.array([4.0, 3.0], np.float32), 0.0, False, False, {}
+
+
+def test_range_normalize_maps_a_dimension_with_equal_bounds_to_zero():
+    env = wrap_env(ConstantPartEnv())
+    assert env.observation_space == gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    np.testing.assert_array_equal(env.reset(seed=0)[0], [-0.5, 0.0])
+    np.testing.assert_array_equal(env.step(0)[0], [1.0, 0.0])
+
+
 def test_wrap_env_shows_the_algorithms_the_bounded_action_range():
     # ClipAction alone would show an unbounded Box: the algorithms see the range the env acts in.
     assert wrap_env(gym.make("Pendulum-v1")).action_space == gym.spaces.Box(-1.0, 1.0, (1,),

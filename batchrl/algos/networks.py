@@ -182,18 +182,29 @@ class PackedTorso(nn.Module):
 def build_torso(kind: str, observation_space: gym.Space) -> nn.Module | None:
     """The torso ``kind`` (one of ``TORSOS``) for ``observation_space``, or ``None`` where the
     flat float observation itself is the input (``"mlp"`` on float observations). For a Dict or
-    Tuple space, a ``PackedTorso`` whose image parts get a ``kind`` torso each (``"mlp"``: the
-    scaled pixels). Raises ``UnsupportedSpaceError`` naming the space when a convolutional
-    torso cannot take it."""
+    Tuple space, a ``PackedTorso`` whose image parts (``uint8`` Boxes of 2 or 3 dimensions) get a
+    ``kind`` torso each; other ``uint8`` parts (a vector of counts, say), and every part under
+    ``"mlp"``, are their scaled bytes. Raises ``UnsupportedSpaceError`` naming the space (and
+    the part) when a convolutional torso cannot take it."""
     if is_nested_space(observation_space):
         packing = PackedObservations(observation_space)
         parts = packing.pixel_parts
-        if kind != "mlp" and not parts:
-            raise UnsupportedSpaceError(f"torso {kind!r} needs an image (a uint8 Box) among "
-                                        f"the parts of {observation_space}; use torso='mlp'")
+        images = [path for path, _, _, space in parts if len(space.shape) in (2, 3)]
+        if kind != "mlp" and not images:
+            raise UnsupportedSpaceError(f"torso {kind!r} needs an image (a uint8 Box of 2 or 3 "
+                                        f"dimensions) among the parts of {observation_space}; "
+                                        f"use torso='mlp'")
+        torsos = []
+        for path, _, size, space in parts:
+            if kind == "mlp" or path not in images:
+                torsos.append(PixelInput(size))
+                continue
+            try:
+                torsos.append(build_torso(kind, space))
+            except UnsupportedSpaceError as exc:
+                raise UnsupportedSpaceError(f"observation part {path!r}: {exc}") from None
         return PackedTorso(packing.float_size, [offset for _, offset, _, _ in parts],
-                           [size for _, _, size, _ in parts],
-                           [build_torso(kind, space) for _, _, _, space in parts])
+                           [size for _, _, size, _ in parts], torsos)
     shape = tuple(observation_space.shape)
     pixels = is_pixel_space(observation_space)
     if kind == "mlp":

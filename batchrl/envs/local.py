@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import traceback
-from typing import Sequence
+from typing import Any, Sequence
 
 import gymnasium as gym
 import numpy as np
 
 from batchrl.envs.errors import EnvRaisedError
 from batchrl.envs.worker import KeptRequest, StepResult, Worker, close_all, reset_arguments
-from batchrl.nested import stack_as
+from batchrl.nested import build, put
 
 
 class LocalWorker(KeptRequest, Worker):
@@ -62,7 +62,7 @@ class LocalWorker(KeptRequest, Worker):
         except Exception as exc:
             raise self._error(exc, "step", len(results)) from exc
         obs, rewards, terminated, truncated, infos = zip(*results)
-        return (stack_as(self.observation_space, obs), np.array(rewards, np.float64),
+        return (self._stack("step", range(self.num_envs), obs), np.array(rewards, np.float64),
                 np.array(terminated, bool), np.array(truncated, bool), list(infos))
 
     def reset_async(self, indices: Sequence[int] | None = None,
@@ -81,8 +81,21 @@ class LocalWorker(KeptRequest, Worker):
                 results.append(self.envs[index].reset(seed=seed, options=options))
         except Exception as exc:
             raise self._error(exc, "reset", index) from exc
-        return (stack_as(self.observation_space, [obs for obs, _ in results]),
+        return (self._stack("reset", indices, [obs for obs, _ in results]),
                 [info for _, info in results])
+
+    def _stack(self, operation: str, indices: Sequence[int], observations: Sequence) -> Any:
+        """The envs' observations as one batch of the space's dtypes and shapes, as a worker
+        process's shared memory holds them (a dict in any key order); an observation that
+        does not fit is that env's ``EnvRaisedError``."""
+        batch = build(self.observation_space,
+                      lambda leaf: np.empty((len(observations), *leaf.shape), leaf.dtype))
+        for row, (index, observ) in enumerate(zip(indices, observations)):
+            try:
+                put(batch, row, observ)
+            except Exception as exc:
+                raise self._error(exc, operation, index) from exc
+        return batch
 
     def env_label(self, index: int) -> str:
         env = self.envs[index]

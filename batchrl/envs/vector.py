@@ -180,6 +180,8 @@ class BatchVectorEnv(Closeable, VectorEnv):
             self._observations = observ
             return copy_nested(observ), reward, terminated, truncated, self._stack_infos(infos)
         env_infos = list(infos)
+        # Written below: a copy (one Ray actor's arrays are its read-only zero-copy ones).
+        observ = copy_nested(observ)
         self._take_restarts(observ, env_infos)
         several: dict[int, list[dict]] = {}  # envs with several infos, added in order
         if same_step and any_done:

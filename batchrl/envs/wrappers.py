@@ -21,11 +21,22 @@ def range_normalize(env: gym.Env) -> gym.Env:
     """Rescale finite Box observation and action ranges to ``[-1, 1]``; other spaces (like
     most MuJoCo observations, with infinite bounds) and ``uint8`` pixels stay as they are.
     Integer observations become ``float32`` first (rescaled as integers they would round);
-    integer action Boxes stay as they are (the env takes integers in their own range)."""
+    a dimension whose bounds are equal (a constant) becomes 0; integer action Boxes stay as
+    they are (the env takes integers in their own range)."""
     space = env.observation_space
     if _finite_box(space):
         if not np.issubdtype(space.dtype, np.floating):
             env = _float32_observations(env)
+        space = env.observation_space
+        constant = space.low == space.high
+        if constant.any():
+            # RescaleObservation divides by high - low: bounds of low -+ 1 map the constant
+            # to 0 by the same arithmetic (the observations pass unchanged).
+            low, high = space.low.copy(), space.high.copy()
+            low[constant] -= 1
+            high[constant] += 1
+            env = TransformObservation(env, lambda obs: obs,
+                                       gym.spaces.Box(low, high, dtype=space.dtype))
         env = RescaleObservation(env, np.float32(-1), np.float32(1))
     action = env.action_space
     if _finite_box(action) and np.issubdtype(action.dtype, np.floating):
