@@ -14,6 +14,7 @@ import inspect
 import json
 import re
 import sys
+import traceback
 import types
 import typing
 from dataclasses import dataclass, field
@@ -289,8 +290,20 @@ class Config:
             raise
         except (TypeError, ValueError) as exc:  # the constructor rejected a value
             raise ConfigError(f"[algorithm] {self.algorithm.path}(): {exc} "
-                              f"({type(exc).__name__}; the config's arguments: "
-                              f"{self.algorithm.keys})") from None
+                              f"({type(exc).__name__} at {_raised_at(exc, cls)}; the config's "
+                              f"arguments: {self.algorithm.keys})") from None
+
+
+def _raised_at(exc: BaseException, cls: type) -> str:
+    """``file:line`` where ``exc`` was raised: the innermost frame in ``cls``'s own module (a
+    bug in a user's constructor is then found at once), else the innermost frame."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    try:
+        own = inspect.getsourcefile(cls)
+    except TypeError:  # (a class without a source file)
+        own = None
+    frame = next((f for f in reversed(frames) if f.filename == own), frames[-1])
+    return f"{frame.filename}:{frame.lineno}"
 
 
 def algorithm_class(path: str) -> type:
@@ -553,6 +566,10 @@ def load_config(name_or_path: str, overrides: list[str] = ()) -> Config:
     if path.suffix != ".toml":
         path = CONFIG_DIR / f"{name_or_path}.toml"
     if not path.is_file():
+        if path.suffix == ".toml" and path == Path(name_or_path):
+            raise ConfigError(f"config file {name_or_path} not found (a path is relative to "
+                              f"the current directory, {Path.cwd()}); or name a shipped "
+                              f"config: {', '.join(available_configs())}")
         raise ConfigError(f"no config named {name_or_path!r}; available: "
                           f"{', '.join(available_configs())} (or a path to a .toml file)")
     try:

@@ -31,6 +31,7 @@ from batchrl.config import CONFIG_FILE, EVAL_ACTIONS, Config, ConfigError, load_
 from batchrl.envs.errors import EnvError, EnvSpecError
 from batchrl.envs.factory import make_batch_env
 from batchrl.errors import error_line
+from batchrl.metrics import episodes_words
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.simulation import evaluate_episodes, evaluation_rng
 from batchrl.trainer import resolve_device
@@ -76,6 +77,10 @@ def _load_run(logdir: Path, checkpoint: Path | None) -> tuple[Config, Path]:
             raise EvaluationError(f"{logdir} holds no checkpoint (ckpt-<step>.pt) yet; training "
                                   f"writes them after evaluation phases "
                                   f"({_listing(logdir)})")
+    elif checkpoint.is_dir():
+        raise EvaluationError(f"checkpoint {checkpoint} is a directory: name a checkpoint file "
+                              f"(ckpt-<step>.pt) in it, or leave --checkpoint out for the "
+                              f"run's latest")
     elif not checkpoint.is_file():
         raise EvaluationError(f"checkpoint {checkpoint} does not exist")
     return config, checkpoint
@@ -295,7 +300,7 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.evalua
         for index, (score, length) in enumerate(zip(result["scores"], result["lengths"]), 1):
             print(f"  episode {index}: return {score:,.1f}, {length} steps")
     print(f"{result['score']:.1f} ± {result['score_std']:.1f} return over "
-          f"{result['episodes']} episodes, mean length {result['length']:.1f}")
+          f"{episodes_words(result['episodes'])}, mean length {result['length']:.1f}")
     return 0
 
 

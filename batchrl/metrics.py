@@ -18,6 +18,11 @@ def actions_words(eval_actions: str) -> str:
     return "mean action" if eval_actions == "mean" else "sampled actions"
 
 
+def episodes_words(count: int) -> str:
+    """``"1 episode"``, ``"10 episodes"``."""
+    return f"{count} episode" if count == 1 else f"{count} episodes"
+
+
 def read_metrics(logdir: Path) -> list[dict[str, Any]]:
     """The records of ``metrics.jsonl`` (one per phase, and with collectors one per update,
     ``"phase": "update"``), oldest first."""

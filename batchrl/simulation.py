@@ -84,8 +84,8 @@ def _performed(returned: Any, algo: Algorithm, summary: Summary) -> torch.Tensor
         raise TypeError(f"{type(algo).__name__}.perform() returned {_short(returned)}; it must "
                         f"return (action, summary): a tensor of actions and a dict")
     if not isinstance(returned[0], torch.Tensor):
-        raise TypeError(f"{type(algo).__name__}.perform() returned a "
-                        f"{type(returned[0]).__name__} as the action; it must be a "
+        raise TypeError(f"{type(algo).__name__}.perform() returned an action of type "
+                        f"{type(returned[0]).__name__}; it must be a "
                         f"torch.Tensor of shape (N, *action_shape) on the algorithm's device")
     _merge(summary, returned[1], algo, "perform")
     return returned[0]

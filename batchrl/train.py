@@ -242,9 +242,10 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
                   f"{_resume_command(command, args.config, logdir)}", file=sys.stderr)
         return 1
     if result:
-        from batchrl.metrics import actions_words  # (imports stay lazy: a quick --help)
+        # (imports stay lazy: a quick --help)
+        from batchrl.metrics import actions_words, episodes_words
         print(f"Final evaluation: {result['score']:.1f} ± {result['score_std']:.1f} "
-              f"over {result['episodes']} episodes "
+              f"over {episodes_words(result['episodes'])} "
               f"({actions_words(config.train.eval_actions)})")
     return 0
 

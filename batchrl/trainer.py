@@ -44,7 +44,7 @@ from batchrl.errors import error_line
 from batchrl.hardware import BFLOAT16_HARDWARE, core_share, native_bfloat16, usable_cores
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.interrupt import Interrupted, StopSignals
-from batchrl.metrics import RunLog
+from batchrl.metrics import RunLog, episodes_words
 from batchrl.parts.distributed import LearnerGroup, launched_by_torchrun
 from batchrl.simulation import Simulation
 
@@ -479,10 +479,10 @@ class Trainer:
                                               for m in metas),
                 "learner/steps_per_s": stepped / max(now - last, 1e-9),
                 "learner/wait_s": learning - waited, "learner/learn_s": now - learning})
-            if ended:
-                summary["score"] = sum(meta["score_sum"] for meta in metas) / ended
-                summary["length"] = sum(meta["length_sum"] for meta in metas) / ended
-                summary["episodes"] = float(ended)
+            if ended:  # (the training phase's record averages them over the phase)
+                summary["collectors/score"] = sum(m["score_sum"] for m in metas) / ended
+                summary["collectors/length"] = sum(m["length_sum"] for m in metas) / ended
+                summary["collectors/episodes"] = float(ended)
             restarts = sum(meta["env_restarts"] for meta in metas)
             if restarts or pool.restarts != self._collector_restarts:
                 counters.env_restarts += restarts
@@ -563,6 +563,16 @@ class Trainer:
             other.max_restarts = other.restarts + left if other.max_restarts else 0
         self.log.scalars({"env/restarts": float(self.counters.env_restarts)},
                          self.counters.steps)
+
+    def _boundary_state(self, algo: Algorithm, precision: str | None) -> dict[str, Any]:
+        """This process's state at a phase boundary, as a checkpoint holds it."""
+        algo_state = algo.state_dict()
+        if not isinstance(algo_state, dict):  # (found at the first boundary, not on resume)
+            raise TypeError(f"{type(algo).__name__}.state_dict() returned "
+                            f"{type(algo_state).__name__}, not a dict: return everything a "
+                            f"resume needs (weights, optimisers, counters)")
+        return {"algorithm": algo_state, "counters": dataclasses.asdict(self.counters),
+                "rng": _rng_state(), "config": self.config.to_dict(), "precision": precision}
 
     def _save_snapshot(self) -> Path | None:
         """Write the last phase boundary's state unless it is on disk already;
@@ -747,11 +757,8 @@ class Trainer:
                 # A phase boundary: the only state a run can resume from exactly.
                 if learners is not None:  # (the shared state the last update left unmerged)
                     algo.synchronize()
-                algo_state = algo.state_dict()
-                state = {"algorithm": algo_state,
-                         "counters": dataclasses.asdict(self.counters),
-                         "rng": _rng_state(), "config": config.to_dict(),
-                         "precision": precision}
+                state = self._boundary_state(algo, precision)
+                algo_state = state["algorithm"]
                 if learners is not None:  # what differs between the learners, for each
                     state["learners"] = learners.gather_to_writer(
                         {"rng": state["rng"], "env_restarts": self.counters.env_restarts,
@@ -835,7 +842,7 @@ class Trainer:
         if self._lines:
             score = "-" if record["score"] is None else f"{record['score']:.1f}"
             print(f"step {record['step']:,} of {self.config.train.steps:,}: {record['phase']} "
-                  f"return {score} over {record['episodes']} episodes, "
+                  f"return {score} over {episodes_words(record['episodes'])}, "
                   f"{record['steps_per_s']:,.0f} steps/s", flush=True)
         if bar is not None:
             bar.set_postfix({name: "-" if value is None else f"{value:.1f}"

@@ -106,6 +106,12 @@ def make_cases(tmp: Path) -> dict[str, tuple[list[str], int, list[str]]]:
                                 ["--set key must be section.key"]),
         "unknown config": (["--config", "nosuch"], 2,
                            ["no config named 'nosuch'", "available: ", "cartpole"]),
+        "config path not found": (["--config", "elsewhere/nosuch.toml"], 2,
+                                  ["config file elsewhere/nosuch.toml not found (a path is "
+                                   "relative to the current directory, ", "cartpole"]),
+        "unknown env id": ([*envs, "--set", "env.id=CartPol-v1"], 2,
+                           ["env 'CartPol-v1': Environment `CartPol` doesn't exist. Did you "
+                            "mean: `CartPole`? Use a registered Gymnasium id"]),
         "logdir is a file": (["--config", "cartpole", "--logdir", str(tmp / "a-file")], 2,
                              [f"--logdir {tmp / 'a-file'} is a file, not a directory"]),
         "logdir under a file": (["--config", "cartpole", "--logdir",
@@ -286,6 +292,8 @@ def test_evaluate_cli_bad_logdirs(tmp_path):
                         ([logdir], [f"cannot read checkpoint {damaged}", "Delete it"]),
                         ([logdir, "--checkpoint", missing],
                          [f"checkpoint {missing} does not exist"]),
+                        ([logdir, "--checkpoint", logdir],
+                         [f"checkpoint {logdir} is a directory: name a checkpoint file"]),
                         ([logdir, "--device", "tpu"], ["--device must be 'auto', 'cpu', 'cuda'"]),
                         ([logdir, "--checkpoint", logdir / "config.json"],
                          [f"{logdir / 'config.json'} is not a batchrl checkpoint"]),

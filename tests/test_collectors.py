@@ -5,6 +5,7 @@ and bad input. Every collector here is a real child process stepping real Gymnas
 from __future__ import annotations
 
 import functools
+import math
 import os
 import signal
 import threading
@@ -661,6 +662,11 @@ def test_training_with_collectors_logs_the_lag_and_resumes(tmp_path, monkeypatch
                for r in updates)
     trains = [r for r in records if r["phase"] == "train"]
     assert trains[-1]["step"] == 3200 and trains[-1]["episodes"] == 1600 // 200
+    # The episodes that ended in an update's rollouts, under the collectors' prefix.
+    ended = [r for r in updates if "collectors_episodes" in r]
+    assert ended and all(math.isfinite(r["collectors_score"]) and r["collectors_length"] > 0
+                         for r in ended)
+    assert sum(r["collectors_episodes"] for r in ended) >= 3200 // 200 - 4
     # Resume: a longer budget goes on from the checkpoint.
     values["train"]["steps"] = 4800
     Trainer(build_config(values), tmp_path, progress=False).run()

@@ -364,7 +364,7 @@ class Broken(Recorder):
     ("end_episodes", r"Broken.end_episodes\(\) returned None; it must return a dict"),
     ("perform-action-only", r"Broken.perform\(\) returned tensor\(.*\); it must return "
                             r"\(action, summary\)"),
-    ("perform-numpy", r"Broken.perform\(\) returned a ndarray as the action; it must be a "
+    ("perform-numpy", r"Broken.perform\(\) returned an action of type ndarray; it must be a "
                       r"torch.Tensor"),
 ])
 def test_what_an_algorithm_returns_is_checked_and_named(method, message):

@@ -84,6 +84,19 @@ USER_MODULE = textwrap.dedent('''
                 getattr(self, name).copy_(value)
 
 
+    class Typo(Hill):
+        def __init__(self, observation_space, action_space, num_agents, max_length,
+                     device="cpu", step_size: float = 0.1):
+            super().__init__(observation_space, action_space, num_agents, max_length, device,
+                             step_size)
+            self.layer = torch.nn.Linear(observation_space.shape, action_space.n)  # a bug
+
+
+    class NoState(Hill):
+        def state_dict(self):
+            ...
+
+
     class NotAnAlgorithm:
         pass
 ''')
@@ -160,6 +173,17 @@ def test_a_user_algorithm_trains_resumes_exactly_and_evaluates(project):
     assert "over 2 episodes" in evaluated.stdout
 
 
+def test_a_state_dict_that_is_no_dict_stops_the_run_at_its_first_boundary(project):
+    """Found when the first checkpoint is taken, not when the run is resumed or evaluated."""
+    (project / "nostate.toml").write_text(CONFIG.replace("user_algos:Hill", "user_algos:NoState"))
+    done = train_py(project, "--config", "nostate.toml", "--logdir", "nostate")
+    assert done.returncode == 1
+    assert ("TypeError: NoState.state_dict() returned NoneType, not a dict: return everything "
+            "a resume needs" in done.stderr), done.stderr
+    assert [r["phase"] for r in read_metrics(project / "nostate")] == ["train", "eval"]
+    assert not list_checkpoints(project / "nostate")
+
+
 @pytest.mark.slow
 def test_an_algorithm_naming_no_update_length_trains_in_default_phases(project):
     # No [train] phase settings: the default phases are env steps, so the algorithm trains
@@ -203,10 +227,10 @@ def test_the_reinforce_config_trains_the_example_algorithm(tmp_path):
      r"^error: algorithm.class = 'no_such_module:Algo': cannot import module 'no_such_module'"),
     ('class = "user_algos:NotAnAlgorithm"',
      r"^error: algorithm.class = 'user_algos:NotAnAlgorithm': user_algos.NotAnAlgorithm is a "
-     r"class, not a subclass of batchrl.algos.Algorithm; its algorithms: Hill$"),
+     r"class, not a subclass of batchrl.algos.Algorithm; its algorithms: Hill, NoState, Typo$"),
     ('class = "user_algos:Nope"',
      r"^error: algorithm.class = 'user_algos:Nope': module user_algos has no name 'Nope'; "
-     r"its algorithms: Hill$"),
+     r"its algorithms: Hill, NoState, Typo$"),
     ('class = "user_algos:Hill"\nstep = 0.5',
      r"^error: Hill \(user_algos:Hill\) does not take algorithm.step; its keys: step_size$"),
     ('class = "user_algos:Hill"\nstep_size = "big"',
@@ -221,8 +245,12 @@ def test_the_reinforce_config_trains_the_example_algorithm(tmp_path):
     ('class = "Hill"', r"^error: algorithm.class must be 'package.module:Class', got 'Hill'"),
     ('class = "batchrl.algos.reinforce:Reinforce"\nupdate_every = 0',
      r"^error: \[algorithm\] batchrl.algos.reinforce:Reinforce\(\): max_length and "
-     r"update_every must be positive \(ValueError; the config's arguments: "
-     r"\{'update_every': 0\}\)$"),
+     r"update_every must be positive \(ValueError at \S+/batchrl/algos/reinforce.py:\d+; "
+     r"the config's arguments: \{'update_every': 0\}\)$"),
+    # A bug in a user's constructor: the line that raised, in the user's own file.
+    ('class = "user_algos:Typo"\nstep_size = 0.5',
+     r"^error: \[algorithm\] user_algos:Typo\(\): .* \(TypeError at \S+/user_algos.py:\d+; "
+     r"the config's arguments: \{'step_size': 0.5\}\)$"),
 ])
 def test_an_algorithm_that_does_not_fit_is_a_user_error(project, setting, message):
     config = CONFIG.replace('class = "user_algos:Hill"\nstep_size = 0.5', setting)

@@ -68,8 +68,11 @@ def resolve_constructor(env_id: str, kwargs: dict[str, Any] | None = None,
     try:
         gym.spec(env_id)
     except gym.error.Error as exc:
-        raise EnvSpecError(f"env {env_id!r}: {exc}. Use a registered Gymnasium id such as "
-                           f"'HalfCheetah-v5' or 'package.module:function'") from None
+        # (Gymnasium's messages may end with their own full stop, or a '?')
+        message = str(exc).rstrip(".")
+        raise EnvSpecError(f"env {env_id!r}: {message}{'' if message.endswith('?') else '.'} "
+                           f"Use a registered Gymnasium id such as 'HalfCheetah-v5' or "
+                           f"'package.module:function'") from None
     if max_episode_steps is not None:
         if "max_episode_steps" in kwargs:
             raise EnvSpecError(f"env {env_id!r}: kwargs must not set max_episode_steps "
