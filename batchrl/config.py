@@ -87,6 +87,17 @@ class EnvConfig:
         return choose_backend(self.id, self.backend, self.kwargs,
                               self.restart_crashed_envs or self.share_main)
 
+    def label(self, evaluation: bool = False) -> str:
+        """The env as the console names it: ``id`` (``vector_id`` where the vector backend
+        trains; evaluations build ``id``), followed by its keyword arguments (with
+        ``eval_kwargs`` for ``evaluation``) where it is a ``"package.module:function"``
+        factory, whose name alone does not say the task (Atari's ``make`` takes the game)."""
+        built = self.vector_id if self.chosen_backend == "vector" and not evaluation else self.id
+        kwargs = self.evaluation_kwargs if evaluation else self.kwargs
+        if ":" not in built or not kwargs:
+            return built
+        return f"{built}({', '.join(f'{key}={value!r}' for key, value in kwargs.items())})"
+
     @property
     def evaluation_kwargs(self) -> dict:
         """The keyword arguments of evaluation envs: ``kwargs`` updated with ``eval_kwargs``."""

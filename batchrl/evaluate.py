@@ -134,7 +134,8 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
     Returns:
       A dict with ``score``, ``score_std`` (population std), ``length`` (mean
       episode length), ``episodes``, ``scores`` and ``lengths`` (per episode),
-      ``checkpoint`` (path), ``step`` (its training step), ``env_id``, ``agents``,
+      ``checkpoint`` (path), ``step`` (its training step), ``env_id``, ``env`` (the
+      env in words: ``EnvConfig.label``), ``agents``,
       ``video`` (path or ``None``), ``video_frames``, ``camera`` (in words, or ``None``),
       ``notes`` (a line for each argument that could not be followed, and why), ``actions``
       (``"mean"`` or ``"sample"``).
@@ -227,7 +228,8 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
     return {"score": float(np.mean(scores)), "score_std": float(np.std(scores)),
             "length": float(np.mean(lengths)), "episodes": len(scores), "scores": scores,
             "lengths": lengths, "checkpoint": str(checkpoint_path), "step": step,
-            "env_id": config.env.id, "agents": num_agents,
+            "env_id": config.env.id, "env": config.env.label(evaluation=True),
+            "agents": num_agents,
             "video": None if video_path is None else str(video_path),
             "video_frames": 0 if recording is None else recording.frames,
             "camera": None if recording is None else recording.camera, "notes": notes,
@@ -291,7 +293,7 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.evalua
         return 130
     for note in result["notes"]:
         print(f"note: {note}", file=sys.stderr)
-    print(f"{result['env_id']}, {result['checkpoint']} (step {result['step']:,}), "
+    print(f"{result['env']}, {result['checkpoint']} (step {result['step']:,}), "
           f"{'mean' if result['actions'] == 'mean' else 'sampled'} actions, "
           f"{result['agents']} agent{'s' if result['agents'] != 1 else ''}")
     if result["video"] is not None:

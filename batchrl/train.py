@@ -187,9 +187,7 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
                         else "")
             env = config.env
             agents = f"{env.num_agents} agent{'s' if env.num_agents > 1 else ''}"
-            # (the vector backend builds its envs with env.vector_id; env.id names the others)
-            built = env.vector_id if env.chosen_backend == "vector" else env.id
-            print(f"Training {built} with {agents}{learners} for {config.train.steps:,} "
+            print(f"Training {env.label()} with {agents}{learners} for {config.train.steps:,} "
                   f"steps (env backend {env.chosen_backend}); writing to {logdir}",
                   flush=True)
         result = run(config, logdir, progress=not args.no_progress, handle_signals=True)

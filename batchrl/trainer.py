@@ -712,7 +712,7 @@ class Trainer:
                               f"it would have", file=sys.stderr)
                 if self.counters.steps >= config.train.steps and self.writer:
                     print(f"The run already reached train.steps={config.train.steps:,}; "
-                          f"nothing to train (train.py --steps N extends its budget)")
+                          f"nothing to train (--steps N extends its budget)")
             # Drop what earlier sessions logged after the checkpoint (metrics.jsonl
             # records; TensorBoard hides their events from purge_step on).
             self.log = (RunLog(self.logdir, purge_step=self.counters.steps + 1,

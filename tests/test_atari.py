@@ -274,6 +274,9 @@ def test_pong_trains_evaluates_and_films(tmp_path):
         "--set", "env.num_agents=4", "--set", "train.eval_every=2",
         "--set", "train.eval_episodes=1", "--set", "algorithm.update_threads=1"), timeout=200)
     assert code == 0, err
+    # (the factory's name alone would not say which game)
+    assert out.startswith("Training batchrl.envs.atari:make(env_id='ALE/Pong-v5', "
+                          "sticky_actions=0.0) with 4 agents"), out
     records = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["phase"]) for r in records] == [
         (1024, "train"), (1024, "eval"), (2048, "train"), (2048, "eval")]
@@ -286,6 +289,8 @@ def test_pong_trains_evaluates_and_films(tmp_path):
                              capture_output=True, text=True, timeout=200)
     assert process.returncode == 0, process.stderr
     assert "30 frames" in process.stdout, process.stdout
+    assert process.stdout.startswith("batchrl.envs.atari:make(env_id='ALE/Pong-v5', "
+                                     "sticky_actions=0.0, training=False), "), process.stdout
     import imageio.v3 as iio
     frames = iio.imread(video)  # (a GIF writer may merge repeated frames)
     assert frames.shape[1:] == (210, 160, 3) and frames.std() > 5  # the game's colours
