@@ -9,7 +9,7 @@ with one leaf, so code written with these functions handles both.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import gymnasium as gym
 import numpy as np
@@ -105,14 +105,19 @@ def concatenate(values: list[Any]) -> Any:
     return map_nested(lambda *parts: np.concatenate(parts), values[0], *values[1:])
 
 
-def stack_as(space: gym.Space, values: list[Any]) -> Any:
-    """Single observations of ``space`` (dicts in any key order) stacked into a batch in the
-    space's order."""
-    if not is_nested_space(space):
-        return np.stack(values)
+def stack_as(space: gym.Space, values: Sequence[Any],
+             row_error: Callable[[int, Exception], Exception] | None = None) -> Any:
+    """Single observations of ``space`` (dicts in any key order) stacked into one batch of
+    the space's structure, leaf dtypes and shapes. A row that does not fit raises
+    ``row_error(row, exc)`` where given (from the fitting error ``exc``), else that error."""
     batch = build(space, lambda leaf: np.empty((len(values), *leaf.shape), leaf.dtype))
     for row, value in enumerate(values):
-        put(batch, row, value)
+        try:
+            put(batch, row, value)
+        except Exception as exc:
+            if row_error is None:
+                raise
+            raise row_error(row, exc) from exc
     return batch
 
 

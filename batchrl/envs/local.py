@@ -10,7 +10,7 @@ import numpy as np
 
 from batchrl.envs.errors import EnvRaisedError
 from batchrl.envs.worker import KeptRequest, StepResult, Worker, close_all, reset_arguments
-from batchrl.nested import build, put
+from batchrl.nested import stack_as
 
 
 class LocalWorker(KeptRequest, Worker):
@@ -88,14 +88,8 @@ class LocalWorker(KeptRequest, Worker):
         """The envs' observations as one batch of the space's dtypes and shapes, as a worker
         process's shared memory holds them (a dict in any key order); an observation that
         does not fit is that env's ``EnvRaisedError``."""
-        batch = build(self.observation_space,
-                      lambda leaf: np.empty((len(observations), *leaf.shape), leaf.dtype))
-        for row, (index, observ) in enumerate(zip(indices, observations)):
-            try:
-                put(batch, row, observ)
-            except Exception as exc:
-                raise self._error(exc, operation, index) from exc
-        return batch
+        return stack_as(self.observation_space, observations,
+                        lambda row, exc: self._error(exc, operation, indices[row]))
 
     def env_label(self, index: int) -> str:
         env = self.envs[index]
