@@ -204,6 +204,25 @@ def test_a_full_queue_stops_the_collectors():
     assert [process.exitcode for process in collectors._processes] == [0, 0]
 
 
+@pytest.mark.parametrize("algorithm", [make_algorithm, make_impala], ids=["ppo", "impala"])
+def test_an_acting_state_is_a_copy_that_another_copy_loads(algorithm):
+    env = make_env("CartPole-v1", "inline", 0, 2, 0)
+    learner = algorithm(env.observation_space, env.action_space, 2)
+    actor = algorithm(env.observation_space, env.action_space, 2)
+    env.close()
+    observ = torch.randn(5, 4)
+    acted = learner.act(observ, deterministic=True)
+    state = learner.acting_state()
+    assert any(name.startswith("observ_normalizer.") for name in state)
+    with torch.no_grad():
+        for parameter in learner.policy.parameters():
+            parameter.add_(1.0)  # (after the copy: the state keeps the weights it was given)
+    actor.load_acting_state(state)
+    (action, record), (copy_action, copy_record) = acted, actor.act(observ, deterministic=True)
+    assert torch.equal(action, copy_action) and record.keys() == copy_record.keys()
+    assert all(torch.equal(record[key], copy_record[key]) for key in record)
+
+
 def test_weights_reach_the_collectors_with_their_version():
     collectors, learner = pool(collectors=1, max_policy_lag=0)
     with collectors:

@@ -251,3 +251,19 @@ class Algorithm(abc.ABC):
         return (f"{type(self).__name__} cannot run with collectors: it does not implement the "
                 f"decoupled interface (behaviour_fields, act, acting_state, load_acting_state, "
                 f"learn)")
+
+
+def modules_state(modules: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """An ``acting_state`` made of whole modules: a detached copy of each tensor of each
+    module's ``state_dict()``, named ``"<key>.<name>"`` (on the modules' devices)."""
+    return {f"{key}.{name}": tensor.detach().clone()
+            for key, module in modules.items() for name, tensor in module.state_dict().items()}
+
+
+def load_modules_state(state: dict[str, torch.Tensor],
+                       modules: dict[str, torch.nn.Module]) -> None:
+    """Load a ``modules_state(modules)`` (of modules of the same shapes) into ``modules``."""
+    for key, module in modules.items():
+        prefix = f"{key}."
+        module.load_state_dict({name[len(prefix):]: tensor for name, tensor in state.items()
+                                if name.startswith(prefix)})

@@ -30,7 +30,7 @@ import gymnasium as gym
 import torch
 from torch import nn
 
-from batchrl.algos.base import Summary
+from batchrl.algos.base import Summary, load_modules_state, modules_state
 from batchrl.algos.impala_config import IMPALAConfig
 from batchrl.algos.networks import (FeedForwardBody, Policy, actor_critic, build_torsos,
                                     torso_shared_by)
@@ -190,17 +190,13 @@ class IMPALA(RolloutAlgorithm):
     def acting_state(self) -> dict[str, torch.Tensor]:
         """Copies of the policy's weights (``policy.*``) and of the observation statistics
         (``observ_normalizer.*``)."""
-        state = {f"policy.{name}": tensor.detach().clone()
-                 for name, tensor in self.policy.state_dict().items()}
-        state.update({f"observ_normalizer.{name}": tensor.clone()
-                      for name, tensor in self.observ_normalizer.state_dict().items()})
-        return state
+        return modules_state(self._acting_modules())
 
     def load_acting_state(self, state: dict[str, torch.Tensor]) -> None:
-        for prefix, module in (("policy.", self.policy),
-                               ("observ_normalizer.", self.observ_normalizer)):
-            module.load_state_dict({name[len(prefix):]: tensor for name, tensor in state.items()
-                                    if name.startswith(prefix)})
+        load_modules_state(state, self._acting_modules())
+
+    def _acting_modules(self) -> dict[str, torch.nn.Module]:
+        return {"policy": self.policy, "observ_normalizer": self.observ_normalizer}
 
     def begin_episodes(self, agent_indices: torch.Tensor) -> Summary:
         # A reset between rollouts leaves no step to mark the cut on: the running return of

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.distributions import Distribution
 
-from batchrl.algos.base import Algorithm, Summary
+from batchrl.algos.base import Algorithm, Summary, load_modules_state, modules_state
 from batchrl.algos.networks import (Actor, CastWeights, ConvTorso, FeedForwardBody, Policy,
                                     RecurrentBody, actor_critic, build_torsos, torso_shared_by)
 from batchrl.algos.ppo_config import PRECISIONS, PPOConfig
@@ -894,17 +894,15 @@ class BatchPPO(Algorithm):
         return action, {"mean_or_logits": mean_or_logits, "log_std": log_std}
 
     def acting_state(self) -> dict[str, torch.Tensor]:
-        """The policy's weights and the observation statistics."""
-        state = {f"policy.{name}": value for name, value in self.policy.state_dict().items()}
-        state.update({f"observ_normalizer.{name}": value
-                      for name, value in self.observ_normalizer.state_dict().items()})
-        return state
+        """Copies of the policy's weights (``policy.*``) and of the observation statistics
+        (``observ_normalizer.*``)."""
+        return modules_state(self._acting_modules())
 
     def load_acting_state(self, state: dict[str, torch.Tensor]) -> None:
-        for prefix, module in (("policy.", self.policy),
-                               ("observ_normalizer.", self.observ_normalizer)):
-            module.load_state_dict({name[len(prefix):]: value for name, value in state.items()
-                                    if name.startswith(prefix)})
+        load_modules_state(state, self._acting_modules())
+
+    def _acting_modules(self) -> dict[str, torch.nn.Module]:
+        return {"policy": self.policy, "observ_normalizer": self.observ_normalizer}
 
     def learn(self, rollout: Rollout) -> Summary:
         """One update (``update_epochs`` epochs of minibatches) on ``rollout``, whose rows are
