@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import inspect
 import json
+import math
 import re
 import sys
 import traceback
@@ -467,12 +468,17 @@ def _convert(key: str, value: Any, annotation: Any) -> Any:
         if type(None) in options and (value is None or (isinstance(value, str)
                                                         and value.lower() == "none")):
             return None
+        errors = []
         for option in options:
             if option is not type(None):
                 try:
                     return _convert(key, value, option)
-                except ConfigError:
-                    pass
+                except ConfigError as exc:
+                    errors.append(str(exc))
+        # (a value of the right type but out of range: say so rather than list the types)
+        for error in errors:
+            if "expected" not in error or "finite" in error:
+                raise ConfigError(error)
         raise ConfigError(f"{key}: expected {_type_name(annotation)}, got {value!r}")
     if origin in (tuple, collections.abc.Sequence):
         item_type = typing.get_args(annotation)[0]
@@ -489,6 +495,8 @@ def _convert(key: str, value: Any, annotation: Any) -> Any:
     # bool is an int, but not a valid value of an int, float, str or dict key.
     if not isinstance(value, annotation) or (isinstance(value, bool) and annotation is not bool):
         raise ConfigError(f"{key}: expected {expected[annotation]}, got {value!r}")
+    if annotation is float and not math.isfinite(value):  # (a run would train on NaNs)
+        raise ConfigError(f"{key}: expected a finite number, got {value!r}")
     if annotation is int and not -2**63 <= value < 2**63:  # (counters and seeds are int64)
         raise ConfigError(f"{key}: {value:.3g} is out of range; integers must fit in 64 bits "
                           f"(at most {2**63 - 1:,})")

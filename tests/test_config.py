@@ -173,9 +173,14 @@ def test_a_section_that_is_not_a_table(tmp_path, section):
     ("env.share_main=yes", "expected bool"),
     ("env.backend=threads", "env.backend must be one of"),
     ("env.workers=-1", "workers must be >= 0"),
-    ("env.timeout=nan", "timeout must be >= 0, got nan"),  # (would never time out)
-    ("env.timeout=inf", "timeout must be a finite number of seconds below 1e9 (0: no limit), "
-                        "got inf"),
+    ("env.timeout=nan", "env.timeout: expected a finite number, got nan"),
+    ("env.timeout=inf", "env.timeout: expected a finite number, got inf"),
+    ("env.timeout=1e10", "timeout must be a finite number of seconds below 1e9 (0: no limit), "
+                         "got 10000000000.0"),
+    ("algorithm.policy_lr=inf", "algorithm.policy_lr: expected a finite number, got inf"),
+    ("algorithm.entropy_coef=-inf", "algorithm.entropy_coef: expected a finite number"),
+    ("algorithm.max_grad_norm=nan", "algorithm.max_grad_norm: expected a finite number"),
+    ("train.preemption_threshold=nan", "train.preemption_threshold: expected a finite number"),
     ("env.id=3", "expected str"),
     ("env.kwargs=[1, 2]", "expected dict"),
     ("env.ray_resources=2", "expected dict"),
