@@ -681,7 +681,8 @@ def test_observations_are_not_counted_without_normalize_observ(rollout_length):
     ("reward_scale", "value"), ("lr_schedule", "cosine"), ("max_grad_norm", 0.0),
     ("max_grad_norm", -0.5), ("kl_init_penalty", 0.0), ("kl_cutoff_factor", -1.0),
     ("kl_cutoff_coef", -1.0), ("value_lr", 0.0), ("init_std", 0.0), ("value_coef", 0.0),
-    ("update_threads", 0),
+    ("update_threads", 0), ("policy_lr", float("inf")), ("entropy_coef", float("inf")),
+    ("max_grad_norm", float("nan")), ("clip_range", float("inf")),
 ])
 def test_config_validation(field, value):
     with pytest.raises(ValueError, match=field):

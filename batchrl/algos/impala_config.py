@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchrl.algos.ppo_config import ACTIVATIONS, INITS, LR_SCHEDULES, TORSOS
+from batchrl.algos.ppo_config import ACTIVATIONS, INITS, LR_SCHEDULES, TORSOS, check_finite
 
 OPTIMIZERS = ("adam", "rmsprop")
 
@@ -41,6 +41,7 @@ class IMPALAConfig:
     normalize_reward: bool = True             # divide by the std of the discounted returns
 
     def __post_init__(self) -> None:
+        check_finite(self)
         for name, choices in (("activation", ACTIVATIONS), ("init", INITS),
                               ("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES),
                               ("torso", TORSOS)):

@@ -3,6 +3,8 @@ torch, so that a wrong value is reported at once."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 ACTIVATIONS = ("relu", "tanh")  # the keys of ``batchrl.algos.networks.ACTIVATIONS``
@@ -19,6 +21,15 @@ PRECISIONS = ("float32", "bfloat16")  # of updates: train.precision, BatchPPO's 
 # What evaluation acts with (train.eval_actions, every Algorithm's eval_actions): the policy's
 # mean or most likely action, or a sample of it.
 EVAL_ACTIONS = ("mean", "sample")
+
+
+def check_finite(config: object) -> None:
+    """Raise ``ValueError`` naming the first float field of the dataclass ``config`` that
+    is inf or nan (an update would turn the weights into NaNs)."""
+    for item in dataclasses.fields(config):
+        value = getattr(config, item.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{item.name} must be a finite number, got {value}")
 
 
 @dataclass
@@ -69,6 +80,7 @@ class PPOConfig:
     fused_adam: bool = False                  # Adam's step in one kernel for all parameters
 
     def __post_init__(self) -> None:
+        check_finite(self)
         for name, choices in (("network", NETWORKS), ("activation", ACTIVATIONS),
                               ("init", INITS), ("reward_scale", REWARD_SCALES),
                               ("lr_schedule", LR_SCHEDULES), ("inference", INFERENCE_MODES),
