@@ -248,6 +248,7 @@ class AlgorithmConfig:
         return algorithm_class(self.path)
 
     def to_dict(self) -> dict[str, Any]:
+        """The ``[algorithm]`` table: ``class`` and the keys given."""
         return {"class": self.path, **self.keys}
 
 
@@ -260,6 +261,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as the TOML tables it was built from (``build_config`` inverts it)."""
         return {"env": dataclasses.asdict(self.env), "train": dataclasses.asdict(self.train),
                 "algorithm": self.algorithm.to_dict()}
 

@@ -158,6 +158,8 @@ class ReplayAlgorithm(Algorithm):
                 "buffer": self.buffer.state_dict() if self.save_buffer else None}
 
     def load_replay_state(self, state: dict[str, Any]) -> None:
+        """Restore the counters, the summary and (when saved) the buffer of a
+        ``replay_state()``."""
         self.env_steps, self.updates = int(state["env_steps"]), int(state["updates"])
         self._owed = float(state["owed"])
         summary = state.get("summary")  # (checkpoints before it: a summary from here on)

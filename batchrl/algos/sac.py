@@ -185,6 +185,7 @@ class SAC(ReplayAlgorithm):
 
     @property
     def alpha(self) -> torch.Tensor:
+        """The entropy temperature, a scalar tensor without gradient."""
         return self.log_alpha.detach().exp()
 
     @torch.no_grad()

@@ -88,6 +88,7 @@ class InfoColumns:
         self.columns = _copied(columns)
 
     def rows(self, count: int) -> list[dict]:
+        """One info dict per env, for the first ``count`` envs."""
         return [info_row(self.columns, index) for index in range(count)]
 
     def gymnasium(self, count: int) -> dict[str, Any]:

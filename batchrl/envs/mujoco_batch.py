@@ -402,6 +402,8 @@ class ThreadedSims:
                                                                             "qvel"))
 
     def bind(self, name: str) -> np.ndarray:
+        """The ``(num_sims, ...)`` array of the ``MjData`` field ``name`` (see the class
+        docstring: a copy kept fresh, built on the first call)."""
         array = self._arrays.get(name)
         if array is None:
             array = self._arrays[name] = np.stack([getattr(data, name) for data in self.datas])

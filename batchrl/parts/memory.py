@@ -144,6 +144,7 @@ class EpisodeMemory:
 
     @property
     def full(self) -> bool:
+        """Whether ``capacity`` episodes are stored."""
         return self.count >= self.capacity
 
     def data(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:

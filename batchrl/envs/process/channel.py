@@ -73,7 +73,7 @@ class Frames:
     format, with one ``read`` call per message (``recv_bytes`` takes two and
     a ``poll``). Bytes read beyond one message are kept for the next."""
 
-    def __init__(self, conn):
+    def __init__(self, conn: mp.connection.Connection) -> None:
         self.fd = conn.fileno()
         self.buffer = bytearray()
 

@@ -68,6 +68,7 @@ class RayGuard:
 
     @classmethod
     def start(cls) -> "RayGuard | None":
+        """A guard watching this process, or ``None`` where ``/proc`` is missing."""
         if not Path("/proc/self/stat").exists():
             return None
         # Isolated (-I): the script needs only the standard library. Its own
