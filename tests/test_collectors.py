@@ -283,6 +283,29 @@ def test_a_collector_killed_while_it_waits_for_a_slot_is_replaced_after_its_queu
     assert not torch.equal(rollouts[2].observ[:2, 0], rollouts[0].observ[:2, 0])
 
 
+def test_collectors_that_fail_together_are_each_replaced_once():
+    """Both collectors killed at once: both successors start and deliver, and the pool counts
+    two restarts. (Each successor gets only its own queues: the other's, replaced while it
+    starts, no longer exist.)"""
+    reports = []
+    collectors, learner = pool(queue_size=1, max_restarts=4, report=reports.append)
+    with collectors:
+        wait_for(lambda: collectors.queued == 4, 60, "the queues to fill")
+        for pid in collectors.pids:
+            os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: all(process.exitcode is not None for process in collectors._processes),
+                 10, "their exits")
+        collectors._supervise()
+        for update in range(4):
+            rollout, _ = collectors.receive(within(60, f"batch {update}"))
+            assert rollout.agents.tolist() == [0, 1, 2, 3]
+            learner.learn(rollout)
+            collectors.publish(learner.acting_state())
+        assert [process.exitcode for process in collectors._processes] == [None, None]
+    assert collectors.restarts == 2, reports
+    assert [line.split(" failed")[0] for line in reports] == ["collector 0", "collector 1"]
+
+
 def faulty_env(fault, at_step, once_file, index, num_envs, seed):
     """CartPole envs stepped in the collector's process; collector 0's first env injects
     ``fault`` at its ``at_step``-th step, once (``once_file``): not in its successor."""

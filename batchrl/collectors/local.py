@@ -17,6 +17,7 @@ every update sees every agent once, as in the synchronous loop. So a collector t
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import queue
 import time
@@ -68,6 +69,15 @@ class _Shared:
         # A collector gets its own slots as an argument: every shared tensor is a file
         # descriptor in each process that holds it.
         return {name: value for name, value in self.__dict__.items() if name != "slots"}
+
+    def for_collector(self, index: int) -> "_Shared":
+        """A copy to send collector ``index``, with its own queues only: another's may be
+        replaced (their semaphores removed) before this one has loaded what it was sent."""
+        view = copy.copy(self)
+        for name in ("free", "full", "errors"):
+            setattr(view, name, [channel if which == index else None
+                                 for which, channel in enumerate(getattr(self, name))])
+        return view
 
 
 class _SharedLink(Link):
@@ -198,7 +208,7 @@ class LocalCollectors:
     def _start(self, index: int) -> None:
         process = self._ctx.Process(
             target=_collector_main, name=f"batchrl-collector-{index}",
-            args=(self.spec, index, self.shared, self.shared.slots[index],
+            args=(self.spec, index, self.shared.for_collector(index), self.shared.slots[index],
                   self.replacements.incarnations[index], os.getpid(),
                   core_share(self._cores, index, self.spec.collectors)))
         with main_not_reimported():
