@@ -187,9 +187,10 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
                         else "")
             env = config.env
             agents = f"{env.num_agents} agent{'s' if env.num_agents > 1 else ''}"
-            print(f"Training {env.label()} with {agents}{learners} for {config.train.steps:,} "
-                  f"steps (env backend {env.chosen_backend}); writing to {logdir}",
-                  flush=True)
+            algorithm = config.algorithm.path.rpartition(":")[2]
+            print(f"Training {algorithm} on {env.label()} with {agents}{learners} for "
+                  f"{config.train.steps:,} steps (env backend {env.chosen_backend}); writing "
+                  f"to {logdir}", flush=True)
         result = run(config, logdir, progress=not args.no_progress, handle_signals=True)
     except TrainingInterrupted as stop:
         print(_interrupted_message(stop, command, args.config, logdir), flush=True)

@@ -275,7 +275,7 @@ def test_pong_trains_evaluates_and_films(tmp_path):
         "--set", "train.eval_episodes=1", "--set", "algorithm.update_threads=1"), timeout=200)
     assert code == 0, err
     # (the factory's name alone would not say which game)
-    assert out.startswith("Training batchrl.envs.atari:make(env_id='ALE/Pong-v5', "
+    assert out.startswith("Training BatchPPO on batchrl.envs.atari:make(env_id='ALE/Pong-v5', "
                           "sticky_actions=0.0) with 4 agents"), out
     records = [json.loads(line) for line in (logdir / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["phase"]) for r in records] == [
@@ -336,7 +336,8 @@ def test_the_banner_names_what_the_vector_backend_builds(tmp_path, capsys):
                  "--set", "train.eval_episodes=0", "--set", "train.device=cpu"])
     assert code == 0
     assert capsys.readouterr().out.startswith(
-        "Training batchrl.envs.atari:make_vector with 2 agents for 64 steps (env backend vector)")
+        "Training BatchPPO on batchrl.envs.atari:make_vector with 2 agents for 64 steps "
+        "(env backend vector)")
 
 
 # --- every argument of make and make_vector, and what it promises ---------------------------

@@ -188,7 +188,8 @@ def cartpole_run(tmp_path_factory):
 def test_train_py_writes_the_log_directory(cartpole_run):
     logdir, config, process = cartpole_run
     assert "Traceback" not in process.stderr
-    assert f"Training CartPole-v1 with 4 agents for {CARTPOLE_STEPS:,} steps" in process.stdout
+    assert (f"Training BatchPPO on CartPole-v1 with 4 agents for {CARTPOLE_STEPS:,} steps"
+            in process.stdout)
     assert "Final evaluation:" in process.stdout and "episodes (mean action)" in process.stdout
     records = check_logdir(logdir, config, [CARTPOLE_STEPS])
     # eval_every=2: evaluations after the even training phases (and the last one).
@@ -819,7 +820,7 @@ def test_train_py_ends_at_exactly_the_budget(tmp_path):
     process = train_py("--config", "cartpole", "--logdir", str(tmp_path / "run"),
                        "--steps", "1250", *sets("train.device=cpu"))
     assert process.returncode == 0, process.stderr
-    assert "Training CartPole-v1 with 10 agents for 1,250 steps" in process.stdout
+    assert "Training BatchPPO on CartPole-v1 with 10 agents for 1,250 steps" in process.stdout
     records = read_metrics(tmp_path / "run")
     train = [r for r in records if r["phase"] == "train"]
     assert train[-1]["step"] == 1250 and all(r["step"] < 1250 for r in train[:-1])

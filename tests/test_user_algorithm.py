@@ -141,6 +141,7 @@ def final_state(logdir: Path) -> dict:
 def test_a_user_algorithm_trains_resumes_exactly_and_evaluates(project):
     done = train_py(project, "--config", "hill.toml", "--logdir", "straight")
     assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("Training Hill on "), done.stdout  # (not BatchPPO, the default)
     records = read_metrics(project / "straight")
     # Phases of phase_steps env steps, each followed by an evaluation.
     assert [r["phase"] for r in records] == ["train", "eval"] * 6
