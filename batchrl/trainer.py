@@ -571,6 +571,11 @@ class Trainer:
             raise TypeError(f"{type(algo).__name__}.state_dict() returned "
                             f"{type(algo_state).__name__}, not a dict: return everything a "
                             f"resume needs (weights, optimisers, counters)")
+        missing = [key for key in algo.per_agent_state if key not in algo_state]
+        if missing:  # (evaluate would fail on it, with another agent count)
+            raise TypeError(f"{type(algo).__name__}.per_agent_state names {missing[0]!r}, "
+                            f"which its state_dict() lacks (its keys: "
+                            f"{', '.join(map(repr, algo_state)) or 'none'})")
         return {"algorithm": algo_state, "counters": dataclasses.asdict(self.counters),
                 "rng": _rng_state(), "config": self.config.to_dict(), "precision": precision}
 

@@ -97,6 +97,10 @@ USER_MODULE = textwrap.dedent('''
             ...
 
 
+    class MisnamedState(Hill):
+        per_agent_state = ("episode_retrun",)
+
+
     class NotAnAlgorithm:
         pass
 ''')
@@ -174,15 +178,21 @@ def test_a_user_algorithm_trains_resumes_exactly_and_evaluates(project):
     assert "over 2 episodes" in evaluated.stdout
 
 
-def test_a_state_dict_that_is_no_dict_stops_the_run_at_its_first_boundary(project):
+@pytest.mark.parametrize("name,message", [
+    ("NoState", "TypeError: NoState.state_dict() returned NoneType, not a dict: return "
+                "everything a resume needs"),
+    ("MisnamedState", "TypeError: MisnamedState.per_agent_state names 'episode_retrun', which "
+                      "its state_dict() lacks (its keys: "),
+])
+def test_a_state_dict_that_does_not_fit_stops_the_run_at_its_first_boundary(project, name,
+                                                                            message):
     """Found when the first checkpoint is taken, not when the run is resumed or evaluated."""
-    (project / "nostate.toml").write_text(CONFIG.replace("user_algos:Hill", "user_algos:NoState"))
-    done = train_py(project, "--config", "nostate.toml", "--logdir", "nostate")
+    (project / "bad.toml").write_text(CONFIG.replace("user_algos:Hill", f"user_algos:{name}"))
+    done = train_py(project, "--config", "bad.toml", "--logdir", "bad")
     assert done.returncode == 1
-    assert ("TypeError: NoState.state_dict() returned NoneType, not a dict: return everything "
-            "a resume needs" in done.stderr), done.stderr
-    assert [r["phase"] for r in read_metrics(project / "nostate")] == ["train", "eval"]
-    assert not list_checkpoints(project / "nostate")
+    assert message in done.stderr, done.stderr
+    assert [r["phase"] for r in read_metrics(project / "bad")] == ["train", "eval"]
+    assert not list_checkpoints(project / "bad")
 
 
 @pytest.mark.slow
@@ -228,10 +238,11 @@ def test_the_reinforce_config_trains_the_example_algorithm(tmp_path):
      r"^error: algorithm.class = 'no_such_module:Algo': cannot import module 'no_such_module'"),
     ('class = "user_algos:NotAnAlgorithm"',
      r"^error: algorithm.class = 'user_algos:NotAnAlgorithm': user_algos.NotAnAlgorithm is a "
-     r"class, not a subclass of batchrl.algos.Algorithm; its algorithms: Hill, NoState, Typo$"),
+     r"class, not a subclass of batchrl.algos.Algorithm; its algorithms: Hill, MisnamedState, "
+     r"NoState, Typo$"),
     ('class = "user_algos:Nope"',
      r"^error: algorithm.class = 'user_algos:Nope': module user_algos has no name 'Nope'; "
-     r"its algorithms: Hill, NoState, Typo$"),
+     r"its algorithms: Hill, MisnamedState, NoState, Typo$"),
     ('class = "user_algos:Hill"\nstep = 0.5',
      r"^error: Hill \(user_algos:Hill\) does not take algorithm.step; its keys: step_size$"),
     ('class = "user_algos:Hill"\nstep_size = "big"',
