@@ -79,10 +79,11 @@ class RunLog:
             if record.get(key) is not None:
                 self.writer.add_scalar(f"{record['phase']}/{key}", record[key], record["step"])
 
-    def scalars(self, values: dict[str, float], step: int) -> None:
-        """Write the summaries of ``simulate()`` and the algorithm."""
+    def scalars(self, values: dict[str, Any], step: int) -> None:
+        """Write the summaries of ``simulate()`` and the algorithm: numbers (Python numbers,
+        or tensors or arrays of one element); ``TypeError`` naming the first that is not."""
         for name, value in values.items():
-            self.writer.add_scalar(name, value, step)
+            self.writer.add_scalar(name, _number(name, value), step)
 
     def plot(self) -> Path:
         """Redraw the learning curve from ``metrics.jsonl``; returns the PNG's path."""
@@ -114,3 +115,21 @@ class RunLog:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def _number(name: str, value: Any) -> float:
+    """``value`` as a float, or ``TypeError`` saying that the summary ``name`` is none."""
+    if isinstance(value, (int, float)):
+        return value
+    size = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size",
+                                                                                 None)
+    if size == 1:
+        try:
+            return float(value.item())
+        except (AttributeError, TypeError, ValueError):
+            pass
+    text = repr(value)
+    if len(text) > 60:
+        text = f"a {type(value).__name__}" + (f" of {size} elements" if size else "")
+    raise TypeError(f"the summary {name!r} is {text}: an algorithm's summaries map names to "
+                    f"numbers (a float, or a tensor of one element)")

@@ -20,6 +20,7 @@ import textwrap
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -957,6 +958,22 @@ def test_a_resume_may_change_where_the_run_goes_on_and_its_budget_only(tmp_path)
             rf"batchrl\.algos\.{algorithm}; resume with: train\.py --config cartpole "
             rf"--logdir {re.escape(str(logdir))} or choose a new --logdir", str(info.value)), \
             info.value
+
+
+def test_summaries_are_numbers_and_another_value_names_its_key(tmp_path):
+    """An algorithm's summary of a string or a per-agent tensor is a TypeError naming the
+    key when it is logged (TensorBoard's own errors name neither)."""
+    log = RunLog(tmp_path)
+    try:
+        log.scalars({"a": 1, "b": 2.5, "c": torch.tensor(0.5), "d": torch.tensor([1.5]),
+                     "e": np.float32(3.0)}, 1)
+        for value, shown in (("hello", "'hello'"), (torch.zeros(3), r"tensor\(\[0., 0., 0.\]\)"),
+                             (torch.zeros(100), "a Tensor of 100 elements"), (None, "None")):
+            with pytest.raises(TypeError, match=f"^the summary 'ppo/x' is {shown}: an "
+                                                f"algorithm's summaries map names to numbers"):
+                log.scalars({"ppo/x": value}, 2)
+    finally:
+        log.close()
 
 
 def test_read_metrics_and_truncate_on_resume(tmp_path):
