@@ -413,10 +413,13 @@ def _checkable(annotation: Any) -> bool:
     if origin in (typing.Union, types.UnionType):
         return all(option is type(None) or _checkable(option)
                    for option in typing.get_args(annotation))
-    if origin in (tuple, typing.Sequence, collections.abc.Sequence):
+    if origin in (tuple, list, typing.Sequence, collections.abc.Sequence):
         args = typing.get_args(annotation)
         return bool(args) and _checkable(args[0])
-    return annotation in (float, int, bool, str, dict)
+    if origin is typing.Literal:
+        return all(type(choice) in (float, int, bool, str) for choice in
+                   typing.get_args(annotation))
+    return origin is dict or annotation in (float, int, bool, str, dict)
 
 
 def _check_range(obj: Any, minimum: int, *names: str) -> None:
@@ -482,11 +485,20 @@ def _convert(key: str, value: Any, annotation: Any) -> Any:
             if "expected" not in error or "finite" in error:
                 raise ConfigError(error)
         raise ConfigError(f"{key}: expected {_type_name(annotation)}, got {value!r}")
-    if origin in (tuple, collections.abc.Sequence):
+    if origin in (tuple, list, collections.abc.Sequence):
         item_type = typing.get_args(annotation)[0]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list of {_type_name(item_type)}, got {value!r}")
-        return tuple(_convert(f"{key}[{i}]", item, item_type) for i, item in enumerate(value))
+        items = [_convert(f"{key}[{i}]", item, item_type) for i, item in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if origin is typing.Literal:
+        choices = typing.get_args(annotation)
+        if not any(type(value) is type(choice) and value == choice for choice in choices):
+            raise ConfigError(f"{key} must be one of {', '.join(map(repr, choices))}, got "
+                              f"{value!r}")
+        return value
+    if origin is dict:  # (dict[str, float]: the keys and values are the class's to check)
+        annotation = dict
     expected = {float: "a number", int: "an integer", bool: "bool", str: "str", dict: "dict"}
     if annotation not in expected:
         raise ConfigError(f"{key}: unsupported type {annotation}")  # a schema bug

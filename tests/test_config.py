@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import json
 import math
+import re
 import sys
 import textwrap
 
@@ -824,3 +825,38 @@ def test_an_env_that_fails_to_build_is_named_by_its_id():
                                              r"construct\(\)"):
         make_batch_env("batchrl.testing.faults:make", 1, kwargs={"env_id": "NoSuchEnv-v0"},
                        backend="inline")
+
+
+ANNOTATED_MODULE = '''
+from typing import Literal
+
+from batchrl.algos import Algorithm
+
+
+class Annotated(Algorithm):
+    def __init__(self, observation_space, action_space, num_agents, device="cpu",
+                 layers: list[int] = (64,), optimizer: Literal["adam", "sgd"] = "adam",
+                 weights: dict[str, float] | None = None):
+        super().__init__(device)
+'''
+
+
+@pytest.mark.parametrize("keys,error", [
+    ({"layers": [32, 32], "optimizer": "sgd", "weights": {"a": 1.0}}, None),
+    ({"layers": 64}, "algorithm.layers: expected a list of int, got 64"),
+    ({"layers": [32, "wide"]}, "algorithm.layers[1]: expected an integer, got 'wide'"),
+    ({"optimizer": "rmsprop"}, "algorithm.optimizer must be one of 'adam', 'sgd', got "
+                               "'rmsprop'"),
+    ({"weights": 3}, "algorithm.weights: expected dict[str, float] | None, got 3"),
+])
+def test_a_user_algorithms_list_literal_and_dict_annotations_check_its_keys(
+        tmp_path, monkeypatch, keys, error):
+    (tmp_path / "annotated_algos.py").write_text(ANNOTATED_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "annotated_algos", raising=False)
+    values = {"algorithm": {"class": "annotated_algos:Annotated", **keys}}
+    if error is None:
+        assert build_config(values).algorithm.keys == keys
+    else:
+        with pytest.raises(ConfigError, match=f"^{re.escape(error)}$"):
+            build_config(values)
