@@ -732,6 +732,15 @@ class Trainer:
                            unit="step", unit_scale=True, dynamic_ncols=True)
             evals = self.counters.phases - self.counters.train_phases  # over all sessions
             episodes, phase_steps, eval_every = phase_plan(config, algo, len(env))
+            if config.train.phase_steps and self.writer and (
+                    episodes is not None or algo.steps_per_update is not None):
+                name = type(algo).__name__
+                print("note: train.phase_steps is unused: " + (
+                    f"{name} learns from every {episodes} episodes, and a training phase is "
+                    f"one such update" if episodes is not None else
+                    f"{name} learns every {algo.steps_per_update} batch steps, and a training "
+                    f"phase is train.eval_every = {config.train.eval_every} such updates"),
+                    file=sys.stderr)
             # Preempted rollouts differ in length between learners: phases of whole updates.
             phase_updates = (phase_steps // algo.steps_per_update if learners is not None
                              and config.train.preemption_threshold else None)

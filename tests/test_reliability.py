@@ -581,7 +581,7 @@ def test_a_due_checkpoint_is_written_from_the_live_state_without_a_copy_in_memor
     logdir = tmp_path / "run"
     config = load_config("cartpole", CARTPOLE + ["train.checkpoint_every=2",
                                                  "train.keep_checkpoints=100",
-                                                 "train.phase_steps=500", "train.steps=2500"])
+                                                 "train.steps=2500"])
     Trainer(config, logdir, progress=False).run()
     boundaries = [r["step"] for r in read_metrics(logdir) if r["phase"] == "eval"]
     written = [int(load_checkpoint(path)["counters"]["steps"])
@@ -598,7 +598,7 @@ def test_without_evaluations_checkpoint_every_counts_the_boundaries(tmp_path):
     config = load_config("cartpole", CARTPOLE + ["train.eval_episodes=0",
                                                  "train.checkpoint_every=2",
                                                  "train.keep_checkpoints=100",
-                                                 "train.phase_steps=500", "train.steps=2500"])
+                                                 "train.steps=2500"])
     Trainer(config, logdir, progress=False).run()
     boundaries = [r["step"] for r in read_metrics(logdir) if r["phase"] == "train"]
     written = [int(load_checkpoint(path)["counters"]["steps"])
@@ -629,7 +629,7 @@ def test_the_records_up_to_a_checkpoint_are_on_disk_before_it(tmp_path, monkeypa
     logdir = tmp_path / "run"
     config = load_config("cartpole", CARTPOLE + ["train.checkpoint_every=2",
                                                  "train.keep_checkpoints=100",
-                                                 "train.phase_steps=500", "train.steps=2500"])
+                                                 "train.steps=2500"])
     if stop == "error":
         with pytest.raises(RuntimeError, match="a bug in the update"):
             Trainer(config, logdir, progress=False).run()

@@ -847,7 +847,8 @@ def test_train_py_ends_at_exactly_the_budget(tmp_path):
     # A budget that is no multiple of env.num_agents ends after the batch step reaching it.
     ("cartpole_reinforce", ["train.phase_steps=400"], 999, [400, 800, 1000]),
 ])
-def test_every_phase_plan_stops_at_the_budget(tmp_path, name, overrides, budget, plan):
+def test_every_phase_plan_stops_at_the_budget(tmp_path, capsys, name, overrides, budget,
+                                              plan):
     config = load_config(name, overrides + [f"train.steps={budget}", "train.eval_episodes=2",
                                             "train.device=cpu"])
     trainer = Trainer(config, tmp_path / "run", progress=False)
@@ -856,6 +857,21 @@ def test_every_phase_plan_stops_at_the_budget(tmp_path, name, overrides, budget,
     assert [r["step"] for r in records if r["phase"] == "train"] == plan
     assert trainer.counters.steps == plan[-1]
     assert [r["phase"] for r in records] == ["train", "eval"] * len(plan)
+    assert "train.phase_steps is unused" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, words", [
+    ("cartpole", "BatchPPO learns from every 20 episodes, and a training phase is one such "
+                 "update"),
+    ("impala/cartpole", "IMPALA learns every 20 batch steps, and a training phase is "
+                        "train.eval_every = 50 such updates"),
+])
+def test_phase_steps_for_an_algorithm_naming_its_update_length_is_a_notice(
+        tmp_path, capsys, name, words):
+    config = load_config(name, ["train.phase_steps=500", "train.steps=40",
+                                "train.eval_episodes=0", "train.device=cpu"])
+    Trainer(config, tmp_path / "run", progress=False).run()
+    assert f"note: train.phase_steps is unused: {words}\n" in capsys.readouterr().err
 
 
 # --- resuming a run that an earlier version saved -----------------------------------------
