@@ -10,15 +10,18 @@ which loads the checkpoint and acts with its mean (mode) action, or with sampled
 the episodes are rendered one after another into an MP4 instead (``batchrl.video``; MuJoCo
 cameras follow the agent; classic control renders with pygame, which the ``video`` extra
 brings). Agent ``i``'s first episode is reset with seed ``seed + i`` and its later ones
-continue that env's random stream; a video's episode ``i`` is reset with ``seed + i``, so it
-films the episodes that ``agents = episodes`` evaluates.
+continue that env's random stream; a video's episode ``i`` is reset with ``seed + i``, so with mean actions it
+films the episodes that ``agents = episodes`` evaluates (sampled actions are drawn in
+another order).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +127,8 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
       video: render the episodes, one after another, into this ``.mp4`` file (or a
         ``.gif``/``.webp`` animation).
       agents: envs stepped in lockstep without a video (default ``min(episodes,
-        env.num_agents)``).
+        env.num_agents)``; more than ``episodes``: the last play none, as in a training
+        run's evaluations).
       camera, width, height: the video's MuJoCo camera (default: one that follows
         the agent; ``"free"``: one that does not) and frame size (``follow_agent``).
       max_frames: record at most this many frames (the episodes still count whole).
@@ -182,7 +186,8 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
     if actions is not None:
         config.train.eval_actions = actions
     torch_device = resolve_device(device, "--device")
-    num_agents = 1 if video_path is not None else min(agents or config.env.num_agents, episodes)
+    # (agents beyond the episodes play none, but draw sampled actions as a run's would)
+    num_agents = 1 if video_path is not None else agents or min(config.env.num_agents, episodes)
     notes = []
     if not config.algorithm.cls.per_agent_state:
         # Its state_dict() may be sized by the training run's agents throughout.
@@ -269,7 +274,8 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.evalua
                              "run to their end)")
     parser.add_argument("--agents", type=int, default=None, metavar="K",
                         help="envs stepped in lockstep (default: min(episodes, env.num_agents); "
-                             "an algorithm without per-agent state uses the training run's)")
+                             "beyond the episodes, the last play none; an algorithm without "
+                             "per-agent state uses the training run's)")
     parser.add_argument("--actions", choices=EVAL_ACTIONS, default=None,
                         help="act with the policy's mean (most likely) actions or sampled ones "
                              "(default: the run's train.eval_actions, 'mean' unless set)")
@@ -278,6 +284,14 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.evalua
     # current directory, as for train.py.
     if os.getcwd() not in sys.path:
         sys.path.insert(1, os.getcwd())
+    terminated = []
+
+    def stop(signum: int, frame: Any) -> None:  # SIGTERM stops as Ctrl-C does
+        terminated.append(signum)
+        raise KeyboardInterrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
     try:
         result = evaluate(args.logdir, args.episodes, args.checkpoint, args.seed, args.device,
                           args.video, args.agents, args.camera, args.width, args.height,
@@ -289,8 +303,11 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.evalua
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # (a video cut short is not kept)
-        print("Interrupted", file=sys.stderr)
-        return 130
+        print("Terminated" if terminated else "Interrupted", file=sys.stderr)
+        return 128 + signal.SIGTERM if terminated else 130
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     for note in result["notes"]:
         print(f"note: {note}", file=sys.stderr)
     print(f"{result['env']}, {result['checkpoint']} (step {result['step']:,}), "

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,10 @@ def test_evaluate_returns_exact_episode_count_and_is_seeded(cartpole_run):
     oldest = list_checkpoints(cartpole_run)[0]
     older = evaluate(cartpole_run, episodes=3, checkpoint=oldest, device="cpu")
     assert older["agents"] == 3 and older["checkpoint"] == str(oldest)
+    # More agents than episodes, on request: the last play none (as in a run's evaluations).
+    more = evaluate(cartpole_run, episodes=2, agents=4, device="cpu")
+    assert more["agents"] == 4 and more["episodes"] == 2
+    assert more["scores"] == evaluate(cartpole_run, episodes=2, agents=2, device="cpu")["scores"]
     assert older["step"] == int(oldest.stem.split("-")[1])
 
 
@@ -413,6 +418,37 @@ class RenderFails(gym.Wrapper):
 
 def cartpole_whose_renderer_breaks(**kwargs) -> gym.Env:
     return RenderFails(gym.make("CartPole-v1", **kwargs), frames=3)
+
+
+class TerminatedWhileFilmed(gym.Wrapper):
+    """Sends its own process SIGTERM at its third rendered frame (a ``kill`` mid-video)."""
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        self.frames = 0
+
+    def render(self):
+        self.frames += 1
+        if self.frames == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.env.render()
+
+
+def cartpole_terminated_while_filmed(**kwargs) -> gym.Env:
+    return TerminatedWhileFilmed(gym.make("CartPole-v1", **kwargs))
+
+
+def test_sigterm_while_filming_exits_143_and_leaves_no_file(cartpole_run, tmp_path,
+                                                            pygame_video, capsys):
+    if video_writer_problem():
+        pytest.skip(video_writer_problem())
+    run = copy_with_env(cartpole_run, tmp_path, f"{__name__}:cartpole_terminated_while_filmed")
+    path = tmp_path / "out" / "v.mp4"  # (written as v.partial.mp4 until whole)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main([str(run), "--video", str(path), "--device", "cpu"]) == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "Terminated"
+    assert list(path.parent.glob("*")) == []  # neither the animation nor its partial file
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 @pytest.mark.parametrize("suffix", [".mp4", ".gif"])
