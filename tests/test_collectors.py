@@ -864,6 +864,18 @@ def test_bad_collector_settings_are_one_line_errors(tmp_path, change, message):
     assert not (tmp_path / "config.json").exists()  # nothing started
 
 
+def test_a_recurrent_batchppo_refuses_to_act_or_learn_as_a_collector_would():
+    """The decoupled methods say why they cannot serve a recurrent policy (instead of the
+    GRU's complaint about a state of width 0)."""
+    space = gym.spaces.Box(-1, 1, (3,), np.float32)
+    algo = BatchPPO(space, gym.spaces.Discrete(2), 2, network="recurrent", gru_size=4,
+                    inference="eager")
+    for call in (lambda: algo.act(torch.zeros(2, 3)), lambda: algo.learn(None)):
+        with pytest.raises(NotImplementedError, match="^BatchPPO with network='recurrent' "
+                                                      "cannot run with collectors"):
+            call()
+
+
 def test_a_learner_error_stops_the_collectors_and_keeps_the_checkpoint(tmp_path, monkeypatch):
     learn = BatchPPO.learn
     calls = []

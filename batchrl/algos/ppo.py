@@ -885,6 +885,7 @@ class BatchPPO(Algorithm):
             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Actions for ``observ`` ``(K, *obs_shape)`` with the current observation statistics,
         and the policy's ``mean_or_logits`` and ``log_std`` that chose them."""
+        self._check_decoupled()
         count = first_leaf(observ).shape[0]
         state = self._no_state if count == self.num_agents else self._no_state[:count]
         if count > self.num_agents:
@@ -904,6 +905,10 @@ class BatchPPO(Algorithm):
     def _acting_modules(self) -> dict[str, torch.nn.Module]:
         return {"policy": self.policy, "observ_normalizer": self.observ_normalizer}
 
+    def _check_decoupled(self) -> None:
+        if self.state_size:  # (act and learn would hand the GRU no state)
+            raise NotImplementedError(self.collector_support())
+
     def learn(self, rollout: Rollout) -> Summary:
         """One update (``update_epochs`` epochs of minibatches) on ``rollout``, whose rows are
         the ``num_agents`` agents. The reward statistics take in the rollout first, the
@@ -917,6 +922,7 @@ class BatchPPO(Algorithm):
         the data coming from ``mu``. Without lag the weight is 1 and this is the synchronous
         update. With ``value_targets="vtrace"`` the value targets and advantages are V-trace's
         (``rho = pi_0 / mu``), which carry that weight themselves (NAPPO's IMPALA-PPO)."""
+        self._check_decoupled()
         with torch.no_grad():
             rollout = rollout.to(self.device)
             batch, steps = rollout.size, rollout.length
