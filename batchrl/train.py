@@ -32,6 +32,7 @@ import re
 import shlex
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -239,6 +240,16 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
         if checkpoint is not None:
             print(f"\nThe run's latest checkpoint is {checkpoint}. Resume it with: "
                   f"{_resume_command(command, args.config, logdir)}", file=sys.stderr)
+        return 1
+    except Exception:  # the algorithm's own code raised (or batchrl's: a bug)
+        from batchrl.checkpoint import latest_checkpoint
+        _remove_if_empty(created)
+        traceback.print_exc()
+        checkpoint = latest_checkpoint(logdir) if logdir.is_dir() else None
+        if checkpoint is not None:
+            print(f"\nThe run's latest checkpoint is {checkpoint}. Once the error is fixed, "
+                  f"resume it with: {_resume_command(command, args.config, logdir)}",
+                  file=sys.stderr)
         return 1
     if result:
         # (imports stay lazy: a quick --help)

@@ -101,6 +101,13 @@ USER_MODULE = textwrap.dedent('''
         per_agent_state = ("episode_retrun",)
 
 
+    class LateBoom(Hill):
+        def end_episodes(self, agent_indices):
+            if self.training and self.episodes >= 100:
+                raise RuntimeError("boom in end_episodes")
+            return super().end_episodes(agent_indices)
+
+
     class NotAnAlgorithm:
         pass
 ''')
@@ -195,6 +202,18 @@ def test_a_state_dict_that_does_not_fit_stops_the_run_at_its_first_boundary(proj
     assert not list_checkpoints(project / "bad")
 
 
+def test_an_error_in_the_algorithm_shows_its_traceback_and_how_to_resume(project):
+    (project / "boom.toml").write_text(CONFIG.replace("user_algos:Hill", "user_algos:LateBoom"))
+    done = train_py(project, "--config", "boom.toml", "--logdir", "boom")
+    assert done.returncode == 1
+    assert "RuntimeError: boom in end_episodes" in done.stderr, done.stderr
+    assert "in end_episodes\n    raise RuntimeError" in done.stderr  # (the user's own line)
+    checkpoint = list_checkpoints(project / "boom")[-1]
+    assert done.stderr.rstrip().endswith(
+        f"The run's latest checkpoint is {checkpoint}. Once the error is fixed, resume it "
+        f"with: python train.py --config boom.toml --logdir boom"), done.stderr
+
+
 @pytest.mark.slow
 def test_an_algorithm_naming_no_update_length_trains_in_default_phases(project):
     # No [train] phase settings: the default phases are env steps, so the algorithm trains
@@ -238,11 +257,11 @@ def test_the_reinforce_config_trains_the_example_algorithm(tmp_path):
      r"^error: algorithm.class = 'no_such_module:Algo': cannot import module 'no_such_module'"),
     ('class = "user_algos:NotAnAlgorithm"',
      r"^error: algorithm.class = 'user_algos:NotAnAlgorithm': user_algos.NotAnAlgorithm is a "
-     r"class, not a subclass of batchrl.algos.Algorithm; its algorithms: Hill, MisnamedState, "
-     r"NoState, Typo$"),
+     r"class, not a subclass of batchrl.algos.Algorithm; its algorithms: Hill, LateBoom, "
+     r"MisnamedState, NoState, Typo$"),
     ('class = "user_algos:Nope"',
      r"^error: algorithm.class = 'user_algos:Nope': module user_algos has no name 'Nope'; "
-     r"its algorithms: Hill, MisnamedState, NoState, Typo$"),
+     r"its algorithms: Hill, LateBoom, MisnamedState, NoState, Typo$"),
     ('class = "user_algos:Hill"\nstep = 0.5',
      r"^error: Hill \(user_algos:Hill\) does not take algorithm.step; its keys: step_size$"),
     ('class = "user_algos:Hill"\nstep_size = "big"',
