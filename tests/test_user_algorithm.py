@@ -208,7 +208,7 @@ def test_an_error_in_the_algorithm_shows_its_traceback_and_how_to_resume(project
     assert done.returncode == 1
     assert "RuntimeError: boom in end_episodes" in done.stderr, done.stderr
     assert "in end_episodes\n    raise RuntimeError" in done.stderr  # (the user's own line)
-    checkpoint = list_checkpoints(project / "boom")[-1]
+    checkpoint = Path("boom") / list_checkpoints(project / "boom")[-1].name
     assert done.stderr.rstrip().endswith(
         f"The run's latest checkpoint is {checkpoint}. Once the error is fixed, resume it "
         f"with: python train.py --config boom.toml --logdir boom"), done.stderr
