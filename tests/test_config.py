@@ -860,3 +860,30 @@ def test_a_user_algorithms_list_literal_and_dict_annotations_check_its_keys(
     else:
         with pytest.raises(ConfigError, match=f"^{re.escape(error)}$"):
             build_config(values)
+
+
+@pytest.mark.parametrize("source,error", [
+    (None, "algorithm.class = 'user_mod:Algo': cannot import module 'user_mod' (No module "
+           "named 'user_mod'); it must be importable from the current directory or the "
+           "Python path"),
+    ("import nonexistent_pkg\n", "algorithm.class = 'user_mod:Algo': importing module "
+                                 "'user_mod' failed: ModuleNotFoundError: No module named "
+                                 "'nonexistent_pkg' (at {path}:1)"),
+    ("x = 1\ndef broken(:\n", "algorithm.class = 'user_mod:Algo': importing module 'user_mod' "
+                              "failed: SyntaxError: invalid syntax (at {path}:2)"),
+    ("x = 1\ny = undefined_name\n", "algorithm.class = 'user_mod:Algo': importing module "
+                                    "'user_mod' failed: NameError: name 'undefined_name' is "
+                                    "not defined (at {path}:2)"),
+])
+def test_a_module_that_fails_to_import_is_a_one_line_error_at_its_line(
+        tmp_path, monkeypatch, source, error):
+    """A module that is not there is a path problem; one that is there but fails in its own
+    code says so, with the error and the line (not importlib's traceback)."""
+    path = tmp_path / "user_mod.py"
+    if source is not None:
+        path.write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "user_mod", raising=False)
+    with pytest.raises(ConfigError) as raised:
+        build_config({"algorithm": {"class": "user_mod:Algo"}})
+    assert str(raised.value) == error.format(path=path)

@@ -30,10 +30,26 @@ def import_from(path: str, what: str, error: type[Exception]) -> tuple[str, str,
     module_name, _, name = path.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (module_name == exc.name
+                                    or module_name.startswith(f"{exc.name}.")):
+            raise error(_failed_import(what, module_name, exc)) from None
         raise error(f"{what}: cannot import module {module_name!r} ({exc}); it must be "
                     f"importable from the current directory or the Python path") from None
+    except Exception as exc:  # (the module's own code failed: its error and line)
+        raise error(_failed_import(what, module_name, exc)) from None
     return module_name, name, getattr(module, name, None)
+
+
+def _failed_import(what: str, module_name: str, exc: Exception) -> str:
+    """The one line saying that importing ``module_name`` raised ``exc`` in its own code."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [frame for frame in frames if "importlib" not in frame.filename]
+    where = (f"{exc.filename}:{exc.lineno}" if isinstance(exc, SyntaxError)
+             else f"{user[-1].filename}:{user[-1].lineno}" if user else "")
+    message = exc.msg if isinstance(exc, SyntaxError) else str(exc)
+    return (f"{what}: importing module {module_name!r} failed: {type(exc).__name__}: "
+            f"{message}" + (f" (at {where})" if where else ""))
 
 
 def resolve_constructor(env_id: str, kwargs: dict[str, Any] | None = None,
