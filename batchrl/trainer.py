@@ -27,6 +27,7 @@ import math
 import random
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,24 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         # One state per GPU the saving machine had; this one may have fewer or more.
         for index, generator in enumerate(state["cuda"][:torch.cuda.device_count()]):
             torch.cuda.set_rng_state(generator.cpu(), index)
+
+
+def _unfit_hint(saved: dict[str, Any] | None, config: Config, algo: Algorithm,
+                exc: Exception) -> str:
+    """What to do about a checkpoint whose algorithm state ``algo`` could not load
+    (``exc``): restore the run's config, if it no longer shapes the algorithm as the
+    checkpoint's ``saved`` one did (the algorithm's keys and the env's, less where the envs
+    step), else look at the algorithm's code."""
+    shaping = [{"algorithm": values["algorithm"],
+                "env": {key: value for key, value in values["env"].items()
+                        if key not in ("workers", "timeout")}}
+               for values in (saved or config.to_dict(), config.to_dict())]
+    if shaping[0] != shaping[1]:
+        return "restore that file (each checkpoint holds its run's config, under 'config')"
+    frame = traceback.extract_tb(exc.__traceback__)[-1]
+    return (f"the config is the one the checkpoint was saved with, so did "
+            f"{type(algo).__name__}'s state_dict() or load_state_dict() change since? "
+            f"(raised at {frame.filename}:{frame.lineno})")
 
 
 def phase_plan(config: Config, algo: Algorithm, num_agents: int
@@ -692,12 +711,11 @@ class Trainer:
                     algo.load_state_dict({**state["algorithm"], **own["algorithm"]})
                 except torch.OutOfMemoryError:
                     raise
-                except (KeyError, RuntimeError, ValueError) as exc:  # (config.json edited)
+                except (KeyError, RuntimeError, ValueError) as exc:
                     raise CheckpointError(
                         f"{checkpoint} does not fit the algorithm its run's "
                         f"{CONFIG_FILE} builds ({config.algorithm.name}): {error_line(exc)}; "
-                        f"restore that file (each checkpoint holds its run's config, under "
-                        f"'config')") from None
+                        f"{_unfit_hint(state.get('config'), config, algo, exc)}") from None
                 _set_rng_state(own["rng"])
                 self.counters = Counters(**state["counters"])
                 # (each learner's own restarts: env.max_restarts bounds each learner's)

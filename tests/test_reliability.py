@@ -415,6 +415,8 @@ def test_a_resume_the_run_cannot_take_is_a_one_line_error(finished_run, tmp_path
         result = resume(logdir)
         expected = (f"error: {list_checkpoints(logdir)[-1]} does not fit the algorithm its "
                     f"run's config.json builds (batchrl.algos.ppo:BatchPPO): ")
+        assert result.stderr.rstrip().endswith(
+            "; restore that file (each checkpoint holds its run's config, under 'config')")
     assert result.returncode == 2, result
     assert result.stderr.startswith(expected), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -214,6 +214,24 @@ def test_an_error_in_the_algorithm_shows_its_traceback_and_how_to_resume(project
         f"with: python train.py --config boom.toml --logdir boom"), done.stderr
 
 
+def test_a_checkpoint_its_changed_algorithm_cannot_load_names_the_code_not_the_config(
+        project):
+    first = train_py(project, "--config", "hill.toml", "--logdir", "run", "--steps", "1000")
+    assert first.returncode == 0, first.stderr
+    module = project / "user_algos.py"
+    module.write_text(USER_MODULE.replace("getattr(self, name).copy_(value)",
+                                          "getattr(self, name).copy_(state['renamed'])"))
+    second = train_py(project, "--config", "hill.toml", "--logdir", "run", "--steps", "2000")
+    assert second.returncode == 2, second.stderr
+    line = (USER_MODULE.splitlines().index(
+        "            getattr(self, name).copy_(value)") + 1)
+    assert second.stderr.strip() == (
+        f"error: {Path('run') / 'ckpt-000000001000.pt'} does not fit the algorithm its run's "
+        f"config.json builds (user_algos:Hill): KeyError: 'renamed'; the config is the one the "
+        f"checkpoint was saved with, so did Hill's state_dict() or load_state_dict() change "
+        f"since? (raised at {module}:{line})"), second.stderr
+
+
 @pytest.mark.slow
 def test_an_algorithm_naming_no_update_length_trains_in_default_phases(project):
     # No [train] phase settings: the default phases are env steps, so the algorithm trains
