@@ -330,9 +330,15 @@ def algorithm_class(path: str) -> type:
     if isinstance(cls, type) and issubclass(cls, Algorithm):
         return cls
     module = sys.modules[module_name]
-    found = sorted(key for key, value in vars(module).items()
-                   if isinstance(value, type) and issubclass(value, Algorithm)
-                   and value is not Algorithm and value.__module__ == module_name)
+    # Its public names where it declares them (a package's, loaded on first use too), else
+    # the classes it defines itself.
+    exported = getattr(module, "__all__", None)
+    names = exported if exported is not None else [
+        key for key, value in vars(module).items()
+        if getattr(value, "__module__", None) == module_name]
+    found = sorted(key for key in names
+                   if isinstance(value := getattr(module, key, None), type)
+                   and issubclass(value, Algorithm) and value is not Algorithm)
     listed = (f"its algorithms: {', '.join(found)}" if found else
               "it defines no subclass of batchrl.algos.Algorithm")
     if cls is None:

@@ -887,3 +887,12 @@ def test_a_module_that_fails_to_import_is_a_one_line_error_at_its_line(
     with pytest.raises(ConfigError) as raised:
         build_config({"algorithm": {"class": "user_mod:Algo"}})
     assert str(raised.value) == error.format(path=path)
+
+
+def test_a_name_a_package_lacks_lists_the_algorithms_it_exports():
+    """batchrl.algos loads its algorithms on first use: they are listed all the same."""
+    with pytest.raises(ConfigError, match=r"^algorithm.class = 'batchrl.algos:A2C': module "
+                                          r"batchrl.algos has no name 'A2C'; its algorithms: "
+                                          r"BatchPPO, DQN, IMPALA, Reinforce, RolloutAlgorithm, "
+                                          r"SAC$"):
+        build_config({"algorithm": {"class": "batchrl.algos:A2C"}})
