@@ -78,8 +78,10 @@ def _merge(summary: Summary, returned: Any, algo: Algorithm, method: str) -> Non
     summary.update(returned)
 
 
-def _performed(returned: Any, algo: Algorithm, summary: Summary) -> torch.Tensor:
-    """The action of what ``perform`` returned, checked; its summary goes into ``summary``."""
+def _performed(returned: Any, algo: Algorithm, summary: Summary,
+               shape: torch.Size) -> torch.Tensor:
+    """The action of what ``perform`` returned, checked (against the env's action ``shape``);
+    its summary goes into ``summary``."""
     if not isinstance(returned, tuple) or len(returned) != 2:
         raise TypeError(f"{type(algo).__name__}.perform() returned {_short(returned)}; it must "
                         f"return (action, summary): a tensor of actions and a dict")
@@ -87,6 +89,10 @@ def _performed(returned: Any, algo: Algorithm, summary: Summary) -> torch.Tensor
         raise TypeError(f"{type(algo).__name__}.perform() returned an action of type "
                         f"{type(returned[0]).__name__}; it must be a "
                         f"torch.Tensor of shape (N, *action_shape) on the algorithm's device")
+    if returned[0].shape != shape:
+        raise ValueError(f"{type(algo).__name__}.perform() returned actions of shape "
+                         f"{tuple(returned[0].shape)}; the env takes {tuple(shape)} "
+                         f"(num_agents, *action_space.shape)")
     _merge(summary, returned[1], algo, "perform")
     return returned[0]
 
@@ -203,7 +209,7 @@ class Simulation:
 
         agents = tracker.agents
         observ = map_nested(torch.clone, env.observ)  # the env overwrites it when it steps
-        action = _performed(algo.perform(agents, observ), algo, summary)
+        action = _performed(algo.perform(agents, observ), algo, summary, env.action.shape)
         env.step_async(action)
         if lag:
             self.flush(summary)  # the previous step's, while the workers step this one

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import gymnasium as gym
@@ -346,6 +347,8 @@ class Broken(Recorder):
             return result[0]
         if self.method == "perform-numpy":
             return result[0].numpy(), {}
+        if self.method == "perform-shape":
+            return result[0][:, None], {}
         return (result[0], self.value) if self.method == "perform" else result
 
     def experience(self, *args):
@@ -371,6 +374,15 @@ def test_what_an_algorithm_returns_is_checked_and_named(method, message):
     env, algo = make_env(), Broken(method, None)
     with pytest.raises(TypeError, match=message):
         simulate(env, algo)  # env 0 ends its episode at the first step
+
+
+def test_actions_of_the_wrong_shape_name_perform():
+    env, algo = make_env(), Broken("perform-shape", None)
+    shape = tuple(env.action.shape)
+    with pytest.raises(ValueError, match=re.escape(
+            f"Broken.perform() returned actions of shape {(*shape, 1)}; the env takes "
+            f"{shape} (num_agents, *action_space.shape)")):
+        simulate(env, algo)
 
 
 def test_evaluate_episodes_counts_equal_shares_in_episode_order():
