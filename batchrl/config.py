@@ -486,7 +486,7 @@ def _convert(key: str, value: Any, annotation: Any) -> Any:
                     return _convert(key, value, option)
                 except ConfigError as exc:
                     errors.append(str(exc))
-        # (a value of the right type but out of range: say so rather than list the types)
+        # (an option whose type fits but whose check failed: its message, not the types)
         for error in errors:
             if "expected" not in error or "finite" in error:
                 raise ConfigError(error)

@@ -10,9 +10,9 @@ which loads the checkpoint and acts with its mean (mode) action, or with sampled
 the episodes are rendered one after another into an MP4 instead (``batchrl.video``; MuJoCo
 cameras follow the agent; classic control renders with pygame, which the ``video`` extra
 brings). Agent ``i``'s first episode is reset with seed ``seed + i`` and its later ones
-continue that env's random stream; a video's episode ``i`` is reset with ``seed + i``, so with mean actions it
-films the episodes that ``agents = episodes`` evaluates (sampled actions are drawn in
-another order).
+continue that env's random stream; a video's episode ``i`` is reset with ``seed + i``, so
+with mean actions it films the episodes that ``agents = episodes`` evaluates (sampled actions
+are drawn in another order).
 """
 
 from __future__ import annotations
