@@ -55,6 +55,10 @@ class ConfigError(ValueError):
     """A user error in a configuration: unknown name or key, bad type or value."""
 
 
+class _WrongType(ConfigError):
+    """A value whose type the key does not take (another option of a union may)."""
+
+
 @dataclass
 class EnvConfig:
     """Which env to train on and how many copies to step."""
@@ -479,22 +483,17 @@ def _convert(key: str, value: Any, annotation: Any) -> Any:
         if type(None) in options and (value is None or (isinstance(value, str)
                                                         and value.lower() == "none")):
             return None
-        errors = []
         for option in options:
             if option is not type(None):
                 try:
                     return _convert(key, value, option)
-                except ConfigError as exc:
-                    errors.append(str(exc))
-        # (an option whose type fits but whose check failed: its message, not the types)
-        for error in errors:
-            if "expected" not in error or "finite" in error:
-                raise ConfigError(error)
-        raise ConfigError(f"{key}: expected {_type_name(annotation)}, got {value!r}")
+                except _WrongType:
+                    pass  # (an option whose type fits but whose check fails: its message)
+        raise _WrongType(f"{key}: expected {_type_name(annotation)}, got {value!r}")
     if origin in (tuple, list, collections.abc.Sequence):
         item_type = typing.get_args(annotation)[0]
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list of {_type_name(item_type)}, got {value!r}")
+            raise _WrongType(f"{key}: expected a list of {_type_name(item_type)}, got {value!r}")
         items = [_convert(f"{key}[{i}]", item, item_type) for i, item in enumerate(value)]
         return items if origin is list else tuple(items)
     if origin is typing.Literal:
@@ -514,7 +513,7 @@ def _convert(key: str, value: Any, annotation: Any) -> Any:
         value = int(value)  # 1e6 steps
     # bool is an int, but not a valid value of an int, float, str or dict key.
     if not isinstance(value, annotation) or (isinstance(value, bool) and annotation is not bool):
-        raise ConfigError(f"{key}: expected {expected[annotation]}, got {value!r}")
+        raise _WrongType(f"{key}: expected {expected[annotation]}, got {value!r}")
     if annotation is float and not math.isfinite(value):  # (a run would train on NaNs)
         raise ConfigError(f"{key}: expected a finite number, got {value!r}")
     if annotation is int and not -2**63 <= value < 2**63:  # (counters and seeds are int64)

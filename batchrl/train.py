@@ -226,30 +226,22 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
                   file=sys.stderr)
             return 2
         print(f"error: {exc}", file=sys.stderr)
-        _print_resume(logdir, command, args.config)
+        _print_resume(logdir, command, args.config, after=(
+            " (env.restart_crashed_envs replaces failed env workers instead of stopping)"))
         return 1
     except (LearnerError, CollectorError, MemoryError) as exc:
-        from batchrl.checkpoint import latest_checkpoint
         _remove_if_empty(created)
         if isinstance(exc, MemoryError):
             exc = f"out of memory: {exc}" if str(exc) else (
                 "out of memory: lower what the config makes large (env.num_agents, an "
                 "algorithm's buffer_size or rollout_length)")
         print(f"error: {exc}", file=sys.stderr)
-        checkpoint = latest_checkpoint(logdir) if logdir.is_dir() else None
-        if checkpoint is not None:
-            print(f"\nThe run's latest checkpoint is {checkpoint}. Resume it with: "
-                  f"{_resume_command(command, args.config, logdir)}", file=sys.stderr)
+        _print_resume(logdir, command, args.config)
         return 1
     except Exception:  # the algorithm's own code raised (or batchrl's: a bug)
-        from batchrl.checkpoint import latest_checkpoint
         _remove_if_empty(created)
         traceback.print_exc()
-        checkpoint = latest_checkpoint(logdir) if logdir.is_dir() else None
-        if checkpoint is not None:
-            print(f"\nThe run's latest checkpoint is {checkpoint}. Once the error is fixed, "
-                  f"resume it with: {_resume_command(command, args.config, logdir)}",
-                  file=sys.stderr)
+        _print_resume(logdir, command, args.config, "Once the error is fixed, resume it with")
         return 1
     if result:
         # (imports stay lazy: a quick --help)
@@ -435,15 +427,15 @@ def _resume_command(command: str, config: str, logdir: Path | None) -> str:
     return " ".join([command, shlex.join(["--config", config, "--logdir", str(logdir)])])
 
 
-def _print_resume(logdir: Path, command: str, config: str) -> None:
-    """After an env failure: where the run's work is and how to go on."""
+def _print_resume(logdir: Path, command: str, config: str, lead: str = "Resume it with",
+                  after: str = "") -> None:
+    """After a failure: the run's latest checkpoint, if it has one, and the command that
+    resumes it (``lead`` before it, ``after`` after it)."""
     from batchrl.checkpoint import latest_checkpoint
-    checkpoint = latest_checkpoint(logdir)
+    checkpoint = latest_checkpoint(logdir) if logdir.is_dir() else None
     if checkpoint is not None:
-        resume = _resume_command(command, config, logdir)
-        print(f"\nThe run's latest checkpoint is {checkpoint}. Resume it with: {resume} "
-              f"(env.restart_crashed_envs replaces failed env workers instead of stopping)",
-              file=sys.stderr)
+        print(f"\nThe run's latest checkpoint is {checkpoint}. {lead}: "
+              f"{_resume_command(command, config, logdir)}{after}", file=sys.stderr)
 
 
 def _interrupted_message(stop: Any, command: str, config: str, logdir: Path | None) -> str:
