@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,19 @@ def read_metrics(logdir: Path) -> list[dict[str, Any]]:
     return records
 
 
+def _wait_for_a_new_events_name(logdir: Path) -> None:
+    """Wait for the next second if this process already opened an event file in ``logdir``
+    in this one. TensorBoard reads a run's event files in the order of their names: the
+    second, the host, the process and a count of the process's writers, which does not
+    sort as a number (``10`` before ``9``). A later session of the same process in the same
+    second (a resume through the Python API) could be read first, and its steps then
+    purged as out of order."""
+    now = time.time()
+    same_second = f"events.out.tfevents.{int(now):010d}.{socket.gethostname()}.{os.getpid()}."
+    if any(Path(logdir).glob(same_second + "*")):
+        time.sleep(1.0 - now % 1.0)
+
+
 class RunLog:
     """Appends phase records to ``metrics.jsonl`` and scalars to TensorBoard. TensorBoard
     hides earlier sessions' events from ``purge_step`` on, and ``truncate(step)`` drops their
@@ -48,6 +63,7 @@ class RunLog:
 
         self.logdir = Path(logdir)
         self.eval_actions = eval_actions  # what the evaluations act with, for the plot's legend
+        _wait_for_a_new_events_name(self.logdir)
         self.writer = SummaryWriter(str(self.logdir), purge_step=purge_step)
 
     def truncate(self, step: int) -> None:

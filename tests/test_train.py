@@ -1017,3 +1017,17 @@ def test_read_metrics_and_truncate_on_resume(tmp_path):
         assert read_metrics(tmp_path) == [] and (tmp_path / METRICS_FILE).read_text() == ""
     finally:
         log.close()
+
+
+def test_sessions_of_one_process_reach_tensorboard_in_their_order(tmp_path, monkeypatch):
+    """Two sessions of one process on one log directory (a resume through the Python API):
+    TensorBoard reads event files in name order, and a name's writer count does not sort as
+    a number. With the count at 9 and 10 in one second, the second session's file came
+    first and TensorBoard purged its steps as out of order."""
+    from tensorboard.summary.writer import event_file_writer
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(9))
+    for step in (1, 2):
+        log = RunLog(tmp_path, purge_step=step)
+        log.scalars({"ppo/x": float(step)}, step)
+        log.close()
+    assert scalar_events(tmp_path)["ppo/x"] == [(1, 1.0), (2, 2.0)]
