@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import re
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -65,11 +66,19 @@ def load_checkpoint(path: Path, device: str | torch.device = "cpu") -> dict[str,
     On the CPU the tensors are mapped from the file (``mmap``, copy-on-write) rather than
     read into memory of the process's own: while a resume copies a replay buffer of
     gigabytes into the algorithm's, the checkpoint's copy is file pages the system can drop
-    and read again, not a second copy that must stay resident, and an evaluation that
-    drops the buffer does not read it."""
+    and read again, not a second copy that must stay resident. Every record's checksum is
+    checked first, which reads the file once (through the same file pages)."""
     on_cpu = torch.device(device).type == "cpu"
     try:
+        # (torch.load checks no checksums of a mapped file: a changed byte would load)
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+        if damaged is not None:
+            raise CheckpointError(f"cannot read checkpoint {path}: its record {damaged} fails "
+                                  f"its checksum; {_DAMAGED}")
         state = torch.load(path, map_location=device, weights_only=False, mmap=on_cpu)
+    except CheckpointError:
+        raise
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} does not exist") from None
     except OSError as exc:  # (the file system's error, not the file's content)
@@ -97,7 +106,9 @@ def _unreadable(path: Path, exc: Exception) -> CheckpointError:
     if not _NAME.match(Path(path).name):
         return CheckpointError(f"{path} is not a batchrl checkpoint (those are the ckpt-*.pt "
                                f"files of a run's log directory): {type(exc).__name__}: {exc}")
-    return CheckpointError(
-        f"cannot read checkpoint {path} ({type(exc).__name__}: {exc}); the file is damaged "
-        f"(checkpoints are written atomically, so something else changed it). Delete it to "
-        f"continue from the previous checkpoint")
+    return CheckpointError(f"cannot read checkpoint {path} ({type(exc).__name__}: {exc}); "
+                           f"{_DAMAGED}")
+
+
+_DAMAGED = ("the file is damaged (checkpoints are written atomically, so something else "
+            "changed it). Delete it to continue from the previous checkpoint")

@@ -124,9 +124,14 @@ class RunLog:
         figure.tight_layout()
         path = self.logdir / CURVE_FILE
         temporary = path.with_name("learning_curve.tmp.png")
-        figure.savefig(temporary)
-        plt.close(figure)
-        os.replace(temporary, path)
+        try:
+            figure.savefig(temporary)
+            os.replace(temporary, path)
+        except BaseException:  # (a full disk: keep the last whole plot, and no part of one)
+            temporary.unlink(missing_ok=True)
+            raise
+        finally:
+            plt.close(figure)
         return path
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import itertools
 import json
 import os
@@ -36,7 +37,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from batchrl.files import atomic_write
+from batchrl.files import LOCK_FILE, LogdirInUse, atomic_write, hold_logdir
 
 if TYPE_CHECKING:
     from batchrl.config import Config
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
-    from batchrl.config import ConfigError
+    from batchrl.config import CONFIG_FILE, ConfigError
     from batchrl.envs.errors import (EnvError, EnvRaisedError, EnvSpecError,
                                      SpaceMismatchError, UnsupportedSpaceError)
 
@@ -179,6 +180,17 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
         _remove_if_empty(created)
         print("Interrupted before training started", file=sys.stderr)
         return 130
+
+    if not _another_learner():  # (torchrun's other learners write nothing there)
+        try:
+            hold_logdir(logdir)  # (for the process's lifetime; the Trainer holds it too)
+        except LogdirInUse as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if not (logdir / CONFIG_FILE).exists():
+            # The --config a resume names: its --set overrides are in the saved config.
+            with atomic_write(logdir / STARTED_WITH) as file:
+                file.write(json.dumps({"config": args.config}) + "\n")
 
     user_errors = (ConfigError, EnvSpecError, CheckpointError, UnsupportedSpaceError,
                    SpaceMismatchError)
@@ -238,8 +250,13 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
         print(f"error: {exc}", file=sys.stderr)
         _print_resume(logdir, command, args.config)
         return 1
-    except Exception:  # the algorithm's own code raised (or batchrl's: a bug)
+    except Exception as exc:  # the algorithm's own code raised (or batchrl's: a bug)
         _remove_if_empty(created)
+        shortage = _shortage(exc)
+        if shortage is not None:  # (the machine's, not the code's: no traceback)
+            print(f"error: {shortage}", file=sys.stderr)
+            _print_resume(logdir, command, args.config, "Once there is room, resume it with")
+            return 1
         traceback.print_exc()
         _print_resume(logdir, command, args.config, "Once the error is fixed, resume it with")
         return 1
@@ -250,6 +267,31 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
               f"over {episodes_words(result['episodes'])} "
               f"({actions_words(config.train.eval_actions)})")
     return 0
+
+
+# What the machine ran out of, by errno, and where to make room.
+_SHORTAGES = {
+    errno.ENOSPC: "free space on that file system (df -h)",
+    errno.EDQUOT: "free space within your disk quota",
+    errno.EFBIG: "raise the file size limit (ulimit -f)",
+    errno.EMFILE: "raise the open-file limit (ulimit -n) or lower env.workers",
+    errno.ENFILE: "close other programs' files, or raise the system's limit (fs.file-max)",
+    errno.EROFS: "choose a --logdir on a file system you can write to",
+}
+
+
+def _shortage(exc: BaseException) -> str | None:
+    """The line for an error that a lack of room caused (a full disk, too many open
+    files): the ``OSError`` among ``exc`` and the errors it came from (torch's writer wraps
+    a full disk's in its own), with what to free; ``None`` for any other error."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _SHORTAGES:
+            where = f": {exc.filename}" if exc.filename else ""
+            return f"{exc.strerror or exc}{where}; {_SHORTAGES[exc.errno]}"
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _unknown_env_key(exc: Exception, config: Config) -> str | None:
@@ -359,10 +401,6 @@ def _configure(args: argparse.Namespace, command: str) -> tuple[Config, Path, Pa
     else:
         logdir = args.logdir
         created = _prepare_logdir(logdir, ConfigError)
-    if not (logdir / CONFIG_FILE).exists():
-        # The --config a resume names: its --set overrides are in the saved config.
-        with atomic_write(logdir / STARTED_WITH) as file:
-            file.write(json.dumps({"config": args.config}) + "\n")
     return config, logdir, created
 
 
@@ -404,11 +442,13 @@ def _prepare_logdir(logdir: Path, error: type[Exception]) -> Path | None:
 
 def _remove_if_empty(directory: Path | None) -> None:
     """Undo ``_prepare_logdir`` after a failed start, if nothing but the
-    ``STARTED_WITH`` record was written."""
+    ``STARTED_WITH`` record and the lock were written."""
     if directory is not None:
         try:
-            if [path.name for path in directory.iterdir()] == [STARTED_WITH]:
-                (directory / STARTED_WITH).unlink()
+            left = {path.name for path in directory.iterdir()}
+            if left <= {STARTED_WITH, LOCK_FILE}:
+                for name in left:
+                    (directory / name).unlink()
             directory.rmdir()
         except OSError:
             pass

@@ -42,6 +42,7 @@ from batchrl.config import CONFIG_FILE, Config, ConfigError, config_class, save_
 from batchrl.envs.errors import EnvError
 from batchrl.envs.factory import make_batch_env
 from batchrl.errors import error_line
+from batchrl.files import hold_logdir, release_logdir
 from batchrl.hardware import BFLOAT16_HARDWARE, core_share, native_bfloat16, usable_cores
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.interrupt import Interrupted, StopSignals
@@ -659,6 +660,7 @@ class Trainer:
                                             if config.train.collectors else env_config.kwargs)
         eval_batch_env = None
         self.log = None
+        holding = False
         bar = None
         pool = None
         last_eval: dict[str, Any] = {}
@@ -696,6 +698,8 @@ class Trainer:
             # Only now that env and algorithm fit together (spaces) is this a run.
             if self.writer:
                 self.logdir.mkdir(parents=True, exist_ok=True)
+                hold_logdir(self.logdir)  # (LogdirInUse: another process trains there)
+                holding = True
                 save_config(config, self.logdir)
             algo.interrupt_check = self._stop.check  # Ctrl-C within an update
             checkpoint = latest_checkpoint(self.logdir) if self.writer else None
@@ -835,7 +839,11 @@ class Trainer:
                 if pool is not None:
                     pool.close()
             finally:
-                self._close(bar, batch_env, eval_batch_env)
+                try:
+                    self._close(bar, batch_env, eval_batch_env)
+                finally:
+                    if holding:
+                        release_logdir(self.logdir)
         return last_eval
 
     def _close(self, bar: Any, batch_env: Any, eval_batch_env: Any) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -380,7 +381,7 @@ SAME_FILE_WRITER = textwrap.dedent("""
     import sys
     from batchrl.files import atomic_write
 
-    for round_ in range(300):  # (torchrun's learners each record the run's start)
+    for round_ in range(300):
         with atomic_write(sys.argv[1]) as file:
             file.write(f"{sys.argv[2]} {round_}\\n")
 """)
@@ -433,6 +434,77 @@ def test_processes_writing_one_file_at_once_each_write_it_whole(tmp_path):
     assert [writer.returncode for writer in writers] == [0, 0], errors
     assert path.read_text() in ("a 299\n", "b 299\n")
     assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.timeout(120)
+def test_a_log_directory_in_use_is_refused_and_freed_by_its_runs_end(tmp_path):
+    """Two runs in one log directory would write each other's records, events and
+    checkpoints: while a run trains there, a second train.py exits 2 naming its pid, and a
+    Trainer of the Python API raises; a SIGKILLed run leaves no stale lock."""
+    from batchrl.files import LogdirInUse, hold_logdir, release_logdir
+
+    logdir = tmp_path / "run"
+    first = subprocess.Popen(
+        [sys.executable, str(TRAIN_PY), "--config", "cartpole", "--logdir", str(logdir),
+         "--no-progress", *sets(*CARTPOLE), "--steps", "10000000"],
+        env=ENVIRON, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (logdir / "config.json").exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
+            time.sleep(0.05)
+        started = (logdir / "started_with.json").read_text()
+        second = resume(logdir, "--steps", "20000000")
+        assert second.returncode == 2, second
+        assert second.stderr == (f"error: {logdir} is in use by another training run (pid "
+                                 f"{first.pid}): wait for it to end or stop it, or choose "
+                                 f"another --logdir\n")
+        assert (logdir / "started_with.json").read_text() == started
+        with pytest.raises(LogdirInUse, match=f"pid {first.pid}"):
+            Trainer(load_config("cartpole", CARTPOLE + ["env.backend=inline"]), logdir,
+                    progress=False).run()
+        assert first.poll() is None
+        first.kill()
+        first.wait(10)
+        hold_logdir(logdir)  # (the system dropped the killed run's lock)
+        release_logdir(logdir)
+    finally:
+        if first.poll() is None:
+            first.kill()
+        first.communicate()
+
+
+@pytest.mark.timeout(240)
+def test_a_full_disk_is_a_one_line_error_and_the_run_resumes_once_there_is_room(tmp_path):
+    """A log directory on a file system of 2 MiB (a tmpfs in a mount namespace of the test's
+    own) fills at the second or third checkpoint: one line says so (torch's writer buries
+    the OSError in its own RuntimeError), with the resume command; nothing half-written is
+    left, and once the file system has room the run resumes to its end."""
+    namespace = ["unshare", "--mount", "--propagation", "private"]
+    if subprocess.run([*namespace, "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs a mount namespace of its own (root, unshare)")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    logdir = disk / "run"
+    resume = f"{sys.executable} {TRAIN_PY} --config cartpole --logdir {logdir} --no-progress"
+    train = f"{resume} --steps 8000 " + " ".join(f"--set {override}" for override in CARTPOLE)
+    script = (f"mount -t tmpfs -o size=2m tmpfs {disk} && {{ {train}; echo exit=$?; "
+              f"ls {logdir}; mount -o remount,size=64m {disk} && {resume}; echo exit=$?; }}")
+    result = subprocess.run([*namespace, "sh", "-c", script], env=ENVIRON, cwd=REPO,
+                            capture_output=True, text=True, timeout=220)
+    first, _, second = result.stdout.partition("exit=1\n")
+    assert second, result
+    errors = result.stderr.splitlines()
+    assert errors[0] == ("error: No space left on device; free space on that file system "
+                         "(df -h)"), result.stderr
+    assert re.fullmatch(f"The run's latest checkpoint is {logdir}/ckpt-\\d{{12}}.pt. Once "
+                        f"there is room, resume it with: python train.py --config cartpole "
+                        f"--logdir {logdir}", errors[2]), result.stderr
+    assert "Traceback" not in result.stderr
+    left = second.split("Training BatchPPO")[0].split()
+    assert not [name for name in left if "tmp" in name], left  # (nothing half-written)
+    assert second.rstrip().endswith("exit=0"), result
+    assert "Final evaluation:" in second
 
 
 def test_partial_tmp_file_is_not_taken_for_a_checkpoint(finished_run, tmp_path):
@@ -755,6 +827,24 @@ def test_load_checkpoint_errors_say_what_is_wrong_with_the_file(tmp_path):
     with pytest.raises(CheckpointError, match=f"^cannot read checkpoint {damaged} ") as error:
         load_checkpoint(damaged)
     assert "Delete it to continue from the previous checkpoint" in str(error.value)
+
+    # A changed byte in a tensor's data: torch.load of the mapped file would not notice.
+    changed = tmp_path / name(9)
+    data = bytearray(serialize({"algorithm": {"w": torch.zeros(100_000)}}))
+    data[len(data) // 2] ^= 0xFF
+    changed.write_bytes(data)
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(changed)
+    assert re.fullmatch(f"cannot read checkpoint {changed}: its record \\S+/data/0 fails its "
+                        f"checksum; the file is damaged .*Delete it to continue from the "
+                        f"previous checkpoint", str(error.value)), str(error.value)
+
+    empty = tmp_path / name(10)  # (torch's own message would advise a serialization option)
+    empty.write_bytes(b"")
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(empty)
+    assert str(error.value).startswith(f"cannot read checkpoint {empty} (BadZipFile: ")
+    assert "Delete it" in str(error.value) and "serialization" not in str(error.value)
 
     foreign = tmp_path / "config.json"
     foreign.write_text('{"train": {}}')
