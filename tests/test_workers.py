@@ -14,6 +14,7 @@ import contextlib
 import glob
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from batchrl.envs import (BatchEnv, EnvAttributeError, EnvCrashedError, EnvRaise
 from batchrl.envs.errors import EnvSpecError, UnsupportedSpaceError
 from batchrl.envs.factory import DEFAULT_TIMEOUT, batch_env_from, split_evenly
 from batchrl.hardware import usable_cores
-from helpers import (CountingEnv, assert_same_log, fails_at, kill_and_wait, make_cartpole,
+from helpers import (REPO, CountingEnv, assert_same_log, fails_at, kill_and_wait, make_cartpole,
                      make_cheetah, raise_site, rollout, run_script, sleeps_at, wait_gone)
 
 # Ship this module's env classes and constructors to the workers by value.
@@ -418,6 +419,49 @@ def test_killed_worker_names_its_env_range(closing):
     start = time.monotonic()
     batch.close()
     assert time.monotonic() - start < 3.0
+
+
+FULL_SHM_SCRIPT = textwrap.dedent("""
+    import os
+    from batchrl.envs import EnvWorker
+    from batchrl.envs.errors import EnvError
+
+    if __name__ == "__main__":
+        fd = os.open("/dev/shm/filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while True:  # (until /dev/shm, a tmpfs of 64 KiB here, is full)
+                os.write(fd, b"x" * 4096)
+        except OSError:
+            pass
+        os.close(fd)
+        worker = EnvWorker(["CartPole-v1"] * 2, label="cartpoles")
+        try:
+            worker.observation_space
+        except EnvError as exc:
+            print(exc)
+        worker.close()
+""")
+
+
+@pytest.mark.timeout(60)
+def test_a_full_dev_shm_is_an_error_that_says_so_not_a_sigbus(tmp_path):
+    """tmpfs reserves no pages when a block is sized: with /dev/shm full, the first process
+    to write the worker's arrays was killed by SIGBUS (the worker, or the trainer with no
+    word at all). The pages are reserved when the block is made, so it is an EnvError."""
+    namespace = ["unshare", "--mount", "--propagation", "private"]
+    if subprocess.run([*namespace, "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs a mount namespace of its own (root, unshare)")
+    script = tmp_path / "full_shm.py"
+    script.write_text(FULL_SHM_SCRIPT)
+    result = subprocess.run(
+        [*namespace, "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs /dev/shm && exec "
+                                 f"{sys.executable} {script}"],
+        capture_output=True, text=True, timeout=50, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert result.returncode == 0, result.stderr
+    assert re.fullmatch(
+        r"cartpoles failed in construct\(\): cannot get \d+ bytes of shared memory for its "
+        r"worker's arrays \(No space left on device\); free space in /dev/shm \(df -h "
+        r"/dev/shm\) or set env.backend = 'inline'\n", result.stdout), result
 
 
 class UnpicklableInfo(CountingEnv):

@@ -42,6 +42,21 @@ def _attach_untracked(name: str) -> shared_memory.SharedMemory:
         resource_tracker.register = register
 
 
+def _create_block(size: int) -> shared_memory.SharedMemory:
+    """A new block of ``size`` bytes whose pages are reserved now: tmpfs reserves none when
+    the block is sized, so where /dev/shm is nearly full the first process to write a page
+    there is killed by SIGBUS. Raises the ``OSError`` (``ENOSPC``) instead."""
+    shm = shared_memory.SharedMemory(create=True, size=size)
+    if hasattr(os, "posix_fallocate"):  # (Linux; the block's descriptor is the stdlib's own)
+        try:
+            os.posix_fallocate(shm._fd, 0, size)
+        except OSError:
+            shm.close()
+            shm.unlink()
+            raise
+    return shm
+
+
 def _pickled(answer: tuple) -> bytes:
     """``answer`` pickled, or the error of a value in it that cannot be (an info, what a
     ``call`` returned): that is the env's error, not the worker's end."""
@@ -233,7 +248,14 @@ class EnvWorker(WorkerHandle, RemoteWorker):
             self._attach(None)
             self._arrays = arrays
             return obs_space, act_space
-        shm = shared_memory.SharedMemory(create=True, size=arrays.size)
+        try:
+            shm = _create_block(arrays.size)
+        except OSError as exc:
+            self.close()
+            raise EnvError(self.label, "construct", f"cannot get {arrays.size:,} bytes of "
+                           f"shared memory for its worker's arrays ({exc.strerror or exc}); "
+                           f"free space in /dev/shm (df -h /dev/shm) or set "
+                           f"env.backend = 'inline'") from None
         try:
             self._attach(shm.name)
         except BaseException:
