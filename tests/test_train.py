@@ -577,6 +577,11 @@ MORE_BAD_INPUT = {  # checked in-process through train.main()
     "bad device": (["--config", "cartpole", *sets("train.device=tpu")], ["train.device",
                                                                          "'cpu'"]),
     "bad steps": (["--config", "cartpole", "--steps", "0"], ["train.steps must be >= 1"]),
+    "shared mlp torso": (["--config", "cartpole", *sets("algorithm.shared_torso=true")],
+                         ["algorithm.shared_torso needs a torso with layers to share"]),
+    "impala shared mlp torso": (["--config", "impala/cartpole",
+                                 *sets("algorithm.shared_torso=true")],
+                                ["algorithm.shared_torso needs a torso with layers to share"]),
     "algorithm.max_length": (["--config", "cartpole", *sets("algorithm.max_length=9")],
                              ["algorithm.max_length is the trainer's to pass (from "
                               "env.max_length); remove it from [algorithm] and set "

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchrl.algos.ppo_config import ACTIVATIONS, INITS, LR_SCHEDULES, TORSOS, check_finite
+from batchrl.algos.ppo_config import (ACTIVATIONS, INITS, LR_SCHEDULES, TORSOS, check_finite,
+                                      check_torso)
 
 OPTIMIZERS = ("adam", "rmsprop")
 
@@ -47,6 +48,7 @@ class IMPALAConfig:
                               ("torso", TORSOS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        check_torso(self)
         for name in ("policy_layers", "value_layers"):
             if any(size < 1 for size in getattr(self, name)):
                 raise ValueError(f"{name} must be layer sizes >= 1, got {getattr(self, name)}")

@@ -21,7 +21,7 @@ import gymnasium as gym
 import torch
 from torch import nn
 
-from batchrl.algos.ppo_config import TORSOS
+from batchrl.algos.ppo_config import SHARED_MLP, TORSOS
 from batchrl.errors import UnsupportedSpaceError
 from batchrl.nested import is_nested_space
 from batchrl.parts.packing import PackedObservations
@@ -233,9 +233,7 @@ def build_torsos(kind: str, observation_space: gym.Space, shared: bool
     if not shared:
         return torso, build_torso(kind, observation_space)
     if torso is None or not any(True for _ in torso.parameters()):
-        raise ValueError("shared_torso needs a torso with layers to share: set torso to "
-                         "'nature_cnn' or 'impala_cnn' (an MLP policy and value network share "
-                         "nothing)")
+        raise ValueError(SHARED_MLP)
     return torso, torso
 
 

@@ -32,6 +32,17 @@ def check_finite(config: object) -> None:
             raise ValueError(f"{item.name} must be a finite number, got {value}")
 
 
+SHARED_MLP = ("shared_torso needs a torso with layers to share: set torso to 'nature_cnn' or "
+              "'impala_cnn' (an MLP policy and value network share nothing)")
+
+
+def check_torso(config: object) -> None:
+    """Raise ``ValueError`` where ``config`` (PPO's or IMPALA's) shares the ``"mlp"`` torso,
+    which has no layers to share."""
+    if config.shared_torso and config.torso == "mlp":  # type: ignore[attr-defined]
+        raise ValueError(SHARED_MLP)
+
+
 @dataclass
 class PPOConfig:
     """Hyperparameters of BatchPPO. The defaults follow the paper's update scheme (whole
@@ -89,6 +100,7 @@ class PPOConfig:
                               ("advantage_normalization", ADVANTAGE_NORMALIZATIONS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        check_torso(self)
         for name in ("policy_layers", "value_layers"):
             if any(size < 1 for size in getattr(self, name)):
                 raise ValueError(f"{name} must be layer sizes >= 1, got {getattr(self, name)}")
