@@ -101,7 +101,7 @@ def run(name: str, collectors: int, steps: int, extra: list[str]) -> dict[str, A
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="halfcheetah")
     parser.add_argument("--collectors", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=100_000)
