@@ -527,8 +527,8 @@ def test_vector_training_episodes_end_with_a_life_evaluation_episodes_do_not():
 
 def test_no_fire_is_pressed_after_a_reset_or_a_lost_life():
     """Breakout serves only on FIRE: no-ops alone never lose a life, after a new game's reset
-    (both backends) or the reset that plays on after a lost life (which starts a fresh
-    frame stack)."""
+    or after a lost life, on both backends (the reset that plays on starts a fresh frame
+    stack; the vector env's play-on step ignores the action sent with it)."""
     env = make("ALE/Breakout-v5", sticky_actions=0.0, noop_max=0)
     try:
         env.reset(seed=0)
@@ -549,6 +549,19 @@ def test_no_fire_is_pressed_after_a_reset_or_a_lost_life():
             _, _, terminated, truncated, info = env.step(np.zeros(1, np.int64))
             assert not (terminated[0] or truncated[0])
         assert info["lives"][0] == 5
+        env.step(np.ones(1, np.int64))  # FIRE: served; the no-ops then lose the ball
+        for _ in range(300):
+            _, _, terminated, _, info = env.step(np.zeros(1, np.int64))
+            if terminated[0]:
+                break
+        assert terminated[0] and info["lives"][0] == 4
+        # The step that plays on after the lost life takes no action of the policy's: a FIRE
+        # sent with it serves no ball.
+        env.step(np.ones(1, np.int64))
+        for _ in range(150):
+            _, _, terminated, truncated, info = env.step(np.zeros(1, np.int64))
+            assert not (terminated[0] or truncated[0])
+        assert info["lives"][0] == 4
     finally:
         env.close()
 

@@ -718,7 +718,10 @@ def test_training_with_collectors_logs_the_lag_and_resumes(tmp_path, monkeypatch
 
 
 def test_the_trainer_counts_the_steps_and_logs_no_lag_when_collectors_wait_for_each_update(
-        tmp_path):
+        tmp_path, monkeypatch):
+    sessions = []  # each pool's session: a resumed run's collectors seed their envs anew
+    monkeypatch.setattr(trainer_module, "LocalCollectors", lambda spec, *args, **kwargs: (
+        sessions.append(spec.session) or LocalCollectors(spec, *args, **kwargs)))
     values = {"env": {"id": "CartPole-v1", "num_agents": 2, "max_length": 200,
                       "backend": "inline"},
               "train": {"steps": 64, "eval_episodes": 0, "device": "cpu", "collectors": 1,
@@ -730,6 +733,11 @@ def test_the_trainer_counts_the_steps_and_logs_no_lag_when_collectors_wait_for_e
     # Each update learns one 8-step rollout of both agents, acted by the learner's weights.
     assert [r["step"] for r in updates] == [16, 32, 48, 64] and trainer.counters.steps == 64
     assert all(r["collectors_lag_mean"] == r["collectors_lag_max"] == 0 for r in updates)
+    values["train"]["steps"] = 96
+    resumed = Trainer(build_config(values), tmp_path, progress=False)
+    resumed.run()
+    assert resumed.counters.steps == 96
+    assert sessions == [0, trainer.counters.phases] and sessions[1] > 0
 
 
 @pytest.mark.parametrize("fault, why", [("exit", "exited with code 3"),

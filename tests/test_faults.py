@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from batchrl.algos.base import Algorithm
-from batchrl.config import load_config
+from batchrl.config import ConfigError, load_config
 from batchrl.envs.batch import BatchEnv
 from batchrl.envs.errors import (EnvCrashedError, EnvError, EnvNonFiniteError,
                                  EnvRaisedError, EnvSpecError, EnvTimeoutError)
@@ -224,7 +224,7 @@ def test_a_failure_in_reset_restarts_the_worker_and_returns_the_asked_rows(closi
 def test_restarts_need_worker_processes():
     with pytest.raises(EnvSpecError, match="needs envs in worker processes"):
         batch_env_from(cartpole("raise", 2), 2, backend="inline", max_restarts=1)
-    with pytest.raises(Exception, match="restart_crashed_envs needs envs in worker"):
+    with pytest.raises(ConfigError, match="restart_crashed_envs needs envs in worker"):
         load_config("cartpole", ["env.restart_crashed_envs=true"])  # cartpole is inline
     batch = batch_env_from(cartpole("raise", 10**9), 3, workers=1, max_restarts=1)
     try:

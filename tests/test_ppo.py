@@ -1111,6 +1111,21 @@ def test_minibatch_advantage_normalization_standardises_each_gradient_steps_adva
         assert float(advantage.std()) == pytest.approx(1.0, rel=1e-5)
 
 
+def test_minibatch_advantage_normalization_of_padded_episodes_takes_their_real_steps():
+    """A recurrent policy's minibatches are episodes padded to the longest: the padding
+    (mask 0) takes no part in the mean and spread that standardise the real steps."""
+    algo = make(BOX, network="recurrent", advantage_normalization="minibatch",
+                update_epochs=1, batch_size=2)
+    algo.objective = recording = RecordingObjective(algo.objective)
+    fill_memory(algo, [8, 3, 6], seed=3)
+    algo.update()
+    assert any(not bool(mask.all()) for _, mask in recording.steps)  # (padding is there)
+    for advantage, mask in recording.steps:
+        real = advantage[mask > 0]
+        assert float(real.mean()) == pytest.approx(0.0, abs=1e-5)
+        assert float(real.std()) == pytest.approx(1.0, rel=1e-4)
+
+
 def test_experience_must_not_lag_at_the_end_of_a_rollout():
     algo = make(BOX, num_agents=2, rollout_length=3)
     agents = torch.arange(2)

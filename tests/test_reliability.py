@@ -25,6 +25,7 @@ import torch
 from batchrl.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints,
                                 load_checkpoint, save_checkpoint, serialize)
 from batchrl.config import ConfigError, load_config
+from batchrl.files import atomic_write
 from batchrl.metrics import read_metrics
 from batchrl.trainer import Trainer
 from helpers import REPO, TRAIN_PY, assert_same, running, sets, wait_gone
@@ -423,6 +424,18 @@ def test_a_resume_the_run_cannot_take_is_a_one_line_error(finished_run, tmp_path
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert json.loads((logdir / "config.json").read_text()) == json.loads(saved)
     assert read_metrics(logdir) == read_metrics(finished_run)
+
+
+def test_a_write_that_fails_leaves_the_old_file_as_it_was(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text("old")
+    with pytest.raises(RuntimeError, match="crash"):
+        with atomic_write(path) as file:
+            file.write("new, half")
+            file.flush()
+            assert path.read_text() == "old"  # (nothing of the new file shows before it ends)
+            raise RuntimeError("crash")
+    assert path.read_text() == "old" and list(tmp_path.iterdir()) == [path]
 
 
 def test_processes_writing_one_file_at_once_each_write_it_whole(tmp_path):

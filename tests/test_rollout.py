@@ -188,11 +188,12 @@ def test_learn_bootstraps_at_the_cut_and_not_after_a_terminal_state(monkeypatch,
                                rtol=1e-5, atol=1e-5)
 
 
-def test_learn_takes_nothing_from_a_step_a_restart_lost():
+@pytest.mark.parametrize("targets", ["gae", "vtrace"])
+def test_learn_takes_nothing_from_a_step_a_restart_lost(targets):
     """The lost step's reward reaches neither the advantages of the steps before it nor the
-    observation statistics."""
+    observation statistics, with GAE's targets or V-trace's."""
     torch.manual_seed(0)
-    learner = ppo()
+    learner = ppo(value_targets=targets)
     rollout = collect(learner, cut={3: [1]})
     assert rollout.valid.sum() == 23 and not rollout.valid[1, 3]
     other = rollout.clone()

@@ -245,7 +245,7 @@ def test_spaces_and_make_vec():
         assert env.observation_space.shape == (3, 5)
         observ, infos = env.reset(seed=0)
         assert observ.shape == (3, 5) and infos == {}
-    with pytest.raises(Exception, match="NoSuchEnv"):
+    with pytest.raises(EnvSpecError, match="NoSuchEnv"):
         make_vec("NoSuchEnv-v0", 2)
 
 
