@@ -5,6 +5,7 @@ run's log directory."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 from pathlib import Path
@@ -59,7 +60,8 @@ def hold_logdir(logdir: Path) -> None:
     A POSIX record lock (``fcntl.lockf``) on ``LOCK_FILE``: the system drops it when the
     process ends however it ends (no stale lock after a crash or SIGKILL), processes the
     run starts do not inherit it, and the same process may hold it again (``train.py``
-    first, then its ``Trainer``): each hold needs its release."""
+    first, then its ``Trainer``): each hold needs its release. On a file system without
+    record locks (some network ones) the run goes on unguarded."""
     key = Path(logdir).resolve()
     if key in _held:
         _held[key][1] += 1
@@ -67,7 +69,10 @@ def hold_logdir(logdir: Path) -> None:
     fd = os.open(key / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EAGAIN):  # (held: one of those two)
+            _held[key] = [fd, 1]  # a file system without record locks: the run goes on
+            return
         holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
         os.close(fd)
         raise LogdirInUse(

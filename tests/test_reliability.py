@@ -520,6 +520,27 @@ def test_a_full_disk_is_a_one_line_error_and_the_run_resumes_once_there_is_room(
     assert "Final evaluation:" in second
 
 
+def test_a_log_directory_on_a_file_system_without_record_locks_is_used_unguarded(
+        tmp_path, monkeypatch):
+    """(Some network file systems refuse record locks: ENOLCK, not a run holding it.)"""
+    import errno
+    import fcntl
+
+    from batchrl.files import LogdirInUse, hold_logdir, release_logdir
+
+    def refused(code):
+        def lockf(fd, operation):
+            raise OSError(code, os.strerror(code))
+        return lockf
+
+    monkeypatch.setattr(fcntl, "lockf", refused(errno.ENOLCK))
+    hold_logdir(tmp_path)
+    release_logdir(tmp_path)
+    monkeypatch.setattr(fcntl, "lockf", refused(errno.EAGAIN))  # (what a held lock gives)
+    with pytest.raises(LogdirInUse):
+        hold_logdir(tmp_path)
+
+
 def test_partial_tmp_file_is_not_taken_for_a_checkpoint(finished_run, tmp_path):
     logdir = copy_run(finished_run, tmp_path / "run")
     latest = list_checkpoints(logdir)[-1]
