@@ -375,6 +375,21 @@ def run_stdin_script(source: str, *args: str, timeout: float = 120
                           text=True, timeout=timeout, env=dict(os.environ, PYTHONPATH=str(REPO)))
 
 
+def mount_namespace() -> list[str]:
+    """The command prefix that runs a command in a mount namespace of its own (where a test
+    may mount a small or read-only tmpfs); skips the test where none can be made (not root,
+    no ``unshare``)."""
+    import pytest
+    prefix = ["unshare", "--mount", "--propagation", "private"]
+    try:
+        made = subprocess.run([*prefix, "true"], capture_output=True).returncode == 0
+    except FileNotFoundError:
+        made = False
+    if not made:
+        pytest.skip("needs a mount namespace of its own (root, unshare)")
+    return prefix
+
+
 def start_train_py(*args: str, cwd: Path = REPO) -> subprocess.Popen:
     """train.py in its own process group (so that a signal to the group
     reaches it and its children as Ctrl-C in a terminal would)."""

@@ -27,7 +27,7 @@ from batchrl.envs.errors import UnsupportedSpaceError
 from batchrl.envs.process.external import ExternalProcess
 from batchrl.envs.process.shared_memory import EnvWorker
 from batchrl.trainer import Trainer
-from helpers import REPO, TRAIN_PY
+from helpers import REPO, TRAIN_PY, mount_namespace
 
 # Constructors defined here reach the env workers by value: a worker does not import this
 # module (and torch with it) to build their envs.
@@ -242,9 +242,7 @@ def test_train_py_read_only_logdir(tmp_path):
     command = [sys.executable, str(TRAIN_PY), "--config", "cartpole", "--logdir",
                str(parent / "run")]
     if os.geteuid() == 0:
-        namespace = ["unshare", "--mount", "--propagation", "private"]
-        if subprocess.run([*namespace, "true"], capture_output=True).returncode != 0:
-            pytest.skip("root, without a mount namespace of its own (unshare)")
+        namespace = mount_namespace()
         command = [*namespace, "sh", "-c", f"mount -t tmpfs -o ro tmpfs {parent} && exec "
                                            + " ".join(command)]
         why = "Read-only file system"

@@ -28,7 +28,7 @@ from batchrl.config import ConfigError, load_config
 from batchrl.files import atomic_write
 from batchrl.metrics import read_metrics
 from batchrl.trainer import Trainer
-from helpers import REPO, TRAIN_PY, assert_same, running, sets, wait_gone
+from helpers import REPO, TRAIN_PY, assert_same, mount_namespace, running, sets, wait_gone
 
 ENVIRON = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
 CARTPOLE = ["env.num_agents=4", "algorithm.update_every=4", "train.eval_episodes=4",
@@ -493,9 +493,7 @@ def test_a_full_disk_is_a_one_line_error_and_the_run_resumes_once_there_is_room(
     own) fills at the second or third checkpoint: one line says so (torch's writer buries
     the OSError in its own RuntimeError), with the resume command; nothing half-written is
     left, and once the file system has room the run resumes to its end."""
-    namespace = ["unshare", "--mount", "--propagation", "private"]
-    if subprocess.run([*namespace, "true"], capture_output=True).returncode != 0:
-        pytest.skip("needs a mount namespace of its own (root, unshare)")
+    namespace = mount_namespace()
     disk = tmp_path / "disk"
     disk.mkdir()
     logdir = disk / "run"

@@ -33,8 +33,9 @@ from batchrl.envs import (BatchEnv, EnvAttributeError, EnvCrashedError, EnvRaise
 from batchrl.envs.errors import EnvSpecError, UnsupportedSpaceError
 from batchrl.envs.factory import DEFAULT_TIMEOUT, batch_env_from, split_evenly
 from batchrl.hardware import usable_cores
-from helpers import (REPO, CountingEnv, assert_same_log, fails_at, kill_and_wait, make_cartpole,
-                     make_cheetah, raise_site, rollout, run_script, sleeps_at, wait_gone)
+from helpers import (REPO, CountingEnv, assert_same_log, fails_at, kill_and_wait,
+                     make_cartpole, make_cheetah, mount_namespace, raise_site, rollout,
+                     run_script, sleeps_at, wait_gone)
 
 # Ship this module's env classes and constructors to the workers by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -448,9 +449,7 @@ def test_a_full_dev_shm_is_an_error_that_says_so_not_a_sigbus(tmp_path):
     """tmpfs reserves no pages when a block is sized: with /dev/shm full, the first process
     to write the worker's arrays was killed by SIGBUS (the worker, or the trainer with no
     word at all). The pages are reserved when the block is made, so it is an EnvError."""
-    namespace = ["unshare", "--mount", "--propagation", "private"]
-    if subprocess.run([*namespace, "true"], capture_output=True).returncode != 0:
-        pytest.skip("needs a mount namespace of its own (root, unshare)")
+    namespace = mount_namespace()
     script = tmp_path / "full_shm.py"
     script.write_text(FULL_SHM_SCRIPT)
     result = subprocess.run(
