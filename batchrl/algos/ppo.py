@@ -489,12 +489,14 @@ class BatchPPO(Algorithm):
                 return (valid.mean() if valid.numel() else valid.new_zeros(()),
                         valid.new_ones(()))
             return valid.mean(), valid.std()
+        # (in float64: far from zero, float32's sum of squares cancels)
+        dtype, valid = valid.dtype, valid.double()
         sums = self.learners.sum(torch.stack([valid.new_tensor(valid.numel()), valid.sum(),
-                                              valid.square().sum()]).double())
+                                              valid.square().sum()]))
         count, total, squares = sums
         mean = total / count
         variance = (squares - count * mean * mean) / (count - 1).clamp(min=1)
-        return mean.to(valid.dtype), variance.clamp(min=0).sqrt().to(valid.dtype)
+        return mean.to(dtype), variance.clamp(min=0).sqrt().to(dtype)
 
     def _merge_statistics(self) -> None:
         """Give this learner's normalisers the statistics of every learner's data."""
