@@ -296,6 +296,22 @@ def test_bfloat16_updates_learn_close_to_float32_ones():
         pixel_ppo(precision="float16")
 
 
+def test_bfloat16_leaves_large_values_their_float32_resolution():
+    """bfloat16 keeps about 3 significant digits: values near 100 would move in steps of
+    0.5. The torso and hidden layers compute in bfloat16, the value's output layer in float32."""
+    exact, low = pixel_ppo(3), pixel_ppo(3, precision="bfloat16")
+    with torch.no_grad():
+        for algo in (exact, low):
+            algo.value.out.bias.add_(100.0)
+        observ = torch.randint(0, 256, (256, math.prod(PIXELS.shape)), dtype=torch.uint8)
+        exact = exact.value(observ)
+        with torch.autocast("cpu", torch.bfloat16):
+            low = low.value(observ)
+    assert exact.dtype == low.dtype == torch.float32
+    assert len(torch.unique(low)) > 200  # (in bfloat16 a handful: 100 +- 0.5)
+    assert (low - exact).abs().max() < 0.05
+
+
 def autocast_actor(algo: BatchPPO, observ: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The deterministic actor over ``algo.policy`` itself under autocast (its float32
     weights cast at the call), on observations the policy takes as they are."""
