@@ -704,6 +704,9 @@ def test_config_rejects_combinations():
         PPOConfig(value_targets="vtrace", rollout_length=16, gae_lambda=0.95)
     with pytest.raises(ValueError, match="chunk_length .* needs network='recurrent'"):
         PPOConfig(chunk_length=8)
+    with pytest.raises(ValueError, match="with minibatch_size 1 all would be 0"):
+        PPOConfig(minibatch_size=1, advantage_normalization="minibatch")
+    PPOConfig(minibatch_size=1)  # (normalised over the update: has a spread)
 
 
 class OneStepBandit(gym.Env):

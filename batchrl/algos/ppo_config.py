@@ -133,6 +133,10 @@ class PPOConfig:
             raise ValueError(f"batch_size ({self.batch_size} sequences) and minibatch_size "
                              f"({self.minibatch_size} time steps) both set the size of a "
                              f"gradient step's batch: set one of them")
+        if self.advantage_normalization == "minibatch" and self.minibatch_size == 1:
+            raise ValueError("advantage_normalization='minibatch' centres each gradient "
+                             "step's advantages: with minibatch_size 1 all would be 0; set "
+                             "minibatch_size >= 2 or advantage_normalization 'update'")
         if self.value_targets == "vtrace" and self.rollout_length is None:
             raise ValueError("value_targets='vtrace' needs fixed-length rollouts: set "
                              "rollout_length")
