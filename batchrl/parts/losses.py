@@ -140,6 +140,8 @@ class KLPenalizedObjective:
                + cutoff_coef * max(0, KL - cutoff_factor * target)^2
 
     with ``beta`` (``penalty``) adapted after every update to keep the KL near ``target``.
+    ``KL`` is the mean over the gradient step's valid steps, in the cutoff too: the paper's
+    code takes the cutoff of each episode's mean KL, but fixed-length rollouts cut episodes.
     """
 
     def __init__(self, target: float, cutoff_factor: float = 2.0, cutoff_coef: float = 1000.0,
