@@ -1136,6 +1136,23 @@ def test_a_failed_ray_collector_is_replaced_with_seeds_of_its_own_and_its_error(
     assert "after 1 replacements (at most 1: env.max_restarts)" in str(error.value)
 
 
+def test_a_lost_hub_is_a_collector_error_of_one_line(ray_pool):
+    """The hub holds the queued rollouts: without it the run cannot go on, and says why in
+    one line rather than with Ray's traceback."""
+    import ray
+
+    collectors, learner = ray_pool(agents=2, collectors=1)
+    with collectors:
+        collectors.receive()
+        ray.kill(collectors.hub, no_restart=True)
+        with pytest.raises(CollectorError, match=r"^the collectors' hub \(a Ray actor on the "
+                                                 r"learner's node\) was lost: ActorDiedError: "
+                                                 r"[^\n]*$"):
+            for _ in range(50):  # (a few calls may still be answered)
+                collectors.publish(learner.acting_state())
+                collectors.receive()
+
+
 def test_agents_split_unevenly_still_make_one_batch_of_all():
     collectors, learner = pool(agents=5, collectors=2)
     with collectors:

@@ -32,8 +32,6 @@ from batchrl.parts.rollout import Rollout, RolloutBuffer, rollout_tensors
 
 __all__ = ["RayCollectors", "check_placement", "check_room"]
 
-_POLL_SECONDS = 0.1
-
 
 class _Hub:
     """The collectors' and the learner's meeting point (one Ray actor)."""
@@ -269,22 +267,30 @@ class RayCollectors:
     @property
     def queued(self) -> int:
         """Finished rollouts waiting for the learner."""
-        return self._ray.get(self.hub.queued.remote())
+        return self._ask_hub("queued")
 
     def publish(self, acting_state: dict[str, torch.Tensor]) -> int:
         """Make ``acting_state`` the newest weights; returns its version."""
         ref = self._ray.put({name: value.detach().cpu().numpy()
                              for name, value in acting_state.items()})
         self.version += 1
-        self._ray.get(self.hub.publish.remote(self.version, [ref]))
+        self._ask_hub("publish", self.version, [ref])
         return self.version
+
+    def _ask_hub(self, method: str, *args: Any) -> Any:
+        """The hub's answer to ``method(*args)``; ``CollectorError`` if the hub was lost (its
+        actor or the learner's node died): the rollouts queued there are gone with it."""
+        try:
+            return self._ray.get(getattr(self.hub, method).remote(*args))
+        except self._ray.exceptions.RayActorError as exc:
+            raise CollectorError(f"the collectors' hub (a Ray actor on the learner's node) "
+                                 f"was lost: {error_line(exc)}") from None
 
     def receive(self, check: Callable[[], None] = lambda: None
                 ) -> tuple[Rollout, list[dict[str, Any]]]:
         """The next round, one rollout of every agent, and their ``meta`` (see
         ``LocalCollectors.receive``)."""
-        ray = self._ray
-        while (taken := ray.get(self.hub.take.remote())) is None:
+        while (taken := self._ask_hub("take")) is None:
             check()
             self._supervise()
             time.sleep(0.002)
@@ -323,8 +329,7 @@ class RayCollectors:
             except ray.exceptions.RayError as exc:
                 why = error_line(exc)
             if not self.replacements.delivered[index]:  # (the hub knows rounds not yet taken)
-                self.replacements.delivered[index] = ray.get(
-                    self.hub.next_round.remote(index)) > 0
+                self.replacements.delivered[index] = self._ask_hub("next_round", index) > 0
             self.replacements.failed(index, why)
             ray.kill(self._actors[index], no_restart=True)
             self._placing[index] = (self._start(index),
