@@ -259,6 +259,23 @@ def test_train_py_read_only_logdir(tmp_path):
                              f"a directory you can write to\n")
 
 
+@pytest.mark.parametrize("settings", [["env.backend='ray'"],
+                                      ["env.ray_address='auto'", "train.collectors=2"]])
+def test_a_cluster_without_ray_installed_says_what_to_install(tmp_path, settings):
+    (tmp_path / "ray").mkdir()  # (a ray that cannot be imported, first on the path)
+    (tmp_path / "ray" / "__init__.py").write_text("raise ImportError('No module named ray')\n")
+    command = [sys.executable, str(TRAIN_PY), "--config", "cartpole", "--no-progress",
+               "--logdir", str(tmp_path / "run"), *(f"--set={s}" for s in settings)]
+    result = subprocess.run(command, env=dict(os.environ, PYTHONPATH=f"{tmp_path}:{REPO}"),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result
+    assert result.stderr.endswith(
+        "a Ray cluster (env.backend 'ray', or env.ray_address for collectors or learners) "
+        "needs Ray, which cannot be imported here (No module named ray); install it with: "
+        "pip install 'batchrl[ray]'\n"), result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
 def _address_space_limit(limit: int) -> None:
     import resource
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))

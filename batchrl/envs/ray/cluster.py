@@ -31,7 +31,8 @@ def require_ray() -> ModuleType:
     try:
         import ray
     except ImportError as exc:
-        raise EnvSpecError(f"env backend 'ray' needs Ray, which cannot be imported here "
+        raise EnvSpecError(f"a Ray cluster (env.backend 'ray', or env.ray_address for "
+                           f"collectors or learners) needs Ray, which cannot be imported here "
                            f"({exc}); install it with: pip install 'batchrl[ray]'") from None
     return ray
 
