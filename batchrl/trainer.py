@@ -660,7 +660,7 @@ class Trainer:
                                             if config.train.collectors else env_config.kwargs)
         eval_batch_env = None
         self.log = None
-        holding = False
+        holding = holds_ray = False
         bar = None
         pool = None
         last_eval: dict[str, Any] = {}
@@ -686,6 +686,9 @@ class Trainer:
             if config.train.collectors:
                 check_collectors(config, algo)
                 if on_a_cluster(config):  # (before the log directory holds this run)
+                    from batchrl.collectors.ray import join_cluster
+                    join_cluster(config.env.ray_address)  # (held to the run's end)
+                    holds_ray = True
                     check_collector_room(config)
             if learners is not None:
                 _join(algo, config, learners)
@@ -844,6 +847,9 @@ class Trainer:
                 finally:
                     if holding:
                         release_logdir(self.logdir)
+                    if holds_ray:
+                        from batchrl.collectors.ray import leave_cluster
+                        leave_cluster()
         return last_eval
 
     def _close(self, bar: Any, batch_env: Any, eval_batch_env: Any) -> None:

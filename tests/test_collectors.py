@@ -978,6 +978,35 @@ def test_collectors_spread_over_a_ray_cluster_and_one_killed_is_replaced(cluster
     assert ray.is_initialized()  # the test's own connection is left alone
 
 
+RAY_STARTS = """
+import sys
+import ray
+from batchrl.train import main
+
+calls = []
+for name in ("init", "shutdown"):
+    def counted(*args, _name=name, _real=getattr(ray, name), **kwargs):
+        calls.append(_name)
+        return _real(*args, **kwargs)
+    setattr(ray, name, counted)
+code = main(["--config", "cartpole", "--logdir", sys.argv[1], "--no-progress",
+             "--set", "env.num_agents=2", "--set", "algorithm.rollout_length=32",
+             "--set", "train.collectors=2", "--set", "env.backend='ray'",
+             "--set", "train.steps=128", "--set", "train.eval_episodes=1"])
+print("calls:", calls, "code:", code)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ray_collectors_on_a_private_instance_start_it_once(tmp_path):
+    """The check that the cluster has room for the collectors and the collectors themselves
+    share one private Ray instance: it is not stopped and started again between them."""
+    pytest.importorskip("ray")
+    result = run_stdin_script(RAY_STARTS, str(tmp_path / "run"), timeout=280)
+    assert "calls: ['init', 'shutdown'] code: 0" in result.stdout, result
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_replacement_the_shrunken_cluster_has_no_room_for_stops_the_run(cluster, tmp_path,

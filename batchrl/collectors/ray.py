@@ -30,7 +30,8 @@ from batchrl.errors import error_line
 from batchrl.parts.packing import stored_observations
 from batchrl.parts.rollout import Rollout, RolloutBuffer, rollout_tensors
 
-__all__ = ["RayCollectors", "check_placement", "check_room"]
+__all__ = ["RayCollectors", "check_placement", "check_room", "join_cluster",
+           "leave_cluster"]
 
 
 class _Hub:
@@ -146,6 +147,19 @@ def check_placement(ray: Any, collectors: int, resources: dict[str, float]) -> N
         raise CollectorError(f"{collectors} collector{'s' * (collectors != 1)} with "
                              f"env.ray_resources={resources}: {shortage}; lower "
                              f"train.collectors or env.ray_resources, or add nodes")
+
+
+def join_cluster(address: str = "") -> None:
+    """Connect to the Ray cluster at ``address`` (``env.ray_address``; ``""``: a private
+    instance) for a run of Ray collectors, which calls ``leave_cluster`` at its end: while it
+    holds on, ``check_room`` and ``RayCollectors`` share this connection, and a private
+    instance is started once, not once for each."""
+    ray_cluster.acquire(address)
+
+
+def leave_cluster() -> None:
+    """Undo one ``join_cluster``; the last user of a connection batchrl made ends it."""
+    ray_cluster.release()
 
 
 def check_room(collectors: int, resources: dict[str, float], address: str = "") -> None:
