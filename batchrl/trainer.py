@@ -142,7 +142,7 @@ def _collector_env(config: Config, machine_cores: int, index: int, num_envs: int
     each local collector process is pinned to its share, ``LocalCollectors``), and on a Ray
     cluster a collector takes the CPUs it reserves (``env.ray_resources``). There the
     collector is the unit Ray places: backend ``"ray"`` steps its envs in worker processes of
-    the collector's node."""
+    the collector's node, unpinned (Ray reserves CPUs, not cores)."""
     env = config.env
     on_ray = on_a_cluster(config)
     backend = "workers" if env.backend == "ray" else env.chosen_backend
@@ -151,9 +151,10 @@ def _collector_env(config: Config, machine_cores: int, index: int, num_envs: int
     # One env worker per core, less the core of this process if it steps a share too.
     here = backend == "workers" and env.share_main and not env.restart_crashed_envs
     workers = env.workers or (1 if backend == "vector" else max(1, cores - here))
+    # (A Ray actor sees all its node's cores, which other actors share: no pinning there.)
     return make_batch_env(
         env.id, num_envs, env.max_length, env.kwargs, backend, workers,
-        env.normalize_ranges, share_main=env.share_main, infos=False,
+        env.normalize_ranges, share_main=env.share_main, pin_workers=not on_ray, infos=False,
         timeout=env.timeout or None,
         max_restarts=env.max_restarts if env.restart_crashed_envs else 0,
         ray_address=env.ray_address, ray_resources=env.ray_resources, vector_id=env.vector_id)
