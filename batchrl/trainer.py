@@ -556,7 +556,8 @@ class Trainer:
             collectors = RayCollectors(spec, env.observation_space, env.action_space,
                                        algo.behaviour_fields(), algo.acting_state(),
                                        address=config.env.ray_address,
-                                       resources=config.env.ray_resources, **options)
+                                       resources=config.env.ray_resources,
+                                       check=self._stop.check, **options)
             report(f"{spec.collectors} collectors on Ray nodes "
                    f"{', '.join(node[:8] for node in collectors.nodes)}")
             return collectors

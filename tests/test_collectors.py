@@ -1155,6 +1155,36 @@ def test_the_ray_hub_keeps_the_rules_of_the_local_queue():
         assert hub.may_start(limit + 1) == "go"
 
 
+class Holder:
+    """An actor that holds the CPUs it was placed with."""
+
+    def ready(self) -> bool:
+        return True
+
+
+@pytest.mark.timeout(150)
+def test_a_stop_asked_for_while_collectors_wait_for_room_ends_the_wait(ray_pool):
+    """The cluster has the CPUs but another actor holds them: the collectors wait for them,
+    and a stop asked for meanwhile (the trainer's Ctrl-C check) ends the wait at once."""
+    import ray
+
+    holder = ray.remote(num_cpus=2)(Holder).remote()  # (the head node's 2 CPUs)
+    try:
+        assert ray.get(holder.ready.remote(), timeout=60)
+        calls = []
+
+        def check() -> None:
+            calls.append(time.monotonic())
+            if len(calls) > 2:  # (after a second or so of waiting)
+                raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):  # (before: a wait for ever)
+            ray_pool(collectors=1, resources={"CPU": 2}, check=check)
+        assert len(calls) == 3
+    finally:
+        ray.kill(holder)
+
+
 def failing_cartpoles(path, index: int, num_envs: int, seed: int) -> BatchEnv:
     """CartPoles that raise at their 20th step; each collector process's seed is noted in
     ``path`` (the test cluster's nodes share this machine)."""

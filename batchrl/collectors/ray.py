@@ -176,7 +176,9 @@ class RayCollectors:
     """``spec.collectors`` collector actors on a Ray cluster, spread over its nodes, and the
     learner's end of their rollouts: the interface of ``LocalCollectors`` (which see), with
     ``address`` the cluster to join (``env.ray_address``) and ``resources`` what each collector
-    reserves (``env.ray_resources``). ``nodes`` lists the node each collector runs on."""
+    reserves (``env.ray_resources``). ``nodes`` lists the node each collector runs on.
+    ``check`` is called while the collectors wait for room on the cluster (it raises to stop
+    the wait: the trainer's check for Ctrl-C)."""
 
     #: Seconds after which a replacement not yet placed and started is checked against the
     #: cluster's resources.
@@ -186,8 +188,10 @@ class RayCollectors:
                  action_space: gym.Space, behaviour: dict, acting_state: dict[str, torch.Tensor],
                  max_policy_lag: int | None = None, queue_size: int | None = None,
                  max_restarts: int = 0, report: Callable[[str], None] = print,
-                 address: str = "", resources: dict[str, float] | None = None):
+                 address: str = "", resources: dict[str, float] | None = None,
+                 check: Callable[[], None] = lambda: None):
         self.spec = spec
+        self._check = check
         self.replacements = Replacements(spec.collectors, max_restarts, report)
         self.resources = {"CPU": 1} if resources is None else dict(resources)
         options = ray_cluster.actor_options(self.resources)
@@ -242,7 +246,11 @@ class RayCollectors:
         ``placement_timeout`` some are not)."""
         ray, count, timeout = self._ray, self.spec.collectors, self.placement_timeout
         while True:
-            _, waiting = ray.wait(nodes, num_returns=len(nodes), timeout=timeout)
+            deadline, waiting = time.monotonic() + timeout, nodes
+            while waiting and time.monotonic() < deadline:
+                self._check()  # (a stop asked for while they wait)
+                _, waiting = ray.wait(nodes, num_returns=len(nodes),
+                                      timeout=min(0.5, max(0.0, deadline - time.monotonic())))
             if not waiting:
                 return ray.get(nodes)
             self._unplaced(
