@@ -314,12 +314,21 @@ def test_train_py_runs_its_envs_on_the_cluster(cluster, closing, tmp_path):
     settings = ["env.backend=ray", f"env.ray_address={cluster.address}", "env.num_agents=4",
                 "env.workers=2", "env.max_length=50", "algorithm.update_every=4",
                 "train.steps=400", "train.eval_episodes=2"]
-    process = subprocess.run(
+    process = subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), "--config", "cartpole", "--logdir",
          str(logdir), "--no-progress", *[arg for s in settings for arg in ("--set", s)]],
-        env=cluster.env, capture_output=True, text=True, timeout=PATIENCE * 2)
-    assert process.returncode == 0, process.stderr
-    assert "Final evaluation:" in process.stdout
+        env=cluster.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    hosts = set()  # the env actors' processes (Ray names them after their class)
+    deadline = time.monotonic() + PATIENCE * 2
+    while process.poll() is None and time.monotonic() < deadline:
+        for each in psutil.process_iter(["pid", "cmdline"]):
+            if "ray::RayEnvHost" in " ".join(each.info["cmdline"] or ()):
+                hosts.add(each.info["pid"])
+        time.sleep(0.2)
+    stdout, stderr = process.communicate(timeout=10)
+    assert process.returncode == 0, stderr
+    assert "Final evaluation:" in stdout
+    assert hosts, "no env actor ran on the cluster"
     phases = [json.loads(line)["phase"] for line in (logdir / "metrics.jsonl").open()]
     assert "train" in phases and "eval" in phases
     assert json.loads((logdir / "config.json").read_text())["env"]["backend"] == "ray"
