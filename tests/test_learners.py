@@ -21,6 +21,7 @@ from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -760,6 +761,14 @@ def test_ctrl_c_stops_torchruns_learners_with_the_writers_checkpoint(tmp_path):
             raise AssertionError("torchrun ended before the first checkpoint:\n"
                                  + process.communicate()[1][-4000:])
         children = descendants(process.pid)
+        learners = [psutil.Process(pid) for pid in children
+                    if "batchrl.train" in " ".join(psutil.Process(pid).cmdline())]
+        # Each on its own share of the cores, as the local learners (not both from core 0).
+        cores = sorted(os.sched_getaffinity(0))
+        assert len(learners) == 2, children
+        if len(cores) >= 2:
+            assert sorted(p.cpu_affinity() for p in learners) == [cores[:len(cores) // 2],
+                                                                 cores[len(cores) // 2:]]
         os.killpg(process.pid, signal.SIGINT)  # (a terminal's Ctrl-C)
         _, stdout, stderr = finish(process, 60)
     finally:

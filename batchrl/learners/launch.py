@@ -16,7 +16,8 @@ update. Learner 0, the writer, keeps the run's log, checkpoints and evaluations.
   backend becomes worker processes there; another backend stays as it is). Learner 0 is the
   launching process.
 - ``torchrun --standalone --nproc-per-node M -m batchrl.train --config NAME``: every process
-  torchrun starts is a learner (its ``RANK``); torchrun places and stops them.
+  torchrun starts is a learner (its ``RANK``), each of a node's pinned to its share
+  (``LOCAL_RANK``) of the cores; torchrun places and stops them.
 """
 
 from __future__ import annotations
@@ -119,6 +120,11 @@ def _run_torchrun(config: Config, logdir: Path, progress: bool,
                               f"(times the nodes) to train.learners")
         config.train.learners = learners.size  # (the saved config records it)
         check_learners(config, learners.size, local=False)
+        # As the local learners: else every learner of a node would pin its env workers
+        # from the node's first core on.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if local > 1:
+            os.sched_setaffinity(0, core_share(allowed_cores(), learners.local_rank, local))
         writer = learners.is_writer
         return Trainer(config, logdir, progress and writer, handle_signals and writer,
                        learners=learners).run()
