@@ -444,8 +444,10 @@ class ValueNet(nn.Module):
 
     def from_features(self, features: torch.Tensor) -> torch.Tensor:
         """``forward`` after the torso: ``features`` are ``self.torso(observ)``."""
-        hidden = self.net(features)
-        with torch.autocast(hidden.device.type, enabled=False):
+        hidden, device = self.net(features), features.device.type
+        if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):
+            return self.out(hidden).squeeze(-1)
+        with torch.autocast(device, enabled=False):
             return self.out(hidden.float()).squeeze(-1)
 
 
