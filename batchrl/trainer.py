@@ -151,10 +151,9 @@ def _collector_env(config: Config, machine_cores: int, index: int, num_envs: int
     # One env worker per core, less the core of this process if it steps a share too.
     here = backend == "workers" and env.share_main and not env.restart_crashed_envs
     workers = env.workers or (1 if backend == "vector" else max(1, cores - here))
-    # (A Ray actor sees all its node's cores, which other actors share: no pinning there.)
     return make_batch_env(
         env.id, num_envs, env.max_length, env.kwargs, backend, workers,
-        env.normalize_ranges, share_main=env.share_main, pin_workers=not on_ray, infos=False,
+        env.normalize_ranges, share_main=env.share_main, infos=False,
         timeout=env.timeout or None,
         max_restarts=env.max_restarts if env.restart_crashed_envs else 0,
         ray_address=env.ray_address, ray_resources=env.ray_resources, vector_id=env.vector_id)
@@ -635,12 +634,13 @@ class Trainer:
         # The env first: a bad env id fails here, before anything is written to
         # the log directory (a config.json there would make it a run to resume).
         env_config = config.env
-        # With collectors this env only evaluates: on a Ray cluster, in processes here.
+        learners = self.learners
+        # On a Ray cluster, a collector or one learner of several is what Ray places: the
+        # envs here step in processes of this node (with collectors they only evaluate).
         backend = env_config.backend
-        if config.train.collectors and backend == "ray":
+        if backend == "ray" and (config.train.collectors or learners is not None):
             backend = "workers"
 
-        learners = self.learners
         # Several learners: env.num_agents is the run's, each learner steps its share.
         num_agents = env_config.num_agents // (1 if learners is None else learners.size)
 

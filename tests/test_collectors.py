@@ -655,23 +655,6 @@ def test_each_collector_and_its_env_workers_keep_to_a_share_of_the_cores():
             assert [share[0]] in below, (share, below)  # (its env worker)
 
 
-def test_a_ray_collectors_env_workers_are_not_pinned():
-    """A Ray actor sees all its node's cores, which the node's other actors share: a Ray
-    collector's env workers pinned there would all crowd the node's first cores."""
-    cores = pinnable_cores()
-    if len(cores) < 2:
-        pytest.skip("needs an affinity mask of at least two cores and no CPU quota below it")
-    values = config(collectors=2)
-    values["env"].update(backend="ray", ray_address="127.0.0.1:6379", workers=2)
-    env = trainer_module._collector_env(build_config(values), len(cores), 1, 2, 0)
-    try:
-        workers = descendants(os.getpid())
-        assert workers and all(psutil.Process(pid).cpu_affinity() == cores
-                               for pid in workers), workers
-    finally:
-        env.close()
-
-
 def test_uint8_observations_travel_as_uint8():
     collectors, learner = pool("uint8", collectors=1)
     with collectors:

@@ -789,8 +789,12 @@ def test_ctrl_c_stops_torchruns_learners_with_the_writers_checkpoint(tmp_path):
 @pytest.mark.timeout(300)
 def test_two_learners_on_a_two_node_ray_cluster(cluster, tmp_path, capsys):
     second = cluster.node_id("second")
+    # Each learner steps its envs in processes of its node, learner 0 too: env actors of
+    # these resources would wait for ever for the node that learner 1 fills.
     config = load_config("halfcheetah", [*CHEETAH, "train.learners=2", "train.steps=4000",
                                          f"env.ray_address={cluster.address}",
+                                         "env.backend=ray", "env.workers=0",
+                                         "env.ray_resources={CPU = 1, second_node = 0.5}",
                                          "train.learner_resources={CPU = 1, second_node = 1}"])
     result = run(config, tmp_path, progress=False)
     out = capsys.readouterr().out
@@ -936,7 +940,10 @@ def test_only_torchruns_whole_environment_makes_a_process_one_of_its_learners(mo
                               "set --nproc-per-node (times the nodes) to train.learners"),
     ("1", "train.preemption_threshold=0.5",
      "error: train.preemption_threshold cuts the rollouts of some of several learners: set "
-     "train.learners >= 2, or the threshold to 0")])
+     "train.learners >= 2, or the threshold to 0"),
+    ("2", "env.backend=ray", "error: env.backend = 'ray' launches the learners on a Ray "
+                             "cluster from train.py; torchrun places them itself, each stepping "
+                             "its envs in its own processes: set env.backend = 'workers'")])
 def test_settings_that_torchruns_processes_cannot_run_are_errors(tmp_path, processes, setting,
                                                                  message):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))

@@ -32,10 +32,12 @@ ray = pytest.importorskip("ray")
 from batchrl.envs import BatchEnv, EnvCrashedError, EnvRaisedError, EnvTimeoutError  # noqa: E402
 from batchrl.envs.errors import EnvSpecError, RayWorkerCrashedError  # noqa: E402
 from batchrl.envs.factory import batch_env_from  # noqa: E402
+from batchrl.envs.ray.cluster import actor_options  # noqa: E402
 from batchrl.envs.ray.worker import RayEnvWorker  # noqa: E402
+from batchrl.hardware import in_ray_actor  # noqa: E402
 from ray_nodes import PATIENCE, ROOT  # noqa: E402
 from helpers import (CountingEnv, assert_same_log, fails_at, make_cartpole,  # noqa: E402
-                     make_cheetah, raise_site, rollout, sleeps_at)
+                     make_cheetah, raise_site, ray_pickles_by_value, rollout, sleeps_at)
 
 # The actors unpickle this module's (and helpers') envs by value: the
 # Ray workers cannot import the test modules.
@@ -122,6 +124,42 @@ def test_factory_spreads_workers_over_the_nodes(cluster, closing):
     assert [len(w) for w in batch.workers] == [3, 3, 2]
     np.testing.assert_array_equal(batch.reset(seed=0),
                                   BatchEnv([make_cartpole() for _ in range(8)]).reset(seed=0))
+
+
+class _AffinityProbe:
+    """A Ray actor that starts env workers."""
+
+    def run(self) -> tuple[list[int], list[int], list[list[int]]]:
+        return _worker_affinities()
+
+
+def _worker_affinities() -> tuple[list[int], list[int], list[list[int]]]:
+    """(In a Ray actor) the cores to pin to, this process's cores, and those of the env
+    workers that ``batch_env_from`` starts here."""
+    from batchrl.hardware import pinnable_cores
+    batch = batch_env_from(make_cartpole, 2, backend="workers", workers=2, timeout=30)
+    try:
+        own = psutil.Process()
+        return (pinnable_cores(), own.cpu_affinity(),
+                [child.cpu_affinity() for child in own.children(recursive=True)])
+    finally:
+        batch.close()
+
+
+def test_env_workers_started_in_a_ray_actor_are_not_pinned(cluster, closing):
+    """Ray reserves CPUs, not cores: every actor of a node sees all its cores, so env workers
+    pinned there (a Ray collector's or learner's) would crowd the node's first cores."""
+    cluster.wait_idle()
+    with ray_pickles_by_value(__name__):
+        actor = ray.remote(_AffinityProbe).options(**actor_options(on("head"))).remote()
+        try:
+            pinnable, own, workers = ray.get(actor.run.remote(), timeout=PATIENCE)
+        finally:
+            ray.kill(actor)
+    assert pinnable == [] and len(own) >= 2
+    # (its fork server and two env workers at least)
+    assert len(workers) >= 3 and all(affinity == own for affinity in workers), (own, workers)
+    assert not in_ray_actor()  # (the driver)
 
 
 # -- errors ---------------------------------------------------------------------------

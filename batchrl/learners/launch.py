@@ -14,10 +14,11 @@ update. Learner 0, the writer, keeps the run's log, checkpoints and evaluations.
   M-1 are Ray actors, one per bundle of a placement group spread over the nodes, each
   reserving ``train.learner_resources``; they step their envs on their node (the ``ray``
   backend becomes worker processes there; another backend stays as it is). Learner 0 is the
-  launching process.
+  launching process, and steps its envs in processes there too.
 - ``torchrun --standalone --nproc-per-node M -m batchrl.train --config NAME``: every process
   torchrun starts is a learner (its ``RANK``), each of a node's pinned to its share
-  (``LOCAL_RANK``) of the cores; torchrun places and stops them.
+  (``LOCAL_RANK``) of the cores; torchrun places and stops them (not with the ``ray``
+  backend).
 """
 
 from __future__ import annotations
@@ -118,6 +119,10 @@ def _run_torchrun(config: Config, logdir: Path, progress: bool,
             raise ConfigError(f"train.learners = {config.train.learners}, but torchrun "
                               f"started {learners.size} processes: set --nproc-per-node "
                               f"(times the nodes) to train.learners")
+        if config.env.backend == "ray":
+            raise ConfigError("env.backend = 'ray' launches the learners on a Ray cluster from "
+                              "train.py; torchrun places them itself, each stepping its envs "
+                              "in its own processes: set env.backend = 'workers'")
         config.train.learners = learners.size  # (the saved config records it)
         check_learners(config, learners.size, local=False)
         # As the local learners: else every learner of a node would pin its env workers
@@ -155,13 +160,12 @@ def _run_ray(config: Config, logdir: Path, progress: bool,
         import ray
         address = ray.util.get_node_ip_address()
         port = _free_port(address)
-        # A learner is the unit Ray places: it steps its envs in processes of its node.
-        env = config.env
+        # A learner is the unit Ray places: it steps its envs in processes of its node
+        # (the Trainer's), one per CPU it reserves unless env.workers says.
         cpus = int(config.train.learner_resources.get("CPU", 1))
         on_node = dataclasses.replace(
             config, train=dataclasses.replace(config.train, device=device),
-            env=dataclasses.replace(env, backend="workers" if env.backend == "ray"
-                                    else env.backend, workers=env.workers or max(1, cpus)))
+            env=dataclasses.replace(config.env, workers=config.env.workers or max(1, cpus)))
         remote.start([functools.partial(_remote_main, on_node, logdir, rank, size, address,
                                         port) for rank in range(1, size)])
         nodes = ", ".join(f"learner {rank} on node {node[:8]}"
