@@ -659,6 +659,32 @@ def test_a_ray_address_where_no_head_listens_is_an_error_at_once(given_in, monke
     assert not ray.is_initialized() and guards() == []
 
 
+@pytest.mark.timeout(60)
+def test_a_ray_address_of_a_service_that_is_not_a_ray_head_is_an_error_soon():
+    """An HTTP server at ``env.ray_address`` (a wrong port): ``ray.init`` would retry it for
+    ever, deaf to a first Ctrl-C; batchrl says that no Ray head answers there."""
+    import http.server
+    import threading
+
+    from batchrl.envs.ray import cluster as ray_cluster
+    assert not ray.is_initialized(), "the cluster's tests run first and disconnect"
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{server.server_address[1]}"
+    started = time.monotonic()
+    try:
+        with pytest.raises(EnvSpecError, match=rf"^cannot connect to a Ray cluster at "
+                                               rf"env.ray_address='{address}': the service at "
+                                               rf"{address} is not a Ray head \(it does not "
+                                               rf"answer gRPC within 10 s\)\. Start"):
+            ray_cluster.acquire(address)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert time.monotonic() - started < 30
+    assert not ray.is_initialized() and guards() == []
+
+
 def test_an_interrupted_connection_leaves_no_guard(monkeypatch):
     """A Ctrl-C while ``ray.init`` waits (stood for here by ``ray.init`` raising it: a real
     one reaches Python only when Ray's wait lets it) stops the guard started for it."""

@@ -55,16 +55,30 @@ def _handlers_kept() -> Iterator[None]:
                 signal.signal(signum, handler)
 
 
-def _check_listening(target: str) -> None:
-    """``ConnectionError`` if ``target`` is ``HOST:PORT`` and nothing listens there:
-    ``ray.init`` would wait for that head for ever, retrying every few seconds."""
+def _check_listening(target: str, timeout: float = 10.0) -> None:
+    """``ConnectionError`` if ``target`` is ``HOST:PORT`` and no Ray head answers there
+    within ``timeout`` seconds: nothing listens, or a service that does not speak gRPC (a
+    Ray head's GCS does). ``ray.init`` would wait for either for ever, retrying every few
+    seconds, deaf to a first Ctrl-C."""
     host, colon, port = target.rpartition(":")
     if "://" in target or not colon or not port.isdigit():
         return  # "auto", "local", "ray://...", or a malformed address, which Ray rejects
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
     except OSError as exc:
         raise ConnectionError(f"no Ray head listens at {target} ({exc})") from None
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return  # (the head wants TLS and the user's certificates: ray.init's own to check)
+    import grpc  # (a dependency of Ray)
+
+    channel = grpc.insecure_channel(target)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+    except grpc.FutureTimeoutError:
+        raise ConnectionError(f"the service at {target} is not a Ray head (it does not "
+                              f"answer gRPC within {timeout:g} s)") from None
+    finally:
+        channel.close()
 
 
 def acquire(address: str = "") -> ModuleType:
