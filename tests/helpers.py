@@ -390,6 +390,38 @@ def mount_namespace() -> list[str]:
     return prefix
 
 
+@contextlib.contextmanager
+def pids_cgroup() -> Iterator[Path]:
+    """A new cgroup of the ``pids`` controller (v1, or v2 where the root lends it), removed
+    after: a process that writes its pid to ``cgroup.procs`` there and a number to
+    ``pids.max`` can start only so many processes and threads. Skips the test where none can
+    be made (not root, no such controller)."""
+    import pytest
+    root = Path("/sys/fs/cgroup/pids")
+    if not root.is_dir():
+        root = Path("/sys/fs/cgroup")
+        controls = root / "cgroup.subtree_control"
+        if not (controls.exists() and "pids" in controls.read_text().split()):
+            pytest.skip("needs the cgroup pids controller")
+    group = root / f"batchrl-test-{os.getpid()}"
+    try:
+        group.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot make a cgroup ({exc})")
+    try:
+        yield group
+    finally:
+        deadline = time.monotonic() + 30
+        while True:  # (empty once the processes that joined it are gone)
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+
 def start_train_py(*args: str, cwd: Path = REPO) -> subprocess.Popen:
     """train.py in its own process group (so that a signal to the group
     reaches it and its children as Ctrl-C in a terminal would)."""

@@ -34,8 +34,8 @@ from batchrl.envs.errors import EnvSpecError, UnsupportedSpaceError
 from batchrl.envs.factory import DEFAULT_TIMEOUT, batch_env_from, split_evenly
 from batchrl.hardware import usable_cores
 from helpers import (REPO, CountingEnv, assert_same_log, fails_at, kill_and_wait,
-                     make_cartpole, make_cheetah, mount_namespace, raise_site, rollout,
-                     run_script, sleeps_at, wait_gone)
+                     make_cartpole, make_cheetah, mount_namespace, pids_cgroup, raise_site,
+                     rollout, run_script, run_stdin_script, sleeps_at, wait_gone)
 
 # Ship this module's env classes and constructors to the workers by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -461,6 +461,53 @@ def test_a_full_dev_shm_is_an_error_that_says_so_not_a_sigbus(tmp_path):
         r"cartpoles failed in construct\(\): cannot get \d+ bytes of shared memory for its "
         r"worker's arrays \(No space left on device\); free space in /dev/shm \(df -h "
         r"/dev/shm\) or set env.backend = 'inline'\n", result.stdout), result
+
+
+PROCESS_LIMIT_SCRIPT = """
+import functools, os, sys
+import gymnasium as gym
+from batchrl.envs import EnvError
+from batchrl.envs.factory import batch_env_from
+
+group, room = sys.argv[1], int(sys.argv[2])
+with open(os.path.join(group, "cgroup.procs"), "w") as file:
+    file.write(str(os.getpid()))
+with open(os.path.join(group, "pids.current")) as file:
+    tasks = int(file.read())
+with open(os.path.join(group, "pids.max"), "w") as file:
+    file.write(str(tasks + room))
+try:
+    batch_env_from(functools.partial(gym.make, "CartPole-v1"), 1, workers=1, pin_workers=False,
+                   label="cartpoles").close()
+except EnvError as exc:
+    print(f"{type(exc).__name__}: {exc}")
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_limit_on_processes_is_an_env_error_that_says_so():
+    """Under a container's pids.max, with room for ever more processes and threads: the fork
+    server cannot fork (it dies, and the parent read EOF), then the worker cannot start its
+    watchdog thread (it printed a traceback and exited with code 1, which said nothing of
+    why), then the env is built. Each failure is an EnvError whose first line says why."""
+    failures = []
+    for room in range(1, 30):
+        with pids_cgroup() as group:
+            result = run_stdin_script(PROCESS_LIMIT_SCRIPT, str(group), str(room))
+        assert result.returncode == 0, result.stderr
+        assert "Process batchrl-env" not in result.stderr, result.stderr
+        if not result.stdout:
+            break  # built
+        failures.append(result.stdout.splitlines()[0])  # (then the worker's traceback, if any)
+    assert failures and result.stdout == "", failures
+    limit = (r"EnvError: cartpoles failed in construct\(\): cannot start a worker process "
+             r"\(.+\): is the limit on processes and threads reached \(ulimit -u, a "
+             r"container's pids.max\)\?")
+    thread = (r"EnvRaisedError: env 0 \(cartpoles\) failed in construct\(\): RuntimeError: "
+              r"can't start new thread")
+    assert re.fullmatch(limit, failures[0]), failures
+    assert all(re.fullmatch(f"{limit}|{thread}", line) for line in failures), failures
+    assert re.fullmatch(thread, failures[-1]), failures  # (the last task it starts)
 
 
 class UnpicklableInfo(CountingEnv):

@@ -133,9 +133,9 @@ def _collector_main(spec: CollectorSpec, index: int, shared: _Shared,
     pinned to ``cores`` (its share of the machine's, where it pins its env workers in turn;
     ``[]``: not pinned). An error is sent to the learner as one line before the process
     exits with code 1."""
-    if not start_worker(parent_pid):
-        return
     try:
+        if not start_worker(parent_pid):
+            return
         if cores:
             os.sched_setaffinity(0, cores)
         collect(spec, index, _SharedLink(shared, index, slots), incarnation)

@@ -260,10 +260,10 @@ def _learner_main(config: Config, logdir: Path, rank: int, size: int, port: int,
     """Learner ``rank`` (not the writer): tied to the launching process's life, deaf to
     Ctrl-C (learner 0 decides when the run stops). A failure is sent to the launching
     process as one line before the process exits with code 1."""
-    if not start_worker(parent_pid):
-        return
     learners = None
     try:
+        if not start_worker(parent_pid):
+            return
         os.sched_setaffinity(0, cores)
         learners = LearnerGroup.connect(rank, size, "127.0.0.1", port,
                                         resolve_device(config.train.device))

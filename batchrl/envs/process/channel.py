@@ -135,8 +135,16 @@ class Channel:
         self.conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(target=target, args=(child_conn, payload, os.getpid()),
                                    name=f"batchrl-env:{label}", daemon=True)
-        with main_not_reimported():
-            self.process.start()
+        try:
+            with main_not_reimported():
+                self.process.start()
+        except (OSError, EOFError) as exc:  # (EOF: the fork server could not fork, and died)
+            self.conn.close()
+            child_conn.close()
+            why = "its fork server died" if isinstance(exc, EOFError) else f"{exc}"
+            raise EnvError(label, "construct", f"cannot start a worker process ({why}): is "
+                                               f"the limit on processes and threads reached "
+                                               f"(ulimit -u, a container's pids.max)?") from None
         self.pid: int | None = self.process.pid  # kept: the process object gets closed
         child_conn.close()
         # Connection.poll() builds a selector per call: dearer than the rest of a step.

@@ -69,7 +69,11 @@ def _pickled(answer: tuple) -> bytes:
 def _serve(conn, payload: bytes, parent_pid: int) -> None:
     """Child process main loop: build the envs, attach the block, serve until ``close`` or EOF.
     It leads a process group, so that what its envs start dies with it (``kill_group``)."""
-    if not start_worker(parent_pid, own_group=True):
+    try:
+        if not start_worker(parent_pid, own_group=True):
+            return
+    except Exception as exc:  # (no thread left under the process limit: said in one line)
+        conn.send(error_answer(exc))
         return
     # Forked from one fork server, every worker (a restarted one too) would start from its
     # NumPy global state: envs that draw from np.random would repeat each other's draws.
