@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 from batchrl.algos.base import Algorithm, Summary
-from batchrl.parts.packing import packing_for
+from batchrl.parts.packing import packing_for, stored_observations
 from batchrl.envs.batch import BatchEnv
 from batchrl.envs.factory import split_evenly
-from batchrl.parts.rollout import RolloutBuffer
+from batchrl.parts.rollout import Fields, RolloutBuffer, rollout_tensors
 from batchrl.simulation import Simulation
 from batchrl.tensor_env import TensorBatchEnv
 
@@ -103,6 +103,20 @@ class CollectorSpec:
         sizes = split_evenly(self.num_agents, self.collectors)
         start = sum(sizes[:index])
         return torch.arange(start, start + sizes[index])
+
+    def rollout_tensors(self, index: int, observation_space: gym.Space,
+                        action_space: gym.Space, behaviour: Fields,
+                        device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Zeroed tensors of one rollout of collector ``index`` (``rollout_tensors``):
+        observations in the space's dtype (Dict and Tuple ones packed), int64 actions of a
+        ``Discrete`` space, else float32 (``device="meta"``: only the layout)."""
+        discrete = isinstance(action_space, gym.spaces.Discrete)
+        observ_shape, observ_dtype = stored_observations(
+            observation_space, torch.from_numpy(np.zeros(0, observation_space.dtype)).dtype)
+        return rollout_tensors(len(self.agents(index)), self.rollout_length, observ_shape,
+                               observ_dtype, () if discrete else action_space.shape,
+                               torch.int64 if discrete else torch.float32, behaviour,
+                               device=device)
 
 
 def collector_seed(spec: CollectorSpec, index: int, incarnation: int) -> int:

@@ -1,7 +1,7 @@
 """Collectors as processes of this machine: rollouts in shared memory, weights in shared memory.
 
-The learner allocates each collector a fixed set of rollout slots (``rollout_tensors`` in shared
-memory) before any collector starts. A collector takes one of its free slots (it waits while none
+The learner allocates each collector a fixed set of rollout slots
+(``CollectorSpec.rollout_tensors`` in shared memory) before any collector starts. A collector takes one of its free slots (it waits while none
 is free: its queue is bounded), fills it in place with one rollout and reports the slot in its
 ``full`` queue; the learner copies a batch out and hands the slots back. Weights are one shared
 copy of the algorithm's ``acting_state`` with a version, rewritten by the learner under a
@@ -24,7 +24,6 @@ import time
 from typing import Any, Callable
 
 import gymnasium as gym
-import numpy as np
 import torch
 import torch.multiprocessing  # noqa: F401  (shares tensors between processes when pickled)
 
@@ -34,8 +33,7 @@ from batchrl.envs.process.main_guard import check_main_guard, main_not_reimporte
 from batchrl.errors import error_line
 from batchrl.hardware import core_share, pinnable_cores
 from batchrl.interrupt import start_worker
-from batchrl.parts.packing import stored_observations
-from batchrl.parts.rollout import Fields, Rollout, RolloutBuffer, rollout_tensors
+from batchrl.parts.rollout import Fields, Rollout, RolloutBuffer
 
 __all__ = ["LocalCollectors"]
 
@@ -172,14 +170,7 @@ class LocalCollectors:
         count = spec.collectors
         self.replacements = Replacements(count, max_restarts, report)
         queue_size = 2 if queue_size is None else queue_size
-        discrete = isinstance(action_space, gym.spaces.Discrete)
-        # (in the space's dtype; Dict and Tuple observations packed)
-        observ_shape, observ_dtype = stored_observations(
-            observation_space, torch.from_numpy(np.zeros(0, observation_space.dtype)).dtype)
-        slots = [[rollout_tensors(len(spec.agents(index)), spec.rollout_length,
-                                  observ_shape, observ_dtype,
-                                  () if discrete else action_space.shape,
-                                  torch.int64 if discrete else torch.float32, behaviour)
+        slots = [[spec.rollout_tensors(index, observation_space, action_space, behaviour)
                   for _ in range(1 + queue_size)] for index in range(count)]
         for own in slots:
             for slot in own:

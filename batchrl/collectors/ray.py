@@ -27,8 +27,7 @@ from batchrl.collectors.collector import (CollectorError, CollectorSpec, Link, R
                                          collect)
 from batchrl.envs.ray import cluster as ray_cluster
 from batchrl.errors import error_line
-from batchrl.parts.packing import stored_observations
-from batchrl.parts.rollout import Rollout, RolloutBuffer, rollout_tensors
+from batchrl.parts.rollout import Rollout, RolloutBuffer
 
 __all__ = ["RayCollectors", "check_placement", "check_room", "join_cluster",
            "leave_cluster"]
@@ -199,16 +198,10 @@ class RayCollectors:
         self._closed = False
         try:
             check_placement(ray, spec.collectors, self.resources)
-            discrete = isinstance(action_space, gym.spaces.Discrete)
-            observ_shape, observ_dtype = stored_observations(
-                observation_space, torch.from_numpy(np.zeros(0, observation_space.dtype)).dtype)
             self._slots = []  # each collector's rollout layout: name -> (shape, dtype name)
             for index in range(spec.collectors):
-                template = rollout_tensors(len(spec.agents(index)), spec.rollout_length,
-                                           observ_shape, observ_dtype,
-                                           () if discrete else action_space.shape,
-                                           torch.int64 if discrete else torch.float32,
-                                           behaviour, device="meta")
+                template = spec.rollout_tensors(index, observation_space, action_space,
+                                                behaviour, device="meta")
                 self._slots.append({name: (tuple(value.shape),
                                            str(value.dtype).removeprefix("torch."))
                                     for name, value in template.items()})
