@@ -1,13 +1,14 @@
 """Collectors as processes of this machine: rollouts in shared memory, weights in shared memory.
 
 The learner allocates each collector a fixed set of rollout slots
-(``CollectorSpec.rollout_tensors`` in shared memory) before any collector starts. A collector takes one of its free slots (it waits while none
-is free: its queue is bounded), fills it in place with one rollout and reports the slot in its
-``full`` queue; the learner copies a batch out and hands the slots back. Weights are one shared
-copy of the algorithm's ``acting_state`` with a version, rewritten by the learner under a
-sequence lock (collectors retry a copy that a publish overlapped), so a collector that dies
-anywhere holds no lock the learner needs. Each collector has queues of its own, which the learner
-replaces with new ones, rebuilt from what it received, when it replaces the collector.
+(``CollectorSpec.rollout_tensors`` in shared memory) before any collector starts. A collector
+takes one of its free slots (it waits while none is free: its queue is bounded), fills it in
+place with one rollout and reports the slot in its ``full`` queue; the learner copies a batch
+out and hands the slots back. Weights are one shared copy of the algorithm's ``acting_state``
+with a version, rewritten by the learner under a sequence lock (collectors retry a copy that a
+publish overlapped), so a collector that dies anywhere holds no lock the learner needs. Each
+collector has queues of its own, which the learner replaces with new ones, rebuilt from what it
+received, when it replaces the collector.
 
 Update ``k`` learns from the ``k``-th rollout of every collector (its round ``k``), side by side:
 every update sees every agent once, as in the synchronous loop. So a collector that starts round
