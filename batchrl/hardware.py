@@ -73,20 +73,21 @@ def usable_cores() -> int:
     return max(1, cores)
 
 
-def in_ray_actor() -> bool:
-    """Whether this process is a Ray actor (without importing Ray where it is not loaded)."""
+def in_ray_worker() -> bool:
+    """Whether this process is a Ray worker, running an actor or a task (without importing
+    Ray where it is not loaded); not the driver."""
     ray = sys.modules.get("ray")
     return bool(ray is not None and ray.is_initialized()
-                and ray.get_runtime_context().get_actor_id() is not None)
+                and ray.get_runtime_context().worker.mode == ray.WORKER_MODE)
 
 
 def pinnable_cores() -> list[int]:
     """The cores to pin this process's workers to: its affinity mask, or none (``[]``) where
     pinning would not pay: a platform without affinity; a cgroup CPU quota below the
-    mask (containers that share a host would all pin to the same first cores); a Ray actor
-    (Ray reserves CPUs, not cores: every actor of a node sees all its cores, and the node's
-    actors would all pin to its first ones)."""
-    if not hasattr(os, "sched_setaffinity") or in_ray_actor():
+    mask (containers that share a host would all pin to the same first cores); a Ray worker
+    (Ray reserves CPUs, not cores: every actor and task of a node sees all its cores, and
+    they would all pin to its first ones)."""
+    if not hasattr(os, "sched_setaffinity") or in_ray_worker():
         return []
     cores = allowed_cores()
     return cores if usable_cores() >= len(cores) else []

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from types import FrameType
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn, Sequence
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -219,6 +219,22 @@ def start_worker(parent_pid: int, own_group: bool = False) -> bool:
         except PermissionError:
             pass  # alive, but another user's
     return True
+
+
+def exit_reporting(line: str, errors: Any, item: Any, sent: Sequence[Any] = ()) -> NoReturn:
+    """End a worker process that failed (exit code 1) once ``item`` (its error ``line``) went
+    into the ``errors`` queue for its parent, and what it put into the ``sent`` queues before.
+    Where the queue cannot send (no thread left for its feeder under the process limit), the
+    line goes to stderr instead."""
+    try:
+        errors.put(item)
+        for queue in (errors, *sent):
+            queue.close()
+            queue.join_thread()
+    except Exception:  # noqa: BLE001 - the parent then sees the exit code alone
+        with contextlib.suppress(OSError):
+            os.write(2, f"{line}\n".encode())
+    os._exit(1)
 
 
 def kill_group(leader: int, reaped: bool = False) -> None:

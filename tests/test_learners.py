@@ -941,9 +941,10 @@ def test_only_torchruns_whole_environment_makes_a_process_one_of_its_learners(mo
     ("1", "train.preemption_threshold=0.5",
      "error: train.preemption_threshold cuts the rollouts of some of several learners: set "
      "train.learners >= 2, or the threshold to 0"),
-    ("2", "env.backend=ray", "error: env.backend = 'ray' launches the learners on a Ray "
-                             "cluster from train.py; torchrun places them itself, each stepping "
-                             "its envs in its own processes: set env.backend = 'workers'")])
+    ("2", "env.backend=ray",
+     "error: env.backend = 'ray' or env.ray_address launches the learners on a Ray cluster "
+     "from train.py; torchrun places them itself, each stepping its envs in its own "
+     "processes: set env.backend = 'workers' and env.ray_address = ''")])
 def test_settings_that_torchruns_processes_cannot_run_are_errors(tmp_path, processes, setting,
                                                                  message):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))

@@ -34,7 +34,7 @@ from batchrl.envs.errors import EnvSpecError, RayWorkerCrashedError  # noqa: E40
 from batchrl.envs.factory import batch_env_from  # noqa: E402
 from batchrl.envs.ray.cluster import actor_options  # noqa: E402
 from batchrl.envs.ray.worker import RayEnvWorker  # noqa: E402
-from batchrl.hardware import in_ray_actor  # noqa: E402
+from batchrl.hardware import in_ray_worker, pinnable_cores  # noqa: E402
 from ray_nodes import PATIENCE, ROOT  # noqa: E402
 from helpers import (CountingEnv, assert_same_log, fails_at, make_cartpole,  # noqa: E402
                      make_cheetah, raise_site, ray_pickles_by_value, rollout, sleeps_at)
@@ -134,8 +134,8 @@ class _AffinityProbe:
 
 
 def _worker_affinities() -> tuple[list[int], list[int], list[list[int]]]:
-    """(In a Ray actor) the cores to pin to, this process's cores, and those of the env
-    workers that ``batch_env_from`` starts here."""
+    """(In a Ray actor or task) the cores to pin to, this process's cores, and those of the
+    env workers that ``batch_env_from`` starts here."""
     from batchrl.hardware import pinnable_cores
     batch = batch_env_from(make_cartpole, 2, backend="workers", workers=2, timeout=30)
     try:
@@ -146,20 +146,28 @@ def _worker_affinities() -> tuple[list[int], list[int], list[list[int]]]:
         batch.close()
 
 
-def test_env_workers_started_in_a_ray_actor_are_not_pinned(cluster, closing):
-    """Ray reserves CPUs, not cores: every actor of a node sees all its cores, so env workers
-    pinned there (a Ray collector's or learner's) would crowd the node's first cores."""
+@pytest.mark.parametrize("worker", ["actor", "task"])
+def test_env_workers_started_in_a_ray_worker_are_not_pinned(cluster, closing, worker):
+    """Ray reserves CPUs, not cores: every actor and task of a node sees all its cores, so env
+    workers pinned there (a Ray collector's or learner's) would crowd the node's first cores."""
+    if len(pinnable_cores()) < 2:
+        pytest.skip("needs an affinity mask of at least two cores and no CPU quota below it")
     cluster.wait_idle()
+    options = actor_options(on("head"))
     with ray_pickles_by_value(__name__):
-        actor = ray.remote(_AffinityProbe).options(**actor_options(on("head"))).remote()
-        try:
-            pinnable, own, workers = ray.get(actor.run.remote(), timeout=PATIENCE)
-        finally:
-            ray.kill(actor)
+        if worker == "task":
+            answer = ray.remote(_worker_affinities).options(**options).remote()
+            pinnable, own, workers = ray.get(answer, timeout=PATIENCE)
+        else:
+            actor = ray.remote(_AffinityProbe).options(**options).remote()
+            try:
+                pinnable, own, workers = ray.get(actor.run.remote(), timeout=PATIENCE)
+            finally:
+                ray.kill(actor)
     assert pinnable == [] and len(own) >= 2
     # (its fork server and two env workers at least)
     assert len(workers) >= 3 and all(affinity == own for affinity in workers), (own, workers)
-    assert not in_ray_actor()  # (the driver)
+    assert not in_ray_worker() and pinnable_cores()  # (the driver)
 
 
 # -- errors ---------------------------------------------------------------------------
@@ -657,6 +665,16 @@ def test_a_ray_address_where_no_head_listens_is_an_error_at_once(given_in, monke
             ray_cluster.acquire(address if given_in == "config" else "")
     assert time.monotonic() - started < 15
     assert not ray.is_initialized() and guards() == []
+
+
+def test_a_ray_head_is_told_from_other_services_without_the_environments_proxy(
+        cluster, monkeypatch):
+    """Ray's channels ignore ``http_proxy``: so does the check that a Ray head answers (through
+    a proxy that is not there, a real head was "not a Ray head")."""
+    from batchrl.envs.ray import cluster as ray_cluster
+    for name in ("http_proxy", "https_proxy", "grpc_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+    ray_cluster._check_listening(cluster.address, timeout=5.0)
 
 
 @pytest.mark.timeout(60)

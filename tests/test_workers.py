@@ -503,11 +503,40 @@ def test_the_limit_on_processes_is_an_env_error_that_says_so():
     limit = (r"EnvError: cartpoles failed in construct\(\): cannot start a worker process "
              r"\(.+\): is the limit on processes and threads reached \(ulimit -u, a "
              r"container's pids.max\)\?")
-    thread = (r"EnvRaisedError: env 0 \(cartpoles\) failed in construct\(\): RuntimeError: "
-              r"can't start new thread")
+    thread = (r"EnvRaisedError: env 0 \(cartpoles\) failed in construct\(\): RuntimeError: the "
+              r"worker process cannot start a thread \(can't start new thread\): is the limit "
+              r"on processes and threads reached \(ulimit -u, a container's pids.max\)\?")
     assert re.fullmatch(limit, failures[0]), failures
     assert all(re.fullmatch(f"{limit}|{thread}", line) for line in failures), failures
     assert re.fullmatch(thread, failures[-1]), failures  # (the last task it starts)
+
+
+EXIT_REPORTING_SCRIPT = """
+import multiprocessing as mp, os, sys
+from batchrl.interrupt import exit_reporting
+
+group, room = sys.argv[1], int(sys.argv[2])
+errors = mp.get_context("spawn").Queue()
+with open(os.path.join(group, "cgroup.procs"), "w") as file:
+    file.write(str(os.getpid()))
+with open(os.path.join(group, "pids.current")) as file:
+    tasks = int(file.read())
+with open(os.path.join(group, "pids.max"), "w") as file:
+    file.write(str(tasks + room))
+exit_reporting("collector 3: ValueError: boom", errors, "ValueError: boom")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_worker_that_cannot_send_its_error_writes_it_to_stderr():
+    """A collector's or learner's error goes through a queue, whose feeder is a thread: with
+    none left under the process limit, the line goes to stderr, and the exit code is 1."""
+    for room, on_stderr in ((0, True), (1, False)):  # (1: room for the feeder thread)
+        with pids_cgroup() as group:
+            result = run_stdin_script(EXIT_REPORTING_SCRIPT, str(group), str(room))
+        assert result.returncode == 1, result
+        # (then, the resource tracker's word on the queue's semaphores, which os._exit left)
+        assert result.stderr.startswith("collector 3: ValueError: boom\n") == on_stderr, result
 
 
 class UnpicklableInfo(CountingEnv):

@@ -33,7 +33,7 @@ from batchrl.envs.process.channel import context
 from batchrl.envs.process.main_guard import check_main_guard, main_not_reimported
 from batchrl.errors import error_line
 from batchrl.hardware import core_share, pinnable_cores
-from batchrl.interrupt import start_worker
+from batchrl.interrupt import exit_reporting, start_worker
 from batchrl.parts.rollout import Fields, Rollout, RolloutBuffer
 
 __all__ = ["LocalCollectors"]
@@ -139,11 +139,9 @@ def _collector_main(spec: CollectorSpec, index: int, shared: _Shared,
             os.sched_setaffinity(0, cores)
         collect(spec, index, _SharedLink(shared, index, slots), incarnation)
     except BaseException as exc:  # noqa: BLE001 - reported to the learner, then exit
-        shared.errors[index].put(error_line(exc))  # (read by the learner after this exit)
-        for channel in (shared.errors[index], shared.full[index]):  # (what it sent arrives)
-            channel.close()
-            channel.join_thread()
-        os._exit(1)
+        line = error_line(exc)  # (read by the learner after this exit, with what it sent)
+        exit_reporting(f"collector {index}: {line}", shared.errors[index], line,
+                       [shared.full[index]])
 
 
 class LocalCollectors:

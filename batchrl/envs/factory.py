@@ -153,7 +153,7 @@ def batch_env_from(constructor: Callable[[], gym.Env] | Sequence[Callable[[], gy
         it), so not with ``max_restarts``.
       pin_workers: pin each worker process to its own core of this process's
         affinity mask (Linux; not under a cgroup CPU quota below the mask, nor in a Ray
-        actor: ``pinnable_cores``).
+        actor or task: ``pinnable_cores``).
       infos: ship the step infos from worker processes and Ray actors (else
         empty dicts).
       prefetch_reset: worker processes and Ray actors reset an env as soon as

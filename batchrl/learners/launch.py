@@ -18,7 +18,7 @@ update. Learner 0, the writer, keeps the run's log, checkpoints and evaluations.
 - ``torchrun --standalone --nproc-per-node M -m batchrl.train --config NAME``: every process
   torchrun starts is a learner (its ``RANK``), each of a node's pinned to its share
   (``LOCAL_RANK``) of the cores; torchrun places and stops them (not with the ``ray``
-  backend).
+  backend or ``env.ray_address``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from batchrl.envs import check_main_guard, main_not_reimported
 from batchrl.envs.errors import EnvSpecError, SpaceMismatchError, UnsupportedSpaceError
 from batchrl.errors import error_line
 from batchrl.hardware import allowed_cores, core_share, usable_cores
-from batchrl.interrupt import Interrupted, signals_held, start_worker
+from batchrl.interrupt import Interrupted, exit_reporting, signals_held, start_worker
 from batchrl.parts.distributed import LearnerGroup, launched_by_torchrun, preemption_count
 from batchrl.trainer import Trainer, check_learner_support, on_a_cluster, resolve_device
 
@@ -119,10 +119,11 @@ def _run_torchrun(config: Config, logdir: Path, progress: bool,
             raise ConfigError(f"train.learners = {config.train.learners}, but torchrun "
                               f"started {learners.size} processes: set --nproc-per-node "
                               f"(times the nodes) to train.learners")
-        if config.env.backend == "ray":
-            raise ConfigError("env.backend = 'ray' launches the learners on a Ray cluster from "
-                              "train.py; torchrun places them itself, each stepping its envs "
-                              "in its own processes: set env.backend = 'workers'")
+        if on_a_cluster(config):
+            raise ConfigError("env.backend = 'ray' or env.ray_address launches the learners on "
+                              "a Ray cluster from train.py; torchrun places them itself, each "
+                              "stepping its envs in its own processes: set env.backend = "
+                              "'workers' and env.ray_address = ''")
         config.train.learners = learners.size  # (the saved config records it)
         check_learners(config, learners.size, local=False)
         # As the local learners: else every learner of a node would pin its env workers
@@ -269,10 +270,8 @@ def _learner_main(config: Config, logdir: Path, rank: int, size: int, port: int,
                                         resolve_device(config.train.device))
         Trainer(config, logdir, progress=False, learners=learners).run()
     except BaseException as exc:  # noqa: BLE001 - reported to learner 0, then exit
-        errors.put((rank, error_line(exc)))  # (read once learner 0's collective failed)
-        errors.close()
-        errors.join_thread()
-        os._exit(1)
+        line = error_line(exc)  # (read once learner 0's collective failed)
+        exit_reporting(f"learner {rank}: {line}", errors, (rank, line))
     finally:
         if learners is not None:
             with contextlib.suppress(Exception):

@@ -72,8 +72,11 @@ def _serve(conn, payload: bytes, parent_pid: int) -> None:
     try:
         if not start_worker(parent_pid, own_group=True):
             return
-    except Exception as exc:  # (no thread left under the process limit: said in one line)
-        conn.send(error_answer(exc))
+    except RuntimeError as exc:  # (its watchdog thread: none left under the process limit)
+        with contextlib.suppress(OSError):  # (the parent went away meanwhile)
+            conn.send(error_answer(RuntimeError(
+                f"the worker process cannot start a thread ({exc}): is the limit on processes "
+                f"and threads reached (ulimit -u, a container's pids.max)?")))
         return
     # Forked from one fork server, every worker (a restarted one too) would start from its
     # NumPy global state: envs that draw from np.random would repeat each other's draws.

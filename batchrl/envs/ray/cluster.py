@@ -69,9 +69,12 @@ def _check_listening(target: str, timeout: float = 10.0) -> None:
         raise ConnectionError(f"no Ray head listens at {target} ({exc})") from None
     if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
         return  # (the head wants TLS and the user's certificates: ray.init's own to check)
+    if ":" in host and not host.startswith("["):
+        return  # (an IPv6 address without brackets, which Ray rejects at once)
     import grpc  # (a dependency of Ray)
 
-    channel = grpc.insecure_channel(target)
+    # Not through an http_proxy of the environment, as Ray's own channels.
+    channel = grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)])
     try:
         grpc.channel_ready_future(channel).result(timeout=timeout)
     except grpc.FutureTimeoutError:
