@@ -138,9 +138,13 @@ class Channel:
         try:
             with main_not_reimported():
                 self.process.start()
-        except (OSError, EOFError) as exc:  # (EOF: the fork server could not fork, and died)
+        except BaseException as exc:
             self.conn.close()
             child_conn.close()
+            # EOF: the fork server could not fork, and died. (Other errors, such as too many
+            # open files, go on as they are: train.py says what to free for them.)
+            if not isinstance(exc, (BlockingIOError, EOFError)):
+                raise
             why = "its fork server died" if isinstance(exc, EOFError) else f"{exc}"
             raise EnvError(label, "construct", f"cannot start a worker process ({why}): is "
                                                f"the limit on processes and threads reached "
