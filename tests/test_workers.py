@@ -463,19 +463,28 @@ def test_a_full_dev_shm_is_an_error_that_says_so_not_a_sigbus(tmp_path):
         r"/dev/shm\) or set env.backend = 'inline'\n", result.stdout), result
 
 
-PROCESS_LIMIT_SCRIPT = """
-import functools, os, sys
+# A script's start: limit_tasks() joins the pids cgroup argv[1], with room for argv[2] more
+# processes and threads than this process has.
+LIMIT_TASKS = """
+import os, sys
+
+def limit_tasks():
+    group, room = sys.argv[1], int(sys.argv[2])
+    with open(os.path.join(group, "cgroup.procs"), "w") as file:
+        file.write(str(os.getpid()))
+    with open(os.path.join(group, "pids.current")) as file:
+        tasks = int(file.read())
+    with open(os.path.join(group, "pids.max"), "w") as file:
+        file.write(str(tasks + room))
+"""
+
+PROCESS_LIMIT_SCRIPT = LIMIT_TASKS + """
+import functools
 import gymnasium as gym
 from batchrl.envs import EnvError
 from batchrl.envs.factory import batch_env_from
 
-group, room = sys.argv[1], int(sys.argv[2])
-with open(os.path.join(group, "cgroup.procs"), "w") as file:
-    file.write(str(os.getpid()))
-with open(os.path.join(group, "pids.current")) as file:
-    tasks = int(file.read())
-with open(os.path.join(group, "pids.max"), "w") as file:
-    file.write(str(tasks + room))
+limit_tasks()
 try:
     batch_env_from(functools.partial(gym.make, "CartPole-v1"), 1, workers=1, pin_workers=False,
                    label="cartpoles").close()
@@ -511,18 +520,12 @@ def test_the_limit_on_processes_is_an_env_error_that_says_so():
     assert re.fullmatch(thread, failures[-1]), failures  # (the last task it starts)
 
 
-EXIT_REPORTING_SCRIPT = """
-import multiprocessing as mp, os, sys
+EXIT_REPORTING_SCRIPT = LIMIT_TASKS + """
+import multiprocessing as mp
 from batchrl.interrupt import exit_reporting
 
-group, room = sys.argv[1], int(sys.argv[2])
-errors = mp.get_context("spawn").Queue()
-with open(os.path.join(group, "cgroup.procs"), "w") as file:
-    file.write(str(os.getpid()))
-with open(os.path.join(group, "pids.current")) as file:
-    tasks = int(file.read())
-with open(os.path.join(group, "pids.max"), "w") as file:
-    file.write(str(tasks + room))
+errors = mp.get_context("spawn").Queue()  # (its resource tracker started: a process)
+limit_tasks()
 exit_reporting("collector 3: ValueError: boom", errors, "ValueError: boom")
 """
 
