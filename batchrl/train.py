@@ -281,15 +281,19 @@ _SHORTAGES = {
 
 
 def _shortage(exc: BaseException) -> str | None:
-    """The line for an error that a lack of room caused (a full disk, too many open
-    files): the ``OSError`` among ``exc`` and the errors it came from (torch's writer wraps
-    a full disk's in its own), with what to free; ``None`` for any other error."""
+    """The line for an error that a lack of room caused (a full disk, too many open files, no
+    thread left): the ``OSError`` (or a thread's ``RuntimeError``) among ``exc`` and the
+    errors it came from (torch's writer wraps a full disk's in its own), with what to free;
+    ``None`` for any other error."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in _SHORTAGES:
             where = f": {exc.filename}" if exc.filename else ""
             return f"{exc.strerror or exc}{where}; {_SHORTAGES[exc.errno]}"
+        if isinstance(exc, RuntimeError) and str(exc) == "can't start new thread":
+            return (f"{exc}; raise the limit on processes and threads (ulimit -u, a "
+                    f"container's pids.max) or on virtual memory (ulimit -v)")
         exc = exc.__cause__ or exc.__context__
     return None
 

@@ -390,6 +390,21 @@ def mount_namespace() -> list[str]:
     return prefix
 
 
+# A script's start (for ``run_stdin_script``): limit_tasks() joins the pids cgroup argv[1], with room for argv[2] more
+# processes and threads than this process has.
+LIMIT_TASKS = """
+import os, sys
+
+def limit_tasks():
+    group, room = sys.argv[1], int(sys.argv[2])
+    with open(os.path.join(group, "cgroup.procs"), "w") as file:
+        file.write(str(os.getpid()))
+    with open(os.path.join(group, "pids.current")) as file:
+        tasks = int(file.read())
+    with open(os.path.join(group, "pids.max"), "w") as file:
+        file.write(str(tasks + room))
+"""
+
 @contextlib.contextmanager
 def pids_cgroup() -> Iterator[Path]:
     """A new cgroup of the ``pids`` controller (v1, or v2 where the root lends it), removed

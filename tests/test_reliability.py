@@ -28,7 +28,8 @@ from batchrl.config import ConfigError, load_config
 from batchrl.files import atomic_write
 from batchrl.metrics import read_metrics
 from batchrl.trainer import Trainer
-from helpers import REPO, TRAIN_PY, assert_same, mount_namespace, running, sets, wait_gone
+from helpers import (LIMIT_TASKS, REPO, TRAIN_PY, assert_same, mount_namespace, pids_cgroup,
+                     run_stdin_script, running, sets, wait_gone)
 
 ENVIRON = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
 CARTPOLE = ["env.num_agents=4", "algorithm.update_every=4", "train.eval_episodes=4",
@@ -485,6 +486,28 @@ def test_a_log_directory_in_use_is_refused_and_freed_by_its_runs_end(tmp_path):
         if first.poll() is None:
             first.kill()
         first.communicate()
+
+
+NO_THREAD_LEFT_SCRIPT = LIMIT_TASKS + """
+from batchrl.train import main
+
+limit_tasks()
+sys.exit(main(["--config", "pendulum", "--logdir", sys.argv[3], "--no-progress", "--set",
+               "env.backend=inline", "--set", "train.steps=2000"], "python train.py"))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_no_thread_left_is_a_one_line_error(tmp_path):
+    """Under a container's pids.max (or a small ulimit -v), the first thread train.py starts
+    cannot start: one line says which limits to raise, not a traceback."""
+    with pids_cgroup() as group:
+        result = run_stdin_script(NO_THREAD_LEFT_SCRIPT, str(group), "0", str(tmp_path / "run"))
+    assert result.returncode == 1, result
+    assert result.stderr.splitlines()[0] == (
+        "error: can't start new thread; raise the limit on processes and threads (ulimit -u, "
+        "a container's pids.max) or on virtual memory (ulimit -v)"), result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
 
 
 @pytest.mark.timeout(240)

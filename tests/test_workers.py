@@ -33,9 +33,9 @@ from batchrl.envs import (BatchEnv, EnvAttributeError, EnvCrashedError, EnvRaise
 from batchrl.envs.errors import EnvSpecError, UnsupportedSpaceError
 from batchrl.envs.factory import DEFAULT_TIMEOUT, batch_env_from, split_evenly
 from batchrl.hardware import usable_cores
-from helpers import (REPO, CountingEnv, assert_same_log, fails_at, kill_and_wait,
-                     make_cartpole, make_cheetah, mount_namespace, pids_cgroup, raise_site,
-                     rollout, run_script, run_stdin_script, sleeps_at, wait_gone)
+from helpers import (LIMIT_TASKS, REPO, CountingEnv, assert_same_log, fails_at,
+                     kill_and_wait, make_cartpole, make_cheetah, mount_namespace, pids_cgroup,
+                     raise_site, rollout, run_script, run_stdin_script, sleeps_at, wait_gone)
 
 # Ship this module's env classes and constructors to the workers by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -462,21 +462,6 @@ def test_a_full_dev_shm_is_an_error_that_says_so_not_a_sigbus(tmp_path):
         r"worker's arrays \(No space left on device\); free space in /dev/shm \(df -h "
         r"/dev/shm\) or set env.backend = 'inline'\n", result.stdout), result
 
-
-# A script's start: limit_tasks() joins the pids cgroup argv[1], with room for argv[2] more
-# processes and threads than this process has.
-LIMIT_TASKS = """
-import os, sys
-
-def limit_tasks():
-    group, room = sys.argv[1], int(sys.argv[2])
-    with open(os.path.join(group, "cgroup.procs"), "w") as file:
-        file.write(str(os.getpid()))
-    with open(os.path.join(group, "pids.current")) as file:
-        tasks = int(file.read())
-    with open(os.path.join(group, "pids.max"), "w") as file:
-        file.write(str(tasks + room))
-"""
 
 PROCESS_LIMIT_SCRIPT = LIMIT_TASKS + """
 import functools
