@@ -33,7 +33,7 @@ from batchrl.checkpoint import CheckpointError, latest_checkpoint, load_checkpoi
 from batchrl.config import CONFIG_FILE, EVAL_ACTIONS, Config, ConfigError, load_saved_config
 from batchrl.envs.errors import EnvError, EnvSpecError
 from batchrl.envs.factory import make_batch_env
-from batchrl.errors import error_line
+from batchrl.errors import error_line, tolerant_console
 from batchrl.metrics import episodes_words
 from batchrl.tensor_env import TensorBatchEnv
 from batchrl.simulation import evaluate_episodes, evaluation_rng
@@ -244,6 +244,7 @@ def evaluate(logdir: str | Path, episodes: int | None = None,
 def main(argv: list[str] | None = None, command: str = "python -m batchrl.evaluate") -> int:
     """The command line; returns the exit code (2 for a user error). ``command``:
     how the user ran it, for the usage line."""
+    tolerant_console()
     parser = argparse.ArgumentParser(
         prog=command,
         description="Mean-action (or sampled-action) return of a training run's latest "

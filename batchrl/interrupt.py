@@ -18,7 +18,10 @@ import time
 from types import FrameType
 from typing import Any, Iterator, NoReturn, Sequence
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# The signals that ask a run to stop: Ctrl-C, a scheduler's SIGTERM, and SIGHUP, which a
+# closed terminal or SSH session sends (where the platform has it).
+SIGNALS = (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP")
+                                             else ())
 
 
 class Interrupted(Exception):
@@ -36,9 +39,10 @@ class Interrupted(Exception):
 
 
 class StopSignals:
-    """Context manager: while active, SIGINT and SIGTERM set ``signum`` instead of raising
-    ``KeyboardInterrupt`` or killing the process; a second signal kills it at once, by that
-    signal (a shell sees the usual status, 130 or 143). Exit restores the previous handlers.
+    """Context manager: while active, SIGINT, SIGTERM and SIGHUP (unless ignored, as under
+    ``nohup``) set ``signum`` instead of raising ``KeyboardInterrupt`` or killing the process;
+    a second signal kills it at once, by that signal (a shell sees the usual status, 130, 143
+    or 129). Exit restores the previous handlers.
     Outside the main thread (where Python cannot install handlers) it does nothing. ``notice``
     is printed to stderr at the first signal (e.g. that a second one quits at once).
 
@@ -107,6 +111,9 @@ class StopSignals:
             threading.Thread(target=self._watch, args=(reader,), daemon=True,
                              name="batchrl-stop-signals").start()
         for signum in SIGNALS:
+            if (signum == getattr(signal, "SIGHUP", None)
+                    and signal.getsignal(signum) is signal.SIG_IGN):
+                continue  # (nohup's: this run was meant to outlive its terminal)
             self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
@@ -270,7 +277,7 @@ def end_own_group() -> None:
 
 
 def ignore_stop_signals() -> None:
-    """Ignore SIGINT and SIGTERM, then unblock them (held by ``signals_held`` if this process
+    """Ignore SIGINT, SIGTERM and SIGHUP, then unblock them (held by ``signals_held`` if this process
     was started by exec): one that arrived while they were blocked is dropped."""
     for signum in SIGNALS:
         signal.signal(signum, signal.SIG_IGN)

@@ -37,6 +37,7 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from batchrl.errors import tolerant_console
 from batchrl.files import LOCK_FILE, LogdirInUse, atomic_write, hold_logdir
 
 if TYPE_CHECKING:
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None, command: str = "python -m batchrl.train"
     """The command line; returns the exit code. ``command`` is how the user
     ran it (``batchrl-train``, ``python train.py``): the resume commands
     printed after a stop or a failure start with it."""
+    tolerant_console()
     argv = sys.argv[1:] if argv is None else argv
     # "package.module:Name" env ids and algorithm classes may name a module in the current
     # directory, as with `python -m` (a script only gets its own directory); --help imports
@@ -289,7 +291,7 @@ def _shortage(exc: BaseException) -> str | None:
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in _SHORTAGES:
-            where = f": {exc.filename}" if exc.filename else ""
+            where = f": {os.fsdecode(exc.filename)}" if exc.filename else ""
             return f"{exc.strerror or exc}{where}; {_SHORTAGES[exc.errno]}"
         if isinstance(exc, RuntimeError) and str(exc) == "can't start new thread":
             return (f"{exc}; raise the limit on processes and threads (ulimit -u, a "

@@ -11,7 +11,7 @@ that evaluations cost at most about a tenth of the run), with an evaluation ever
 Each phase starts with seeded resets (``Simulation.step(..., reset=True)``), so a run resumed
 from a checkpoint (written at phase boundaries) continues exactly as it would have.
 
-With ``handle_signals``, SIGINT or SIGTERM stops the run within a step or gradient step:
+With ``handle_signals``, SIGINT, SIGTERM or SIGHUP stops the run within a step or gradient step:
 the state at the last phase boundary, kept in memory, is written as the final checkpoint
 (a state from mid-phase could not be resumed exactly) and ``run()`` raises
 ``TrainingInterrupted``. Any other error (an env's, the algorithm's, a collector's) writes
@@ -304,7 +304,7 @@ class Trainer:
       config: the run's configuration.
       logdir: where the config, metrics, events, plot and checkpoints go.
       progress: show a progress bar on a terminal, one line per phase otherwise.
-      handle_signals: stop cleanly on SIGINT or SIGTERM (main thread only).
+      handle_signals: stop cleanly on SIGINT, SIGTERM or SIGHUP (main thread only).
     """
 
     def __init__(self, config: Config, logdir: Path, progress: bool = True,

@@ -510,6 +510,20 @@ def test_no_thread_left_is_a_one_line_error(tmp_path):
     assert "Traceback" not in result.stderr, result.stderr
 
 
+@pytest.mark.timeout(120)
+def test_a_console_that_cannot_encode_the_output_gets_escapes(tmp_path):
+    """stdout in ASCII (``PYTHONIOENCODING``, a terminal's encoding): the "±" of the final
+    evaluation raised UnicodeEncodeError once training had finished."""
+    result = subprocess.run(
+        [sys.executable, str(TRAIN_PY), "--config", "cartpole", "--logdir", str(tmp_path / "r"),
+         "--no-progress", "--steps", "400", *sets(*CARTPOLE, "env.backend=inline")],
+        env=dict(ENVIRON, PYTHONIOENCODING="ascii"), cwd=REPO, capture_output=True,
+        text=True, encoding="ascii", timeout=100)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"Final evaluation: [-\d.]+ \\xb1 [\d.]+ over 4 episodes",
+                     result.stdout), result.stdout
+
+
 @pytest.mark.timeout(240)
 def test_a_full_disk_is_a_one_line_error_and_the_run_resumes_once_there_is_room(tmp_path):
     """A log directory on a file system of 2 MiB (a tmpfs in a mount namespace of the test's

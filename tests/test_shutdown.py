@@ -338,12 +338,12 @@ def test_ppo_update_stops_between_gradient_steps():
 @pytest.mark.timeout(120)
 # SIGINT's path is the same flag as SIGTERM's, and test_second_ctrl_c_... sends it too.
 @pytest.mark.parametrize("signum", [pytest.param(signal.SIGINT, marks=pytest.mark.slow),
-                                    signal.SIGTERM])
+                                    signal.SIGTERM, signal.SIGHUP])
 def test_signal_to_the_process_group_stops_train_py_cleanly(signum, tmp_path):
     """The fork server and the trainer get the signal (the env workers lead groups of their
-    own); the trainer stops
-    within seconds, writes the last phase boundary as a checkpoint, closes
-    every child process and exits 130 (SIGINT) or 143 (SIGTERM)."""
+    own; SIGHUP: a closed terminal or SSH session); the trainer stops within seconds, writes
+    the last phase boundary as a checkpoint, closes every child process and exits 130
+    (SIGINT), 143 (SIGTERM) or 129 (SIGHUP)."""
     logdir = tmp_path / "run"
     process = start_train_py("--config", "cartpole", "--logdir", str(logdir),
                              *sets(*CARTPOLE, "env.backend=workers", "env.workers=1",
