@@ -437,12 +437,16 @@ def pids_cgroup() -> Iterator[Path]:
                 time.sleep(0.1)
 
 
-def start_train_py(*args: str, cwd: Path = REPO) -> subprocess.Popen:
+def start_train_py(*args: str, cwd: Path = REPO, hangup: Any = signal.SIG_DFL
+                   ) -> subprocess.Popen:
     """train.py in its own process group (so that a signal to the group
-    reaches it and its children as Ctrl-C in a terminal would)."""
+    reaches it and its children as Ctrl-C in a terminal would), with SIGHUP's
+    action ``hangup`` (``SIG_IGN``: as under nohup; by default as from a terminal,
+    whatever this process does with it)."""
     environ = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, str(TRAIN_PY), *args, "--no-progress"],
                             cwd=cwd, env=environ, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, hangup),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

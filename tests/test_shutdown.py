@@ -384,6 +384,27 @@ def test_signal_to_the_process_group_stops_train_py_cleanly(signum, tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_run_under_nohup_outlives_its_terminal(tmp_path):
+    """SIGHUP ignored when train.py starts (nohup): the hangup leaves the run going."""
+    logdir = tmp_path / "run"
+    process = start_train_py("--config", "cartpole", "--logdir", str(logdir),
+                             *sets(*CARTPOLE, "env.backend=workers", "env.workers=1",
+                                   "train.steps=1000000"), hangup=signal.SIG_IGN)
+    try:
+        wait_for(lambda: len(read_metrics(logdir)) >= 1 or process.poll() is not None, 90,
+                 "a phase")
+        os.killpg(process.pid, signal.SIGHUP)
+        time.sleep(3)
+        assert process.poll() is None, process.communicate()
+        os.killpg(process.pid, signal.SIGTERM)
+        code, _, stderr = finish(process)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert code == 143 and "SIGHUP" not in stderr, stderr
+
+
+@pytest.mark.timeout(120)
 def test_second_ctrl_c_quits_at_once_and_no_worker_survives(tmp_path):
     """A worker hangs in its step (no step timeout): the first Ctrl-C cannot
     be acted on until the step returns; the second ends train.py at once, and
