@@ -42,9 +42,9 @@ class StopSignals:
     """Context manager: while active, SIGINT, SIGTERM and SIGHUP (unless ignored, as under
     ``nohup``) set ``signum`` instead of raising ``KeyboardInterrupt`` or killing the process;
     a second signal kills it at once, by that signal (a shell sees the usual status, 130, 143
-    or 129). Exit restores the previous handlers.
-    Outside the main thread (where Python cannot install handlers) it does nothing. ``notice``
-    is printed to stderr at the first signal (e.g. that a second one quits at once).
+    or 129). Exit restores the previous handlers. Outside the main thread (where Python
+    cannot install handlers) it does nothing. ``notice`` is printed to stderr at the first
+    signal (e.g. that a second one quits at once).
 
     One stop may arrive twice within microseconds (GNU ``timeout`` signals its child, then
     the child's process group): a signal within ``DEBOUNCE_S`` of the one before counts as
@@ -277,8 +277,8 @@ def end_own_group() -> None:
 
 
 def ignore_stop_signals() -> None:
-    """Ignore SIGINT, SIGTERM and SIGHUP, then unblock them (held by ``signals_held`` if this process
-    was started by exec): one that arrived while they were blocked is dropped."""
+    """Ignore SIGINT, SIGTERM and SIGHUP, then unblock them (held by ``signals_held`` if this
+    process was started by exec): one that arrived while they were blocked is dropped."""
     for signum in SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
