@@ -390,8 +390,8 @@ def mount_namespace() -> list[str]:
     return prefix
 
 
-# A script's start (for ``run_stdin_script``): limit_tasks() joins the pids cgroup argv[1], with room for argv[2] more
-# processes and threads than this process has.
+# A script's start (for ``run_stdin_script``): limit_tasks() joins the pids cgroup argv[1],
+# with room for argv[2] more processes and threads than this process has.
 LIMIT_TASKS = """
 import os, sys
 
